@@ -1,0 +1,36 @@
+// The qca_lowmem operator library: every schema lives in this one block; each device registers
+// its kernels with TORCH_LIBRARY_IMPL next to its glue. Fake kernels and autograd are registered
+// in Python (qca_lowmem/ops.py and the feature modules).
+#include <Python.h>
+#include <torch/library.h>
+
+// Importing qca_lowmem._C loads this library and so registers the operators; the module itself
+// is empty, so no pybind11 is needed.
+extern "C" PyObject* PyInit__C(void) {
+  static PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT, "_C",
+      "qca_lowmem native kernels; importing registers torch.ops.qca_lowmem.", -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+
+TORCH_LIBRARY(qca_lowmem, m) {
+  const std::vector<at::Tag> pt2 = {at::Tag::pt2_compliant_tag};
+
+  // QCA step: pack (stock step 1) and update (stock steps 2-5).
+  m.def("qca_pack(Tensor psi, ScalarType? dtype=None, bool channels_last=False) -> Tensor", pt2);
+  m.def("qca_pack_backward(Tensor grad_x, ScalarType psi_dtype) -> Tensor", pt2);
+  m.def(
+      "qca_update(Tensor psi, Tensor delta, float gamma=0.0, bool multiplicative=True, "
+      "float eps=1e-9) -> Tensor",
+      pt2);
+  m.def(
+      "qca_update_backward(Tensor grad_out, Tensor psi, Tensor delta, float gamma, "
+      "bool multiplicative, float eps) -> (Tensor, Tensor)",
+      pt2);
+
+  // GroupNorm + ELU (fused ConvBlock).
+
+  // Training noise.
+
+  // Loss scaler.
+}

@@ -1,0 +1,11 @@
+"""qca_lowmem: train a neural quantum cellular automaton on small GPUs without shrinking the model.
+
+Fused C/CUDA kernels exposed as torch custom ops (torch.ops.qca_lowmem.*), recompute instead of
+storing, and a complex-safe mixed-precision loss scaler. See README.md.
+"""
+
+from .memory import saved_bytes
+from .ops import qca_pack, qca_update
+
+__all__ = ["qca_pack", "qca_update", "saved_bytes"]
+__version__ = "0.1.0"

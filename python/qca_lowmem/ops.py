@@ -1,0 +1,103 @@
+"""Typed wrappers, fake kernels and autograd of the QCA step ops (torch.ops.qca_lowmem.*)."""
+
+from typing import Optional
+
+import torch
+
+from ._loader import load_native
+
+load_native()
+
+_lib = torch.ops.qca_lowmem
+
+
+def qca_pack(psi: torch.Tensor, dtype: Optional[torch.dtype] = None, *, channels_last: bool = False) -> torch.Tensor:
+    """Stock step 1 in one pass: complex (B, H, W, d) -> real (B, 2d, H, W), real parts first.
+
+    `dtype` casts in the same pass (default: the state's real type); `channels_last` picks the
+    output layout. Differentiable; backward saves nothing.
+    """
+    return _lib.qca_pack(psi, dtype, channels_last)
+
+
+def qca_update(
+    psi: torch.Tensor,
+    delta: torch.Tensor,
+    gamma: float = 0.0,
+    multiplicative: bool = True,
+    eps: float = 1e-9,
+) -> torch.Tensor:
+    """Stock steps 2-5 in one pass: psi' = n / (|n| + eps), n = psi + u - gamma*psi.
+
+    `u = (delta_re + i delta_im) * psi` when `multiplicative` (UNetUnitary operators), else the
+    complex delta itself. `delta` (B, 2d, H, W) may be fp32, fp16 or bf16 in any layout; the
+    arithmetic and the result are complex64 (complex128 with a float64 delta, for gradcheck).
+    Differentiable; backward saves only psi and delta and recomputes the rest.
+    """
+    return _lib.qca_update(psi, delta, float(gamma), bool(multiplicative), float(eps))
+
+
+def _real_dtype_of(complex_dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if complex_dtype == torch.complex128 else torch.float32
+
+
+@torch.library.register_fake("qca_lowmem::qca_pack")
+def _pack_fake(psi, dtype=None, channels_last=False):
+    torch._check(psi.dim() == 4, lambda: f"qca_pack: psi must have 4 dimensions (B, H, W, d), got shape {tuple(psi.shape)}")
+    torch._check(psi.is_complex(), lambda: f"qca_pack: psi must be complex64 or complex128, got {psi.dtype}")
+    b, h, w, d = psi.shape
+    out_dtype = dtype if dtype is not None else _real_dtype_of(psi.dtype)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    return psi.new_empty((b, 2 * d, h, w), dtype=out_dtype).contiguous(memory_format=memory_format)
+
+
+@torch.library.register_fake("qca_lowmem::qca_pack_backward")
+def _pack_backward_fake(grad_x, psi_dtype):
+    b, c, h, w = grad_x.shape
+    return grad_x.new_empty((b, h, w, c // 2), dtype=psi_dtype)
+
+
+@torch.library.register_fake("qca_lowmem::qca_update")
+def _update_fake(psi, delta, gamma=0.0, multiplicative=True, eps=1e-9):
+    torch._check(psi.dim() == 4 and delta.dim() == 4, lambda: "qca_update: psi and delta must have 4 dimensions")
+    torch._check(delta.shape[1] == 2 * psi.shape[3], lambda: f"qca_update: delta must have 2*d channels, got {tuple(delta.shape)} for psi {tuple(psi.shape)}")
+    return torch.empty_like(psi, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("qca_lowmem::qca_update_backward")
+def _update_backward_fake(grad_out, psi, delta, gamma, multiplicative, eps):
+    return (
+        torch.empty_like(psi, memory_format=torch.contiguous_format),
+        torch.empty_like(delta, memory_format=torch.contiguous_format),
+    )
+
+
+def _pack_setup_context(ctx, inputs, output):
+    psi = inputs[0]
+    ctx.psi_dtype = psi.dtype
+
+
+def _pack_backward(ctx, grad_x):
+    return _lib.qca_pack_backward(grad_x, ctx.psi_dtype), None, None
+
+
+def _update_setup_context(ctx, inputs, output):
+    psi, delta, gamma, multiplicative, eps = inputs
+    ctx.save_for_backward(psi, delta)
+    ctx.gamma, ctx.multiplicative, ctx.eps = gamma, multiplicative, eps
+
+
+def _update_backward(ctx, grad_out):
+    psi, delta = ctx.saved_tensors
+    grad_psi, grad_delta = _lib.qca_update_backward(grad_out, psi, delta, ctx.gamma, ctx.multiplicative, ctx.eps)
+    return (
+        grad_psi if ctx.needs_input_grad[0] else None,
+        grad_delta if ctx.needs_input_grad[1] else None,
+        None,
+        None,
+        None,
+    )
+
+
+torch.library.register_autograd("qca_lowmem::qca_pack", _pack_backward, setup_context=_pack_setup_context)
+torch.library.register_autograd("qca_lowmem::qca_update", _update_backward, setup_context=_update_setup_context)

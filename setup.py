@@ -1,0 +1,113 @@
+"""Build of qca_lowmem: C kernels as a static library, ATen glue as the `_C` extension, and CUDA
+kernels when the installed torch and toolkit allow it (QCA_LOWMEM_CUDA=auto|0|1)."""
+
+import os
+from pathlib import Path
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = Path(__file__).parent.resolve()
+DEFAULT_CUDA_ARCHS = "7.5;8.0;8.6;8.9;9.0"  # Turing (the users' small cards) to Hopper
+
+
+def relative(paths):
+    return sorted(str(p.relative_to(ROOT)) for p in paths)
+
+
+def decide_cuda():
+    """(build CUDA?, reason). Decided from torch.version.cuda and CUDA_HOME, never from a GPU."""
+    mode = os.environ.get("QCA_LOWMEM_CUDA", "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise SystemExit(f"QCA_LOWMEM_CUDA must be auto, 0 or 1, got {mode!r}")
+    if mode == "0":
+        return False, "QCA_LOWMEM_CUDA=0"
+    missing = []
+    if torch.version.cuda is None:
+        missing.append(f"torch {torch.__version__} was built without CUDA")
+    if CUDA_HOME is None:
+        missing.append("no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)")
+    if missing:
+        if mode == "1":
+            raise SystemExit("QCA_LOWMEM_CUDA=1 but the CUDA kernels cannot be built: " + "; ".join(missing))
+        return False, "; ".join(missing)
+    return True, f"torch CUDA {torch.version.cuda}, toolkit at {CUDA_HOME}"
+
+
+def cuda_arch_list():
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return os.environ["TORCH_CUDA_ARCH_LIST"], "from TORCH_CUDA_ARCH_LIST"
+    if torch.cuda.is_available():
+        return None, "torch's default for the visible GPU"
+    os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
+    return DEFAULT_CUDA_ARCHS, "no GPU visible: Turing to Hopper"
+
+
+def write_build_info(with_cuda, arch_list):
+    """Recorded build facts, checked at import against the running torch."""
+    lines = [
+        "# Written by setup.py at build time; checked by qca_lowmem._loader at import.",
+        f"TORCH_VERSION = {torch.__version__!r}",
+        f"WITH_CUDA = {with_cuda!r}",
+        f"CUDA_VERSION = {(torch.version.cuda if with_cuda else None)!r}",
+        f"CUDA_ARCH_LIST = {arch_list!r}",
+        "",
+    ]
+    (ROOT / "python" / "qca_lowmem" / "_build_info.py").write_text("\n".join(lines))
+
+
+class BuildExtensionWithKernels(BuildExtension):
+    """Builds the C kernel library first, also for `build_ext --inplace` and editable installs."""
+
+    def run(self):
+        self.run_command("build_clib")
+        super().run()
+
+
+with_cuda, reason = decide_cuda()
+arch_list = None
+if with_cuda:
+    arch_list, arch_reason = cuda_arch_list()
+    print(f"qca_lowmem: building with CUDA ({reason}); architectures: {arch_list or 'default'} ({arch_reason})")
+else:
+    print(f"qca_lowmem: building the CPU library only ({reason})")
+write_build_info(with_cuda, arch_list)
+
+c_kernels = relative((ROOT / "csrc" / "kernels").glob("*.c"))
+glue = [p for p in relative((ROOT / "csrc" / "ops").glob("*.cpp")) if not p.endswith("_cuda.cpp")]
+include_dirs = [str(ROOT / "include")]
+cxx_flags = ["-O3", "-std=c++17", "-Wall"]
+
+if with_cuda:
+    cuda_sources = relative((ROOT / "csrc" / "kernels").glob("*.cu"))
+    cuda_glue = relative((ROOT / "csrc" / "ops").glob("*_cuda.cpp"))
+    extension = CUDAExtension(
+        "qca_lowmem._C",
+        sources=glue + cuda_glue + cuda_sources,
+        include_dirs=include_dirs,
+        define_macros=[("QCA_LOWMEM_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "-lineinfo"]},
+    )
+else:
+    extension = CppExtension(
+        "qca_lowmem._C",
+        sources=glue,
+        include_dirs=include_dirs,
+        extra_compile_args={"cxx": cxx_flags},
+    )
+
+setup(
+    libraries=[
+        (
+            "qca_lowmem_kernels",
+            {
+                "sources": c_kernels,
+                "include_dirs": include_dirs,
+                "cflags": ["-std=c11", "-O3", "-fPIC", "-Wall", "-Wextra"],
+            },
+        )
+    ],
+    ext_modules=[extension],
+    cmdclass={"build_ext": BuildExtensionWithKernels},
+)

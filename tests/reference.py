@@ -1,0 +1,158 @@
+"""The stock computation, written plainly from DESIGN.md section 2: the oracle of every test.
+
+Nothing here uses qca_lowmem. Keep it boring: it must be obviously what the users' code does.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+
+def group_count(channels: int) -> int:
+    """The stock GroupNorm group rule."""
+    groups = max(1, channels // 8 if channels > 8 else 1)
+    return 1 if channels % groups != 0 else groups
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, in_channels, out_channels, mid_channels=None):
+        super().__init__()
+        mid = out_channels if mid_channels is None else mid_channels
+        self.conv_block = nn.Sequential(
+            nn.Conv2d(in_channels, mid, kernel_size=3, padding=1, bias=False),
+            nn.GroupNorm(group_count(mid), mid),
+            nn.ELU(),
+            nn.Conv2d(mid, out_channels, kernel_size=3, padding=1, bias=False),
+            nn.GroupNorm(group_count(out_channels), out_channels),
+            nn.ELU(inplace=True),
+        )
+
+    def forward(self, x):
+        return self.conv_block(x)
+
+
+class UNetUnitary(nn.Module):
+    def __init__(self, d_state, hidden_channels):
+        super().__init__()
+        h, c = hidden_channels, 2 * d_state
+        self.inc = ConvBlock(c, h)
+        self.down1 = nn.Sequential(nn.MaxPool2d(2), ConvBlock(h, 2 * h))
+        self.down2 = nn.Sequential(nn.MaxPool2d(2), ConvBlock(2 * h, 4 * h))
+        self.bot = ConvBlock(4 * h, 8 * h)
+        self.up1 = nn.ConvTranspose2d(8 * h, 4 * h, 2, stride=2)
+        self.conv_up1 = ConvBlock(6 * h, 4 * h)
+        self.up2 = nn.ConvTranspose2d(4 * h, 2 * h, 2, stride=2)
+        self.conv_up2 = ConvBlock(3 * h, h)
+        self.outc = nn.Conv2d(h, c, 1)
+        nn.init.normal_(self.outc.weight, 0.0, 1e-5)
+
+    def forward(self, x):
+        x1 = self.inc(x)
+        x2 = self.down1(x1)
+        x3 = self.down2(x2)
+        b = self.bot(x3)
+        c1 = self.conv_up1(torch.cat([self.up1(b), x2], dim=1))
+        c2 = self.conv_up2(torch.cat([self.up2(c1), x1], dim=1))
+        return self.outc(c2)
+
+
+def randomize_affine(module: nn.Module, generator=None) -> nn.Module:
+    """Give every GroupNorm a non-trivial affine (stock init is 1 and 0), so tests see it."""
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, nn.GroupNorm):
+                m.weight.copy_(1.0 + 0.3 * torch.randn(m.weight.shape, generator=generator))
+                m.bias.copy_(0.3 * torch.randn(m.bias.shape, generator=generator))
+    return module
+
+
+def is_multiplicative(operator) -> bool:
+    """Stock rule: UNetUnitary operators act multiplicatively, any other additively."""
+    return type(operator).__name__ == "UNetUnitary"
+
+
+def pack(psi):
+    """Stock step 1."""
+    return torch.cat([psi.real.permute(0, 3, 1, 2), psi.imag.permute(0, 3, 1, 2)], dim=1)
+
+
+def update(psi, delta, gamma=0.0, multiplicative=True, eps=1e-9):
+    """Stock steps 2-5 given delta = U(x). Narrow deltas are upcast to the state's real type."""
+    d = psi.shape[-1]
+    real = psi.real.dtype
+    a = torch.complex(delta[:, :d].to(real), delta[:, d:].to(real)).permute(0, 2, 3, 1)
+    u = a * psi if multiplicative else a
+    n = psi + u
+    if gamma > 0:
+        n = n - gamma * psi
+    norm = torch.sqrt(torch.sum(torch.abs(n) ** 2, dim=-1, keepdim=True))
+    return n / (norm + eps)
+
+
+def step(psi, operator, gamma=0.0, multiplicative=None):
+    """One stock engine step (`motor.evolve_step`)."""
+    if multiplicative is None:
+        multiplicative = is_multiplicative(operator)
+    return update(psi, operator(pack(psi)), gamma, multiplicative)
+
+
+def initial_state(batch, grid, d_state, device="cpu", generator=None, dtype=torch.complex64):
+    """psi0: complex(randn, randn) per component, normalised per cell."""
+    real = torch.float64 if dtype == torch.complex128 else torch.float32
+    shape = (batch, grid, grid, d_state)
+    psi = torch.complex(
+        torch.randn(shape, generator=generator, dtype=real),
+        torch.randn(shape, generator=generator, dtype=real),
+    ).to(device)
+    return psi / torch.sqrt(torch.sum(torch.abs(psi) ** 2, dim=-1, keepdim=True))
+
+
+def noise_rate(episode, max_noise):
+    return min(max_noise, max_noise * episode / 2000)
+
+
+class NoiseInjector:
+    """The stock noise: per-cell phase flips with independent phases, per-cell bit flips."""
+
+    def apply_phase_flip(self, psi, rate):
+        b, h, w, d = psi.shape
+        hit = torch.rand(b, h, w, 1, device=psi.device) < rate
+        theta = torch.rand(b, h, w, d, device=psi.device, dtype=psi.real.dtype) * (2 * math.pi)
+        return torch.where(hit, psi * torch.exp(1j * theta), psi)
+
+    def apply_bit_flip(self, psi, rate):
+        b, h, w, _ = psi.shape
+        hit = torch.rand(b, h, w, 1, device=psi.device) < rate
+        return torch.where(hit, -psi, psi)
+
+
+def evolutionary_loss(psi_history, psi_initial):
+    """The default ("evolutionary") loss: uses only the final and the initial state."""
+    psi_final = psi_history[-1]
+    energy_final = torch.sum(torch.abs(psi_final) ** 2)
+    energy_initial = torch.sum(torch.abs(psi_initial) ** 2)
+    survival = torch.abs(energy_final - 0.8 * energy_initial) / (energy_initial + 1e-6)
+    magnitude = torch.abs(psi_final)
+    symmetry = torch.mean((magnitude - torch.rot90(magnitude, 1, dims=(1, 2))) ** 2)
+    density = torch.sum(torch.abs(psi_final), dim=-1)
+    complexity = -torch.log(torch.std(density) + 1e-6)
+    loss = 10 * survival + 5 * symmetry + 1 * complexity
+    metrics = {"survival": survival.item(), "symmetry": symmetry.item(), "complexity": complexity.item()}
+    return loss, metrics
+
+
+def rollout(psi0, operator, steps, gamma=0.0, noise=None, rate=0.0):
+    """Stock episode forward with full autograd: returns (psi_T, history) like train_episode."""
+    psi = psi0
+    history = []
+    record_every = max(1, steps // 10)
+    for t in range(steps):
+        psi = step(psi, operator, gamma)
+        if noise is not None and rate > 0.001:
+            psi = noise.apply_phase_flip(psi, rate)
+            if torch.rand(()).item() < 0.2:
+                psi = noise.apply_bit_flip(psi, 0.1 * rate)
+        if t == 0 or t == steps - 1 or t % record_every == 0:
+            history.append(psi)
+    return psi, history
