@@ -77,7 +77,7 @@ write_build_info(with_cuda, arch_list)
 c_kernels = relative((ROOT / "csrc" / "kernels").glob("*.c"))
 glue = [p for p in relative((ROOT / "csrc" / "ops").glob("*.cpp")) if not p.endswith("_cuda.cpp")]
 include_dirs = [str(ROOT / "include")]
-cxx_flags = ["-O3", "-std=c++17", "-Wall"]
+cxx_flags = ["-O3", "-Wall"]  # the C++ standard is the one torch asks for
 
 if with_cuda:
     cuda_sources = relative((ROOT / "csrc" / "kernels").glob("*.cu"))
@@ -87,7 +87,7 @@ if with_cuda:
         sources=glue + cuda_glue + cuda_sources,
         include_dirs=include_dirs,
         define_macros=[("QCA_LOWMEM_WITH_CUDA", "1")],
-        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "-lineinfo"]},
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
     )
 else:
     extension = CppExtension(

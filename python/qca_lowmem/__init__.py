@@ -4,8 +4,15 @@ Fused C/CUDA kernels exposed as torch custom ops (torch.ops.qca_lowmem.*), recom
 storing, and a complex-safe mixed-precision loss scaler. See README.md.
 """
 
+from ._recompute import block_keeps_intermediates, keep_block_intermediates
 from .memory import saved_bytes
 from .ops import qca_pack, qca_update
 
-__all__ = ["qca_pack", "qca_update", "saved_bytes"]
+__all__ = [
+    "block_keeps_intermediates",
+    "keep_block_intermediates",
+    "qca_pack",
+    "qca_update",
+    "saved_bytes",
+]
 __version__ = "0.1.0"
