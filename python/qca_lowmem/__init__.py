@@ -5,11 +5,15 @@ storing, and a complex-safe mixed-precision loss scaler. See README.md.
 """
 
 from ._recompute import block_keeps_intermediates, keep_block_intermediates
+from .integration import disable, enable, enable_from_config
 from .memory import saved_bytes
 from .ops import qca_pack, qca_update
 
 __all__ = [
     "block_keeps_intermediates",
+    "disable",
+    "enable",
+    "enable_from_config",
     "keep_block_intermediates",
     "qca_pack",
     "qca_update",

@@ -1,0 +1,426 @@
+"""One-flag switch for a QC_Trainer_v4-style trainer (DESIGN.md §2 attribute contract).
+
+`enable(trainer)` converts the operator's ConvBlocks in place (same Parameters), swaps the engine
+step for the fused pack/update, replaces `train_episode` by a rollout with recompute that keeps the
+stock episode semantics, and swaps the GradScaler for `qca_lowmem.amp.GradScaler` with its state.
+`disable(trainer)` puts everything back.
+"""
+
+import os
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from .ops import qca_pack, qca_update
+
+CHECKPOINT_POLICIES = ("none", "step", "revolve")
+_AMP_DTYPES = {
+    None: None, "none": None, "fp32": None, "float32": None,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+_STATE_ATTR = "_qca_lowmem_state"
+_ENV_FLAG = "QCA_LOWMEM"
+
+
+def parse_amp_dtype(value):
+    """'bf16' / 'fp16' / 'fp32' / None / a torch dtype -> torch dtype or None (full precision)."""
+    if isinstance(value, torch.dtype):
+        if value == torch.float32:
+            return None
+        if value in (torch.bfloat16, torch.float16):
+            return value
+    elif value is None or isinstance(value, str):
+        key = value.lower() if isinstance(value, str) else value
+        if key in _AMP_DTYPES:
+            return _AMP_DTYPES[key]
+    raise ValueError(f"amp_dtype must be one of None, 'fp32', 'bf16', 'fp16' (or a torch dtype), got {value!r}")
+
+
+def check_policy(checkpoint, slots):
+    if checkpoint not in CHECKPOINT_POLICIES:
+        raise ValueError(f"checkpoint must be one of {CHECKPOINT_POLICIES}, got {checkpoint!r}")
+    if checkpoint == "revolve" and (slots is None or int(slots) < 1):
+        raise ValueError(f"checkpoint='revolve' needs slots >= 1 (the number of stored states), got slots={slots!r}")
+    if slots is not None and checkpoint != "revolve":
+        raise ValueError(f"slots is only used with checkpoint='revolve', got slots={slots!r} with checkpoint={checkpoint!r}")
+
+
+def is_multiplicative(operator) -> bool:
+    """The stock rule: UNetUnitary operators act multiplicatively, any other additively."""
+    return type(operator).__name__ == "UNetUnitary"
+
+
+def fused_step(operator, gamma: float, multiplicative: bool) -> Callable:
+    """The stock engine step (DESIGN §2, steps 1-5) on the fused pack/update ops."""
+
+    def evolve_step(psi):
+        return qca_update(psi, operator(qca_pack(psi)), gamma, multiplicative)
+
+    return evolve_step
+
+
+def noise_rate(episode: int, max_noise: float) -> float:
+    """The stock curriculum: the rate ramps linearly to max_noise over 2000 episodes."""
+    return min(max_noise, max_noise * episode / 2000)
+
+
+def record_every(steps: int) -> int:
+    return max(1, steps // 10)
+
+
+def _library_piece(name: str, issue: str):
+    """A piece another part of the library provides; a clear error while it is missing."""
+    import qca_lowmem
+
+    piece = qca_lowmem
+    for part in name.split("."):
+        piece = getattr(piece, part, None)
+        if piece is None:
+            raise RuntimeError(
+                f"qca_lowmem.{name} is not available in this build (it comes with {issue}); "
+                f"the low-memory path needs it. Update qca_lowmem, or call enable(..., "
+                f"{'fused_blocks=False' if name == 'convert' else 'checkpoint=...'}) accordingly."
+            )
+    return piece
+
+
+def noise_schedule(rate: float, seed: int):
+    """The rollout's replayable noise with the stock semantics at `rate`, keyed by `seed`."""
+    return _library_piece("NoiseSchedule", "the rollout (issue 4)")(rate=rate, seed=seed)
+
+
+def lowmem_scaler_from(scaler):
+    """A qca_lowmem.amp.GradScaler with the same settings and state as `scaler`."""
+    scaler_cls = _library_piece("amp.GradScaler", "the loss scaler (issue 5)")
+    return _copy_scaler(scaler, scaler_cls)
+
+
+def _copy_scaler(scaler, scaler_cls):
+    new = scaler_cls(
+        getattr(scaler, "_device", "cuda"),
+        init_scale=getattr(scaler, "_init_scale", 2.0**16),
+        growth_factor=getattr(scaler, "_growth_factor", 2.0),
+        backoff_factor=getattr(scaler, "_backoff_factor", 0.5),
+        growth_interval=getattr(scaler, "_growth_interval", 2000),
+        enabled=scaler.is_enabled(),
+    )
+    state = scaler.state_dict()
+    if state:
+        new.load_state_dict(state)
+    return new
+
+
+@dataclass
+class _Saved:
+    """What enable() changed, so disable() can put it back."""
+
+    options: dict
+    blocks: List[Tuple[torch.nn.Module, str, torch.nn.Module]] = field(default_factory=list)
+    evolve_step: Any = None
+    had_evolve_step_attr: bool = False
+    train_episode: Any = None
+    had_train_episode_attr: bool = False
+    scaler: Any = None
+    convert_report: Any = None
+
+
+def _stock_conv_blocks(root: torch.nn.Module):
+    """(parent, attribute name, module) of every submodule of class ConvBlock, outermost first."""
+    found = []
+    for parent in root.modules():
+        for name, child in parent.named_children():
+            if type(child).__name__ == "ConvBlock":
+                found.append((parent, name, child))
+    return found
+
+
+def _infer_d_state(trainer, operator) -> int:
+    cfg = getattr(trainer.motor, "cfg", None)
+    for owner, attr in ((trainer, "d_state"), (trainer.motor, "d_state"), (cfg, "D_STATE"), (cfg, "d_state")):
+        value = getattr(owner, attr, None) if owner is not None else None
+        if isinstance(value, int):
+            return value
+    for module in operator.modules():
+        if isinstance(module, torch.nn.Conv2d):
+            return module.in_channels // 2
+    raise ValueError("enable(): cannot tell d_state from the trainer; pass d_state=...")
+
+
+def _infer_grid(trainer) -> Tuple[int, int]:
+    cfg = getattr(trainer.motor, "cfg", None)
+    candidates = (
+        (trainer, "grid_size"), (trainer.motor, "grid_size"),
+        (cfg, "GRID_SIZE_TRAINING"), (cfg, "GRID_SIZE"), (cfg, "grid_size"),
+    )
+    for owner, attr in candidates:
+        value = getattr(owner, attr, None) if owner is not None else None
+        if isinstance(value, int):
+            return value, value
+        if isinstance(value, (tuple, list)) and len(value) == 2:
+            return int(value[0]), int(value[1])
+    raise ValueError(
+        "enable(): cannot tell the training grid size from the trainer (looked for trainer.grid_size, "
+        "motor.grid_size, motor.cfg.GRID_SIZE_TRAINING); pass grid_size=... or initial_state=callable"
+    )
+
+
+def stock_initial_state(batch, height, width, d_state, device, generator=None):
+    """psi0 as stock draws it: complex(randn, randn) per component, normalised per cell."""
+    shape = (batch, height, width, d_state)
+    psi = torch.complex(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)).to(device)
+    return psi / torch.sqrt(torch.sum(torch.abs(psi) ** 2, dim=-1, keepdim=True))
+
+
+def _lowmem_train_episode(trainer, episode_num):
+    """train_episode with the stock semantics, running the episode through qca_lowmem.rollout."""
+    state: _Saved = getattr(trainer, _STATE_ATTR)
+    opts = state.options
+    rollout = _library_piece("rollout", "the rollout (issue 4)")
+    operator = trainer.motor.operator
+    device = next(operator.parameters()).device
+
+    trainer.optimizer.zero_grad()
+    psi0 = opts["initial_state"](trainer) if opts["initial_state"] is not None else stock_initial_state(
+        opts["batch_size"], *opts["grid"], opts["d_state"], device
+    )
+    rate = noise_rate(episode_num, trainer.max_noise)
+    noise = None
+    if rate > 0.001:
+        # One draw from the trainer's RNG keys the whole episode's noise, so recompute replays it.
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        noise = noise_schedule(rate, seed)
+    steps = trainer.qca_steps
+    amp_dtype = opts["amp_dtype"]
+    with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        psi, history = rollout(
+            trainer.motor.evolve_step, psi0, steps, checkpoint=opts["checkpoint"], slots=opts["slots"],
+            noise=noise, record_every=record_every(steps),
+        )
+        loss, metrics = trainer.loss_fn(history, psi0)
+
+    parameters = [p for p in operator.parameters() if p.requires_grad]
+    scaler = trainer.scaler
+    if scaler is not None and scaler.is_enabled():
+        scaler.scale(loss).backward()
+        scaler.unscale_(trainer.optimizer)
+        _clip(scaler, parameters, opts["max_grad_norm"])
+        scaler.step(trainer.optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, opts["max_grad_norm"])
+        trainer.optimizer.step()
+    return loss.item(), metrics, psi.detach().cpu()
+
+
+def _clip(scaler, parameters, max_norm):
+    clip = getattr(scaler, "clip_grad_norm_", None)
+    if clip is not None:
+        return clip(parameters, max_norm)
+    return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+
+
+def _check_contract(trainer):
+    missing = []
+    for path in ("motor", "motor.operator", "motor.evolve_step", "optimizer", "qca_steps", "max_noise",
+                 "loss_fn", "train_episode"):
+        owner = trainer
+        for part in path.split("."):
+            if not hasattr(owner, part):
+                missing.append(path)
+                break
+            owner = getattr(owner, part)
+    if not hasattr(trainer, "scaler"):
+        missing.append("scaler")
+    if missing:
+        raise TypeError(
+            f"enable(): {type(trainer).__name__} lacks the QC_Trainer_v4 attributes {missing} "
+            "(DESIGN.md §2 lists what the switch relies on)"
+        )
+
+
+def enable(
+    trainer,
+    checkpoint: str = "step",
+    amp_dtype=None,
+    fused_blocks: bool = True,
+    slots: Optional[int] = None,
+    *,
+    fused_step_ops: bool = True,
+    lowmem_scaler: bool = True,
+    grid_size=None,
+    batch_size: int = 1,
+    d_state: Optional[int] = None,
+    initial_state: Optional[Callable] = None,
+    max_grad_norm: float = 1.0,
+):
+    """Switch a QC_Trainer_v4-style trainer to the low-memory path, in place; returns the trainer.
+
+    checkpoint: "step" (keep one psi per step, recompute in backward), "revolve" (binomial
+      checkpointing with `slots` stored states) or "none" (stock autograd).
+    amp_dtype: None follows the trainer (fp16 autocast when `trainer.use_amp`), else "fp32",
+      "bf16" or "fp16"; the state and its normalisation stay complex64 either way.
+    fused_blocks: convert the operator's ConvBlocks to FusedConvBlock in place (same Parameters).
+    fused_step_ops: replace `motor.evolve_step` by the fused pack/update ops.
+    lowmem_scaler: replace `trainer.scaler` by qca_lowmem.amp.GradScaler carrying its state.
+    grid_size / batch_size / d_state / initial_state: how psi0 is drawn; by default as stock
+      does (trainer's global torch RNG, grid from trainer.grid_size or motor.cfg.GRID_SIZE_TRAINING).
+      `initial_state(trainer) -> psi0` overrides it for trainers that draw psi0 differently.
+    """
+    _check_contract(trainer)
+    if hasattr(trainer, _STATE_ATTR):
+        raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
+    check_policy(checkpoint, slots)
+    if amp_dtype is None and getattr(trainer, "use_amp", False):
+        amp = torch.float16
+    else:
+        amp = parse_amp_dtype(amp_dtype)
+    if isinstance(grid_size, int):
+        grid = (grid_size, grid_size)
+    elif grid_size is not None:
+        grid = (int(grid_size[0]), int(grid_size[1]))
+    else:
+        grid = None if initial_state is not None else _infer_grid(trainer)
+    if initial_state is None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"enable(): batch_size must be a positive int, got {batch_size!r}")
+    operator = trainer.motor.operator
+    # Resolve every piece up front so a missing one fails before anything is changed.
+    _library_piece("rollout", "the rollout (issue 4)")
+    convert = _library_piece("convert", "the fused blocks (issue 3)") if fused_blocks else None
+    scaler = getattr(trainer, "scaler", None)
+    new_scaler = None
+    if lowmem_scaler and scaler is not None:
+        new_scaler = lowmem_scaler_from(scaler)
+    elif lowmem_scaler and amp == torch.float16 and next(operator.parameters()).device.type == "cuda":
+        new_scaler = _library_piece("amp.GradScaler", "the loss scaler (issue 5)")("cuda")
+
+    state = _Saved(options=dict(
+        checkpoint=checkpoint, slots=slots, amp_dtype=amp, grid=grid, batch_size=batch_size,
+        d_state=d_state or _infer_d_state(trainer, operator), initial_state=initial_state,
+        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks,
+    ))
+    multiplicative = is_multiplicative(operator)
+    gamma = float(getattr(trainer.motor.cfg, "GAMMA_DECAY", 0.0) or 0.0) if hasattr(trainer.motor, "cfg") else 0.0
+
+    if convert is not None:
+        params_before = [id(p) for p in operator.parameters()]
+        state.blocks = _stock_conv_blocks(operator)
+        _, state.convert_report = convert(operator)
+        if [id(p) for p in operator.parameters()] != params_before:
+            _restore_blocks(state.blocks)
+            raise RuntimeError("enable(): convert() did not keep the operator's Parameter objects; nothing was changed")
+
+    motor = trainer.motor
+    state.had_evolve_step_attr = "evolve_step" in vars(motor)
+    state.evolve_step = motor.evolve_step
+    if fused_step_ops:
+        motor.evolve_step = fused_step(operator, gamma, multiplicative)
+
+    state.had_train_episode_attr = "train_episode" in vars(trainer)
+    state.train_episode = trainer.train_episode
+    trainer.train_episode = types.MethodType(_lowmem_train_episode, trainer)
+
+    state.scaler = scaler
+    if new_scaler is not None:
+        trainer.scaler = new_scaler
+    setattr(trainer, _STATE_ATTR, state)
+    return trainer
+
+
+def _restore_blocks(blocks):
+    # Innermost first, so an outer block put back does not hide an inner one still to restore.
+    for parent, name, module in reversed(blocks):
+        setattr(parent, name, module)
+
+
+def disable(trainer):
+    """Undo enable(): stock blocks, step, train_episode and scaler (keeping the scaler's state)."""
+    state: Optional[_Saved] = getattr(trainer, _STATE_ATTR, None)
+    if state is None:
+        raise RuntimeError("disable(): qca_lowmem is not enabled on this trainer")
+    _restore_blocks(state.blocks)
+    motor = trainer.motor
+    if state.had_evolve_step_attr:
+        motor.evolve_step = state.evolve_step
+    elif "evolve_step" in vars(motor):
+        del motor.evolve_step
+    if state.had_train_episode_attr:
+        trainer.train_episode = state.train_episode
+    else:
+        del trainer.train_episode
+    if state.scaler is not None and trainer.scaler is not state.scaler:
+        state.scaler.load_state_dict(trainer.scaler.state_dict())
+        trainer.scaler = state.scaler
+    delattr(trainer, _STATE_ATTR)
+    return trainer
+
+
+def is_enabled(trainer) -> bool:
+    return hasattr(trainer, _STATE_ATTR)
+
+
+def _section(cfg, name):
+    if cfg is None:
+        return None
+    if isinstance(cfg, dict):
+        for key in (name, name.lower()):
+            if key in cfg:
+                return cfg[key]
+        return None
+    for key in (name, name.lower()):
+        if hasattr(cfg, key):
+            return getattr(cfg, key)
+    return None
+
+
+def _get(section, key, default):
+    if isinstance(section, dict):
+        return section.get(key, default)
+    return getattr(section, key, default)
+
+
+_CONFIG_KEYS = ("enabled", "checkpoint", "amp_dtype", "fused_blocks", "slots")
+
+
+def _env_enabled() -> Optional[bool]:
+    value = os.environ.get(_ENV_FLAG)
+    if value is None or value.strip() == "":
+        return None
+    flag = value.strip().lower()
+    if flag in ("1", "true", "yes", "on"):
+        return True
+    if flag in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{_ENV_FLAG} must be 1/0 (or true/false), got {value!r}")
+
+
+def enable_from_config(trainer, cfg=None, **overrides):
+    """enable(trainer, ...) as the config's `LOWMEM` section (dict or attributes) says.
+
+    `LOWMEM: {enabled: true, checkpoint: step, amp_dtype: bf16, fused_blocks: true, slots: null}`.
+    `QCA_LOWMEM=1` in the environment switches it on (with the section's other settings, or the
+    defaults) and `QCA_LOWMEM=0` off, whatever the config says. Returns True when enabled.
+    """
+    section = _section(cfg, "LOWMEM")
+    if isinstance(section, dict):
+        unknown = sorted(set(section) - set(_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"LOWMEM section: unknown keys {unknown}; known keys are {list(_CONFIG_KEYS)}")
+    enabled = bool(_get(section, "enabled", False)) if section is not None else False
+    env = _env_enabled()
+    if env is not None:
+        enabled = env
+    if not enabled:
+        return False
+    options = {}
+    if section is not None:
+        for key in _CONFIG_KEYS[1:]:
+            value = _get(section, key, None)
+            if value is not None:
+                options[key] = value
+    options.update(overrides)
+    enable(trainer, **options)
+    return True

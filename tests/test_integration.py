@@ -1,0 +1,209 @@
+"""qca_lowmem.enable() on a QC_Trainer_v4-style trainer: same results as stock, and undoable."""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import qca_lowmem
+from fixtures.qc_trainer_v4 import QC_Trainer_v4, make_config
+from reference import ConvBlock, randomize_affine
+
+HAVE_ROLLOUT = hasattr(qca_lowmem, "rollout")
+HAVE_CONVERT = hasattr(qca_lowmem, "convert")
+HAVE_SCALER = hasattr(qca_lowmem, "amp") and hasattr(qca_lowmem.amp, "GradScaler")
+needs_rollout = pytest.mark.skipif(not HAVE_ROLLOUT, reason="qca_lowmem.rollout has not landed in this build")
+needs_all = pytest.mark.skipif(
+    not (HAVE_ROLLOUT and HAVE_CONVERT and HAVE_SCALER),
+    reason="rollout, convert and amp.GradScaler must all have landed",
+)
+
+
+def make_trainer(scaler=None, grid=8, qca_steps=6, gamma=0.0, **kw):
+    torch.manual_seed(1234)
+    trainer = QC_Trainer_v4(make_config(grid=grid, qca_steps=qca_steps, gamma=gamma), scaler=scaler, **kw)
+    # Non-trivial GroupNorm affines and a visible output layer, so every parameter matters.
+    randomize_affine(trainer.motor.operator)
+    with torch.no_grad():
+        trainer.motor.operator.outc.weight.normal_(0.0, 0.05)
+    return trainer
+
+
+def run_episodes(trainer, episodes, seed=99):
+    torch.manual_seed(seed)
+    return [trainer.train_episode(e) for e in episodes]
+
+
+def assert_close(actual, expected, rel=1e-5, what=""):
+    err = (actual - expected).abs().max().item() / max(expected.abs().max().item(), 1e-30)
+    assert err <= rel, f"{what}: relative error {err:.3e} > {rel}"
+
+
+def assert_same_runs(lowmem_trainer, stock_trainer, lowmem_out, stock_out):
+    for (l_loss, l_metrics, l_psi), (s_loss, s_metrics, s_psi) in zip(lowmem_out, stock_out):
+        assert l_loss == pytest.approx(s_loss, rel=1e-5, abs=1e-6)
+        for key in s_metrics:
+            assert l_metrics[key] == pytest.approx(s_metrics[key], rel=1e-5, abs=1e-6), key
+        assert l_psi.dtype == s_psi.dtype and l_psi.device.type == "cpu"
+        assert_close(l_psi, s_psi, what="final psi")
+    lowmem_params = dict(lowmem_trainer.motor.operator.named_parameters())
+    for name, p in stock_trainer.motor.operator.named_parameters():
+        assert_close(lowmem_params[name].detach(), p.detach(), what=name)
+
+
+@needs_all
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2)])
+def test_three_episodes_match_stock(checkpoint, slots, tmp_path):
+    stock = make_trainer(scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    lowmem = make_trainer(scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    params_before = [id(p) for p in lowmem.motor.operator.parameters()]
+    qca_lowmem.enable(lowmem, checkpoint=checkpoint, slots=slots)
+
+    assert [id(p) for p in lowmem.motor.operator.parameters()] == params_before
+    assert not any(type(m) is ConvBlock for m in lowmem.motor.operator.modules())
+    assert isinstance(lowmem.scaler, qca_lowmem.amp.GradScaler)
+    assert lowmem.scaler.get_scale() == 1024.0
+    assert list(lowmem.motor.operator.state_dict()) == list(stock.motor.operator.state_dict())
+
+    stock_out = run_episodes(stock, range(3))
+    lowmem_out = run_episodes(lowmem, range(3))
+    assert_same_runs(lowmem, stock, lowmem_out, stock_out)
+    # The trainer's own checkpointing still works on the converted model.
+    lowmem.save_checkpoint(2, lowmem_out[-1][1], lowmem_out[-1][0], path=str(tmp_path / "ckpt.pth"))
+    saved = torch.load(tmp_path / "ckpt.pth")
+    assert list(saved["model_state_dict"]) == list(stock.motor.operator.state_dict())
+
+
+@needs_rollout
+def test_additive_operator_and_gamma_match_stock():
+    """A non-UNetUnitary operator runs additively (stock rule), gamma decay included."""
+
+    class Additive(torch.nn.Module):
+        def __init__(self, channels):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+
+        def forward(self, x):
+            return 0.1 * torch.tanh(self.conv(x))
+
+    trainers = []
+    for _ in range(2):
+        trainer = make_trainer(gamma=0.05)
+        torch.manual_seed(5)
+        op = Additive(8)
+        trainer.motor.operator = trainer.model_operator = op
+        trainer.optimizer = torch.optim.AdamW(op.parameters(), lr=1e-4, weight_decay=1e-5)
+        trainers.append(trainer)
+    stock, lowmem = trainers
+    qca_lowmem.enable(lowmem, fused_blocks=False)
+    assert_same_runs(lowmem, stock, run_episodes(lowmem, range(3)), run_episodes(stock, range(3)))
+
+
+@needs_all
+def test_disable_restores_stock_behaviour():
+    stock = make_trainer()
+    trainer = make_trainer(scaler=torch.amp.GradScaler("cpu", init_scale=512.0))
+    original_scaler = trainer.scaler
+    blocks_before = [type(m) for m in trainer.motor.operator.modules()]
+    qca_lowmem.enable(trainer)
+    trainer.scaler.update(256.0)
+    run_episodes(trainer, range(1))
+    qca_lowmem.disable(trainer)
+
+    assert [type(m) for m in trainer.motor.operator.modules()] == blocks_before
+    assert "train_episode" not in vars(trainer) and "evolve_step" not in vars(trainer.motor)
+    assert trainer.scaler is original_scaler and type(trainer.scaler) is torch.amp.GradScaler
+    assert trainer.scaler.get_scale() == 256.0  # the state the lowmem scaler reached is carried back
+    assert not qca_lowmem.integration.is_enabled(trainer)
+    # Stock again: continuing equals a stock trainer that ran the same episodes.
+    trainer.scaler = None
+    run_episodes(stock, range(1))
+    stock_out = run_episodes(stock, range(1, 3), seed=7)
+    out = run_episodes(trainer, range(1, 3), seed=7)
+    assert_same_runs(trainer, stock, out, stock_out)
+
+
+def test_enable_twice_and_disable_unenabled_are_errors():
+    trainer = make_trainer()
+    with pytest.raises(RuntimeError, match="not enabled"):
+        qca_lowmem.disable(trainer)
+    if HAVE_ROLLOUT:
+        qca_lowmem.enable(trainer, fused_blocks=HAVE_CONVERT)
+        with pytest.raises(RuntimeError, match="already enabled"):
+            qca_lowmem.enable(trainer)
+
+
+def test_bad_options_are_rejected_before_anything_changes():
+    trainer = make_trainer()
+    before = copy.copy(vars(trainer))
+    with pytest.raises(ValueError, match="checkpoint must be one of"):
+        qca_lowmem.enable(trainer, checkpoint="sometimes")
+    with pytest.raises(ValueError, match="needs slots >= 1"):
+        qca_lowmem.enable(trainer, checkpoint="revolve")
+    with pytest.raises(ValueError, match="slots is only used"):
+        qca_lowmem.enable(trainer, checkpoint="step", slots=4)
+    with pytest.raises(ValueError, match="amp_dtype must be one of"):
+        qca_lowmem.enable(trainer, amp_dtype="int8")
+    with pytest.raises(TypeError, match=r"lacks the QC_Trainer_v4 attributes \['motor'"):
+        qca_lowmem.enable(SimpleNamespace(optimizer=None))
+    assert vars(trainer) == before
+
+
+def test_missing_grid_is_a_clear_error():
+    trainer = make_trainer()
+    del trainer.grid_size
+    del trainer.cfg.GRID_SIZE_TRAINING
+    with pytest.raises(ValueError, match="grid_size"):
+        qca_lowmem.enable(trainer)
+
+
+def _record_enable(monkeypatch):
+    calls = []
+    monkeypatch.setattr(qca_lowmem.integration, "enable", lambda trainer, **kw: calls.append(kw))
+    return calls
+
+
+@pytest.mark.parametrize("style", ["dict", "attributes"])
+def test_enable_from_config_reads_the_lowmem_section(monkeypatch, style):
+    monkeypatch.delenv("QCA_LOWMEM", raising=False)
+    calls = _record_enable(monkeypatch)
+    section = {"enabled": True, "checkpoint": "revolve", "amp_dtype": "bf16", "fused_blocks": False, "slots": 8}
+    cfg = {"LOWMEM": section} if style == "dict" else SimpleNamespace(LOWMEM=SimpleNamespace(**section))
+    assert qca_lowmem.enable_from_config(object(), cfg) is True
+    assert calls == [{"checkpoint": "revolve", "amp_dtype": "bf16", "fused_blocks": False, "slots": 8}]
+
+
+def test_enable_from_config_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("QCA_LOWMEM", raising=False)
+    calls = _record_enable(monkeypatch)
+    assert qca_lowmem.enable_from_config(object(), {}) is False
+    assert qca_lowmem.enable_from_config(object(), {"LOWMEM": {"enabled": False}}) is False
+    assert qca_lowmem.enable_from_config(object(), None) is False
+    assert calls == []
+
+
+def test_environment_flag_overrides_config(monkeypatch):
+    calls = _record_enable(monkeypatch)
+    monkeypatch.setenv("QCA_LOWMEM", "1")
+    assert qca_lowmem.enable_from_config(object(), None) is True
+    assert calls == [{}]
+    monkeypatch.setenv("QCA_LOWMEM", "0")
+    assert qca_lowmem.enable_from_config(object(), {"LOWMEM": {"enabled": True}}) is False
+    monkeypatch.setenv("QCA_LOWMEM", "maybe")
+    with pytest.raises(ValueError, match="QCA_LOWMEM must be"):
+        qca_lowmem.enable_from_config(object(), None)
+
+
+def test_unknown_config_key_is_an_error(monkeypatch):
+    monkeypatch.delenv("QCA_LOWMEM", raising=False)
+    with pytest.raises(ValueError, match=r"unknown keys \['chekpoint'\]"):
+        qca_lowmem.enable_from_config(object(), {"LOWMEM": {"enabled": True, "chekpoint": "step"}})
+
+
+def test_missing_piece_is_a_clear_error(monkeypatch):
+    monkeypatch.delattr(qca_lowmem, "rollout", raising=False)
+    trainer = make_trainer()
+    with pytest.raises(RuntimeError, match=r"qca_lowmem.rollout is not available"):
+        qca_lowmem.enable(trainer)
+    assert "train_episode" not in vars(trainer)
