@@ -1,0 +1,206 @@
+"""`qca-lowmem bench`: stock vs lowmem episodes on the same model, in one process.
+
+On the CPU the measure is `saved_bytes` of the episode's forward (what autograd keeps for
+backward); on CUDA it is peak allocated memory and the episode's time.
+"""
+
+import contextlib
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from ._recompute import keep_block_intermediates
+from .integration import parse_amp_dtype, record_every, stock_initial_state
+from .memory import saved_bytes
+from .ops import qca_pack, qca_update
+from .train import TrainConfig, build_model, evolutionary_loss, format_bytes, resolve_device, stock_step
+
+
+def library_commit() -> Optional[str]:
+    """The git commit of the checkout qca_lowmem runs from, when it is one."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def environment(device: torch.device) -> dict:
+    return {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "commit": library_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+class EpisodeRunner:
+    """One forward+backward of an episode of either kind on a shared model."""
+
+    def __init__(self, config: TrainConfig, device: torch.device, model=None):
+        self.config = config
+        self.device = device
+        self.amp_dtype = parse_amp_dtype(config.amp_dtype)
+        self.model = model if model is not None else build_model(config, device)
+        from .integration import _library_piece
+
+        self.rollout = _library_piece("rollout", "the rollout (issue 4)")
+
+    def _forward(self, variant: str, steps: int, psi0):
+        gamma = self.config.gamma
+        if variant == "stock":
+            def step(psi):
+                return stock_step(psi, self.model, gamma)
+            policy, blocks = dict(checkpoint="none"), keep_block_intermediates(True)
+        else:
+            def step(psi):
+                return qca_update(psi, self.model(qca_pack(psi)), gamma, True)
+            slots = self.config.slots if self.config.checkpoint == "revolve" else None
+            policy, blocks = dict(checkpoint=self.config.checkpoint, slots=slots), contextlib.nullcontext()
+        autocast = torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None)
+        with blocks, autocast:
+            psi, history = self.rollout(step, psi0, steps, record_every=record_every(steps), **policy)
+            loss, _ = evolutionary_loss(history, psi0)
+        return loss
+
+    def run(self, variant: str, steps: int) -> dict:
+        """Returns {'bytes': saved bytes (CPU) or peak allocated bytes (CUDA), 'seconds': ...}."""
+        generator = torch.Generator().manual_seed(0)
+        psi0 = stock_initial_state(self.config.batch, self.config.grid, self.config.grid, self.config.d_state,
+                                   self.device, generator)
+        self.model.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        if self.device.type == "cpu":
+            out = {}
+            memory = saved_bytes(lambda: out.update(loss=self._forward(variant, steps, psi0)))
+            out["loss"].backward()
+        else:
+            self._forward(variant, steps, psi0).backward()
+            torch.cuda.synchronize(self.device)
+            memory = torch.cuda.max_memory_allocated(self.device)
+        seconds = time.perf_counter() - start
+        self.model.zero_grad(set_to_none=True)
+        return {"bytes": int(memory), "seconds": seconds}
+
+
+def bench(config: TrainConfig, steps_list: List[int], out_dir: str, repeats: int = 1, plot: bool = True) -> dict:
+    device = resolve_device(config.device)
+    runner = EpisodeRunner(config, device)
+    measure = "peak_bytes" if device.type == "cuda" else "saved_bytes"
+    rows = []
+    for steps in steps_list:
+        row = {"qca_steps": steps}
+        for variant in ("stock", "lowmem"):
+            try:
+                if device.type == "cuda":
+                    runner.run(variant, steps)  # warm-up: cuDNN autotuning, allocator
+                runs = [runner.run(variant, steps) for _ in range(max(1, repeats))]
+                row[f"{variant}_bytes"] = max(r["bytes"] for r in runs)
+                row[f"{variant}_bytes_per_step"] = row[f"{variant}_bytes"] / steps
+                row[f"{variant}_s"] = statistics.median(r["seconds"] for r in runs)
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                row[f"{variant}_bytes"] = row[f"{variant}_bytes_per_step"] = row[f"{variant}_s"] = None
+                row[f"{variant}_oom"] = True
+        rows.append(row)
+    result = {
+        "kind": "bench",
+        **environment(device),
+        "measure": measure,
+        "config": {"grid": config.grid, "d_state": config.d_state, "hidden": config.hidden, "batch": config.batch,
+                   "gamma": config.gamma},
+        "policy": {"checkpoint": config.checkpoint, "slots": config.slots, "amp_dtype": config.amp_dtype,
+                   "fused_blocks": config.fused_blocks},
+        "rows": rows,
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "cuda" if device.type == "cuda" else "cpu"
+    json_path = out / f"bench_{tag}.json"
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=2)
+    result["json_path"] = str(json_path)
+    result["png_path"] = write_plot(result, out / f"bench_{tag}.png") if plot else None
+    return result
+
+
+def write_plot(result: dict, path: Path) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("qca-lowmem bench: matplotlib is not installed, so no plot was written "
+              "(pip install matplotlib, or pip install 'qca-lowmem[plot]')")
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for variant in ("stock", "lowmem"):
+        points = [(r["qca_steps"], r[f"{variant}_bytes"]) for r in result["rows"] if r.get(f"{variant}_bytes")]
+        if points:
+            ax.plot([p[0] for p in points], [p[1] / 2**20 for p in points], marker="o", label=variant)
+    ax.set_xlabel("qca_steps")
+    ax.set_ylabel(("peak allocated" if result["measure"] == "peak_bytes" else "bytes saved for backward") + " (MiB)")
+    cfg = result["config"]
+    ax.set_title(f"grid {cfg['grid']}, d {cfg['d_state']}, hidden {cfg['hidden']} on {result['device']}")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
+
+
+def format_table(result: dict) -> str:
+    what = "peak memory" if result["measure"] == "peak_bytes" else "saved bytes"
+    lines = [f"{'qca_steps':>9}  {'stock ' + what:>20}  {'lowmem ' + what:>20}  {'stock/step':>11}  "
+             f"{'lowmem/step':>11}  {'ratio':>7}  {'stock s':>8}  {'lowmem s':>8}"]
+
+    def fmt(value, f):
+        return "OOM" if value is None else f(value)
+
+    for r in result["rows"]:
+        ratio = (r["stock_bytes"] / r["lowmem_bytes"]) if r.get("stock_bytes") and r.get("lowmem_bytes") else None
+        lines.append(
+            f"{r['qca_steps']:>9}  {fmt(r['stock_bytes'], format_bytes):>20}  {fmt(r['lowmem_bytes'], format_bytes):>20}  "
+            f"{fmt(r['stock_bytes_per_step'], format_bytes):>11}  {fmt(r['lowmem_bytes_per_step'], format_bytes):>11}  "
+            f"{fmt(ratio, lambda x: f'{x:.1f}x'):>7}  {fmt(r['stock_s'], lambda x: f'{x:.3f}'):>8}  "
+            f"{fmt(r['lowmem_s'], lambda x: f'{x:.3f}'):>8}"
+        )
+    return "\n".join(lines)
+
+
+def default_steps(config: TrainConfig) -> List[int]:
+    top = config.qca_steps
+    steps = sorted({max(1, top // 8), max(1, top // 4), max(1, top // 2), top})
+    return steps
+
+
+def main_bench(config: TrainConfig, steps: Optional[List[int]], out_dir: str, repeats: int) -> int:
+    result = bench(config, steps or default_steps(config), out_dir, repeats)
+    print(f"qca-lowmem bench on {result['device']} (torch {result['torch']}), grid {config.grid}, d {config.d_state}, "
+          f"hidden {config.hidden}, batch {config.batch}; lowmem = checkpoint={config.checkpoint}"
+          f"{' slots=' + str(config.slots) if config.checkpoint == 'revolve' else ''} amp={config.amp_dtype or 'fp32'}")
+    print(format_table(result))
+    print(f"wrote {result['json_path']}" + (f" and {result['png_path']}" if result["png_path"] else ""))
+    return 0
+

@@ -1,0 +1,81 @@
+"""`qca-lowmem doctor`: what this environment has, and what to fix for low-memory training."""
+
+import importlib.util
+import os
+import sys
+from typing import List, Tuple
+
+import torch
+
+from .train import format_bytes
+
+SMALL_GPU = 4 * 2**30
+
+
+def report() -> Tuple[List[Tuple[str, str]], List[str]]:
+    """(facts as (name, value), things to fix)."""
+    import qca_lowmem
+    from . import _build_info
+    from ._loader import has_cuda_kernels
+
+    facts, fixes = [], []
+    facts.append(("python", sys.version.split()[0]))
+    facts.append(("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none'})"))
+    facts.append(("qca_lowmem", f"{qca_lowmem.__version__} at {os.path.dirname(qca_lowmem.__file__)}"))
+    facts.append(("built against", f"torch {_build_info.TORCH_VERSION}, CUDA {_build_info.CUDA_VERSION or 'none'}"))
+    cuda_kernels = has_cuda_kernels()
+    facts.append(("_C has CUDA kernels", "yes" if cuda_kernels else "no"))
+
+    available = torch.cuda.is_available()
+    facts.append(("CUDA available", "yes" if available else "no"))
+    if available:
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            facts.append((f"GPU {index}", f"{props.name}, {format_bytes(props.total_memory)}, "
+                                           f"compute capability {props.major}.{props.minor}"))
+            if props.total_memory < SMALL_GPU:
+                fixes.append(f"GPU {index} has {format_bytes(props.total_memory)}: train with configs/small_gpu.yaml, "
+                             f"or run `qca-lowmem plan --gpu-mem {props.total_memory / 2**30:.2f}GiB` to pick a policy")
+        if not cuda_kernels:
+            fixes.append("a GPU is present but qca_lowmem was built without CUDA kernels: set CUDA_HOME to a CUDA "
+                         "toolkit matching torch's CUDA and reinstall with QCA_LOWMEM_CUDA=1 "
+                         "pip install --no-build-isolation --force-reinstall .")
+        if not torch.cuda.is_bf16_supported():
+            fixes.append("this GPU has no bf16: use amp_dtype fp16 (with the loss scaler) or fp32")
+    elif torch.version.cuda:
+        fixes.append("torch is a CUDA build but sees no GPU: check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
+
+    alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+    facts.append(("allocator settings", alloc or "unset (qca-lowmem train sets expandable_segments:True)"))
+    if available and (not alloc or "expandable_segments:True" not in alloc):
+        fixes.append("export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting Python "
+                     "(less fragmentation on small GPUs; qca-lowmem train does it for you)")
+
+    pieces = {"rollout": hasattr(qca_lowmem, "rollout"), "fused blocks": hasattr(qca_lowmem, "convert"),
+              "loss scaler": hasattr(qca_lowmem, "amp")}
+    facts.append(("library parts", ", ".join(f"{k} {'yes' if v else 'missing'}" for k, v in pieces.items())))
+    missing = [k for k, v in pieces.items() if not v]
+    if missing:
+        fixes.append(f"this qca_lowmem lacks {', '.join(missing)}: update it")
+
+    for module, why in (("tqdm", "progress bars"), ("yaml", "YAML configs"), ("matplotlib", "bench plots"),
+                        ("tensorboard", "TensorBoard logs")):
+        present = importlib.util.find_spec(module) is not None
+        facts.append((module, "yes" if present else "no"))
+        if not present and module in ("tqdm", "yaml"):
+            fixes.append(f"pip install {'PyYAML' if module == 'yaml' else module} ({why})")
+    return facts, fixes
+
+
+def main_doctor() -> int:
+    facts, fixes = report()
+    width = max(len(name) for name, _ in facts)
+    for name, value in facts:
+        print(f"{name:<{width}}  {value}")
+    if fixes:
+        print("\nto fix:")
+        for fix in fixes:
+            print(f"  - {fix}")
+    else:
+        print("\nnothing to fix")
+    return 0

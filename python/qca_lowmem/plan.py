@@ -1,0 +1,188 @@
+"""`qca-lowmem plan`: predict peak GPU memory of an episode and recommend a policy that fits.
+
+Peak = model state (fp32 weights 4 B/param, gradients 4 B/param, AdamW moments 8 B/param, plus
+the autocast weight copies 2 B/param under amp) + the states the policy keeps across the episode
++ one step's working set (the step's graph while it is backpropagated, plus gradients in flight,
+estimated as twice its largest tensor).
+
+A step's graph is measured on the CPU with `saved_bytes` at two small grids of the real model
+(activations grow with the grid's area and the batch) and extrapolated; nothing runs on the GPU.
+"""
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from ._recompute import keep_block_intermediates
+from .integration import parse_amp_dtype
+from .ops import qca_pack, qca_update
+from .train import TrainConfig, build_model, format_bytes, parse_bytes, stock_step
+
+SAFETY = 1.10  # allocator rounding and fragmentation, cuDNN/cuBLAS workspaces
+_PROBE_GRIDS = (8, 16)
+
+
+@dataclass
+class StepMeasure:
+    """What one step's graph keeps at the planned grid and batch (extrapolated)."""
+
+    saved_bytes: int
+    largest_bytes: int
+
+
+@dataclass
+class Estimate:
+    name: str
+    checkpoint: str
+    slots: Optional[int]
+    amp_dtype: Optional[str]
+    model_state_bytes: int
+    kept_bytes: int
+    working_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.model_state_bytes + self.kept_bytes + self.working_bytes
+
+    def flags(self) -> str:
+        flags = f"--checkpoint {self.checkpoint}"
+        if self.slots is not None:
+            flags += f" --slots {self.slots}"
+        return flags + f" --amp-dtype {self.amp_dtype or 'fp32'}"
+
+
+def _measure_one(model, config: TrainConfig, variant: str, amp_dtype, grid: int):
+    storages = {}
+
+    def pack(tensor):
+        if not isinstance(tensor, torch.nn.Parameter):
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage
+        return tensor
+
+    generator = torch.Generator().manual_seed(0)
+    shape = (1, grid, grid, config.d_state)
+    psi = torch.complex(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+    psi = (psi / psi.abs().pow(2).sum(-1, keepdim=True).sqrt()).requires_grad_(True)
+    autocast = torch.autocast("cpu", dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), keep_block_intermediates(True), autocast:
+        if variant == "stock":
+            out = stock_step(psi, model, config.gamma)
+        else:
+            out = qca_update(psi, model(qca_pack(psi)), config.gamma, True)
+    del out
+    sizes = [s.nbytes() for s in storages.values()]
+    return sum(sizes), max(sizes, default=0)
+
+
+def measure_step(config: TrainConfig, variant: str, amp_dtype=None, model=None) -> StepMeasure:
+    """One step's graph bytes at config.grid and config.batch, from two small CPU probes."""
+    model = model if model is not None else build_model(dataclasses.replace(config, device="cpu"), "cpu")
+    (g1, g2) = _PROBE_GRIDS
+    s1, l1 = _measure_one(model, config, variant, amp_dtype, g1)
+    s2, l2 = _measure_one(model, config, variant, amp_dtype, g2)
+    area, a1, a2 = config.grid**2, g1**2, g2**2
+
+    def extrapolate(y1, y2):
+        slope = (y2 - y1) / (a2 - a1)
+        return max(0, int(round((y1 + slope * (area - a1)) * config.batch)))
+
+    return StepMeasure(extrapolate(s1, s2), extrapolate(l1, l2))
+
+
+def recorded_states(steps: int) -> int:
+    every = max(1, steps // 10)
+    return sum(1 for t in range(steps) if t == 0 or t == steps - 1 or t % every == 0)
+
+
+def candidates(config: TrainConfig):
+    """(name, checkpoint, slots, amp) in order of preference: faithful and fast first."""
+    out = [("stock", "none", None, None), ("lowmem step fp32", "step", None, None),
+           ("lowmem step bf16", "step", None, "bf16")]
+    for slots in (64, 32, 16, 8, 4):
+        if slots < config.qca_steps:
+            out.append((f"lowmem revolve {slots} bf16", "revolve", slots, "bf16"))
+    return out
+
+
+def estimate_all(config: TrainConfig, parameters: int, measures: dict) -> List[Estimate]:
+    """measures[(variant, amp)] -> StepMeasure for variant in {stock, lowmem}, amp in {None, 'bf16'}."""
+    psi_bytes = config.batch * config.grid * config.grid * config.d_state * 8
+    history = recorded_states(config.qca_steps)
+    estimates = []
+    for name, checkpoint, slots, amp in candidates(config):
+        variant = "stock" if checkpoint == "none" else "lowmem"
+        m = measures[(variant, amp)]
+        state = 16 * parameters + (2 * parameters if amp else 0)
+        working = m.saved_bytes + 2 * m.largest_bytes
+        if checkpoint == "none":
+            kept, working = config.qca_steps * m.saved_bytes, 2 * m.largest_bytes
+        elif checkpoint == "step":
+            kept = (config.qca_steps + history) * psi_bytes
+        else:
+            kept = (slots + history) * psi_bytes
+        estimates.append(Estimate(name, checkpoint, slots, amp, state, kept, working))
+    return estimates
+
+
+def recommend(estimates: List[Estimate], gpu_mem: int, reserve: int) -> Optional[Estimate]:
+    """The first estimate (in preference order) whose peak, with the safety margin, fits."""
+    usable = gpu_mem - reserve
+    for estimate in estimates:
+        if estimate.peak_bytes * SAFETY <= usable:
+            return estimate
+    return None
+
+
+def plan(config: TrainConfig, gpu_mem: int, reserve: int) -> dict:
+    model = build_model(dataclasses.replace(config, device="cpu"), "cpu")
+    parameters = sum(p.numel() for p in model.parameters())
+    measures = {}
+    for variant in ("stock", "lowmem"):
+        for amp in (None, "bf16"):
+            measures[(variant, amp)] = measure_step(config, variant, parse_amp_dtype(amp), model)
+    estimates = estimate_all(config, parameters, measures)
+    choice = recommend(estimates, gpu_mem, reserve)
+    return {"config": dataclasses.asdict(config), "parameters": parameters, "gpu_mem": gpu_mem, "reserve": reserve,
+            "estimates": estimates, "recommendation": choice}
+
+
+def advice_when_nothing_fits(config: TrainConfig, estimates: List[Estimate], gpu_mem: int, reserve: int) -> str:
+    smallest = min(estimates, key=lambda e: e.peak_bytes)
+    return (f"nothing fits in {format_bytes(gpu_mem - reserve)} usable: the smallest policy ({smallest.name}) needs "
+            f"{format_bytes(smallest.peak_bytes * SAFETY)} with margin, of which "
+            f"{format_bytes(smallest.model_state_bytes)} is model state (weights, gradients, AdamW) that no policy "
+            f"removes. Use a GPU with more memory, or change the model (hidden {config.hidden}, grid {config.grid}, "
+            f"batch {config.batch}).")
+
+
+def main_plan(config: TrainConfig, gpu_mem_text: str, reserve_text: str, as_json: bool) -> int:
+    gpu_mem, reserve = parse_bytes(gpu_mem_text), parse_bytes(reserve_text, allow_zero=True)
+    result = plan(config, gpu_mem, reserve)
+    estimates, choice = result["estimates"], result["recommendation"]
+    if as_json:
+        print(json.dumps({
+            **{k: v for k, v in result.items() if k not in ("estimates", "recommendation")},
+            "estimates": [dict(dataclasses.asdict(e), peak_bytes=e.peak_bytes) for e in estimates],
+            "recommendation": choice.name if choice else None,
+        }, indent=2))
+        return 0 if choice else 1
+    print(f"qca-lowmem plan: grid {config.grid}, d {config.d_state}, hidden {config.hidden} "
+          f"({result['parameters'] / 1e6:.2f}M parameters), {config.qca_steps} steps, batch {config.batch}; "
+          f"GPU {format_bytes(gpu_mem)}, {format_bytes(reserve)} reserved for the CUDA context")
+    print(f"{'policy':<26} {'model state':>12} {'kept states':>12} {'step working':>13} {'predicted peak':>15}  fits")
+    for e in estimates:
+        fits = "yes" if e.peak_bytes * SAFETY <= gpu_mem - reserve else "no"
+        print(f"{e.name:<26} {format_bytes(e.model_state_bytes):>12} {format_bytes(e.kept_bytes):>12} "
+              f"{format_bytes(e.working_bytes):>13} {format_bytes(e.peak_bytes):>15}  {fits}")
+    if choice is None:
+        print(advice_when_nothing_fits(config, estimates, gpu_mem, reserve))
+        return 1
+    print(f"recommended: {choice.name} -> qca-lowmem train {choice.flags()}  "
+          f"(config: lowmem: {{checkpoint: {choice.checkpoint}, slots: {choice.slots if choice.slots else 'null'}, "
+          f"amp_dtype: {choice.amp_dtype or 'null'}}})")
+    return 0
+

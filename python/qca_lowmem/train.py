@@ -1,0 +1,651 @@
+"""Reference trainer: QC_Trainer_v4's episode semantics (DESIGN.md §2) on qca_lowmem's parts.
+
+One episode: psi0 = complex(randn, randn) normalised per cell; `qca_steps` engine steps with the
+stock noise curriculum; the evolutionary loss on the final and initial states; AdamW(1e-4, 1e-5);
+clipping at 1.0. Randomness is keyed by (seed, episode) rather than drawn from a running stream,
+so an episode is the same whichever process runs it and whenever: `--resume` continues exactly
+and DDP ranks can split episodes among themselves.
+
+Episodes per optimizer step: `accumulate` per process, times the DDP world size. With one
+process and accumulate=1 this is the stock loop (one episode, one step). A DDP run with W ranks
+equals a single process with accumulate=W: the same episodes, gradients summed then divided by W.
+"""
+
+import csv
+import dataclasses
+import gc
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import torch
+
+from . import integration
+from .integration import check_policy, noise_rate, parse_amp_dtype, record_every, stock_initial_state
+from .memory import saved_bytes
+from .ops import qca_pack, qca_update
+
+CHECKPOINT_NAME = "checkpoint.pt"
+METRICS_NAME = "metrics.csv"
+METRIC_KEYS = ("survival", "symmetry", "complexity")
+EXIT_OOM = 3
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs. The defaults are the embedded small CPU configuration."""
+
+    # model
+    d_state: int = 4
+    hidden: int = 16
+    gamma: float = 0.0
+    # episode
+    grid: int = 16
+    qca_steps: int = 24
+    batch: int = 1
+    max_noise: float = 0.05
+    # optimisation
+    episodes: int = 12
+    accumulate: int = 1
+    lr: float = 1e-4
+    weight_decay: float = 1e-5
+    max_grad_norm: float = 1.0
+    scheduler: str = "none"
+    seed: int = 0
+    # low-memory policy
+    checkpoint: str = "step"
+    slots: Optional[int] = None
+    amp_dtype: Optional[str] = None
+    fused_blocks: bool = True
+    # run
+    device: str = "auto"
+    out_dir: str = "runs/qca"
+    save_every: int = 10
+
+    def validate(self):
+        for name in ("d_state", "hidden", "grid", "qca_steps", "batch", "episodes", "accumulate"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"config {name} must be a positive integer, got {value!r}")
+        if self.grid % 4:
+            raise ValueError(f"config grid must be a multiple of 4 (the U-Net pools twice), got {self.grid}")
+        if self.scheduler not in ("none", "cosine"):
+            raise ValueError(f"config scheduler must be 'none' or 'cosine', got {self.scheduler!r}")
+        if self.save_every < 0:
+            raise ValueError(f"config save_every must be >= 0 (0: only at the end), got {self.save_every}")
+        check_policy(self.checkpoint, self.slots)
+        parse_amp_dtype(self.amp_dtype)
+        return self
+
+
+# YAML layout: sections of TrainConfig fields; a flat mapping of fields is accepted too.
+_SECTIONS = {
+    "model": ("d_state", "hidden", "gamma"),
+    "training": ("grid", "qca_steps", "batch", "max_noise", "episodes", "accumulate", "lr",
+                 "weight_decay", "max_grad_norm", "scheduler", "seed"),
+    "lowmem": ("checkpoint", "slots", "amp_dtype", "fused_blocks"),
+    "output": ("out_dir", "save_every"),
+}
+_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def config_from_dict(data: dict, base: Optional[TrainConfig] = None) -> TrainConfig:
+    values = dataclasses.asdict(base or TrainConfig())
+    for key, value in (data or {}).items():
+        section = key.lower()
+        if isinstance(value, dict) and section in _SECTIONS:
+            for inner, inner_value in value.items():
+                if section == "lowmem" and inner == "enabled":
+                    continue  # the reference trainer is always low-memory; the flag is for enable_from_config
+                if inner not in _SECTIONS[section]:
+                    raise ValueError(f"config [{key}]: unknown key {inner!r}; known: {list(_SECTIONS[section])}")
+                values[inner] = inner_value
+        elif key in _FIELDS:
+            values[key] = value
+        else:
+            raise ValueError(f"config: unknown key {key!r}; sections are {list(_SECTIONS)} (or top-level fields {sorted(_FIELDS)})")
+    for name in ("lr", "weight_decay", "max_noise", "max_grad_norm", "gamma"):
+        values[name] = float(values[name])
+    return TrainConfig(**values).validate()
+
+
+def load_config(path: Optional[str] = None, **overrides) -> TrainConfig:
+    """The embedded default, or a YAML file, with keyword overrides (None values ignored)."""
+    config = TrainConfig()
+    if path is not None:
+        import yaml
+
+        with open(path) as f:
+            config = config_from_dict(yaml.safe_load(f) or {})
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    return config_from_dict(changes, base=config) if changes else config.validate()
+
+
+def set_allocator_defaults():
+    """expandable_segments cuts fragmentation on small GPUs; only effective before CUDA starts."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
+        return
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        print("qca-lowmem: CUDA already initialised; PYTORCH_CUDA_ALLOC_CONF left unset", file=sys.stderr)
+        return
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} asked for, but torch.cuda.is_available() is False (torch {torch.__version__})")
+    return device
+
+
+def episode_key(seed: int, episode: int, stream: int) -> int:
+    """A 63-bit key for (seed, episode, stream), well mixed (splitmix64 finaliser)."""
+    x = (seed * 0x9E3779B97F4A7C15 + episode * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB) & (2**64 - 1)
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & (2**64 - 1)
+    x ^= x >> 31
+    return x >> 1
+
+
+def evolutionary_loss(psi_history, psi_initial):
+    """The stock default loss (DESIGN §2): 10*survival + 5*symmetry + complexity."""
+    psi_final = psi_history[-1]
+    energy_final = torch.sum(torch.abs(psi_final) ** 2)
+    energy_initial = torch.sum(torch.abs(psi_initial) ** 2)
+    survival = torch.abs(energy_final - 0.8 * energy_initial) / (energy_initial + 1e-6)
+    magnitude = torch.abs(psi_final)
+    symmetry = torch.mean((magnitude - torch.rot90(magnitude, 1, dims=(1, 2))) ** 2)
+    complexity = -torch.log(torch.std(torch.sum(magnitude, dim=-1)) + 1e-6)
+    loss = 10 * survival + 5 * symmetry + complexity
+    return loss, {"survival": survival.item(), "symmetry": symmetry.item(), "complexity": complexity.item()}
+
+
+def stock_step(psi, operator, gamma, multiplicative=True):
+    """The stock engine step in plain torch ops (the baseline of `bench` and `plan`)."""
+    d = psi.shape[-1]
+    x = torch.cat([psi.real.permute(0, 3, 1, 2), psi.imag.permute(0, 3, 1, 2)], dim=1)
+    delta = operator(x)
+    a = torch.complex(delta[:, :d].float(), delta[:, d:].float()).permute(0, 2, 3, 1)
+    n = psi + (a * psi if multiplicative else a)
+    if gamma > 0:
+        n = n - gamma * psi
+    return n / (torch.sqrt(torch.sum(torch.abs(n) ** 2, dim=-1, keepdim=True)) + 1e-9)
+
+
+@dataclass
+class Policy:
+    """How an episode is run; the OOM guard lowers it step by step."""
+
+    checkpoint: str = "step"
+    slots: Optional[int] = None
+    batch: int = 1
+
+    def describe(self):
+        extra = f" slots={self.slots}" if self.checkpoint == "revolve" else ""
+        return f"checkpoint={self.checkpoint}{extra} batch={self.batch}"
+
+    def lowered(self, qca_steps: int) -> Optional["Policy"]:
+        """The next lower-memory policy: revolve, then fewer slots, then half the batch."""
+        if self.checkpoint != "revolve":
+            return Policy("revolve", max(1, min(32, qca_steps // 4)), self.batch)
+        if self.slots > 2:
+            return Policy("revolve", max(2, self.slots // 4), self.batch)
+        if self.batch > 1:
+            return Policy("revolve", self.slots, self.batch // 2)
+        return None
+
+
+class OutOfMemoryStop(RuntimeError):
+    """Raised after the OOM guard ran out of policies; progress is saved."""
+
+
+def atomic_save(obj, path):
+    """torch.save to a temporary file in the same folder, then os.replace: a crash mid-save
+    leaves the previous file intact."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def rng_state():
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy
+
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+
+
+def build_model(config: TrainConfig, device) -> torch.nn.Module:
+    unet = integration._library_piece("UNetUnitary", "the fused blocks (issue 3)")
+    torch.manual_seed(config.seed)
+    return unet(config.d_state, config.hidden).to(device)
+
+
+class Distributed:
+    """Rank, world size and gradient averaging; a single process when torch.distributed is off."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.rank, self.world_size, self.local_rank = 0, 1, 0
+        if enabled:
+            import torch.distributed as dist
+
+            if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+                raise RuntimeError("--ddp needs torchrun's environment (RANK, WORLD_SIZE, ...): "
+                                   "torchrun --nproc_per_node=N -m qca_lowmem train --ddp ...")
+            self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            if not dist.is_initialized():
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+                if backend == "nccl":
+                    torch.cuda.set_device(self.local_rank)
+                dist.init_process_group(backend)
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def all_reduce_(self, tensor, op="sum"):
+        if self.enabled and self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return tensor
+
+    def all_gather_rows(self, rows: torch.Tensor) -> List[torch.Tensor]:
+        if not (self.enabled and self.world_size > 1):
+            return [rows]
+        import torch.distributed as dist
+
+        out = [torch.empty_like(rows) for _ in range(self.world_size)]
+        dist.all_gather(out, rows)
+        return out
+
+    def broadcast_(self, tensor):
+        if self.enabled and self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.broadcast(tensor, 0)
+        return tensor
+
+    def close(self):
+        if self.enabled:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class Trainer:
+    """The reference trainer used by `qca-lowmem train`, `bench` and the cap benchmark."""
+
+    def __init__(self, config: TrainConfig, distributed: Optional[Distributed] = None, progress: bool = True):
+        self.config = config.validate()
+        self.dist = distributed or Distributed(False)
+        self.device = resolve_device(config.device, self.dist.local_rank)
+        self.amp_dtype = parse_amp_dtype(config.amp_dtype)
+        self.model = build_model(config, self.device)
+        self.model.train()
+        self.rollout = integration._library_piece("rollout", "the rollout (issue 4)")
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.scheduler = None
+        if config.scheduler == "cosine":
+            self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=self.optimizer_steps())
+        self.scaler = None
+        if self.amp_dtype == torch.float16:
+            scaler_cls = integration._library_piece("amp.GradScaler", "the loss scaler (issue 5)")
+            self.scaler = scaler_cls(self.device.type)
+        self.policy = Policy(config.checkpoint, config.slots, config.batch)
+        self.next_episode = 0
+        self.progress = progress and self.dist.rank == 0
+        self.out_dir = Path(config.out_dir)
+        self._tensorboard = None
+
+    # -- episodes ---------------------------------------------------------------------------
+    def episodes_per_step(self) -> int:
+        return self.config.accumulate * self.dist.world_size
+
+    def optimizer_steps(self) -> int:
+        return math.ceil(self.config.episodes / self.episodes_per_step())
+
+    def step_fn(self, psi):
+        return qca_update(psi, self.model(qca_pack(psi)), self.config.gamma, True)
+
+    def initial_state(self, episode: int, batch: int):
+        generator = torch.Generator().manual_seed(episode_key(self.config.seed, episode, 0))
+        return stock_initial_state(batch, self.config.grid, self.config.grid, self.config.d_state, self.device, generator)
+
+    def noise_for(self, episode: int):
+        rate = noise_rate(episode, self.config.max_noise)
+        if rate <= 0.001:
+            return None
+        return integration.noise_schedule(rate, episode_key(self.config.seed, episode, 1))
+
+    def forward_episode(self, episode: int, policy: Policy):
+        """psi0 -> rollout -> loss for one episode; returns (loss, metrics, psi_T)."""
+        psi0 = self.initial_state(episode, policy.batch)
+        steps = self.config.qca_steps
+        with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
+            psi, history = self.rollout(
+                self.step_fn, psi0, steps, checkpoint=policy.checkpoint,
+                slots=policy.slots if policy.checkpoint == "revolve" else None,
+                noise=self.noise_for(episode), record_every=record_every(steps),
+            )
+            loss, metrics = evolutionary_loss(history, psi0)
+        return loss, metrics, psi
+
+    def _run_local_episodes(self, episodes: List[int], policy: Policy):
+        """Forward and backward of this rank's episodes, gradients accumulated; one row each."""
+        rows = []
+        for episode in episodes:
+            start = time.perf_counter()
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            out = {}
+
+            def forward():
+                out["loss"], out["metrics"], out["psi"] = self.forward_episode(episode, policy)
+
+            if self.device.type == "cpu":
+                memory = saved_bytes(forward)
+            else:
+                forward()
+            loss = out.pop("loss")
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            if self.device.type == "cuda":
+                memory = torch.cuda.max_memory_allocated(self.device)
+            metrics = out["metrics"]
+            rows.append([episode, loss.item()] + [metrics[k] for k in METRIC_KEYS]
+                        + [memory, time.perf_counter() - start])
+            del loss, out
+        return rows
+
+    def _average_gradients(self, count: int):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.dist.world_size > 1:
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+            self.dist.all_reduce_(flat)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad = flat[offset:offset + n].view_as(p).clone()
+                offset += n
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(count)
+        return params
+
+    def train_step(self, first: int, count: int):
+        """Episodes first..first+count-1 (split across ranks), then one optimizer step.
+
+        Returns the rows of all episodes in the group (every rank gets them all).
+        """
+        per_rank = self.config.accumulate
+        mine = [first + i for i in range(self.dist.rank * per_rank, min(count, (self.dist.rank + 1) * per_rank))]
+        while True:
+            self.optimizer.zero_grad(set_to_none=True)
+            rows = None
+            try:
+                rows = self._run_local_episodes(mine, self.policy)
+            except torch.OutOfMemoryError:
+                pass  # handled below, together with the other ranks
+            failed = torch.tensor([0.0 if rows is not None else 1.0], device=self._gather_device())
+            if self.dist.all_reduce_(failed, op="max").item() == 0:
+                break
+            self.optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            lower = self.policy.lowered(self.config.qca_steps)
+            if lower is None:
+                self._stop_out_of_memory(first)
+            self._log(f"out of memory at episode {first} with {self.policy.describe()}; retrying with {lower.describe()}")
+            self.policy = lower
+
+        params = self._average_gradients(count)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+            self.scaler.clip_grad_norm_(params, self.config.max_grad_norm)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+        width = 2 + len(METRIC_KEYS) + 2
+        local = torch.full((per_rank, width), float("nan"), dtype=torch.float64)
+        for i, row in enumerate(rows):
+            local[i] = torch.tensor(row, dtype=torch.float64)
+        gathered = torch.cat(self.dist.all_gather_rows(local.to(self._gather_device()))).cpu()
+        return [row.tolist() for row in gathered if not math.isnan(row[0].item())]
+
+    def _gather_device(self):
+        return self.device if (self.dist.world_size > 1 and self.device.type == "cuda") else torch.device("cpu")
+
+    def _stop_out_of_memory(self, episode: int):
+        path = self.save_checkpoint()
+        config = self.config
+        advice = []
+        if self.amp_dtype is None:
+            advice.append("--amp-dtype bf16 (halves the U-Net activations)")
+        advice.append(f"a smaller --batch (now {self.policy.batch})" if self.policy.batch > 1 else
+                      f"a smaller grid (now {config.grid}) or hidden (now {config.hidden}); this changes the model")
+        advice.append("`qca-lowmem plan --gpu-mem <your GPU memory>` to see what fits")
+        message = (
+            f"qca-lowmem: out of memory at episode {episode} on {self.device} even with "
+            f"{self.policy.describe()} (the lowest-memory policy). Progress up to episode {self.next_episode} "
+            f"is saved in {path}; continue with --resume {path}. To fit, try: " + "; ".join(advice) + "."
+        )
+        raise OutOfMemoryStop(message)
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def checkpoint_state(self):
+        return {
+            "format": "qca_lowmem.train/1",
+            "episode": self.next_episode,
+            "model_state_dict": self.model.state_dict(),
+            "optimizer_state_dict": self.optimizer.state_dict(),
+            "scheduler_state_dict": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler_state_dict": self.scaler.state_dict() if self.scaler is not None else None,
+            "rng_state": rng_state(),
+            "policy": dataclasses.asdict(self.policy),
+            "config": dataclasses.asdict(self.config),
+            "world_size": self.dist.world_size,
+        }
+
+    def save_checkpoint(self, path=None):
+        path = Path(path) if path is not None else self.out_dir / CHECKPOINT_NAME
+        if self.dist.rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_save(self.checkpoint_state(), path)
+        return path
+
+    def load_checkpoint(self, path):
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        if state.get("format") != "qca_lowmem.train/1":
+            raise ValueError(f"{path} is not a qca-lowmem train checkpoint (format {state.get('format')!r})")
+        saved = state["config"]
+        for name in ("d_state", "hidden", "grid", "qca_steps", "seed", "gamma", "max_noise"):
+            if saved[name] != getattr(self.config, name):
+                raise ValueError(f"--resume {path}: the checkpoint has {name}={saved[name]!r} but this run has "
+                                 f"{name}={getattr(self.config, name)!r}; resuming would not continue the same run")
+        if state["world_size"] * saved["accumulate"] != self.episodes_per_step():
+            self._log(f"warning: the checkpoint ran {state['world_size'] * saved['accumulate']} episodes per optimizer "
+                      f"step, this run {self.episodes_per_step()}; the continuation differs from the original run")
+        self.model.load_state_dict(state["model_state_dict"])
+        self.optimizer.load_state_dict(state["optimizer_state_dict"])
+        if self.scheduler is not None and state["scheduler_state_dict"] is not None:
+            self.scheduler.load_state_dict(state["scheduler_state_dict"])
+        if self.scaler is not None and state["scaler_state_dict"] is not None:
+            self.scaler.load_state_dict(state["scaler_state_dict"])
+        set_rng_state(state["rng_state"])
+        self.policy = Policy(**state["policy"])
+        self.next_episode = state["episode"]
+        return self.next_episode
+
+    # -- logging ----------------------------------------------------------------------------
+    def _log(self, message):
+        if self.dist.rank == 0:
+            print(f"qca-lowmem: {message}", file=sys.stderr, flush=True)
+
+    def _memory_column(self):
+        return "peak_bytes" if self.device.type == "cuda" else "saved_bytes"
+
+    def _open_csv(self):
+        path = self.out_dir / METRICS_NAME
+        header = ["episode", "loss", *METRIC_KEYS, self._memory_column(), "seconds", "policy"]
+        kept = []
+        if path.exists() and self.next_episode > 0:
+            with open(path, newline="") as f:
+                kept = [row for row in csv.DictReader(f) if int(row["episode"]) < self.next_episode]
+        f = open(path, "w", newline="")
+        writer = csv.DictWriter(f, fieldnames=header)
+        writer.writeheader()
+        for row in kept:
+            writer.writerow({k: row.get(k, "") for k in header})
+        return f, writer
+
+    def _tensorboard_writer(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            return None
+        return SummaryWriter(str(self.out_dir / "tensorboard"))
+
+    # -- the loop ---------------------------------------------------------------------------
+    def fit(self, callback: Optional[Callable[[dict], None]] = None) -> List[dict]:
+        """Run episodes next_episode..episodes-1; returns one dict per episode run."""
+        config = self.config
+        total = config.episodes
+        results = []
+        csv_file = writer = board = bar = None
+        if self.dist.rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            csv_file, writer = self._open_csv()
+            board = self._tensorboard_writer()
+            if self.progress:
+                from tqdm import tqdm
+
+                bar = tqdm(total=total, initial=self.next_episode, desc="qca-lowmem train", unit="episode", dynamic_ncols=True)
+        group = self.episodes_per_step()
+        try:
+            while self.next_episode < total:
+                first = self.next_episode
+                count = min(group, total - first)
+                rows = self.train_step(first, count)
+                self.next_episode = first + count
+                for row in rows:
+                    record = dict(zip(["episode", "loss", *METRIC_KEYS, self._memory_column(), "seconds"], row))
+                    record["episode"] = int(record["episode"])
+                    record[self._memory_column()] = int(record[self._memory_column()])
+                    record["policy"] = self.policy.describe()
+                    results.append(record)
+                    if writer is not None:
+                        writer.writerow(record)
+                        csv_file.flush()
+                    if board is not None:
+                        for key in ("loss", *METRIC_KEYS, self._memory_column(), "seconds"):
+                            board.add_scalar(key, record[key], record["episode"])
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(episode=record["episode"], loss=f"{record['loss']:.4f}",
+                                        surv=f"{record['survival']:.3f}", sym=f"{record['symmetry']:.3f}",
+                                        cplx=f"{record['complexity']:.3f}", mem=format_bytes(record[self._memory_column()]))
+                    if callback is not None:
+                        callback(record)
+                if config.save_every and (self.next_episode // config.save_every) > (first // config.save_every):
+                    self.save_checkpoint()
+            self.save_checkpoint()
+        finally:
+            if bar is not None:
+                bar.close()
+            if csv_file is not None:
+                csv_file.close()
+            if board is not None:
+                board.close()
+        return results
+
+    def replica_difference(self) -> float:
+        """Largest |parameter difference| between this rank and rank 0 over all ranks (DDP check)."""
+        flat = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+        reference = self.dist.broadcast_(flat.clone())
+        diff = torch.tensor([(flat - reference).abs().max().item()], device=self._gather_device())
+        return self.dist.all_reduce_(diff, op="max").item()
+
+
+def format_bytes(n) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def parse_bytes(text: str, allow_zero: bool = False) -> int:
+    """'3.68GiB', '512 MiB', '4GB', '1e9' -> bytes."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+             "k": 2**10, "m": 2**20, "g": 2**30}
+    s = str(text).strip().lower().replace(" ", "")
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = None
+    if value is None or unit not in units or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"memory size must look like 3.68GiB, 512MiB or 4GB, got {text!r}")
+    return int(value * units[unit])
+
+
+def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, progress: bool = True) -> List[dict]:
+    """Run the reference trainer as `qca-lowmem train` does."""
+    set_allocator_defaults()
+    distributed = Distributed(ddp)
+    try:
+        trainer = Trainer(config, distributed, progress=progress)
+        if resume:
+            trainer.load_checkpoint(resume)
+        results = trainer.fit()
+        if distributed.world_size > 1:
+            difference = trainer.replica_difference()
+            if distributed.rank == 0:
+                with open(trainer.out_dir / "ddp_check.json", "w") as f:
+                    json.dump({"world_size": distributed.world_size, "max_param_difference": difference}, f)
+            if difference != 0.0:
+                trainer._log(f"warning: parameters differ across ranks by up to {difference:.3e}")
+        return results
+    finally:
+        distributed.close()
