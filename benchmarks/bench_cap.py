@@ -1,0 +1,97 @@
+"""100 training episodes of configs/default.yaml under a 3.68 GiB cap (the users' GPU).
+
+    python benchmarks/bench_cap.py [--config configs/default.yaml] [--cap 3.68GiB] [--episodes 100]
+
+Caps this process with torch.cuda.set_per_process_memory_fraction, runs the reference trainer
+(qca_lowmem.train) and writes benchmarks/results/cap_<device>.json:
+{"kind": "cap", "cap_bytes", "episodes", "oom", "peak_bytes", "losses", "device", "commit", "date", ...}
+plus the metrics of every episode and the stock quality bars (survival < 1.0, symmetry < 0.5).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
+
+from qca_lowmem.bench import environment  # noqa: E402
+from qca_lowmem.train import OutOfMemoryStop, Trainer, load_config, parse_bytes  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
+    parser.add_argument("--cap", default="3.68GiB")
+    parser.add_argument("--episodes", type=int, default=100)
+    parser.add_argument("--amp-dtype", default=None, help="override the config's amp_dtype (fp32, bf16, fp16)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_cap.py needs a CUDA GPU")
+
+    device = torch.device("cuda")
+    cap = parse_bytes(args.cap)
+    total = torch.cuda.get_device_properties(device).total_memory
+    if cap > total:
+        sys.exit(f"cap {args.cap} is larger than this GPU ({total} bytes)")
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+
+    run_dir = tempfile.mkdtemp(prefix="qca_cap_")
+    config = load_config(args.config, episodes=args.episodes, device="cuda", out_dir=run_dir, save_every=0,
+                         amp_dtype=args.amp_dtype)
+    records, oom, message = [], False, None
+    peak = 0
+    trainer = Trainer(config, progress=True)
+    try:
+        trainer.fit(callback=records.append)
+    except (OutOfMemoryStop, torch.OutOfMemoryError) as error:
+        oom, message = True, str(error)
+    peak = max([r["peak_bytes"] for r in records], default=0)
+    # The guard may have lowered the policy; an OOM that it absorbed still counts as one.
+    lowered = any(r["policy"] != records[0]["policy"] for r in records) if records else False
+
+    last = records[-10:]
+    survival = sum(r["survival"] for r in last) / max(1, len(last))
+    symmetry = sum(r["symmetry"] for r in last) / max(1, len(last))
+    env = environment(device)
+    result = {
+        "kind": "cap",
+        "cap_bytes": cap,
+        "episodes": len(records),
+        "oom": oom or lowered,
+        "peak_bytes": peak,
+        "losses": [r["loss"] for r in records],
+        "device": env["device"],
+        "commit": env["commit"],
+        "date": env["date"],
+        "torch": env["torch"],
+        "cuda": env["cuda"],
+        "config": {k: v for k, v in dataclasses.asdict(config).items() if k not in ("out_dir", "device")},
+        "policy_at_end": records[-1]["policy"] if records else None,
+        "metrics": [{k: r[k] for k in ("survival", "symmetry", "complexity", "seconds")} for r in records],
+        "quality": {"survival_last10_mean": survival, "symmetry_last10_mean": symmetry,
+                    "survival_below_1": survival < 1.0, "symmetry_below_0_5": symmetry < 0.5},
+        "error": message,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = re.sub(r"[^A-Za-z0-9]+", "_", env["device"]).strip("_").lower()
+    path = out / f"cap_{name}.json"
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"{len(records)} episodes, oom={result['oom']}, peak {peak / 2**30:.3f} GiB of a {cap / 2**30:.2f} GiB cap; "
+          f"last-10 survival {survival:.3f}, symmetry {symmetry:.3f}; wrote {path}")
+    return 1 if result["oom"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

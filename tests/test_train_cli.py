@@ -1,0 +1,286 @@
+"""The reference trainer and the qca-lowmem CLI on tiny CPU configs."""
+
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import qca_lowmem
+from qca_lowmem import cli, train as train_mod
+from qca_lowmem.plan import Estimate, recommend, recorded_states
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_PARTS = hasattr(qca_lowmem, "rollout") and hasattr(qca_lowmem, "UNetUnitary")
+needs_parts = pytest.mark.skipif(not HAVE_PARTS, reason="qca_lowmem.rollout and qca_lowmem.UNetUnitary must have landed")
+
+TINY = {
+    "model": {"d_state": 2, "hidden": 8},
+    "training": {"grid": 8, "qca_steps": 5, "episodes": 4, "seed": 3, "max_noise": 0.0},
+    "lowmem": {"checkpoint": "step"},
+    "output": {"save_every": 2},
+    "device": "cpu",
+}
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    return str(path)
+
+
+def run_cli(*args):
+    return cli.main([str(a) for a in args])
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def load_params(path):
+    return torch.load(path, weights_only=False)["model_state_dict"]
+
+
+@needs_parts
+def test_train_writes_csv_and_checkpoint(tiny_config, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli("train", "--config", tiny_config, "--out", out, "--no-progress") == 0
+    rows = read_csv(out / "metrics.csv")
+    assert [int(r["episode"]) for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        assert float(r["loss"]) == float(r["loss"])  # finite, not NaN
+        assert int(r["saved_bytes"]) > 0 and float(r["seconds"]) > 0
+        assert r["policy"] == "checkpoint=step batch=1"
+        assert {"survival", "symmetry", "complexity"} <= set(r)
+    state = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert state["episode"] == 4
+    assert {"model_state_dict", "optimizer_state_dict", "scheduler_state_dict", "scaler_state_dict",
+            "rng_state", "policy", "config"} <= set(state)
+    assert "inc.conv_block.0.weight" in state["model_state_dict"]  # stock state_dict keys
+    assert len(state["optimizer_state_dict"]["state"]) == len(state["model_state_dict"])
+    assert "last loss" in capsys.readouterr().out
+
+
+@needs_parts
+def test_resume_continues_exactly(tiny_config, tmp_path):
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert run_cli("train", "--config", tiny_config, "--out", full, "--no-progress") == 0
+    assert run_cli("train", "--config", tiny_config, "--out", split, "--episodes", 2, "--no-progress") == 0
+    assert torch.load(split / "checkpoint.pt", weights_only=False)["episode"] == 2
+    assert run_cli("train", "--config", tiny_config, "--out", split, "--resume", "--no-progress") == 0
+    full_rows, split_rows = read_csv(full / "metrics.csv"), read_csv(split / "metrics.csv")
+    assert [r["episode"] for r in split_rows] == ["0", "1", "2", "3"]
+    assert [r["loss"] for r in split_rows] == [r["loss"] for r in full_rows]
+    a, b = load_params(full / "checkpoint.pt"), load_params(split / "checkpoint.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@needs_parts
+def test_resume_refuses_a_different_model(tiny_config, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("train", "--config", tiny_config, "--out", out, "--episodes", 1, "--no-progress") == 0
+    with pytest.raises(ValueError, match="hidden=8 but this run has hidden=16"):
+        run_cli("train", "--config", tiny_config, "--out", out, "--hidden", 16, "--resume", "--no-progress")
+
+
+def _inject_oom(monkeypatch, when):
+    original = train_mod.Trainer.forward_episode
+    calls = []
+
+    def forward_episode(self, episode, policy):
+        calls.append((episode, policy.describe()))
+        if when(episode, policy):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (injected)")
+        return original(self, episode, policy)
+
+    monkeypatch.setattr(train_mod.Trainer, "forward_episode", forward_episode)
+    return calls
+
+
+@needs_parts
+def test_oom_guard_lowers_the_policy_and_continues(tiny_config, tmp_path, monkeypatch, capsys):
+    reference = tmp_path / "reference"
+    assert run_cli("train", "--config", tiny_config, "--out", reference, "--no-progress") == 0
+    calls = _inject_oom(monkeypatch, lambda episode, policy: episode >= 1 and policy.checkpoint == "step")
+    out = tmp_path / "run"
+    assert run_cli("train", "--config", tiny_config, "--out", out, "--no-progress") == 0
+    assert calls[:3] == [(0, "checkpoint=step batch=1"), (1, "checkpoint=step batch=1"),
+                         (1, "checkpoint=revolve slots=1 batch=1")]
+    assert "out of memory at episode 1" in capsys.readouterr().err
+    rows = read_csv(out / "metrics.csv")
+    assert [r["policy"] for r in rows] == ["checkpoint=step batch=1"] + ["checkpoint=revolve slots=1 batch=1"] * 3
+    # The retried episodes are the same episodes: revolve gives stock gradients, so the same losses.
+    for r, ref in zip(rows, read_csv(reference / "metrics.csv")):
+        assert float(r["loss"]) == pytest.approx(float(ref["loss"]), rel=1e-5)
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["policy"]["checkpoint"] == "revolve"
+
+
+@needs_parts
+def test_oom_guard_saves_and_explains_when_nothing_fits(tiny_config, tmp_path, monkeypatch, capsys):
+    calls = _inject_oom(monkeypatch, lambda episode, policy: episode >= 2)
+    out = tmp_path / "run"
+    status = run_cli("train", "--config", tiny_config, "--out", out, "--batch", 2, "--no-progress")
+    assert status == train_mod.EXIT_OOM
+    tried = [p for e, p in calls if e == 2]
+    assert tried == ["checkpoint=step batch=2", "checkpoint=revolve slots=1 batch=2", "checkpoint=revolve slots=1 batch=1"]
+    err = capsys.readouterr().err
+    assert "out of memory at episode 2" in err and f"--resume {out / 'checkpoint.pt'}" in err
+    assert "--amp-dtype bf16" in err and "qca-lowmem plan" in err
+    state = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert state["episode"] == 2  # no progress lost: episodes 0 and 1 are in it
+
+
+def test_policy_lowering_chain():
+    policy = train_mod.Policy("step", None, 4)
+    chain = []
+    while policy is not None:
+        chain.append(policy.describe())
+        policy = policy.lowered(qca_steps=500)
+    assert chain == ["checkpoint=step batch=4", "checkpoint=revolve slots=32 batch=4", "checkpoint=revolve slots=8 batch=4",
+                     "checkpoint=revolve slots=2 batch=4", "checkpoint=revolve slots=2 batch=2",
+                     "checkpoint=revolve slots=2 batch=1"]
+
+
+def test_atomic_checkpoint_survives_a_failed_save(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    train_mod.atomic_save({"episode": 1, "weights": torch.arange(5.0)}, path)
+
+    def broken_save(obj, f, *args, **kwargs):
+        f.write(b"partial garbage")
+        raise OSError("disk full (injected)")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        train_mod.atomic_save({"episode": 2, "weights": torch.zeros(5)}, path)
+    monkeypatch.undo()
+    state = torch.load(path)
+    assert state["episode"] == 1 and torch.equal(state["weights"], torch.arange(5.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # no temporary left behind
+
+
+@needs_parts
+def test_ddp_two_cpu_processes_equal_a_single_process(tiny_config, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
+    ddp, single = tmp_path / "ddp", tmp_path / "single"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+               "-m", "qca_lowmem", "train", "--ddp", "--config", tiny_config, "--out", str(ddp), "--no-progress"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert run_cli("train", "--config", tiny_config, "--out", single, "--accumulate", 2, "--no-progress") == 0
+
+    check = json.loads((ddp / "ddp_check.json").read_text())
+    assert check == {"world_size": 2, "max_param_difference": 0.0}  # both ranks hold the same parameters
+    a, b = load_params(ddp / "checkpoint.pt"), load_params(single / "checkpoint.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # 2 ranks == 1 process accumulating 2 episodes, bit for bit
+    assert [r["loss"] for r in read_csv(ddp / "metrics.csv")] == [r["loss"] for r in read_csv(single / "metrics.csv")]
+
+
+@needs_parts
+def test_bench_writes_json_and_plot(tiny_config, tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert run_cli("bench", "--config", tiny_config, "--steps", "2,8", "--out", out) == 0
+    result = json.loads((out / "bench_cpu.json").read_text())
+    assert result["kind"] == "bench" and result["measure"] == "saved_bytes"
+    assert [r["qca_steps"] for r in result["rows"]] == [2, 8]
+    short, long = result["rows"]
+    # stock keeps every step's activations; step recompute keeps one psi per step
+    assert long["stock_bytes"] > 3 * short["stock_bytes"]
+    assert long["lowmem_bytes"] < long["stock_bytes"] / 4
+    printed = capsys.readouterr().out
+    assert "qca_steps" in printed and "bench_cpu.json" in printed
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "bench_cpu.png").stat().st_size > 0
+
+
+@needs_parts
+def test_plan_predicts_and_recommends(tiny_config, capsys):
+    assert run_cli("plan", "--config", tiny_config, "--gpu-mem", "1GiB", "--json") == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["recommendation"] == "stock"  # a tiny model fits anything: no recompute needed
+    by_name = {e["name"]: e for e in result["estimates"]}
+    stock, step = by_name["stock"], by_name["lowmem step fp32"]
+    params = result["parameters"]
+    assert stock["model_state_bytes"] == step["model_state_bytes"] == 16 * params
+    psi = 8 * 8 * 2 * 8
+    assert step["kept_bytes"] == (5 + recorded_states(5)) * psi
+    assert stock["kept_bytes"] > step["kept_bytes"]
+    # Nothing fits in less than the model state: exit 1 with advice.
+    assert run_cli("plan", "--config", tiny_config, "--gpu-mem", f"{16 * params}B", "--reserve", "0") == 1
+    assert "nothing fits" in capsys.readouterr().out
+
+
+def _estimate(name, peak):
+    return Estimate(name, "step", None, None, model_state_bytes=peak, kept_bytes=0, working_bytes=0)
+
+
+def test_recommend_takes_the_first_policy_that_fits_with_margin():
+    estimates = [_estimate("stock", 5000), _estimate("step", 1000), _estimate("revolve", 500)]
+    assert recommend(estimates, gpu_mem=10_000, reserve=0).name == "stock"
+    assert recommend(estimates, gpu_mem=5400, reserve=0).name == "step"  # 5000 * 1.1 > 5400
+    assert recommend(estimates, gpu_mem=1500, reserve=500).name == "revolve"
+    assert recommend(estimates, gpu_mem=500, reserve=0) is None
+
+
+def test_recorded_states_match_the_stock_history():
+    assert recorded_states(5) == 5  # every step when steps < 10
+    assert recorded_states(500) == 11  # t = 0, 50, ..., 450 and 499
+    assert recorded_states(20) == 11  # every 2nd step (0..18) and t = 19
+
+
+def test_doctor_runs(capsys):
+    assert run_cli("doctor") == 0
+    out = capsys.readouterr().out
+    assert f"torch {torch.__version__}" in out.replace("  ", " ") or torch.__version__ in out
+    assert "_C has CUDA kernels" in out and "allocator settings" in out
+
+
+def test_bad_config_is_a_clear_error(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"training": {"qca_stepz": 5}}))
+    assert run_cli("train", "--config", path) == 2
+    assert "unknown key 'qca_stepz'" in capsys.readouterr().err
+    assert run_cli("train", "--grid", 10) == 2
+    assert "multiple of 4" in capsys.readouterr().err
+    assert run_cli("plan", "--gpu-mem", "lots") == 2
+    assert "3.68GiB" in capsys.readouterr().err
+
+
+def test_parse_bytes():
+    assert train_mod.parse_bytes("3.68GiB") == int(3.68 * 2**30)
+    assert train_mod.parse_bytes("512 MiB") == 512 * 2**20
+    assert train_mod.parse_bytes("4GB") == 4 * 10**9
+    assert train_mod.parse_bytes("0", allow_zero=True) == 0
+
+
+def test_allocator_default_set_only_when_unset(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    train_mod.set_allocator_defaults()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    train_mod.set_allocator_defaults()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
+
+
+def test_shipped_configs_load():
+    default = train_mod.load_config(str(ROOT / "configs" / "default.yaml"))
+    small = train_mod.load_config(str(ROOT / "configs" / "small_gpu.yaml"))
+    for config in (default, small):
+        assert (config.grid, config.d_state, config.hidden, config.qca_steps) == (64, 14, 128, 500)
+    assert small.amp_dtype == "bf16"
+    embedded = train_mod.load_config()
+    assert embedded.device == "auto" and embedded.grid <= 16
+
+
+def test_episode_keys_differ_and_are_stable():
+    keys = {train_mod.episode_key(0, e, s) for e in range(100) for s in (0, 1)}
+    assert len(keys) == 200 and all(0 <= k < 2**63 for k in keys)
+    assert train_mod.episode_key(7, 3, 0) == train_mod.episode_key(7, 3, 0)
