@@ -36,7 +36,9 @@ def run_episodes(trainer, episodes, seed=99):
 
 
 def assert_close(actual, expected, rel=1e-5, what=""):
-    err = (actual - expected).abs().max().item() / max(expected.abs().max().item(), 1e-30)
+    """Norm-wise relative error. Adam turns fp32 rounding in near-zero gradient entries into
+    updates of up to lr, so an entry-wise bound would test rounding, not the computation."""
+    err = (torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected).clamp_min(1e-30)).item()
     assert err <= rel, f"{what}: relative error {err:.3e} > {rel}"
 
 
@@ -107,8 +109,8 @@ def test_disable_restores_stock_behaviour():
     original_scaler = trainer.scaler
     blocks_before = [type(m) for m in trainer.motor.operator.modules()]
     qca_lowmem.enable(trainer)
-    trainer.scaler.update(256.0)
     run_episodes(trainer, range(1))
+    trainer.scaler.update(256.0)
     qca_lowmem.disable(trainer)
 
     assert [type(m) for m in trainer.motor.operator.modules()] == blocks_before

@@ -74,7 +74,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     from .train import set_allocator_defaults
 
-    set_allocator_defaults()  # before anything can initialise CUDA
+    if args.command != "doctor":  # doctor reports the environment as the user set it
+        set_allocator_defaults()  # before anything can initialise CUDA
     try:
         if args.command == "train":
             return _train(args)
