@@ -87,9 +87,12 @@ def _library_piece(name: str, issue: str):
     return piece
 
 
-def noise_schedule(rate: float, seed: int):
-    """The rollout's replayable noise with the stock semantics at `rate`, keyed by `seed`."""
-    return _library_piece("NoiseSchedule", "the rollout (issue 4)")(rate=rate, seed=seed)
+def noise_schedule(max_noise: float, episode: int, seed: int):
+    """The rollout's replayable stock noise for `episode` (curriculum included), keyed by `seed`;
+    None when the episode's rate leaves it off, as stock does."""
+    if noise_rate(episode, max_noise) <= 0.001:
+        return None
+    return _library_piece("NoiseSchedule", "the rollout (issue 4)")(max_noise, episode, seed)
 
 
 def lowmem_scaler_from(scaler):
@@ -127,14 +130,9 @@ class _Saved:
     convert_report: Any = None
 
 
-def _stock_conv_blocks(root: torch.nn.Module):
-    """(parent, attribute name, module) of every submodule of class ConvBlock, outermost first."""
-    found = []
-    for parent in root.modules():
-        for name, child in parent.named_children():
-            if type(child).__name__ == "ConvBlock":
-                found.append((parent, name, child))
-    return found
+def _children(root: torch.nn.Module):
+    """(parent, attribute name, child) of every submodule edge under root."""
+    return [(parent, name, child) for parent in root.modules() for name, child in parent.named_children()]
 
 
 def _infer_d_state(trainer, operator) -> int:
@@ -186,12 +184,11 @@ def _lowmem_train_episode(trainer, episode_num):
     psi0 = opts["initial_state"](trainer) if opts["initial_state"] is not None else stock_initial_state(
         opts["batch_size"], *opts["grid"], opts["d_state"], device
     )
-    rate = noise_rate(episode_num, trainer.max_noise)
     noise = None
-    if rate > 0.001:
+    if noise_rate(episode_num, trainer.max_noise) > 0.001:
         # One draw from the trainer's RNG keys the whole episode's noise, so recompute replays it.
         seed = int(torch.randint(0, 2**62, (1,)).item())
-        noise = noise_schedule(rate, seed)
+        noise = noise_schedule(trainer.max_noise, episode_num, seed)
     steps = trainer.qca_steps
     amp_dtype = opts["amp_dtype"]
     with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
@@ -307,8 +304,10 @@ def enable(
 
     if convert is not None:
         params_before = [id(p) for p in operator.parameters()]
-        state.blocks = _stock_conv_blocks(operator)
+        edges = _children(operator)
         _, state.convert_report = convert(operator)
+        # What convert() swapped, so disable() can put the very same stock modules back.
+        state.blocks = [(parent, name, child) for parent, name, child in edges if getattr(parent, name) is not child]
         if [id(p) for p in operator.parameters()] != params_before:
             _restore_blocks(state.blocks)
             raise RuntimeError("enable(): convert() did not keep the operator's Parameter objects; nothing was changed")
@@ -331,8 +330,7 @@ def enable(
 
 
 def _restore_blocks(blocks):
-    # Innermost first, so an outer block put back does not hide an inner one still to restore.
-    for parent, name, module in reversed(blocks):
+    for parent, name, module in blocks:
         setattr(parent, name, module)
 
 

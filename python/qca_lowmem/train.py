@@ -27,7 +27,7 @@ from typing import Callable, List, Optional
 import torch
 
 from . import integration
-from .integration import check_policy, noise_rate, parse_amp_dtype, record_every, stock_initial_state
+from .integration import check_policy, parse_amp_dtype, record_every, stock_initial_state
 from .memory import saved_bytes
 from .ops import qca_pack, qca_update
 
@@ -252,7 +252,9 @@ def set_rng_state(state):
 def build_model(config: TrainConfig, device) -> torch.nn.Module:
     unet = integration._library_piece("UNetUnitary", "the fused blocks (issue 3)")
     torch.manual_seed(config.seed)
-    return unet(config.d_state, config.hidden).to(device)
+    # fused_blocks: the U-Net recomputes its intermediates in backward (outside a step-level
+    # recompute, which already does); off, it keeps them as stock autograd does.
+    return unet(config.d_state, config.hidden, recompute="unet" if config.fused_blocks else "none").to(device)
 
 
 class Distributed:
@@ -346,10 +348,7 @@ class Trainer:
         return stock_initial_state(batch, self.config.grid, self.config.grid, self.config.d_state, self.device, generator)
 
     def noise_for(self, episode: int):
-        rate = noise_rate(episode, self.config.max_noise)
-        if rate <= 0.001:
-            return None
-        return integration.noise_schedule(rate, episode_key(self.config.seed, episode, 1))
+        return integration.noise_schedule(self.config.max_noise, episode, episode_key(self.config.seed, episode, 1))
 
     def forward_episode(self, episode: int, policy: Policy):
         """psi0 -> rollout -> loss for one episode; returns (loss, metrics, psi_T)."""
