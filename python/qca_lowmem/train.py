@@ -331,7 +331,7 @@ class Trainer:
         self.next_episode = 0
         self.progress = progress and self.dist.rank == 0
         self.out_dir = Path(config.out_dir)
-        self._tensorboard = None
+        self._saved_bytes_cache = {}
 
     # -- episodes ---------------------------------------------------------------------------
     def episodes_per_step(self) -> int:
@@ -370,24 +370,25 @@ class Trainer:
             start = time.perf_counter()
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
-            out = {}
-
-            def forward():
-                out["loss"], out["metrics"], out["psi"] = self.forward_episode(episode, policy)
-
-            if self.device.type == "cpu":
-                memory = saved_bytes(forward)
-            else:
-                forward()
-            loss = out.pop("loss")
+            loss, metrics, _ = self.forward_episode(episode, policy)
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             if self.device.type == "cuda":
                 memory = torch.cuda.max_memory_allocated(self.device)
-            metrics = out["metrics"]
+            else:
+                memory = self._saved_bytes(episode, policy)
             rows.append([episode, loss.item()] + [metrics[k] for k in METRIC_KEYS]
                         + [memory, time.perf_counter() - start])
-            del loss, out
+            del loss
         return rows
+
+    def _saved_bytes(self, episode: int, policy: Policy) -> int:
+        """What an episode's graph keeps for backward (CPU memory column), measured by a separate
+        forward whose graph is dropped, once per policy and noise state: the training forward runs
+        without saved-tensor hooks, which can change how a custom Function's saved leaves unpack."""
+        key = (policy.checkpoint, policy.slots, policy.batch, self.noise_for(episode) is not None)
+        if key not in self._saved_bytes_cache:
+            self._saved_bytes_cache[key] = saved_bytes(self.forward_episode, episode, policy)
+        return self._saved_bytes_cache[key]
 
     def _average_gradients(self, count: int):
         params = [p for p in self.model.parameters() if p.requires_grad]
