@@ -19,6 +19,8 @@ def _add_config_options(parser, training: bool):
     parser.add_argument("--checkpoint", choices=("step", "revolve", "none"), help="recompute policy of the lowmem path")
     parser.add_argument("--slots", type=int, help="stored states for --checkpoint revolve")
     parser.add_argument("--amp-dtype", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; 1 is "
+                                                    "much faster on a CPU shared with other jobs)")
     if training:
         parser.add_argument("--episodes", type=int, help="total episodes (a resumed run continues up to this)")
         parser.add_argument("--accumulate", type=int, help="episodes per optimizer step per process")
@@ -76,6 +78,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.command != "doctor":  # doctor reports the environment as the user set it
         set_allocator_defaults()  # before anything can initialise CUDA
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         if args.command == "train":
             return _train(args)
