@@ -214,9 +214,9 @@ def test_bench_writes_json_and_plot(tiny_config, tmp_path, capsys):
 def test_plan_predicts_and_recommends(tiny_config, capsys):
     assert run_cli("plan", "--config", tiny_config, "--gpu-mem", "1GiB", "--json") == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["recommendation"] == "stock"  # a tiny model fits anything: no recompute needed
+    assert result["recommendation"] == "lowmem step fp32"  # the most faithful policy, when it fits
     by_name = {e["name"]: e for e in result["estimates"]}
-    stock, step = by_name["stock"], by_name["lowmem step fp32"]
+    stock, step = by_name["stock (for reference)"], by_name["lowmem step fp32"]
     params = result["parameters"]
     assert stock["model_state_bytes"] == step["model_state_bytes"] == 16 * params
     psi = 8 * 8 * 2 * 8
@@ -227,14 +227,15 @@ def test_plan_predicts_and_recommends(tiny_config, capsys):
     assert "nothing fits" in capsys.readouterr().out
 
 
-def _estimate(name, peak):
-    return Estimate(name, "step", None, None, model_state_bytes=peak, kept_bytes=0, working_bytes=0)
+def _estimate(name, checkpoint, peak):
+    return Estimate(name, checkpoint, None, None, model_state_bytes=peak, kept_bytes=0, working_bytes=0)
 
 
 def test_recommend_takes_the_first_policy_that_fits_with_margin():
-    estimates = [_estimate("stock", 5000), _estimate("step", 1000), _estimate("revolve", 500)]
-    assert recommend(estimates, gpu_mem=10_000, reserve=0).name == "stock"
-    assert recommend(estimates, gpu_mem=5400, reserve=0).name == "step"  # 5000 * 1.1 > 5400
+    estimates = [_estimate("stock", "stock", 10), _estimate("step fp32", "step", 5000),
+                 _estimate("step bf16", "step", 1000), _estimate("revolve", "revolve", 500)]
+    assert recommend(estimates, gpu_mem=10_000, reserve=0).name == "step fp32"  # stock is never recommended
+    assert recommend(estimates, gpu_mem=5400, reserve=0).name == "step bf16"  # 5000 * 1.1 > 5400
     assert recommend(estimates, gpu_mem=1500, reserve=500).name == "revolve"
     assert recommend(estimates, gpu_mem=500, reserve=0) is None
 
@@ -285,7 +286,7 @@ def test_shipped_configs_load():
     small = train_mod.load_config(str(ROOT / "configs" / "small_gpu.yaml"))
     for config in (default, small):
         assert (config.grid, config.d_state, config.hidden, config.qca_steps) == (64, 14, 128, 500)
-    assert small.amp_dtype == "bf16"
+    assert small.amp_dtype == "fp16" and small.checkpoint == "step"
     embedded = train_mod.load_config()
     assert embedded.device == "auto" and embedded.grid <= 32 and embedded.hidden <= 16
 

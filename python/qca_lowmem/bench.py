@@ -1,5 +1,8 @@
 """`qca-lowmem bench`: stock vs lowmem episodes on the same model, in one process.
 
+stock: the users' computation (plain ConvBlock layers, plain-torch step, full autograd graph);
+lowmem: fused blocks and step ops under the configured rollout policy.
+
 On the CPU the measure is `saved_bytes` of the episode's forward (what autograd keeps for
 backward); on CUDA it is peak allocated memory and the episode's time.
 """
@@ -16,11 +19,10 @@ from typing import List, Optional
 
 import torch
 
-from ._recompute import keep_block_intermediates
 from .integration import parse_amp_dtype, record_every, stock_initial_state
 from .memory import saved_bytes
 from .ops import qca_pack, qca_update
-from .train import TrainConfig, build_model, evolutionary_loss, format_bytes, resolve_device, stock_step
+from .train import StockForward, TrainConfig, build_model, evolutionary_loss, format_bytes, resolve_device, stock_step
 
 
 def library_commit() -> Optional[str]:
@@ -57,6 +59,7 @@ class EpisodeRunner:
         self.device = device
         self.amp_dtype = parse_amp_dtype(config.amp_dtype)
         self.model = model if model is not None else build_model(config, device)
+        self.stock_model = StockForward(self.model)
         from .integration import _library_piece
 
         self.rollout = _library_piece("rollout", "the rollout (issue 4)")
@@ -65,8 +68,8 @@ class EpisodeRunner:
         gamma = self.config.gamma
         if variant == "stock":
             def step(psi):
-                return stock_step(psi, self.model, gamma)
-            policy, blocks = dict(checkpoint="none"), keep_block_intermediates(True)
+                return stock_step(psi, self.stock_model, gamma)
+            policy, blocks = dict(checkpoint="none"), contextlib.nullcontext()
         else:
             def step(psi):
                 return qca_update(psi, self.model(qca_pack(psi)), gamma, True)

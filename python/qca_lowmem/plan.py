@@ -1,9 +1,9 @@
 """`qca-lowmem plan`: predict peak GPU memory of an episode and recommend a policy that fits.
 
-Peak = model state (fp32 weights 4 B/param, gradients 4 B/param, AdamW moments 8 B/param, plus
-the autocast weight copies 2 B/param under amp) + the states the policy keeps across the episode
-+ one step's working set (the step's graph while it is backpropagated, plus gradients in flight,
-estimated as twice its largest tensor).
+Peak = model state (fp32 weights 4 B/param, gradients 4 B/param, AdamW moments 8 B/param) + the
+states the policy keeps across the episode + one step's working set (the step's graph while it is
+backpropagated, autocast's weight copies included, plus gradients in flight, estimated as twice
+its largest tensor).
 
 A step's graph is measured on the CPU with `saved_bytes` at two small grids of the real model
 (activations grow with the grid's area and the batch) and extrapolated; nothing runs on the GPU.
@@ -19,7 +19,7 @@ import torch
 from ._recompute import keep_block_intermediates
 from .integration import parse_amp_dtype
 from .ops import qca_pack, qca_update
-from .train import TrainConfig, build_model, format_bytes, parse_bytes, stock_step
+from .train import StockForward, TrainConfig, build_model, format_bytes, parse_bytes, stock_step
 
 SAFETY = 1.10  # allocator rounding and fragmentation, cuDNN/cuBLAS workspaces
 _PROBE_GRIDS = (8, 16)
@@ -68,11 +68,12 @@ def _measure_one(model, config: TrainConfig, variant: str, amp_dtype, grid: int)
     psi = torch.complex(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
     psi = (psi / psi.abs().pow(2).sum(-1, keepdim=True).sqrt()).requires_grad_(True)
     autocast = torch.autocast("cpu", dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), keep_block_intermediates(True), autocast:
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
         if variant == "stock":
-            out = stock_step(psi, model, config.gamma)
-        else:
-            out = qca_update(psi, model(qca_pack(psi)), config.gamma, True)
+            out = stock_step(psi, StockForward(model), config.gamma)
+        else:  # a step as the rollout recomputes it: blocks keep their intermediates
+            with keep_block_intermediates(True):
+                out = qca_update(psi, model(qca_pack(psi)), config.gamma, True)
     del out
     sizes = [s.nbytes() for s in storages.values()]
     return sum(sizes), max(sizes, default=0)
@@ -87,8 +88,9 @@ def measure_step(config: TrainConfig, variant: str, amp_dtype=None, model=None) 
     area, a1, a2 = config.grid**2, g1**2, g2**2
 
     def extrapolate(y1, y2):
+        # Activations grow with area and batch; the intercept (autocast's weight copies) does not.
         slope = (y2 - y1) / (a2 - a1)
-        return max(0, int(round((y1 + slope * (area - a1)) * config.batch)))
+        return max(0, int(round(y1 - slope * a1 + slope * area * config.batch)))
 
     return StepMeasure(extrapolate(s1, s2), extrapolate(l1, l2))
 
@@ -99,8 +101,9 @@ def recorded_states(steps: int) -> int:
 
 
 def candidates(config: TrainConfig):
-    """(name, checkpoint, slots, amp) in order of preference: faithful and fast first."""
-    out = [("stock", "none", None, None), ("lowmem step fp32", "step", None, None),
+    """(name, checkpoint, slots, amp) in order of preference: faithful and fast first. The first,
+    the users' stock trainer, is shown for reference and never recommended."""
+    out = [("stock (for reference)", "stock", None, None), ("lowmem step fp32", "step", None, None),
            ("lowmem step bf16", "step", None, "bf16")]
     for slots in (64, 32, 16, 8, 4):
         if slots < config.qca_steps:
@@ -109,16 +112,16 @@ def candidates(config: TrainConfig):
 
 
 def estimate_all(config: TrainConfig, parameters: int, measures: dict) -> List[Estimate]:
-    """measures[(variant, amp)] -> StepMeasure for variant in {stock, lowmem}, amp in {None, 'bf16'}."""
+    """measures[(variant, amp)]: StepMeasure of ("stock", None), ("lowmem", None), ("lowmem", "bf16")."""
     psi_bytes = config.batch * config.grid * config.grid * config.d_state * 8
     history = recorded_states(config.qca_steps)
     estimates = []
     for name, checkpoint, slots, amp in candidates(config):
-        variant = "stock" if checkpoint == "none" else "lowmem"
+        variant = "stock" if checkpoint == "stock" else "lowmem"
         m = measures[(variant, amp)]
-        state = 16 * parameters + (2 * parameters if amp else 0)
+        state = 16 * parameters
         working = m.saved_bytes + 2 * m.largest_bytes
-        if checkpoint == "none":
+        if checkpoint == "stock":
             kept, working = config.qca_steps * m.saved_bytes, 2 * m.largest_bytes
         elif checkpoint == "step":
             kept = (config.qca_steps + history) * psi_bytes
@@ -129,9 +132,11 @@ def estimate_all(config: TrainConfig, parameters: int, measures: dict) -> List[E
 
 
 def recommend(estimates: List[Estimate], gpu_mem: int, reserve: int) -> Optional[Estimate]:
-    """The first estimate (in preference order) whose peak, with the safety margin, fits."""
+    """The first lowmem estimate (in preference order) whose peak, with the safety margin, fits."""
     usable = gpu_mem - reserve
     for estimate in estimates:
+        if estimate.checkpoint == "stock":
+            continue
         if estimate.peak_bytes * SAFETY <= usable:
             return estimate
     return None
@@ -140,10 +145,8 @@ def recommend(estimates: List[Estimate], gpu_mem: int, reserve: int) -> Optional
 def plan(config: TrainConfig, gpu_mem: int, reserve: int) -> dict:
     model = build_model(dataclasses.replace(config, device="cpu"), "cpu")
     parameters = sum(p.numel() for p in model.parameters())
-    measures = {}
-    for variant in ("stock", "lowmem"):
-        for amp in (None, "bf16"):
-            measures[(variant, amp)] = measure_step(config, variant, parse_amp_dtype(amp), model)
+    measures = {(variant, amp): measure_step(config, variant, parse_amp_dtype(amp), model)
+                for variant, amp in (("stock", None), ("lowmem", None), ("lowmem", "bf16"))}
     estimates = estimate_all(config, parameters, measures)
     choice = recommend(estimates, gpu_mem, reserve)
     return {"config": dataclasses.asdict(config), "parameters": parameters, "gpu_mem": gpu_mem, "reserve": reserve,
@@ -151,7 +154,7 @@ def plan(config: TrainConfig, gpu_mem: int, reserve: int) -> dict:
 
 
 def advice_when_nothing_fits(config: TrainConfig, estimates: List[Estimate], gpu_mem: int, reserve: int) -> str:
-    smallest = min(estimates, key=lambda e: e.peak_bytes)
+    smallest = min((e for e in estimates if e.checkpoint != "stock"), key=lambda e: e.peak_bytes)
     return (f"nothing fits in {format_bytes(gpu_mem - reserve)} usable: the smallest policy ({smallest.name}) needs "
             f"{format_bytes(smallest.peak_bytes * SAFETY)} with margin, of which "
             f"{format_bytes(smallest.model_state_bytes)} is model state (weights, gradients, AdamW) that no policy "

@@ -183,6 +183,26 @@ def stock_step(psi, operator, gamma, multiplicative=True):
     return n / (torch.sqrt(torch.sum(torch.abs(n) ** 2, dim=-1, keepdim=True)) + 1e-9)
 
 
+class StockForward(torch.nn.Module):
+    """The users' stock U-Net forward over a qca_lowmem.UNetUnitary's own layers: every block
+    runs its plain `conv_block` Sequential (Conv2d, GroupNorm, ELU), keeping what stock autograd
+    keeps. Same Parameters; the baseline of `bench` and `plan`."""
+
+    def __init__(self, unet: torch.nn.Module):
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, x):
+        u = self.unet
+        x1 = u.inc.conv_block(x)
+        x2 = u.down1[1].conv_block(u.down1[0](x1))
+        x3 = u.down2[1].conv_block(u.down2[0](x2))
+        b = u.bot.conv_block(x3)
+        c1 = u.conv_up1.conv_block(torch.cat([u.up1(b), x2], dim=1))
+        c2 = u.conv_up2.conv_block(torch.cat([u.up2(c1), x1], dim=1))
+        return u.outc(c2)
+
+
 @dataclass
 class Policy:
     """How an episode is run; the OOM guard lowers it step by step."""
