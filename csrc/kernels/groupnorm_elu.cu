@@ -1,0 +1,310 @@
+// CUDA kernels of the fused GroupNorm + ELU (see include/qca_lowmem/groupnorm_elu.h): one thread
+// block per (sample, group) pair, statistics and sums accumulated in acc_t (float, or double for
+// float64 data) with warp-shuffle and shared-memory reductions.
+//
+// Threads are laid out as (pixel lane, channel lane): with NCHW one channel lane, so a warp reads
+// consecutive pixels of one channel; with channels_last up to one lane per channel of the group,
+// so a warp reads the group's consecutive channels of consecutive pixels. Either way each thread
+// keeps one channel at a time, so per-channel sums stay in registers.
+#include <math.h>
+
+#include "qca_cuda_common.cuh"
+#include "qca_lowmem/groupnorm_elu.h"
+
+namespace {
+
+using qca_lowmem_cuda::load_as;
+using qca_lowmem_cuda::store_as;
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+
+struct GroupLayout {
+  int64_t sample, first_channel, channels, pixels;
+  int64_t base, channel_stride, pixel_stride;
+  int channel_lanes, pixel_lanes;  // channel_lanes * pixel_lanes <= kThreads
+  int channel_lane, pixel_lane;
+  bool active;
+
+  __device__ GroupLayout(const qca_gn_shape& s, int64_t pair) {
+    const int64_t hw = s.height * s.width;
+    sample = pair / s.groups;
+    channels = s.channels / s.groups;
+    first_channel = (pair % s.groups) * channels;
+    pixels = hw;
+    if (s.channels_last) {
+      base = sample * hw * s.channels + first_channel;
+      channel_stride = 1;
+      pixel_stride = s.channels;
+      channel_lanes = channels < kThreads ? (int)channels : kThreads;
+    } else {
+      base = (sample * s.channels + first_channel) * hw;
+      channel_stride = hw;
+      pixel_stride = 1;
+      channel_lanes = 1;
+    }
+    pixel_lanes = kThreads / channel_lanes;
+    channel_lane = (int)threadIdx.x % channel_lanes;
+    pixel_lane = (int)threadIdx.x / channel_lanes;
+    active = pixel_lane < pixel_lanes;
+  }
+
+  __device__ int64_t offset(int64_t c, int64_t px) const {
+    return base + c * channel_stride + px * pixel_stride;
+  }
+};
+
+template <typename acc_t>
+struct Welford {
+  acc_t mean, m2;
+  int64_t count;
+};
+
+template <typename acc_t>
+__device__ Welford<acc_t> merge(const Welford<acc_t>& a, const Welford<acc_t>& b) {
+  if (b.count == 0) return a;
+  if (a.count == 0) return b;
+  Welford<acc_t> r;
+  r.count = a.count + b.count;
+  const acc_t delta = b.mean - a.mean;
+  const acc_t b_share = (acc_t)b.count / (acc_t)r.count;
+  r.mean = a.mean + delta * b_share;
+  r.m2 = a.m2 + b.m2 + delta * delta * (acc_t)a.count * b_share;
+  return r;
+}
+
+// Merges every thread's Welford state; the result is returned to all threads.
+template <typename acc_t>
+__device__ Welford<acc_t> block_merge(Welford<acc_t> w) {
+  __shared__ acc_t s_mean[kWarps], s_m2[kWarps];
+  __shared__ int64_t s_count[kWarps];
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    Welford<acc_t> other;
+    other.mean = __shfl_down_sync(0xffffffffu, w.mean, offset);
+    other.m2 = __shfl_down_sync(0xffffffffu, w.m2, offset);
+    other.count = __shfl_down_sync(0xffffffffu, (long long)w.count, offset);
+    w = merge(w, other);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    s_mean[warp] = w.mean;
+    s_m2[warp] = w.m2;
+    s_count[warp] = w.count;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    Welford<acc_t> v{acc_t(0), acc_t(0), 0};
+    if (lane < kWarps) v = Welford<acc_t>{s_mean[lane], s_m2[lane], s_count[lane]};
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      Welford<acc_t> other;
+      other.mean = __shfl_down_sync(0xffffffffu, v.mean, offset);
+      other.m2 = __shfl_down_sync(0xffffffffu, v.m2, offset);
+      other.count = __shfl_down_sync(0xffffffffu, (long long)v.count, offset);
+      v = merge(v, other);
+    }
+    if (lane == 0) {
+      s_mean[0] = v.mean;
+      s_m2[0] = v.m2;
+      s_count[0] = v.count;
+    }
+  }
+  __syncthreads();
+  const Welford<acc_t> result{s_mean[0], s_m2[0], s_count[0]};
+  __syncthreads();  // the shared slots may be reused by a later call
+  return result;
+}
+
+// Sums two values over the block; the results are returned to all threads.
+template <typename acc_t>
+__device__ void block_sum2(acc_t& a, acc_t& b) {
+  __shared__ acc_t s_a[kWarps], s_b[kWarps];
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    a += __shfl_down_sync(0xffffffffu, a, offset);
+    b += __shfl_down_sync(0xffffffffu, b, offset);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    s_a[warp] = a;
+    s_b[warp] = b;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    acc_t va = lane < kWarps ? s_a[lane] : acc_t(0);
+    acc_t vb = lane < kWarps ? s_b[lane] : acc_t(0);
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      va += __shfl_down_sync(0xffffffffu, va, offset);
+      vb += __shfl_down_sync(0xffffffffu, vb, offset);
+    }
+    if (lane == 0) {
+      s_a[0] = va;
+      s_b[0] = vb;
+    }
+  }
+  __syncthreads();
+  a = s_a[0];
+  b = s_b[0];
+  __syncthreads();
+}
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t elu(acc_t z) {
+  return z > acc_t(0) ? z : (acc_t)expm1(z);
+}
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t elu_grad(acc_t z) {
+  return z > acc_t(0) ? acc_t(1) : (acc_t)exp(z);
+}
+
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads) forward_kernel(const qca_gn_elu_params p) {
+  const int64_t pair = blockIdx.x;
+  const GroupLayout g(p.shape, pair);
+  __shared__ acc_t s_stats[2];
+  if (p.stats_given) {
+    if (threadIdx.x == 0) {
+      s_stats[0] = load_as<acc_t>(p.mean, p.stat_dtype, pair);
+      s_stats[1] = load_as<acc_t>(p.rstd, p.stat_dtype, pair);
+    }
+  } else {
+    // One pass with Welford's update: stable without a second read of the group.
+    Welford<acc_t> w{acc_t(0), acc_t(0), 0};
+    if (g.active) {
+      for (int64_t c = g.channel_lane; c < g.channels; c += g.channel_lanes) {
+        for (int64_t px = g.pixel_lane; px < g.pixels; px += g.pixel_lanes) {
+          const acc_t v = load_as<acc_t>(p.x, p.x_dtype, g.offset(c, px));
+          w.count += 1;
+          const acc_t delta = v - w.mean;
+          w.mean += delta / (acc_t)w.count;
+          w.m2 += delta * (v - w.mean);
+        }
+      }
+    }
+    w = block_merge(w);
+    if (threadIdx.x == 0) {
+      const acc_t var = w.count > 0 ? w.m2 / (acc_t)w.count : acc_t(0);
+      const acc_t rstd = acc_t(1) / sqrt(var + (acc_t)p.eps);
+      store_as<acc_t>(p.mean, p.stat_dtype, pair, w.mean);
+      store_as<acc_t>(p.rstd, p.stat_dtype, pair, rstd);
+      s_stats[0] = w.mean;
+      s_stats[1] = rstd;
+    }
+  }
+  __syncthreads();
+  const acc_t mean = s_stats[0], rstd = s_stats[1];
+  if (!g.active) return;
+  for (int64_t c = g.channel_lane; c < g.channels; c += g.channel_lanes) {
+    const acc_t scale = load_as<acc_t>(p.weight, p.affine_dtype, g.first_channel + c) * rstd;
+    const acc_t shift = load_as<acc_t>(p.bias, p.affine_dtype, g.first_channel + c);
+    for (int64_t px = g.pixel_lane; px < g.pixels; px += g.pixel_lanes) {
+      const int64_t i = g.offset(c, px);
+      const acc_t z = (load_as<acc_t>(p.x, p.x_dtype, i) - mean) * scale + shift;
+      store_as<acc_t>(p.y, p.x_dtype, i, elu(z));
+    }
+  }
+}
+
+// Same maths as the C kernel (groupnorm_elu.c): per-channel sums of g and g * xhat, then
+// grad_x from the two weighted group means.
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads) backward_kernel(const qca_gn_elu_backward_params p) {
+  const int64_t pair = blockIdx.x;
+  const GroupLayout g(p.shape, pair);
+  __shared__ acc_t s_bias_grad[kThreads], s_weight_grad[kThreads];
+  const acc_t mean = load_as<acc_t>(p.mean, p.stat_dtype, pair);
+  const acc_t rstd = load_as<acc_t>(p.rstd, p.stat_dtype, pair);
+  int pixel_lanes_pow2 = 1;
+  while (pixel_lanes_pow2 < g.pixel_lanes) pixel_lanes_pow2 <<= 1;
+
+  acc_t weighted_bias_grad = 0, weighted_weight_grad = 0;
+  // Channel chunks are uniform across the block, so the __syncthreads below are reached by all.
+  for (int64_t chunk = 0; chunk < g.channels; chunk += g.channel_lanes) {
+    const int64_t c = chunk + g.channel_lane;
+    const bool has_channel = g.active && c < g.channels;
+    acc_t bias_grad = 0, weight_grad = 0, w = 0;
+    if (has_channel) {
+      w = load_as<acc_t>(p.weight, p.affine_dtype, g.first_channel + c);
+      const acc_t b = load_as<acc_t>(p.bias, p.affine_dtype, g.first_channel + c);
+      for (int64_t px = g.pixel_lane; px < g.pixels; px += g.pixel_lanes) {
+        const int64_t i = g.offset(c, px);
+        const acc_t xhat = (load_as<acc_t>(p.x, p.x_dtype, i) - mean) * rstd;
+        const acc_t grad = load_as<acc_t>(p.grad_y, p.x_dtype, i) * elu_grad(w * xhat + b);
+        bias_grad += grad;
+        weight_grad += grad * xhat;
+      }
+    }
+    s_bias_grad[threadIdx.x] = bias_grad;
+    s_weight_grad[threadIdx.x] = weight_grad;
+    __syncthreads();
+    // Tree sum over the pixel lanes of each channel lane.
+    for (int stride = pixel_lanes_pow2 / 2; stride > 0; stride >>= 1) {
+      if (g.active && g.pixel_lane < stride && g.pixel_lane + stride < g.pixel_lanes) {
+        const int other = threadIdx.x + stride * g.channel_lanes;
+        s_bias_grad[threadIdx.x] += s_bias_grad[other];
+        s_weight_grad[threadIdx.x] += s_weight_grad[other];
+      }
+      __syncthreads();
+    }
+    if (has_channel && g.pixel_lane == 0) {
+      const int64_t out = g.sample * p.shape.channels + g.first_channel + c;
+      store_as<acc_t>(p.grad_weight_per_sample, p.stat_dtype, out, s_weight_grad[threadIdx.x]);
+      store_as<acc_t>(p.grad_bias_per_sample, p.stat_dtype, out, s_bias_grad[threadIdx.x]);
+      weighted_bias_grad += w * s_bias_grad[threadIdx.x];
+      weighted_weight_grad += w * s_weight_grad[threadIdx.x];
+    }
+    __syncthreads();
+  }
+  block_sum2(weighted_bias_grad, weighted_weight_grad);
+  const acc_t count = (acc_t)(g.channels * g.pixels);
+  const acc_t mean_dxhat = count > 0 ? weighted_bias_grad / count : acc_t(0);
+  const acc_t mean_dxhat_xhat = count > 0 ? weighted_weight_grad / count : acc_t(0);
+  if (!g.active) return;
+  for (int64_t c = g.channel_lane; c < g.channels; c += g.channel_lanes) {
+    const acc_t w = load_as<acc_t>(p.weight, p.affine_dtype, g.first_channel + c);
+    const acc_t b = load_as<acc_t>(p.bias, p.affine_dtype, g.first_channel + c);
+    for (int64_t px = g.pixel_lane; px < g.pixels; px += g.pixel_lanes) {
+      const int64_t i = g.offset(c, px);
+      const acc_t xhat = (load_as<acc_t>(p.x, p.x_dtype, i) - mean) * rstd;
+      const acc_t grad = load_as<acc_t>(p.grad_y, p.x_dtype, i) * elu_grad(w * xhat + b);
+      store_as<acc_t>(p.grad_x, p.x_dtype, i, rstd * (w * grad - mean_dxhat - xhat * mean_dxhat_xhat));
+    }
+  }
+}
+
+bool dtype_ok(qca_dtype t) { return t == QCA_F32 || t == QCA_F64 || t == QCA_F16 || t == QCA_BF16; }
+
+qca_status check(const qca_gn_shape& s, qca_dtype x, qca_dtype affine, qca_dtype stat) {
+  if (s.batch < 0 || s.channels < 1 || s.height < 0 || s.width < 0 || s.groups < 1 ||
+      s.channels % s.groups != 0)
+    return QCA_ERR_INVALID_ARGUMENT;
+  if (s.batch * s.groups > 0x7fffffffLL) return QCA_ERR_INVALID_ARGUMENT;  // grid x limit
+  if (!dtype_ok(x) || !dtype_ok(affine) || (stat != QCA_F32 && stat != QCA_F64))
+    return QCA_ERR_UNSUPPORTED_DTYPE;
+  return QCA_OK;
+}
+
+}  // namespace
+
+extern "C" qca_status qca_gn_elu_forward_cuda(const qca_gn_elu_params* p, void* stream,
+                                              qca_cuda_error* err) {
+  const qca_status status = check(p->shape, p->x_dtype, p->affine_dtype, p->stat_dtype);
+  if (status != QCA_OK) return status;
+  const int64_t pairs = p->shape.batch * p->shape.groups;
+  if (pairs == 0) return QCA_OK;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (p->stat_dtype == QCA_F64) forward_kernel<double><<<(unsigned int)pairs, kThreads, 0, s>>>(*p);
+  else forward_kernel<float><<<(unsigned int)pairs, kThreads, 0, s>>>(*p);
+  return qca_lowmem_cuda::finish_launch(err);
+}
+
+extern "C" qca_status qca_gn_elu_backward_cuda(const qca_gn_elu_backward_params* p, void* stream,
+                                               qca_cuda_error* err) {
+  const qca_status status = check(p->shape, p->x_dtype, p->affine_dtype, p->stat_dtype);
+  if (status != QCA_OK) return status;
+  const int64_t pairs = p->shape.batch * p->shape.groups;
+  if (pairs == 0) return QCA_OK;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (p->stat_dtype == QCA_F64) backward_kernel<double><<<(unsigned int)pairs, kThreads, 0, s>>>(*p);
+  else backward_kernel<float><<<(unsigned int)pairs, kThreads, 0, s>>>(*p);
+  return qca_lowmem_cuda::finish_launch(err);
+}
