@@ -5,11 +5,18 @@ storing, and a complex-safe mixed-precision loss scaler. See README.md.
 """
 
 from ._recompute import block_keeps_intermediates, keep_block_intermediates
+from .blocks import FusedConvBlock, groupnorm_elu
 from .memory import saved_bytes
 from .ops import qca_pack, qca_update
+from .unet import ConversionReport, UNetUnitary, convert
 
 __all__ = [
+    "ConversionReport",
+    "FusedConvBlock",
+    "UNetUnitary",
     "block_keeps_intermediates",
+    "convert",
+    "groupnorm_elu",
     "keep_block_intermediates",
     "qca_pack",
     "qca_update",
