@@ -289,7 +289,10 @@ class FusedConvBlock(nn.Module):
     def extra_repr(self) -> str:
         return f"recompute={self.recompute}"
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, *, keep_intermediates: Optional[bool] = None) -> Tensor:
+        """`keep_intermediates` overrides the block's own choice (for callers that recompute
+        around the block themselves); None: keep them when `recompute` is False or inside
+        `keep_block_intermediates()`."""
         conv1, norm1, _, conv2, norm2, _ = self.conv_block
         conv1_weight, conv2_weight = conv1.weight, conv2.weight
         compute_dtype = _autocast_dtype(x.device.type)
@@ -299,6 +302,8 @@ class FusedConvBlock(nn.Module):
             conv2_weight = conv2_weight.to(compute_dtype)
         args = (x, conv1_weight, norm1.weight, norm1.bias, conv2_weight, norm2.weight, norm2.bias,
                 norm1.num_groups, norm2.num_groups, float(norm1.eps), float(norm2.eps))
-        if not self.recompute or block_keeps_intermediates():
+        if keep_intermediates is None:
+            keep_intermediates = not self.recompute or block_keeps_intermediates()
+        if keep_intermediates:
             return conv_block_keep(*args)[0]
         return conv_block(*args)[0]

@@ -6,37 +6,70 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
+from torch.utils.checkpoint import checkpoint
+
+from ._recompute import block_keeps_intermediates
 from .blocks import FusedConvBlock
+
+
+RECOMPUTE_MODES = ("unet", "blocks", "none")
 
 
 class UNetUnitary(nn.Module):
     """The stock `UNetUnitary(d_state, hidden_channels)` built from `FusedConvBlock`s.
 
     Same modules, parameters, initialisation and state_dict keys as the stock model, so a stock
-    checkpoint loads with `strict=True`; `recompute` is passed to every block.
+    checkpoint loads with `strict=True`. `recompute` says what the forward keeps for backward:
+
+    - "unet" (default): only the U-Net's input; backward re-runs the U-Net once, its blocks then
+      keeping their intermediates (the fewest saved bytes, one extra forward);
+    - "blocks": each block keeps its input and GroupNorm statistics and recomputes itself in
+      backward (one extra forward too; the smallest backward peak, for large grids);
+    - "none": every intermediate, with the fused GroupNorm+ELU kernels.
+
+    Inside `qca_lowmem.keep_block_intermediates()` (a step-level recompute) it behaves as "none",
+    so nothing is recomputed twice.
     """
 
-    def __init__(self, d_state: int, hidden_channels: int, *, recompute: bool = True):
+    def __init__(self, d_state: int, hidden_channels: int, *, recompute: str = "unet"):
         super().__init__()
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"UNetUnitary: recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+        self.recompute = recompute
         h, c = hidden_channels, 2 * d_state
-        self.inc = FusedConvBlock(c, h, recompute=recompute)
-        self.down1 = nn.Sequential(nn.MaxPool2d(2), FusedConvBlock(h, 2 * h, recompute=recompute))
-        self.down2 = nn.Sequential(nn.MaxPool2d(2), FusedConvBlock(2 * h, 4 * h, recompute=recompute))
-        self.bot = FusedConvBlock(4 * h, 8 * h, recompute=recompute)
+        self.inc = FusedConvBlock(c, h)
+        self.down1 = nn.Sequential(nn.MaxPool2d(2), FusedConvBlock(h, 2 * h))
+        self.down2 = nn.Sequential(nn.MaxPool2d(2), FusedConvBlock(2 * h, 4 * h))
+        self.bot = FusedConvBlock(4 * h, 8 * h)
         self.up1 = nn.ConvTranspose2d(8 * h, 4 * h, 2, stride=2)
-        self.conv_up1 = FusedConvBlock(6 * h, 4 * h, recompute=recompute)
+        self.conv_up1 = FusedConvBlock(6 * h, 4 * h)
         self.up2 = nn.ConvTranspose2d(4 * h, 2 * h, 2, stride=2)
-        self.conv_up2 = FusedConvBlock(3 * h, h, recompute=recompute)
+        self.conv_up2 = FusedConvBlock(3 * h, h)
         self.outc = nn.Conv2d(h, c, 1)
         nn.init.normal_(self.outc.weight, 0.0, 1e-5)
 
+    def extra_repr(self) -> str:
+        return f"recompute={self.recompute!r}"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x1 = self.inc(x)
-        x2 = self.down1(x1)
-        x3 = self.down2(x2)
-        b = self.bot(x3)
-        c1 = self.conv_up1(torch.cat([self.up1(b), x2], dim=1))
-        c2 = self.conv_up2(torch.cat([self.up2(c1), x1], dim=1))
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"UNetUnitary: recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        if block_keeps_intermediates() or self.recompute == "none":
+            return self._forward(x, keep_intermediates=True)
+        if self.recompute == "blocks" or not torch.is_grad_enabled():
+            return self._forward(x, keep_intermediates=False)
+        # Blocks keep their intermediates here: the checkpoint's first forward drops them, and
+        # its recompute needs them for backward, so no convolution runs a third time.
+        return checkpoint(self._forward, x, True, use_reentrant=False, preserve_rng_state=False)
+
+    def _forward(self, x: torch.Tensor, keep_intermediates: bool) -> torch.Tensor:
+        keep = keep_intermediates
+        x1 = self.inc(x, keep_intermediates=keep)
+        x2 = self.down1[1](self.down1[0](x1), keep_intermediates=keep)
+        x3 = self.down2[1](self.down2[0](x2), keep_intermediates=keep)
+        b = self.bot(x3, keep_intermediates=keep)
+        c1 = self.conv_up1(torch.cat([self.up1(b), x2], dim=1), keep_intermediates=keep)
+        c2 = self.conv_up2(torch.cat([self.up2(c1), x1], dim=1), keep_intermediates=keep)
         return self.outc(c2)
 
 
