@@ -512,3 +512,30 @@ def test_convert_root_block_and_shared_block():
     qca_lowmem.convert(model)
     assert model[0] is model[1] and isinstance(model[0], qca_lowmem.FusedConvBlock)
     assert qca_lowmem.convert(model)[1].converted == []  # converting twice changes nothing
+
+
+def test_compiled_block_under_autocast_equals_eager():
+    _, fused = stock_and_fused_block(torch.float32)
+    compiled = torch.compile(fused, fullgraph=True)
+    x = torch.randn(2, 5, 8, 8, requires_grad=True)
+    results = []
+    for run in (fused, compiled):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = run(x)
+        results.append((y, torch.autograd.grad(y.float().square().sum(), [x] + list(fused.parameters()))))
+    (y_eager, g_eager), (y_compiled, g_compiled) = results
+    assert y_compiled.dtype == torch.bfloat16
+    assert rel_err(y_compiled, y_eager) < 1e-2
+    for a, b in zip(g_compiled, g_eager):
+        assert a.dtype == b.dtype and rel_err(a, b) < 3e-2
+
+
+def test_benchmark_script_runs_its_help_without_a_gpu():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_block.py"
+    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "--batches" in result.stdout and "block_<device>.json" in result.stdout

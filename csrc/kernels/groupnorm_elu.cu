@@ -146,18 +146,27 @@ __device__ void block_sum2(acc_t& a, acc_t& b) {
   __syncthreads();
 }
 
-template <typename acc_t>
-__device__ __forceinline__ acc_t elu(acc_t z) {
-  return z > acc_t(0) ? z : (acc_t)expm1(z);
-}
+__device__ __forceinline__ float elu(float z) { return z > 0.0f ? z : expm1f(z); }
+__device__ __forceinline__ double elu(double z) { return z > 0.0 ? z : expm1(z); }
+__device__ __forceinline__ float elu_grad(float z) { return z > 0.0f ? 1.0f : expf(z); }
+__device__ __forceinline__ double elu_grad(double z) { return z > 0.0 ? 1.0 : exp(z); }
 
-template <typename acc_t>
-__device__ __forceinline__ acc_t elu_grad(acc_t z) {
-  return z > acc_t(0) ? acc_t(1) : (acc_t)exp(z);
-}
+// Element access with the data type known at compile time (the inner loops are memory bound;
+// the affine parameters and statistics, read once per channel, go through load_as instead).
+template <typename acc_t> __device__ __forceinline__ acc_t to_acc(float v) { return (acc_t)v; }
+template <typename acc_t> __device__ __forceinline__ acc_t to_acc(double v) { return (acc_t)v; }
+template <typename acc_t> __device__ __forceinline__ acc_t to_acc(__half v) { return (acc_t)__half2float(v); }
+template <typename acc_t> __device__ __forceinline__ acc_t to_acc(__nv_bfloat16 v) { return (acc_t)__bfloat162float(v); }
 
-template <typename acc_t>
+template <typename acc_t> __device__ __forceinline__ void put(float* p, int64_t i, acc_t v) { p[i] = (float)v; }
+template <typename acc_t> __device__ __forceinline__ void put(double* p, int64_t i, acc_t v) { p[i] = (double)v; }
+template <typename acc_t> __device__ __forceinline__ void put(__half* p, int64_t i, acc_t v) { p[i] = __float2half_rn((float)v); }
+template <typename acc_t> __device__ __forceinline__ void put(__nv_bfloat16* p, int64_t i, acc_t v) { p[i] = __float2bfloat16_rn((float)v); }
+
+template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads) forward_kernel(const qca_gn_elu_params p) {
+  const scalar_t* x = static_cast<const scalar_t*>(p.x);
+  scalar_t* y = static_cast<scalar_t*>(p.y);
   const int64_t pair = blockIdx.x;
   const GroupLayout g(p.shape, pair);
   __shared__ acc_t s_stats[2];
@@ -172,7 +181,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const qca_gn_elu_para
     if (g.active) {
       for (int64_t c = g.channel_lane; c < g.channels; c += g.channel_lanes) {
         for (int64_t px = g.pixel_lane; px < g.pixels; px += g.pixel_lanes) {
-          const acc_t v = load_as<acc_t>(p.x, p.x_dtype, g.offset(c, px));
+          const acc_t v = to_acc<acc_t>(x[g.offset(c, px)]);
           w.count += 1;
           const acc_t delta = v - w.mean;
           w.mean += delta / (acc_t)w.count;
@@ -198,16 +207,19 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const qca_gn_elu_para
     const acc_t shift = load_as<acc_t>(p.bias, p.affine_dtype, g.first_channel + c);
     for (int64_t px = g.pixel_lane; px < g.pixels; px += g.pixel_lanes) {
       const int64_t i = g.offset(c, px);
-      const acc_t z = (load_as<acc_t>(p.x, p.x_dtype, i) - mean) * scale + shift;
-      store_as<acc_t>(p.y, p.x_dtype, i, elu(z));
+      const acc_t z = (to_acc<acc_t>(x[i]) - mean) * scale + shift;
+      put<acc_t>(y, i, elu(z));
     }
   }
 }
 
 // Same maths as the C kernel (groupnorm_elu.c): per-channel sums of g and g * xhat, then
 // grad_x from the two weighted group means.
-template <typename acc_t>
+template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads) backward_kernel(const qca_gn_elu_backward_params p) {
+  const scalar_t* x = static_cast<const scalar_t*>(p.x);
+  const scalar_t* grad_y = static_cast<const scalar_t*>(p.grad_y);
+  scalar_t* grad_x = static_cast<scalar_t*>(p.grad_x);
   const int64_t pair = blockIdx.x;
   const GroupLayout g(p.shape, pair);
   __shared__ acc_t s_bias_grad[kThreads], s_weight_grad[kThreads];
@@ -227,8 +239,8 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const qca_gn_elu_bac
       const acc_t b = load_as<acc_t>(p.bias, p.affine_dtype, g.first_channel + c);
       for (int64_t px = g.pixel_lane; px < g.pixels; px += g.pixel_lanes) {
         const int64_t i = g.offset(c, px);
-        const acc_t xhat = (load_as<acc_t>(p.x, p.x_dtype, i) - mean) * rstd;
-        const acc_t grad = load_as<acc_t>(p.grad_y, p.x_dtype, i) * elu_grad(w * xhat + b);
+        const acc_t xhat = (to_acc<acc_t>(x[i]) - mean) * rstd;
+        const acc_t grad = to_acc<acc_t>(grad_y[i]) * elu_grad(w * xhat + b);
         bias_grad += grad;
         weight_grad += grad * xhat;
       }
@@ -264,9 +276,9 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const qca_gn_elu_bac
     const acc_t b = load_as<acc_t>(p.bias, p.affine_dtype, g.first_channel + c);
     for (int64_t px = g.pixel_lane; px < g.pixels; px += g.pixel_lanes) {
       const int64_t i = g.offset(c, px);
-      const acc_t xhat = (load_as<acc_t>(p.x, p.x_dtype, i) - mean) * rstd;
-      const acc_t grad = load_as<acc_t>(p.grad_y, p.x_dtype, i) * elu_grad(w * xhat + b);
-      store_as<acc_t>(p.grad_x, p.x_dtype, i, rstd * (w * grad - mean_dxhat - xhat * mean_dxhat_xhat));
+      const acc_t xhat = (to_acc<acc_t>(x[i]) - mean) * rstd;
+      const acc_t grad = to_acc<acc_t>(grad_y[i]) * elu_grad(w * xhat + b);
+      put<acc_t>(grad_x, i, rstd * (w * grad - mean_dxhat - xhat * mean_dxhat_xhat));
     }
   }
 }
@@ -283,6 +295,36 @@ qca_status check(const qca_gn_shape& s, qca_dtype x, qca_dtype affine, qca_dtype
   return QCA_OK;
 }
 
+// Instantiates `launch.template operator()<scalar_t, acc_t>()` for the data and statistics types.
+template <typename Launch>
+void dispatch(qca_dtype x_dtype, qca_dtype stat_dtype, const Launch& launch) {
+  const bool wide = stat_dtype == QCA_F64;
+  switch (x_dtype) {
+    case QCA_F32: wide ? launch.template run<float, double>() : launch.template run<float, float>(); return;
+    case QCA_F64: wide ? launch.template run<double, double>() : launch.template run<double, float>(); return;
+    case QCA_F16: wide ? launch.template run<__half, double>() : launch.template run<__half, float>(); return;
+    case QCA_BF16:
+      wide ? launch.template run<__nv_bfloat16, double>() : launch.template run<__nv_bfloat16, float>();
+      return;
+  }
+}
+
+struct ForwardLaunch {
+  const qca_gn_elu_params* p;
+  unsigned int blocks;
+  cudaStream_t stream;
+  template <typename scalar_t, typename acc_t>
+  void run() const { forward_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(*p); }
+};
+
+struct BackwardLaunch {
+  const qca_gn_elu_backward_params* p;
+  unsigned int blocks;
+  cudaStream_t stream;
+  template <typename scalar_t, typename acc_t>
+  void run() const { backward_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(*p); }
+};
+
 }  // namespace
 
 extern "C" qca_status qca_gn_elu_forward_cuda(const qca_gn_elu_params* p, void* stream,
@@ -291,9 +333,8 @@ extern "C" qca_status qca_gn_elu_forward_cuda(const qca_gn_elu_params* p, void* 
   if (status != QCA_OK) return status;
   const int64_t pairs = p->shape.batch * p->shape.groups;
   if (pairs == 0) return QCA_OK;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (p->stat_dtype == QCA_F64) forward_kernel<double><<<(unsigned int)pairs, kThreads, 0, s>>>(*p);
-  else forward_kernel<float><<<(unsigned int)pairs, kThreads, 0, s>>>(*p);
+  dispatch(p->x_dtype, p->stat_dtype,
+           ForwardLaunch{p, (unsigned int)pairs, static_cast<cudaStream_t>(stream)});
   return qca_lowmem_cuda::finish_launch(err);
 }
 
@@ -303,8 +344,7 @@ extern "C" qca_status qca_gn_elu_backward_cuda(const qca_gn_elu_backward_params*
   if (status != QCA_OK) return status;
   const int64_t pairs = p->shape.batch * p->shape.groups;
   if (pairs == 0) return QCA_OK;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (p->stat_dtype == QCA_F64) backward_kernel<double><<<(unsigned int)pairs, kThreads, 0, s>>>(*p);
-  else backward_kernel<float><<<(unsigned int)pairs, kThreads, 0, s>>>(*p);
+  dispatch(p->x_dtype, p->stat_dtype,
+           BackwardLaunch{p, (unsigned int)pairs, static_cast<cudaStream_t>(stream)});
   return qca_lowmem_cuda::finish_launch(err);
 }
