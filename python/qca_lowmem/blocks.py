@@ -297,9 +297,9 @@ class FusedConvBlock(nn.Module):
         conv1_weight, conv2_weight = conv1.weight, conv2.weight
         compute_dtype = _autocast_dtype(x.device.type)
         if compute_dtype is not None:
-            x = x.to(compute_dtype)
-            conv1_weight = conv1_weight.to(compute_dtype)
-            conv2_weight = conv2_weight.to(compute_dtype)
+            # What autocast does for the stock convolutions: float64 is left alone.
+            x, conv1_weight, conv2_weight = (
+                t if t.dtype == torch.float64 else t.to(compute_dtype) for t in (x, conv1_weight, conv2_weight))
         args = (x, conv1_weight, norm1.weight, norm1.bias, conv2_weight, norm2.weight, norm2.bias,
                 norm1.num_groups, norm2.num_groups, float(norm1.eps), float(norm2.eps))
         if keep_intermediates is None:
