@@ -9,22 +9,17 @@
    nn.GroupNorm + nn.ELU.
 
 Writes benchmarks/results/block_<device>.json with the device, torch and CUDA versions, commit
-and date. Run from the repository root after building: `python benchmarks/bench_block.py`.
+and date. Run after building, with qca_lowmem importable: `python benchmarks/bench_block.py`.
 """
 
 import argparse
-import datetime
-import json
-import re
-import statistics
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
+import common
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -41,24 +36,12 @@ def parse_args(argv=None):
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--skip-model", action="store_true", help="only the kernel benchmark")
     parser.add_argument("--skip-kernels", action="store_true", help="only the model benchmark")
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/block_<device>.json)")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/block_<device>.json)")
     return parser.parse_args(argv)
 
 
-def median_ms(fn, warmup, iters):
-    """Median of per-iteration CUDA-event times, after warm-up."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def median_ms(fn, args):
+    return common.median_seconds(fn, torch.device("cuda"), warmup=args.warmup, reps=args.iters) * 1e3
 
 
 def bench_models(args, reference, qca_lowmem):
@@ -75,7 +58,12 @@ def bench_models(args, reference, qca_lowmem):
         x = torch.randn(batch, 2 * args.d_state, args.grid, args.grid, device=device)
         for dtype_name in args.dtypes:
             dtype = DTYPES[dtype_name]
+            with torch.no_grad(), torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+                expected = stock(x).float()
             for name, model in variants:
+                with torch.no_grad(), torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+                    error = ((model(x).float() - expected).abs().max() / expected.abs().max()).item()
+
                 def step():
                     with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
                         y = model(x)
@@ -89,12 +77,12 @@ def bench_models(args, reference, qca_lowmem):
                 step()
                 torch.cuda.synchronize()
                 peak = torch.cuda.max_memory_allocated()
-                ms = median_ms(step, args.warmup, args.iters)
+                ms = median_ms(step, args)
                 row = {"model": name, "batch": batch, "dtype": dtype_name, "median_ms": ms,
-                       "peak_bytes": peak, "peak_above_held_bytes": peak - held}
+                       "peak_bytes": peak, "peak_above_held_bytes": peak - held, "output_rel_err_vs_stock": error}
                 results.append(row)
                 print(f"B={batch} {dtype_name} {name:13s} {ms:8.3f} ms  peak {peak / 2**20:8.1f} MiB "
-                      f"(+{(peak - held) / 2**20:.1f} MiB over model and grads)")
+                      f"(+{(peak - held) / 2**20:.1f} MiB over model and grads)  rel. err. {error:.1e}")
     return results
 
 
@@ -111,13 +99,10 @@ def gn_shapes(args):
     return shapes
 
 
-def bench_kernels(args, qca_lowmem):
+def bench_kernels(args):
     ops = torch.ops.qca_lowmem
     device = torch.device("cuda")
-    copy_src = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
-    copy_dst = torch.empty_like(copy_src)
-    copy_ms = median_ms(lambda: copy_dst.copy_(copy_src), args.warmup, args.iters)
-    copy_gbs = 2 * copy_src.numel() / copy_ms / 1e6
+    copy_gbs = common.copy_bandwidth(device) / 1e9
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s")
     rows = []
     for batch in args.batches:
@@ -132,9 +117,8 @@ def bench_kernels(args, qca_lowmem):
                     bias = torch.randn(channels, device=device) * 0.3
                     grad_y = torch.randn_like(x)
                     y, mean, rstd = ops.groupnorm_elu(x, weight, bias, groups, 1e-5)
-                    fwd_ms = median_ms(lambda: ops.groupnorm_elu(x, weight, bias, groups, 1e-5), args.warmup, args.iters)
-                    bwd_ms = median_ms(lambda: ops.groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd),
-                                       args.warmup, args.iters)
+                    fwd_ms = median_ms(lambda: ops.groupnorm_elu(x, weight, bias, groups, 1e-5), args)
+                    bwd_ms = median_ms(lambda: ops.groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd), args)
                     # Stock: nn.GroupNorm then nn.ELU (fp32 affine, as autocast runs it).
                     xs = x.detach().requires_grad_(True)
                     ws, bs = weight.detach().requires_grad_(True), bias.detach().requires_grad_(True)
@@ -142,10 +126,9 @@ def bench_kernels(args, qca_lowmem):
                     def stock_forward():
                         return F.elu(F.group_norm(xs, groups, ws.to(dtype), bs.to(dtype), 1e-5))
 
-                    stock_fwd_ms = median_ms(stock_forward, args.warmup, args.iters)
+                    stock_fwd_ms = median_ms(stock_forward, args)
                     ys = stock_forward()
-                    stock_bwd_ms = median_ms(lambda: torch.autograd.grad(ys, (xs, ws, bs), grad_y, retain_graph=True),
-                                             args.warmup, args.iters)
+                    stock_bwd_ms = median_ms(lambda: torch.autograd.grad(ys, (xs, ws, bs), grad_y, retain_graph=True), args)
                     element = x.element_size()
                     fwd_bytes = 2 * x.numel() * element  # read x, write y
                     bwd_bytes = 3 * x.numel() * element  # read x and grad_y, write grad_x
@@ -164,51 +147,27 @@ def bench_kernels(args, qca_lowmem):
                           f"fwd {fwd_ms * 1e3:7.1f} us {fwd_gbs:6.0f} GB/s ({fwd_gbs / copy_gbs:4.0%} of copy, "
                           f"{stock_fwd_ms / fwd_ms:4.2f}x stock)  bwd {bwd_ms * 1e3:7.1f} us {bwd_gbs:6.0f} GB/s "
                           f"({bwd_gbs / copy_gbs:4.0%}, {stock_bwd_ms / bwd_ms:4.2f}x stock)")
-    return {"copy_GBps": copy_gbs, "copy_bytes": 2 * copy_src.numel(), "groupnorm_elu": rows}
-
-
-def commit():
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return {"copy_GBps": copy_gbs, "groupnorm_elu": rows}
 
 
 def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_block.py measures CUDA peak memory and CUDA-event times: it needs a CUDA GPU")
-    sys.path.insert(0, str(ROOT / "tests"))
-    sys.path.insert(0, str(ROOT / "python"))
     import qca_lowmem
     import reference
 
     if not qca_lowmem._loader.has_cuda_kernels():
         sys.exit("qca_lowmem was built without CUDA kernels; rebuild with QCA_LOWMEM_CUDA=1")
-    name = torch.cuda.get_device_name()
-    print(f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-    result = {
-        "benchmark": "bench_block",
-        "device": name,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "commit": commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "config": {"grid": args.grid, "d_state": args.d_state, "hidden": args.hidden, "batches": args.batches,
-                   "dtypes": args.dtypes, "warmup": args.warmup, "iters": args.iters},
-    }
+    device = torch.device("cuda")
+    print(f"{common.device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    payload = {"config": {"grid": args.grid, "d_state": args.d_state, "hidden": args.hidden, "batches": args.batches,
+                          "dtypes": args.dtypes, "modes": args.modes, "warmup": args.warmup, "iters": args.iters}}
     if not args.skip_model:
-        result["unet_step"] = bench_models(args, reference, qca_lowmem)
+        payload["unet_step"] = bench_models(args, reference, qca_lowmem)
     if not args.skip_kernels:
-        result["kernels"] = bench_kernels(args, qca_lowmem)
-    slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
-    out = args.out or ROOT / "benchmarks" / "results" / f"block_{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+        payload["kernels"] = bench_kernels(args)
+    print(f"wrote {common.write_result('block', device, payload, args.out)}")
 
 
 if __name__ == "__main__":
