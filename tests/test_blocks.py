@@ -16,6 +16,15 @@ from qca_lowmem.blocks import conv_block, conv_block_keep
 
 OPS = torch.ops.qca_lowmem
 
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """Full fp32 convolutions on a GPU, so fused and stock compare at fp32 tolerances."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
 # (N, C, H, W, groups): several groups, one group, a group per channel, odd and 1-wide sizes
 SHAPES = [(2, 12, 5, 7, 3), (1, 8, 3, 3, 1), (3, 16, 4, 5, 16), (2, 6, 1, 9, 2), (1, 24, 7, 2, 3)]
 # tolerance relative to the largest reference value, per dtype
@@ -360,9 +369,10 @@ def test_unet_in_a_qca_step_matches_stock():
         assert rel_err(a, b) < 1e-10
 
 
-def test_compiled_unet_equals_eager():
-    _, fused = stock_and_fused_unet(torch.float32)
-    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_unet_equals_eager(device):
+    _, fused = stock_and_fused_unet(torch.float32, device)
+    x = torch.randn(2, 4, 8, 8, device=device, requires_grad=True)
     eager_y = fused(x)
     eager_grads = torch.autograd.grad(eager_y.square().sum(), [x] + list(fused.parameters()))
     compiled = torch.compile(fused, fullgraph=True)
