@@ -163,6 +163,35 @@ template <typename acc_t> __device__ __forceinline__ void put(double* p, int64_t
 template <typename acc_t> __device__ __forceinline__ void put(__half* p, int64_t i, acc_t v) { p[i] = __float2half_rn((float)v); }
 template <typename acc_t> __device__ __forceinline__ void put(__nv_bfloat16* p, int64_t i, acc_t v) { p[i] = __float2bfloat16_rn((float)v); }
 
+// Visits this thread's pixels of channel c, kBatch at a time: a batch's loads are all issued
+// before any value is used, so each warp keeps several requests in flight (one at a time leaves
+// these loops latency bound). `load(i)` reads element i, `use(i, value)` consumes it.
+constexpr int kBatch = 4;
+
+template <typename Load, typename Use>
+__device__ __forceinline__ void for_pixels(const GroupLayout& g, int64_t c, Load load, Use use) {
+  using value_t = decltype(load(int64_t(0)));
+  const int64_t step = (int64_t)g.pixel_lanes;
+  for (int64_t first = g.pixel_lane; first < g.pixels; first += kBatch * step) {
+    value_t values[kBatch] = {};
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int64_t px = first + k * step;
+      if (px < g.pixels) values[k] = load(g.offset(c, px));
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int64_t px = first + k * step;
+      if (px < g.pixels) use(g.offset(c, px), values[k]);
+    }
+  }
+}
+
+template <typename acc_t>
+struct XAndGrad {
+  acc_t x, grad;
+};
+
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads) forward_kernel(const qca_gn_elu_params p) {
   const scalar_t* x = static_cast<const scalar_t*>(p.x);
@@ -180,13 +209,14 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const qca_gn_elu_para
     Welford<acc_t> w{acc_t(0), acc_t(0), 0};
     if (g.active) {
       for (int64_t c = g.channel_lane; c < g.channels; c += g.channel_lanes) {
-        for (int64_t px = g.pixel_lane; px < g.pixels; px += g.pixel_lanes) {
-          const acc_t v = to_acc<acc_t>(x[g.offset(c, px)]);
-          w.count += 1;
-          const acc_t delta = v - w.mean;
-          w.mean += delta / (acc_t)w.count;
-          w.m2 += delta * (v - w.mean);
-        }
+        for_pixels(
+            g, c, [&](int64_t i) { return to_acc<acc_t>(x[i]); },
+            [&](int64_t, acc_t v) {
+              w.count += 1;
+              const acc_t delta = v - w.mean;
+              w.mean += delta / (acc_t)w.count;
+              w.m2 += delta * (v - w.mean);
+            });
       }
     }
     w = block_merge(w);
@@ -205,11 +235,9 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const qca_gn_elu_para
   for (int64_t c = g.channel_lane; c < g.channels; c += g.channel_lanes) {
     const acc_t scale = load_as<acc_t>(p.weight, p.affine_dtype, g.first_channel + c) * rstd;
     const acc_t shift = load_as<acc_t>(p.bias, p.affine_dtype, g.first_channel + c);
-    for (int64_t px = g.pixel_lane; px < g.pixels; px += g.pixel_lanes) {
-      const int64_t i = g.offset(c, px);
-      const acc_t z = (to_acc<acc_t>(x[i]) - mean) * scale + shift;
-      put<acc_t>(y, i, elu(z));
-    }
+    for_pixels(
+        g, c, [&](int64_t i) { return to_acc<acc_t>(x[i]); },
+        [&](int64_t i, acc_t v) { put<acc_t>(y, i, elu((v - mean) * scale + shift)); });
   }
 }
 
@@ -237,13 +265,15 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const qca_gn_elu_bac
     if (has_channel) {
       w = load_as<acc_t>(p.weight, p.affine_dtype, g.first_channel + c);
       const acc_t b = load_as<acc_t>(p.bias, p.affine_dtype, g.first_channel + c);
-      for (int64_t px = g.pixel_lane; px < g.pixels; px += g.pixel_lanes) {
-        const int64_t i = g.offset(c, px);
-        const acc_t xhat = (to_acc<acc_t>(x[i]) - mean) * rstd;
-        const acc_t grad = to_acc<acc_t>(grad_y[i]) * elu_grad(w * xhat + b);
-        bias_grad += grad;
-        weight_grad += grad * xhat;
-      }
+      for_pixels(
+          g, c,
+          [&](int64_t i) { return XAndGrad<acc_t>{to_acc<acc_t>(x[i]), to_acc<acc_t>(grad_y[i])}; },
+          [&](int64_t, XAndGrad<acc_t> v) {
+            const acc_t xhat = (v.x - mean) * rstd;
+            const acc_t grad = v.grad * elu_grad(w * xhat + b);
+            bias_grad += grad;
+            weight_grad += grad * xhat;
+          });
     }
     s_bias_grad[threadIdx.x] = bias_grad;
     s_weight_grad[threadIdx.x] = weight_grad;
@@ -274,12 +304,14 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const qca_gn_elu_bac
   for (int64_t c = g.channel_lane; c < g.channels; c += g.channel_lanes) {
     const acc_t w = load_as<acc_t>(p.weight, p.affine_dtype, g.first_channel + c);
     const acc_t b = load_as<acc_t>(p.bias, p.affine_dtype, g.first_channel + c);
-    for (int64_t px = g.pixel_lane; px < g.pixels; px += g.pixel_lanes) {
-      const int64_t i = g.offset(c, px);
-      const acc_t xhat = (to_acc<acc_t>(x[i]) - mean) * rstd;
-      const acc_t grad = to_acc<acc_t>(grad_y[i]) * elu_grad(w * xhat + b);
-      put<acc_t>(grad_x, i, rstd * (w * grad - mean_dxhat - xhat * mean_dxhat_xhat));
-    }
+    for_pixels(
+        g, c,
+        [&](int64_t i) { return XAndGrad<acc_t>{to_acc<acc_t>(x[i]), to_acc<acc_t>(grad_y[i])}; },
+        [&](int64_t i, XAndGrad<acc_t> v) {
+          const acc_t xhat = (v.x - mean) * rstd;
+          const acc_t grad = v.grad * elu_grad(w * xhat + b);
+          put<acc_t>(grad_x, i, rstd * (w * grad - mean_dxhat - xhat * mean_dxhat_xhat));
+        });
   }
 }
 
