@@ -101,6 +101,23 @@ def test_groupnorm_elu_matches_stock_cuda(shape, dtype, channels_last):
     check_gn_elu(shape, dtype, "cuda", channels_last)
 
 
+@cuda_only
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_groupnorm_elu_cuda_is_deterministic(channels_last):
+    """Small batches split each group over several blocks; the partials merge in a fixed order."""
+    shape = (1, 128, 64, 64, 16)
+    x = make_input(shape, torch.float32, "cuda", channels_last)
+    weight, bias = make_affine(128, torch.float32, "cuda")
+    grad_y = torch.randn_like(x)
+    first = OPS.groupnorm_elu(x, weight, bias, 16, 1e-5)
+    first_grads = OPS.groupnorm_elu_backward(grad_y, x, weight, bias, first[1], first[2])
+    for _ in range(3):
+        again = OPS.groupnorm_elu(x, weight, bias, 16, 1e-5)
+        for a, b in zip(again + OPS.groupnorm_elu_backward(grad_y, x, weight, bias, again[1], again[2]),
+                        first + first_grads):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_groupnorm_elu_statistics(device):
     x = make_input((2, 12, 5, 7, 3), torch.float32, device, False)

@@ -8,7 +8,10 @@
  * or QCA_F64 for float64 data.
  *
  * CPU kernels process the (sample, group) pairs [pair_begin, pair_end) of the N * G pairs, so
- * the caller can split the work across threads. CUDA launchers run one thread block per pair. */
+ * the caller can split the work across threads. CUDA launchers run one thread block per pair,
+ * or, when there are too few pairs to fill the GPU, several blocks per pair that exchange
+ * partial sums through `workspace` (device memory of at least
+ * qca_gn_elu_cuda_workspace_bytes(...) bytes, asked for on the device of the launch). */
 #ifndef QCA_LOWMEM_GROUPNORM_ELU_H
 #define QCA_LOWMEM_GROUPNORM_ELU_H
 
@@ -36,6 +39,8 @@ typedef struct qca_gn_elu_params {
   void* mean;
   void* rstd;
   void* y;                 /* same layout as x */
+  void* workspace;         /* CUDA only; unused by the CPU kernels */
+  int64_t workspace_bytes;
 } qca_gn_elu_params;
 
 /* grad_x = d loss / d x; the ELU derivative is recomputed from x. Weight and bias gradients are
@@ -55,13 +60,20 @@ typedef struct qca_gn_elu_backward_params {
   void* grad_x;            /* same layout as x */
   void* grad_weight_per_sample;
   void* grad_bias_per_sample;
+  void* workspace;         /* CUDA only; unused by the CPU kernels */
+  int64_t workspace_bytes;
 } qca_gn_elu_backward_params;
 
 qca_status qca_gn_elu_forward_cpu(const qca_gn_elu_params* p, int64_t pair_begin, int64_t pair_end);
 qca_status qca_gn_elu_backward_cpu(const qca_gn_elu_backward_params* p, int64_t pair_begin,
                                    int64_t pair_end);
 
-/* CUDA launchers; `stream` is a cudaStream_t. On QCA_ERR_CUDA, `err->code` holds the cudaError_t. */
+/* Device workspace the CUDA launchers need for `shape` on the current device (0 when none):
+ * for the forward (also with given statistics) when `backward` is 0, else for the backward. */
+int64_t qca_gn_elu_cuda_workspace_bytes(const qca_gn_shape* shape, qca_dtype stat_dtype, int backward);
+
+/* CUDA launchers; `stream` is a cudaStream_t. On QCA_ERR_CUDA, `err->code` holds the cudaError_t.
+ * QCA_ERR_INVALID_ARGUMENT when the workspace is smaller than the shape needs. */
 qca_status qca_gn_elu_forward_cuda(const qca_gn_elu_params* p, void* stream, qca_cuda_error* err);
 qca_status qca_gn_elu_backward_cuda(const qca_gn_elu_backward_params* p, void* stream,
                                     qca_cuda_error* err);
