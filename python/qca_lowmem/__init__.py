@@ -4,11 +4,13 @@ Fused C/CUDA kernels exposed as torch custom ops (torch.ops.qca_lowmem.*), recom
 storing, and a complex-safe mixed-precision loss scaler. See README.md.
 """
 
+from . import amp
 from ._recompute import block_keeps_intermediates, keep_block_intermediates
 from .memory import saved_bytes
 from .ops import qca_pack, qca_update
 
 __all__ = [
+    "amp",
     "block_keeps_intermediates",
     "keep_block_intermediates",
     "qca_pack",
