@@ -172,4 +172,10 @@ TORCH_LIBRARY_IMPL(qca_lowmem, CPU, m) {
   m.impl("amp_update_scale_", &amp_update_scale_cpu);
 }
 
+// Sparse tensors reach the same checks, which ask for their _values().
+TORCH_LIBRARY_IMPL(qca_lowmem, SparseCPU, m) {
+  m.impl("amp_unscale_", &amp_unscale_cpu);
+  m.impl("amp_mul_", &amp_mul_cpu);
+}
+
 }  // namespace qca_lowmem

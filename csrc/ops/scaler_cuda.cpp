@@ -61,4 +61,9 @@ TORCH_LIBRARY_IMPL(qca_lowmem, CUDA, m) {
   m.impl("amp_update_scale_", &amp_update_scale_cuda);
 }
 
+TORCH_LIBRARY_IMPL(qca_lowmem, SparseCUDA, m) {
+  m.impl("amp_unscale_", &amp_unscale_cuda);
+  m.impl("amp_mul_", &amp_mul_cuda);
+}
+
 }  // namespace qca_lowmem

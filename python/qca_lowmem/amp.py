@@ -97,6 +97,16 @@ def update_scale_(
     _lib.amp_update_scale_(scale, growth_tracker, found_inf, float(growth_factor), float(backoff_factor), int(growth_interval))
 
 
+def _is_dense(t: torch.Tensor) -> bool:
+    """Elements fill [data_ptr, data_ptr + numel) without overlap, in some order of dimensions."""
+    expected = 1
+    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _norm_dtype(grad_dtype: torch.dtype) -> torch.dtype:
     """dtype of torch.linalg.vector_norm of a gradient of this dtype."""
     return grad_dtype.to_real() if grad_dtype.is_complex else grad_dtype
@@ -190,7 +200,7 @@ class GradScaler(torch.amp.GradScaler):
                         to_unscale = param.grad._values()
                     else:
                         to_unscale = param.grad
-                    stand_in = None if to_unscale.is_non_overlapping_and_dense() else to_unscale.contiguous()
+                    stand_in = None if _is_dense(to_unscale) else to_unscale.contiguous()
                     groups[(to_unscale.device, to_unscale.dtype)].append((param, to_unscale, stand_in, sparse))
 
             records: list[_GradRecord] = []
