@@ -99,6 +99,8 @@ def update_scale_(
 
 def _is_dense(t: torch.Tensor) -> bool:
     """Elements fill [data_ptr, data_ptr + numel) without overlap, in some order of dimensions."""
+    if t.is_contiguous():
+        return True
     expected = 1
     for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
         if stride != expected:
