@@ -15,7 +15,7 @@ int64_t qca_unscale_chunk_count(const int64_t* numel, int64_t n_tensors) {
 }
 
 int64_t qca_unscale_workspace_size(const qca_unscale_params* p) {
-  return p->sumsq ? qca_unscale_chunk_count(p->numel, p->n_tensors) : 0;
+  return p->sumsq ? qca_unscale_chunk_count(p->numel, p->n_tensors) * QCA_SCALER_CUDA_SPLIT : 0;
 }
 
 /* Matching torch: the check is on the stored value, fp16/bf16 multiply in float and round once,

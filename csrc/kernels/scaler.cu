@@ -1,11 +1,12 @@
 // CUDA kernels of the loss scaler (see include/qca_lowmem/scaler.h).
 //
-// Multi-tensor launch: the host walks the list once, assigning one block per chunk of
-// QCA_SCALER_CHUNK reals, and packs the addresses and the block -> (tensor, chunk) map of up to
-// kMaxTensors tensors / kMaxBlocks blocks into a struct passed by value as a kernel argument.
+// Multi-tensor launch: the host walks the list once, mapping chunks of QCA_SCALER_CHUNK reals
+// to entries of a (tensor, chunk) table, and packs the addresses and the table of up to
+// kMaxTensors tensors / kMaxEntries chunks into a struct passed by value as a kernel argument.
 // A full batch is launched and checked, and a tensor cut across batches continues in the next
-// one. Sums of squares are written per chunk and added per tensor by a second, deterministic
-// pass, so the result does not depend on scheduling.
+// one. Each chunk is split over QCA_SCALER_CUDA_SPLIT thread blocks, so a batch fills the GPU
+// with little metadata. Sums of squares are written per block and added per tensor by a second,
+// deterministic pass, so the result does not depend on scheduling.
 #include <math.h>
 
 #include "qca_cuda_common.cuh"
@@ -19,15 +20,18 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kVec = 4;  // reals per thread per iteration
 constexpr int kMaxTensors = 64;
-constexpr int kMaxBlocks = 320;
+constexpr int kMaxEntries = 320;
+constexpr int kSplit = QCA_SCALER_CUDA_SPLIT;
+constexpr int64_t kPart = QCA_SCALER_CHUNK / kSplit;  // reals per thread block
+static_assert(QCA_SCALER_CHUNK % (kSplit * kVec) == 0, "parts must stay vector-aligned");
 
-// Under the 4 KiB kernel-argument limit of older toolkits: 64*8*3 + 320*(2+4) + 8 = 3464 bytes.
+// Under the 4 KiB kernel-argument limit of older toolkits: 64*8*3 + 320*(2+4) = 3456 bytes.
 struct ChunkBatch {
   void* data[kMaxTensors];
   int64_t numel[kMaxTensors];
-  int64_t first_partial[kMaxTensors];  // workspace slot of the tensor's chunk 0
-  uint16_t block_tensor[kMaxBlocks];
-  int32_t block_chunk[kMaxBlocks];
+  int64_t first_partial[kMaxTensors];  // workspace slot of the tensor's first part
+  uint16_t entry_tensor[kMaxEntries];
+  int32_t entry_chunk[kMaxEntries];
 };
 
 template <typename T>
@@ -98,17 +102,18 @@ __global__ void __launch_bounds__(kThreads)
   if (!kCheck && !kSumsq && identity) return;  // a plain multiply by one touches nothing
   const math factor = (math)factor_f;
 
-  const int slot = batch.block_tensor[blockIdx.x];
+  const int entry = blockIdx.x / kSplit;
+  const int slot = batch.entry_tensor[entry];
   T* data = static_cast<T*>(batch.data[slot]);
-  const int64_t chunk = batch.block_chunk[blockIdx.x];
-  const int64_t begin = chunk * QCA_SCALER_CHUNK;
-  const int64_t end = min(batch.numel[slot], begin + QCA_SCALER_CHUNK);
+  const int64_t part = (int64_t)batch.entry_chunk[entry] * kSplit + blockIdx.x % kSplit;
+  const int64_t begin = part * kPart;
+  const int64_t end = min(batch.numel[slot], begin + kPart);
 
   bool nonfinite = false;
   double acc = 0.0;
   const bool aligned = (reinterpret_cast<uintptr_t>(data) % sizeof(VecOf<T>)) == 0;
   int64_t i = begin;
-  if (aligned) {  // chunk starts are multiples of kVec, so the whole chunk is aligned
+  if (aligned && begin < end) {  // parts start at multiples of kVec, so they stay aligned
     VecOf<T>* vec = reinterpret_cast<VecOf<T>*>(data);
     const int64_t vec_end = begin + (end - begin) / kVec * kVec;
     for (int64_t j = begin / kVec + threadIdx.x; j < vec_end / kVec; j += blockDim.x) {
@@ -126,13 +131,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   if (!kCheck) return;
-  const bool chunk_nonfinite = __syncthreads_or(nonfinite);
-  if (chunk_nonfinite && threadIdx.x == 0) *found_inf = 1.0f;
+  const bool part_nonfinite = __syncthreads_or(nonfinite);
+  if (part_nonfinite && threadIdx.x == 0) *found_inf = 1.0f;
   if (kSumsq) {
     __shared__ double shared[kThreads / 32];
     const double total = block_sum(acc, shared);
     if (threadIdx.x == 0)
-      partials[batch.first_partial[slot] + chunk] = chunk_nonfinite ? (double)NAN : total;
+      partials[batch.first_partial[slot] + part] = part_nonfinite ? (double)NAN : total;
   }
 }
 
@@ -140,17 +145,17 @@ constexpr int kMaxReduceTensors = 200;
 
 struct ReduceBatch {
   int64_t first_partial[kMaxReduceTensors];
-  int64_t n_chunks[kMaxReduceTensors];
+  int64_t n_parts[kMaxReduceTensors];
   int64_t first_tensor;
 };
 
-// One warp per tensor adds its chunk partials in a fixed order.
+// One warp per tensor adds its partial sums in a fixed order.
 __global__ void sum_partials_kernel(const ReduceBatch batch, const double* partials,
                                     double* sumsq) {
   const int t = blockIdx.x;
   const double* p = partials + batch.first_partial[t];
   double acc = 0.0;
-  for (int64_t c = threadIdx.x; c < batch.n_chunks[t]; c += 32) acc += p[c];
+  for (int64_t c = threadIdx.x; c < batch.n_parts[t]; c += 32) acc += p[c];
   for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, offset);
   if (threadIdx.x == 0) sumsq[batch.first_tensor + t] = acc;
 }
@@ -158,11 +163,11 @@ __global__ void sum_partials_kernel(const ReduceBatch batch, const double* parti
 template <typename T, bool kCheck, bool kSumsq>
 qca_status run_batches(const qca_unscale_params* p, cudaStream_t stream, qca_cuda_error* err) {
   ChunkBatch batch;
-  int tensors = 0, blocks = 0;
+  int tensors = 0, entries = 0;
   int64_t next_partial = 0;
   auto launch = [&]() -> qca_status {
     unscale_chunks_kernel<T, kCheck, kSumsq>
-        <<<blocks, kThreads, 0, stream>>>(batch, p->factor, p->found_inf, p->workspace);
+        <<<entries * kSplit, kThreads, 0, stream>>>(batch, p->factor, p->found_inf, p->workspace);
     return qca_lowmem_cuda::finish_launch(err);
   };
   for (int64_t t = 0; t < p->n_tensors; ++t) {
@@ -172,17 +177,17 @@ qca_status run_batches(const qca_unscale_params* p, cudaStream_t stream, qca_cud
     batch.data[tensors] = p->tensors[t];
     batch.numel[tensors] = n;
     batch.first_partial[tensors] = next_partial;
-    next_partial += chunks;
+    next_partial += chunks * kSplit;
     ++tensors;
     for (int64_t c = 0; c < chunks; ++c) {
-      batch.block_tensor[blocks] = (uint16_t)(tensors - 1);
-      batch.block_chunk[blocks] = (int32_t)c;
-      ++blocks;
+      batch.entry_tensor[entries] = (uint16_t)(tensors - 1);
+      batch.entry_chunk[entries] = (int32_t)c;
+      ++entries;
       const bool last_chunk = c == chunks - 1;
-      if (blocks == kMaxBlocks || (tensors == kMaxTensors && last_chunk)) {
+      if (entries == kMaxEntries || (tensors == kMaxTensors && last_chunk)) {
         const qca_status s = launch();
         if (s != QCA_OK) return s;
-        blocks = 0;
+        entries = 0;
         if (last_chunk) {
           tensors = 0;
         } else {  // the current tensor continues in the next batch, in slot 0
@@ -194,7 +199,7 @@ qca_status run_batches(const qca_unscale_params* p, cudaStream_t stream, qca_cud
       }
     }
   }
-  if (blocks > 0) {
+  if (entries > 0) {
     const qca_status s = launch();
     if (s != QCA_OK) return s;
   }
@@ -208,8 +213,8 @@ qca_status run_batches(const qca_unscale_params* p, cudaStream_t stream, qca_cud
     if (count == 0) reduce.first_tensor = t;
     const int64_t chunks = (p->numel[t] + QCA_SCALER_CHUNK - 1) / QCA_SCALER_CHUNK;
     reduce.first_partial[count] = first_partial;
-    reduce.n_chunks[count] = chunks;
-    first_partial += chunks;
+    reduce.n_parts[count] = chunks * kSplit;
+    first_partial += chunks * kSplit;
     ++count;
     if (count == kMaxReduceTensors || t == p->n_tensors - 1) {
       sum_partials_kernel<<<count, 32, 0, stream>>>(reduce, p->workspace, p->sumsq);

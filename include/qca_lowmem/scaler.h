@@ -17,6 +17,8 @@ extern "C" {
 #endif
 
 #define QCA_SCALER_CHUNK ((int64_t)65536)
+/* The CUDA launcher splits each chunk over this many thread blocks. */
+#define QCA_SCALER_CUDA_SPLIT 4
 
 typedef struct qca_unscale_params {
   qca_dtype dtype;          /* element type of every tensor's reals */
@@ -31,7 +33,8 @@ typedef struct qca_unscale_params {
                                squares of the values as stored after the multiply (accumulated
                                in double); NaN exactly when the tensor had a non-finite value
                                before the multiply (requires found_inf) */
-  double* workspace;        /* CUDA with sumsq only: qca_unscale_workspace_size() doubles */
+  double* workspace;        /* CUDA with sumsq only: qca_unscale_workspace_size() doubles on
+                               the device (one per thread block) */
 } qca_unscale_params;
 
 /* Result of one chunk range on the CPU; the caller adds per-chunk results in chunk order so that
@@ -43,7 +46,8 @@ typedef struct qca_chunk_result {
 
 /* Chunks in a list (sum over tensors of ceil(numel / QCA_SCALER_CHUNK)). */
 int64_t qca_unscale_chunk_count(const int64_t* numel, int64_t n_tensors);
-/* Doubles of device workspace the CUDA launcher needs when sumsq is requested. */
+/* Doubles of device workspace the CUDA launcher needs when sumsq is requested:
+ * QCA_SCALER_CUDA_SPLIT per chunk. */
 int64_t qca_unscale_workspace_size(const qca_unscale_params* p);
 
 /* Reals [begin, end) of tensor `tensor`, on the CPU. Writes nothing to found_inf/sumsq: the
