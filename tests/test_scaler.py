@@ -744,41 +744,45 @@ def test_cuda_clip_grad_norm_matches_torch():
 def test_cuda_graph_capture_of_scale_unscale_update():
     torch.manual_seed(0)
     model = Net().cuda()
+    reference_model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     scaler = GradScaler("cuda", init_scale=2.0**10, growth_interval=2)
     x = torch.randn(8, 6, device="cuda")
-    scaler.scale(model(x).sum()).backward()  # lazily creates the scale and the grads
-    scaler.unscale_(opt)
-    scaler.update(2.0**10)
-    opt.zero_grad(set_to_none=False)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
+    def iteration():
+        scaler.scale(model(x).sum()).backward()
+        scaler.unscale_(opt)
+        scaler.update()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up, as torch's CUDA-graph recipe asks
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            iteration()
+    torch.cuda.current_stream().wait_stream(side)
+    scale, tracker = scaler.get_scale(), scaler._get_growth_tracker()
+
+    opt.zero_grad(set_to_none=True)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        for p in model.parameters():
-            p.grad.zero_()
-        with torch.cuda.graph(graph, stream=stream):
-            scaled = scaler.scale(model(x).sum())
-            scaled.backward()
-            scaler.unscale_(opt)
-            scaler.update()
-    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        iteration()
 
-    reference = Net().cuda()
-    reference.load_state_dict(model.state_dict())
-    reference(x).sum().backward()
-    expected_scale = 2.0**10
-    tracker = 0
-    for replay in range(5):
-        for p in model.parameters():
-            p.grad.zero_()
+    reference_model(x).sum().backward()
+    original = x[0, 0].item()
+    for replay in range(6):
+        overflow = replay == 4
+        if overflow:
+            x[0, 0] = float("inf")
         graph.replay()
         torch.cuda.synchronize()
-        tracker += 1
-        if tracker == 2:
-            expected_scale *= 2
-            tracker = 0
-        assert scaler.get_scale() == expected_scale
-        for p, q in zip(model.parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, q.grad)
+        if overflow:
+            scale, tracker = scale * 0.5, 0
+            x[0, 0] = original
+        else:
+            tracker += 1
+            if tracker == 2:
+                scale, tracker = scale * 2, 0
+            for p, q in zip(model.parameters(), reference_model.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)  # unscaled
+        assert scaler.get_scale() == scale and scaler._get_growth_tracker() == tracker
