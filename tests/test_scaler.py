@@ -4,6 +4,7 @@ import copy
 import pickle
 import re
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -568,7 +569,8 @@ def test_clip_grad_norm_uses_unscale_norm_and_matches_torch(max_norm):
     scaler.unscale_(opt)
     for p in twin.parameters():
         p.grad.mul_(2.0**-10)
-    ours = scaler.clip_grad_norm_(model.parameters(), max_norm)
+    with mock.patch.object(torch.nn.utils, "clip_grad_norm_", side_effect=AssertionError("took torch's path")):
+        ours = scaler.clip_grad_norm_(model.parameters(), max_norm)  # the fused path only
     theirs = torch.nn.utils.clip_grad_norm_(twin.parameters(), max_norm)
     assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
     torch.testing.assert_close(ours, theirs, rtol=2e-7, atol=0)
@@ -576,8 +578,31 @@ def test_clip_grad_norm_uses_unscale_norm_and_matches_torch(max_norm):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
         if max_norm > 1e8:  # no clipping: untouched
             assert bits_equal(p.grad, q.grad)
-    # the fused path really used the cached sums: the clip is ours, no torch norm was taken
-    assert scaler._cached_records([p for p in model.parameters()]) is not None
+    # clipping changed the gradients: a second clip measures them again
+    torch_clip = torch.nn.utils.clip_grad_norm_
+    with mock.patch.object(torch.nn.utils, "clip_grad_norm_", wraps=torch_clip) as spy:
+        again = scaler.clip_grad_norm_(model.parameters(), max_norm)
+    assert spy.call_count == 1
+    torch.testing.assert_close(again, torch_clip(twin.parameters(), max_norm), rtol=2e-7, atol=0)
+
+
+def test_clip_grad_norm_bf16_matches_torch():
+    model, twin = scaled_grads_twice()
+    del model.extra, twin.extra
+    model.bfloat16()
+    twin.bfloat16()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(opt)
+    for p in twin.parameters():
+        p.grad.mul_(2.0**-10)
+    ours = scaler.clip_grad_norm_(model.parameters(), 1.0)
+    theirs = torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, theirs)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 def test_clip_grad_norm_falls_back_to_torch():

@@ -336,7 +336,8 @@ class GradScaler(torch.amp.GradScaler):
                 by_sumsq.setdefault(id(record.sumsq), (record.sumsq, []))[1].append(record.index)
             partial_sums = []
             for sumsq, indices in by_sumsq.values():
-                picked = sumsq if len(indices) == sumsq.numel() else sumsq[torch.tensor(indices, device=sumsq.device)]
+                # indexing by Python ints keeps index lists off the device (no host-to-device copy)
+                picked = sumsq if len(indices) == sumsq.numel() else torch.stack([sumsq[i] for i in indices])
                 partial_sums.append(picked.sum().to(first_device, non_blocking=True))
             total_norm = torch.stack(partial_sums).sum().sqrt().to(norm_dtype)
 
@@ -354,9 +355,8 @@ class GradScaler(torch.amp.GradScaler):
             for p in with_grads:
                 groups[(p.grad.device, p.grad.dtype)].append(p.grad)
             for (device, _), grads in groups.items():
+                # bumps the versions, so a later clip of the same grads recomputes their norm
                 _lib.amp_mul_(grads, clip_coef_clamped.to(device=device, dtype=torch.float32))
-            for record in records:  # the clip is ours: the cached norms stay valid
-                record.version = record.grad._version
         return total_norm
 
     def overflow_report(self, model: Optional[torch.nn.Module] = None) -> list[str]:
