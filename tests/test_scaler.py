@@ -811,3 +811,62 @@ def test_cuda_graph_capture_of_scale_unscale_update():
             for p, q in zip(model.parameters(), reference_model.parameters()):
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)  # unscaled
         assert scaler.get_scale() == scale and scaler._get_growth_tracker() == tracker
+
+
+# ----------------------------------------------------------------------------------------------
+# torch's AMP recipes, side by side (accumulation, gradient penalty, several outputs)
+
+
+def recipe_run(scaler_cls, recipe):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = scaler_cls("cpu", init_scale=2.0**10, growth_interval=2)
+    scales = []
+    for step in range(12):
+        opt.zero_grad()
+        xs = torch.randn(3, 4, 6)
+        if recipe == "accumulation":
+            for x in xs:
+                scaler.scale(model(x).pow(2).mean() / len(xs)).backward()
+        elif recipe == "penalty":
+            loss = model(xs[0]).pow(2).mean()
+            scaled = torch.autograd.grad(scaler.scale(loss), list(model.parameters()), create_graph=True)
+            inv = 1.0 / scaler.get_scale()
+            penalty = sum((g * inv).pow(2).sum() for g in scaled).sqrt()
+            scaler.scale(loss + penalty).backward()
+        else:  # several outputs, nested
+            a, (b, c) = scaler.scale([model(xs[0]).sum(), (model(xs[1]).sum(), model(xs[2]).sum())])
+            (a + b + c).backward()
+        if step == 5:
+            model.b.weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("recipe", ["accumulation", "penalty", "outputs"])
+def test_amp_recipes_match_torch(recipe):
+    ours, theirs = recipe_run(GradScaler, recipe), recipe_run(torch.amp.GradScaler, recipe)
+    scales = ours[0]
+    assert scales == theirs[0]
+    assert max(scales) > 2.0**10 and any(later < earlier for earlier, later in zip(scales, scales[1:]))
+    assert all(bits_equal(a, b) for a, b in zip(ours[1], theirs[1]))
+
+
+def test_optimizer_taking_grad_scaler_gets_ours():
+    class SelfUnscaling(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None, grad_scaler=None):
+            self.seen = grad_scaler
+            return super().step(closure)
+
+    model = Net()
+    opt = SelfUnscaling(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu")
+    scaler.scale(model(torch.randn(2, 6)).sum()).backward()
+    with pytest.warns(FutureWarning, match="GradScaler is going to stop passing itself"):
+        scaler.step(opt)
+    assert opt.seen is scaler
