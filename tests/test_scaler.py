@@ -870,3 +870,31 @@ def test_optimizer_taking_grad_scaler_gets_ours():
     with pytest.warns(FutureWarning, match="GradScaler is going to stop passing itself"):
         scaler.step(opt)
     assert opt.seen is scaler
+
+
+@cuda_only
+def test_cuda_no_host_sync_outside_step():
+    model = Net().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cuda")
+    x = torch.randn(4, 6, device="cuda")
+    scaler.scale(model(x).sum()).backward()  # first call creates the scale
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    loss = model(x).sum()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        scaled = scaler.scale(loss)
+        scaled.backward()
+        scaler.unscale_(opt)
+        scaler.clip_grad_norm_(model.parameters(), 1.0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    scaler.step(opt)  # the one synchronization: the skip decision
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        scaler.update()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

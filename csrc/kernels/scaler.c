@@ -25,6 +25,12 @@ int64_t qca_unscale_workspace_size(const qca_unscale_params* p) {
  * without reassociating floating-point sums; fused in one loop, neither does. */
 enum { kBlock = 256, kLanes = 8 };
 
+#if defined(__GNUC__)
+#define QCA_ALWAYS_INLINE static inline __attribute__((always_inline))
+#else
+#define QCA_ALWAYS_INLINE static inline
+#endif
+
 typedef struct unscale_mode {
   int identity, check, sumsq;
 } unscale_mode;
@@ -35,7 +41,7 @@ static inline float id_f32(float x) { return x; }
 static inline double id_f64(double x) { return x; }
 
 #define QCA_DEFINE_UNSCALE(NAME, TYPE, MATH, LOAD, STORE)                                        \
-  static inline __attribute__((always_inline)) void NAME##_body(                                \
+  QCA_ALWAYS_INLINE void NAME##_body(                                                           \
       TYPE* v, int64_t n, MATH factor, const unscale_mode m, unsigned* bad_out, double* sum_out) { \
     unsigned bad = 0;                                                                           \
     double acc[kLanes] = {0};                                                                   \
