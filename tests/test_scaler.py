@@ -2,7 +2,6 @@
 
 import copy
 import pickle
-import re
 import warnings
 from unittest import mock
 
@@ -142,12 +141,19 @@ def test_factor_one_keeps_bits():
     assert bits_equal(t, before) and found_inf.item() == 1.0
 
 
-def test_dense_non_contiguous_layouts():
+def test_non_contiguous_layouts():
     x = torch.randn(2, 3, 5, 7).to(memory_format=torch.channels_last)
     y = torch.randn(6, 4).t()
-    ref = [reference_unscale(x, 0.25), reference_unscale(y, 0.25)]
-    ops.amp_unscale_([x, y], torch.zeros(()), torch.tensor(0.25))
+    base = torch.randn(3 * CHUNK)
+    z = base[::3]  # not dense: processed in a copy, written back
+    untouched = base[1::3].clone()
+    ref = [reference_unscale(t, 0.25) for t in (x, y, z)]
+    found_inf = torch.zeros(())
+    z[5] = float("nan")
+    sumsq = ops.amp_unscale_([x, y, z], found_inf, torch.tensor(0.25), True)
     assert bits_equal(x, ref[0]) and bits_equal(y, ref[1])
+    assert torch.equal(z[6:], ref[2][6:]) and torch.equal(base[1::3], untouched)
+    assert found_inf.item() == 1.0 and torch.isnan(sumsq).tolist() == [False, False, True]
 
 
 def test_sums_do_not_depend_on_threads():
@@ -224,7 +230,7 @@ def test_bad_inputs_raise_clearly():
         ops.amp_unscale_([torch.randn(3)], torch.zeros((), dtype=torch.int32), torch.tensor(0.5))
     with pytest.raises(RuntimeError, match=r"grads must hold float32.*got .*Long"):
         ops.amp_unscale_([torch.arange(3)], torch.zeros(()), torch.tensor(0.5))
-    with pytest.raises(RuntimeError, match=r"grads\[0\] must be non-overlapping and dense.*strides=\[0\]"):
+    with pytest.raises(RuntimeError, match=r"grads\[0\] has elements that share memory.*strides=\[0\]"):
         ops.amp_unscale_([torch.randn(1).expand(4)], torch.zeros(()), torch.tensor(0.5))
     with pytest.raises(RuntimeError, match=r"grads\[1\] must be a strided"):
         ops.amp_unscale_([torch.randn(2), torch.randn(2).to_sparse()], torch.zeros(()), torch.tensor(0.5))
@@ -620,7 +626,7 @@ def test_clip_grad_norm_falls_back_to_torch():
         p.grad.mul_(2.0**-16)
     model.a.weight.grad.mul_(3.0)
     twin.a.weight.grad.mul_(3.0)
-    assert scaler._cached_records(list(model.parameters())) is None
+    assert scaler._reusable_sums(list(model.parameters())) is None
     assert bits_equal(scaler.clip_grad_norm_(model.parameters(), 1.0), torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0))
     # other norm types
     inf_ours = scaler.clip_grad_norm_(model.parameters(), 1.0, norm_type="inf")
@@ -898,3 +904,27 @@ def test_cuda_no_host_sync_outside_step():
         scaler.update()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_clip_grad_norm_subsets_and_several_optimizers():
+    model, twin = scaled_grads_twice()
+    for p in twin.parameters():
+        p.grad.mul_(2.0**-10)
+    first = torch.optim.SGD(list(model.a.parameters()) + [model.extra], lr=0.1)
+    second = torch.optim.SGD(model.b.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(first)
+    # a subset of one optimizer's parameters
+    ours = scaler.clip_grad_norm_([model.a.weight, model.extra], 0.5)
+    theirs = torch.nn.utils.clip_grad_norm_([twin.a.weight, twin.extra], 0.5)
+    torch.testing.assert_close(ours, theirs, rtol=2e-7, atol=0)
+    # parameters of an optimizer not unscaled yet: torch's path on the scaled grads
+    assert scaler._reusable_sums(list(model.parameters())) is None
+    scaler.unscale_(second)
+    assert scaler._reusable_sums(list(model.b.parameters()) + [model.a.bias]) is not None
+    ours = scaler.clip_grad_norm_(list(model.b.parameters()) + [model.a.bias], 0.5)
+    theirs = torch.nn.utils.clip_grad_norm_(list(twin.b.parameters()) + [twin.a.bias], 0.5)
+    torch.testing.assert_close(ours, theirs, rtol=2e-7, atol=0)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)

@@ -1,6 +1,7 @@
 // ATen glue of the loss-scaler ops: argument checks and CPU dispatch.
 #include "scaler.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -57,8 +58,10 @@ void prepare_unscale(at::TensorList tensors, const at::Tensor& found_inf, const 
     TORCH_CHECK(t.scalar_type() == dtype, op, ": every tensor of ", list_name,
                 " must have one dtype (", dtype, ", from ", list_name, "[0]); ", list_name, "[", i,
                 "] is ", describe(t));
-    TORCH_CHECK(t.is_non_overlapping_and_dense(), op, ": ", list_name, "[", i,
-                "] must be non-overlapping and dense (any memory format), got ", describe(t));
+    TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", list_name, "[", i,
+                "] has elements that share memory (an expanded tensor?), so it cannot be updated in "
+                "place; got ",
+                describe(t));
   }
   check_scalar(factor, factor_name, at::kFloat, device, device_of, op);
   if (found_inf.defined()) check_scalar(found_inf, "found_inf", at::kFloat, device, device_of, op);
@@ -66,11 +69,17 @@ void prepare_unscale(at::TensorList tensors, const at::Tensor& found_inf, const 
   const int64_t reals_per_element = at::isComplexType(dtype) ? 2 : 1;
   list.data.clear();
   list.numel.clear();
+  list.stand_ins.clear();
   for (const at::Tensor& t : tensors) {
     // A dense tensor's elements fill [data_ptr, data_ptr + numel) in some order, which is all an
     // elementwise kernel needs.
-    list.data.push_back(t.numel() > 0 ? t.mutable_data_ptr() : nullptr);
-    list.numel.push_back(t.numel() * reals_per_element);
+    at::Tensor dense = t;
+    if (!t.is_non_overlapping_and_dense()) {
+      dense = t.contiguous();
+      list.stand_ins.emplace_back(t, dense);
+    }
+    list.data.push_back(dense.numel() > 0 ? dense.mutable_data_ptr() : nullptr);
+    list.numel.push_back(dense.numel() * reals_per_element);
   }
   qca_unscale_params& p = list.params;
   p = qca_unscale_params{};
@@ -146,6 +155,7 @@ at::Tensor amp_unscale_cpu(at::TensorList grads, const at::Tensor& found_inf,
                                inv_scale.options().dtype(at::kDouble));
   if (compute_sumsq) list.params.sumsq = sumsq.mutable_data_ptr<double>();
   run_chunks_cpu(list.params, "amp_unscale_");
+  list.copy_back();
   return sumsq;
 }
 
@@ -153,6 +163,7 @@ void amp_mul_cpu(at::TensorList tensors, const at::Tensor& factor) {
   UnscaleList list;
   prepare_unscale(tensors, at::Tensor(), factor, "amp_mul_", "tensors", "factor", list);
   run_chunks_cpu(list.params, "amp_mul_");
+  list.copy_back();
 }
 
 void amp_update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
@@ -164,7 +175,31 @@ void amp_update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_trac
   check_status(qca_scale_update_cpu(&p), "amp_update_scale_");
 }
 
+// Like torch's own in-place ops, bump the version counters of the arguments the schema marks
+// as written, so autograd notices when a tensor it saved was modified; then go on to the kernel.
+void bump_written_versions(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                           torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  const size_t first = stack->size() - arguments.size();
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const c10::AliasInfo* alias = arguments[i].alias_info();
+    if (alias == nullptr || !alias->isWrite()) continue;
+    const c10::IValue& value = (*stack)[first + i];
+    if (value.isTensor()) {
+      value.toTensor().unsafeGetTensorImpl()->bump_version();
+    } else if (value.isTensorList()) {
+      for (const at::Tensor& t : value.toTensorList()) t.unsafeGetTensorImpl()->bump_version();
+    }
+  }
+  op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+}
+
 }  // namespace
+
+TORCH_LIBRARY_IMPL(qca_lowmem, ADInplaceOrView, m) {
+  for (const char* name : {"amp_unscale_", "amp_mul_", "amp_update_scale_"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&bump_written_versions>());
+}
 
 TORCH_LIBRARY_IMPL(qca_lowmem, CPU, m) {
   m.impl("amp_unscale_", &amp_unscale_cpu);

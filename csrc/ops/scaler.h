@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <utility>
 #include <vector>
 
 #include "qca_lowmem/scaler.h"
@@ -13,7 +14,14 @@ namespace qca_lowmem {
 struct UnscaleList {
   std::vector<void*> data;
   std::vector<int64_t> numel;
+  // Tensors that are not dense (a slice with steps, say) are processed in a dense copy, which
+  // copy_back() writes into the original after the kernel.
+  std::vector<std::pair<at::Tensor, at::Tensor>> stand_ins;
   qca_unscale_params params{};
+
+  void copy_back() {
+    for (auto& [original, dense] : stand_ins) original.copy_(dense);
+  }
 };
 
 // Validates a multi-tensor list with its factor (and found_inf when `found_inf` is defined);

@@ -31,6 +31,7 @@ at::Tensor amp_unscale_cuda(at::TensorList grads, const at::Tensor& found_inf,
   }
   qca_cuda_error err{};
   check_cuda_status(qca_unscale_cuda(&p, current_stream(), &err), err, "amp_unscale_");
+  list.copy_back();
   return sumsq;
 }
 
@@ -40,6 +41,7 @@ void amp_mul_cuda(at::TensorList tensors, const at::Tensor& factor) {
   const c10::cuda::CUDAGuard guard(factor.device());
   qca_cuda_error err{};
   check_cuda_status(qca_unscale_cuda(&list.params, current_stream(), &err), err, "amp_mul_");
+  list.copy_back();
 }
 
 void amp_update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker,

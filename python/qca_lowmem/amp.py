@@ -45,26 +45,6 @@ def _update_scale_fake(scale, growth_tracker, found_inf, growth_factor, backoff_
     return None
 
 
-# Like torch's own in-place ops (and torch.library.custom_op), bump the version counters of what
-# the kernels write, so autograd notices when a tensor it saved was modified.
-_impl_lib = torch.library.Library("qca_lowmem", "IMPL")
-
-
-def _register_version_bump(name: str, mutated) -> None:
-    op = getattr(_lib, name).default
-
-    def bump_then_redispatch(keyset, *args, **kwargs):
-        torch.autograd.graph.increment_version(mutated(args))
-        return op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
-
-    _impl_lib.impl(name, bump_then_redispatch, "ADInplaceOrView", with_keyset=True)
-
-
-_register_version_bump("amp_unscale_", lambda args: [*args[0], args[1]])
-_register_version_bump("amp_mul_", lambda args: list(args[0]))
-_register_version_bump("amp_update_scale_", lambda args: [args[0], args[1]])
-
-
 def unscale_(
     grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor, compute_sumsq: bool = False
 ) -> torch.Tensor:
@@ -97,35 +77,26 @@ def update_scale_(
     _lib.amp_update_scale_(scale, growth_tracker, found_inf, float(growth_factor), float(backoff_factor), int(growth_interval))
 
 
-def _is_dense(t: torch.Tensor) -> bool:
-    """Elements fill [data_ptr, data_ptr + numel) without overlap, in some order of dimensions."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _norm_dtype(grad_dtype: torch.dtype) -> torch.dtype:
     """dtype of torch.linalg.vector_norm of a gradient of this dtype."""
     return grad_dtype.to_real() if grad_dtype.is_complex else grad_dtype
 
 
-class _GradRecord:
-    """A gradient as unscale_ left it, with its sum of squares (an element of a device tensor)."""
+class _Unscaled:
+    """What one unscale (or non-finite check) of an optimizer's gradients left behind.
 
-    __slots__ = ("param", "grad", "version", "sumsq", "index", "clippable")
+    groups: per (device, dtype), the tensors the kernel processed and their sums of squares.
+    where: id(param) -> (param, grad, grad version after the kernel, group index, index).
+    clippable: the gradients were really unscaled (not just checked) and none is sparse, so a
+    clip may reuse the sums while the gradients stay as the kernel left them.
+    """
 
-    def __init__(self, param, grad, sumsq, index, clippable):
-        self.param, self.grad, self.sumsq, self.index = param, grad, sumsq, index
-        self.version = grad._version
-        self.clippable = clippable
+    __slots__ = ("groups", "where", "clippable")
 
-    def unchanged(self, param) -> bool:
-        return self.clippable and param.grad is self.grad and self.grad._version == self.version
+    def __init__(self):
+        self.groups: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        self.where: dict[int, tuple] = {}
+        self.clippable = True
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -162,8 +133,8 @@ class GradScaler(torch.amp.GradScaler):
     ) -> None:
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self._allow_fp16_grads = allow_fp16_grads
-        self._overflow_pending: list[tuple[int, list[_GradRecord], torch.optim.Optimizer]] = []
-        self._overflow_last: list[tuple[int, list[_GradRecord], torch.optim.Optimizer]] = []
+        self._overflow_pending: list[tuple[int, Optional[_Unscaled], torch.optim.Optimizer]] = []
+        self._overflow_last: list[tuple[int, Optional[_Unscaled], torch.optim.Optimizer]] = []
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -183,42 +154,40 @@ class GradScaler(torch.amp.GradScaler):
         allow_fp16 = allow_fp16 or self._allow_fp16_grads
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
-        # (device, dtype) -> [(param, tensor the kernel sees, dense stand-in or None, sparse)]
-        groups: dict[tuple[torch.device, torch.dtype], list] = defaultdict(list)
+        result = _Unscaled()
+        result.clippable = unscaling
+        # (device, dtype) -> (params, tensors the kernel processes)
+        grouped: dict[tuple[torch.device, torch.dtype], tuple[list, list]] = defaultdict(lambda: ([], []))
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     if not isinstance(param, torch.Tensor):
                         raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
-                    if param.grad is None:
+                    grad = param.grad
+                    if grad is None:
                         continue
-                    if (not allow_fp16) and param.grad.dtype == torch.float16:
+                    if (not allow_fp16) and grad.dtype == torch.float16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
-                    sparse = param.grad.is_sparse
-                    if sparse:
+                    if grad.is_sparse:
                         # Overflow is likeliest after summing duplicates, so check coalesced values.
-                        if param.grad.dtype is torch.float16:
-                            param.grad = param.grad.coalesce()
-                        to_unscale = param.grad._values()
-                    else:
-                        to_unscale = param.grad
-                    stand_in = None if _is_dense(to_unscale) else to_unscale.contiguous()
-                    groups[(to_unscale.device, to_unscale.dtype)].append((param, to_unscale, stand_in, sparse))
+                        if grad.dtype is torch.float16:
+                            param.grad = grad = grad.coalesce()
+                        grad = grad._values()
+                        result.clippable = False
+                    params, tensors = grouped[(grad.device, grad.dtype)]
+                    params.append(param)
+                    tensors.append(grad)
 
-            records: list[_GradRecord] = []
-            for (device, _), entries in groups.items():
-                tensors = [t if s is None else s for _, t, s, _ in entries]
+            for group_index, ((device, _), (params, tensors)) in enumerate(grouped.items()):
                 sumsq = _lib.amp_unscale_(
                     tensors, per_device_found_inf.get(device), per_device_inv_scale.get(device), True
                 )
-                for index, (param, to_unscale, stand_in, sparse) in enumerate(entries):
-                    if stand_in is not None:
-                        to_unscale.copy_(stand_in)
-                    records.append(_GradRecord(param, param.grad, sumsq, index, unscaling and not sparse))
+                result.groups.append((tensors, sumsq))
+                for index, param in enumerate(params):
+                    grad = param.grad
+                    result.where[id(param)] = (param, grad, grad._version, group_index, index)
 
-        state = self._per_optimizer_states[id(optimizer)]
-        state["qca_records"] = records
-        state["qca_unscaled"] = unscaling
+        self._per_optimizer_states[id(optimizer)]["qca"] = result
         return per_device_found_inf._per_device_tensors
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
@@ -230,7 +199,7 @@ class GradScaler(torch.amp.GradScaler):
             total = torch.stack([f.to(target, non_blocking=True) for f in found]).sum()
         if not total.item():
             return optimizer.step(*args, **kwargs)
-        self._overflow_pending.append((self._optimizer_index(optimizer), optimizer_state.get("qca_records", []), optimizer))
+        self._overflow_pending.append((self._optimizer_index(optimizer), optimizer_state.get("qca"), optimizer))
         return None
 
     def _optimizer_index(self, optimizer) -> int:
@@ -285,21 +254,41 @@ class GradScaler(torch.amp.GradScaler):
         self._overflow_last, self._overflow_pending = self._overflow_pending, []
         self._per_optimizer_states = defaultdict(torch.amp.grad_scaler._refresh_per_optimizer_state)
 
-    def _cached_records(self, params: list[torch.Tensor]) -> Optional[list[_GradRecord]]:
-        """The records of unscale_ for these parameters' gradients, if every one is still as
-        unscale_ left it; None otherwise."""
-        by_param = {}
-        for state in self._per_optimizer_states.values():
-            if state["stage"] is OptState.UNSCALED and state.get("qca_unscaled"):
-                for record in state["qca_records"]:
-                    by_param[id(record.param)] = record
-        records = []
+    def _reusable_sums(self, params: list[torch.Tensor]):
+        """For the gradients of `params`, as (groups of (tensors, sums of squares, indices or None
+        for all), first gradient) when unscale_ left every one of them untouched; else None."""
+        unscaled = [
+            state["qca"]
+            for state in self._per_optimizer_states.values()
+            if state["stage"] is OptState.UNSCALED and "qca" in state and state["qca"].clippable
+        ]
+        if not unscaled:
+            return None
+        picked: dict[tuple[int, int], list[int]] = {}
+        first_grad = None
         for p in params:
-            record = by_param.get(id(p))
-            if record is None or not record.unchanged(p):
+            grad = p.grad
+            if grad is None:
+                continue
+            for result_index, result in enumerate(unscaled):
+                entry = result.where.get(id(p))
+                if entry is not None:
+                    break
+            if entry is None or entry[1] is not grad or grad._version != entry[2]:
                 return None
-            records.append(record)
-        return records
+            if first_grad is None:
+                first_grad = grad
+            picked.setdefault((result_index, entry[3]), []).append(entry[4])
+        if first_grad is None:
+            return None
+        groups = []
+        for (result_index, group_index), indices in picked.items():
+            tensors, sumsq = unscaled[result_index].groups[group_index]
+            if len(indices) == len(tensors):
+                groups.append((tensors, sumsq, None))
+            else:
+                groups.append(([tensors[i] for i in indices], sumsq, indices))
+        return groups, first_grad
 
     def clip_grad_norm_(
         self,
@@ -316,30 +305,28 @@ class GradScaler(torch.amp.GradScaler):
         the norm's dtype) and only the clipping multiply touches the gradients (and not even that
         when the clip factor is 1). Otherwise (other norms, gradients not unscaled by this
         scaler, changed since, or sparse) this is ``torch.nn.utils.clip_grad_norm_`` itself.
-        Returns the total norm, as torch does.
+        Returns the total norm, as torch does. Never synchronizes unless ``error_if_nonfinite``.
         """
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        with_grads = [p for p in params if p.grad is not None]
-        records = None
-        if self._enabled and float(norm_type) == 2.0 and with_grads:
-            records = self._cached_records(with_grads)
-        if records is None:
+        reusable = None
+        if self._enabled and float(norm_type) == 2.0:
+            reusable = self._reusable_sums(params)
+        if reusable is None:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        groups, first_grad = reusable
 
         with torch.no_grad():
-            first_device = with_grads[0].grad.device
-            norm_dtype = _norm_dtype(with_grads[0].grad.dtype)
-            for p in with_grads[1:]:
-                norm_dtype = torch.promote_types(norm_dtype, _norm_dtype(p.grad.dtype))
-            by_sumsq: dict[int, tuple[torch.Tensor, list[int]]] = {}
-            for record in records:
-                by_sumsq.setdefault(id(record.sumsq), (record.sumsq, []))[1].append(record.index)
+            first_device = first_grad.device
+            norm_dtype = None
             partial_sums = []
-            for sumsq, indices in by_sumsq.values():
+            for tensors, sumsq, indices in groups:
+                dtype = _norm_dtype(tensors[0].dtype)
+                norm_dtype = dtype if norm_dtype is None else torch.promote_types(norm_dtype, dtype)
                 # indexing by Python ints keeps index lists off the device (no host-to-device copy)
-                picked = sumsq if len(indices) == sumsq.numel() else torch.stack([sumsq[i] for i in indices])
+                picked = sumsq if indices is None else torch.stack([sumsq[i] for i in indices])
                 partial_sums.append(picked.sum().to(first_device, non_blocking=True))
-            total_norm = torch.stack(partial_sums).sum().sqrt().to(norm_dtype)
+            total_sq = partial_sums[0] if len(partial_sums) == 1 else torch.stack(partial_sums).sum()
+            total_norm = total_sq.sqrt().to(norm_dtype)
 
             if error_if_nonfinite and torch.logical_or(total_norm.isnan(), total_norm.isinf()):
                 raise RuntimeError(
@@ -351,12 +338,9 @@ class GradScaler(torch.amp.GradScaler):
 
             clip_coef = float(max_norm) / (total_norm + 1e-6)
             clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
-            groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-            for p in with_grads:
-                groups[(p.grad.device, p.grad.dtype)].append(p.grad)
-            for (device, _), grads in groups.items():
-                # bumps the versions, so a later clip of the same grads recomputes their norm
-                _lib.amp_mul_(grads, clip_coef_clamped.to(device=device, dtype=torch.float32))
+            for tensors, _, _ in groups:
+                # bumps the versions, so a later clip of the same grads measures them again
+                _lib.amp_mul_(tensors, clip_coef_clamped.to(device=tensors[0].device, dtype=torch.float32))
         return total_norm
 
     def overflow_report(self, model: Optional[torch.nn.Module] = None) -> list[str]:
@@ -371,16 +355,13 @@ class GradScaler(torch.amp.GradScaler):
         skipped = self._overflow_pending or self._overflow_last
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         report = []
-        for opt_index, records, optimizer in skipped:
-            positions = {
-                id(p): f"optimizer[{opt_index}].param_groups[{g}].params[{i}]"
-                for g, group in enumerate(optimizer.param_groups)
-                for i, p in enumerate(group["params"])
-            }
-            flags: dict[int, list[bool]] = {}
-            for record in records:
-                if id(record.sumsq) not in flags:
-                    flags[id(record.sumsq)] = torch.isnan(record.sumsq).tolist()
-                if flags[id(record.sumsq)][record.index]:
-                    report.append(names.get(id(record.param), positions.get(id(record.param), "?")))
+        for opt_index, result, optimizer in skipped:
+            if result is None:
+                continue
+            nonfinite = [torch.isnan(sumsq).tolist() for _, sumsq in result.groups]
+            for g, group in enumerate(optimizer.param_groups):
+                for i, param in enumerate(group["params"]):
+                    entry = result.where.get(id(param))
+                    if entry is not None and nonfinite[entry[3]][entry[4]]:
+                        report.append(names.get(id(param), f"optimizer[{opt_index}].param_groups[{g}].params[{i}]"))
         return report
