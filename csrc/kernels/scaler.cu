@@ -18,12 +18,12 @@
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kVec = 4;  // reals per thread per iteration
+constexpr int kVecBytes = 16;  // one 128-bit load or store per thread per iteration
 constexpr int kMaxTensors = 64;
 constexpr int kMaxEntries = 320;
 constexpr int kSplit = QCA_SCALER_CUDA_SPLIT;
 constexpr int64_t kPart = QCA_SCALER_CHUNK / kSplit;  // reals per thread block
-static_assert(QCA_SCALER_CHUNK % (kSplit * kVec) == 0, "parts must stay vector-aligned");
+static_assert(kPart % (kVecBytes / 2) == 0, "parts must start at whole vectors of any type");
 
 // Under the 4 KiB kernel-argument limit of older toolkits: 64*8*3 + 320*(2+4) = 3456 bytes.
 struct ChunkBatch {
@@ -62,8 +62,9 @@ struct Real<__nv_bfloat16> {
 };
 
 template <typename T>
-struct alignas(sizeof(T) * kVec) VecOf {
-  T v[kVec];
+struct alignas(kVecBytes) VecOf {
+  static constexpr int kWidth = kVecBytes / sizeof(T);
+  T v[kWidth];
 };
 
 // One real: check (before the multiply), multiply, accumulate the square of the stored value.
@@ -113,7 +114,8 @@ __global__ void __launch_bounds__(kThreads)
   double acc = 0.0;
   const bool aligned = (reinterpret_cast<uintptr_t>(data) % sizeof(VecOf<T>)) == 0;
   int64_t i = begin;
-  if (aligned && begin < end) {  // parts start at multiples of kVec, so they stay aligned
+  constexpr int kVec = VecOf<T>::kWidth;
+  if (aligned && begin < end) {  // parts start at whole vectors, so they stay aligned
     VecOf<T>* vec = reinterpret_cast<VecOf<T>*>(data);
     const int64_t vec_end = begin + (end - begin) / kVec * kVec;
     for (int64_t j = begin / kVec + threadIdx.x; j < vec_end / kVec; j += blockDim.x) {
