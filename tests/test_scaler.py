@@ -928,3 +928,15 @@ def test_clip_grad_norm_subsets_and_several_optimizers():
     torch.testing.assert_close(ours, theirs, rtol=2e-7, atol=0)
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+
+
+def test_without_native_kernels_falls_back_to_torch():
+    model, opt, twin, twin_opt = twin_runs()
+    ours = GradScaler("cpu", init_scale=2.0**12, growth_interval=4)
+    ours._native = False  # as on a device our build has no kernels for
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=4)
+    with mock.patch.object(ops, "amp_unscale_", side_effect=AssertionError("used our kernel")):
+        scales = run_training(model, opt, ours, 20, INJECT, True, True)
+    assert scales == run_training(twin, twin_opt, theirs, 20, INJECT, True, True)
+    assert all(bits_equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    assert ours.overflow_report() == []

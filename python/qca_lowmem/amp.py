@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
-from ._loader import load_native
+from ._loader import has_cuda_kernels, load_native
 
 load_native()
 
@@ -114,6 +114,9 @@ class GradScaler(torch.amp.GradScaler):
     Synchronization: :meth:`scale`, :meth:`unscale_` and :meth:`update` never wait for the device
     (they can be captured in a CUDA graph); :meth:`step` reads the skip decision once per call.
 
+    On a device without qca_lowmem kernels (a build without CUDA, another backend) the scaler
+    runs torch's own kernels: same results, no complex gradients, no fused clip, no report.
+
     Sparse gradients are unscaled through their ``_values()`` in our kernel, as torch does
     (float16 ones are coalesced first); :meth:`clip_grad_norm_` hands them to
     ``torch.nn.utils.clip_grad_norm_``. Optimizers with ``_step_supports_amp_scaling`` follow
@@ -133,6 +136,8 @@ class GradScaler(torch.amp.GradScaler):
     ) -> None:
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self._allow_fp16_grads = allow_fp16_grads
+        # Devices without our kernels (another backend, or a build without CUDA) use torch's.
+        self._native = device == "cpu" or (device == "cuda" and has_cuda_kernels())
         self._overflow_pending: list[tuple[int, Optional[_Unscaled], torch.optim.Optimizer]] = []
         self._overflow_last: list[tuple[int, Optional[_Unscaled], torch.optim.Optimizer]] = []
 
@@ -150,6 +155,8 @@ class GradScaler(torch.amp.GradScaler):
         found_inf: torch.Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
+        if not self._native:
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16 or self._allow_fp16_grads)
         unscaling = not allow_fp16
         allow_fp16 = allow_fp16 or self._allow_fp16_grads
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
@@ -209,6 +216,10 @@ class GradScaler(torch.amp.GradScaler):
         """Update the scale factor, as :meth:`torch.amp.GradScaler.update` (see there), in our
         kernel. Never synchronizes."""
         if not self._enabled:
+            return
+        if not self._native:
+            super().update(new_scale)
+            self._overflow_last, self._overflow_pending = self._overflow_pending, []
             return
 
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
