@@ -146,6 +146,10 @@ class GradScaler(torch.amp.GradScaler):
         state["_overflow_pending"], state["_overflow_last"] = [], []  # they hold optimizers and grads
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._native = self._device == "cpu" or (self._device == "cuda" and has_cuda_kernels())
+
     # torch's unscale_ (allow_fp16=False) and _check_inf_per_device (allow_fp16=True, grads stay
     # scaled) both come here; only the former leaves gradients a clip can reuse.
     def _unscale_grads_(
