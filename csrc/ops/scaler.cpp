@@ -20,7 +20,7 @@ bool has_kernel_dtype(at::ScalarType t) {
   return is_real_float(t) || t == at::kComplexFloat || t == at::kComplexDouble;
 }
 
-// A one-element float32 scalar on `device`, as torch's own amp kernels require.
+// A one-element tensor of `dtype` on `device`, as torch's own amp kernels require.
 void check_scalar(const at::Tensor& t, const char* name, at::ScalarType dtype,
                   const at::Device& device, const char* device_of, const char* op) {
   TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
@@ -55,6 +55,10 @@ void prepare_unscale(at::TensorList tensors, const at::Tensor& found_inf, const 
     TORCH_CHECK(t.device() == device, op, ": every tensor of ", list_name,
                 " must be on one device (", device, ", from ", list_name, "[0]); ", list_name, "[",
                 i, "] is ", describe(t));
+    TORCH_CHECK(!t.is_conj() && !t.is_neg(), op, ": ", list_name, "[", i,
+                "] is a lazily conjugated or negated view; resolve it first (resolve_conj(), "
+                "resolve_neg()); got ",
+                describe(t));
     TORCH_CHECK(t.scalar_type() == dtype, op, ": every tensor of ", list_name,
                 " must have one dtype (", dtype, ", from ", list_name, "[0]); ", list_name, "[", i,
                 "] is ", describe(t));
