@@ -55,10 +55,6 @@ void prepare_unscale(at::TensorList tensors, const at::Tensor& found_inf, const 
     TORCH_CHECK(t.device() == device, op, ": every tensor of ", list_name,
                 " must be on one device (", device, ", from ", list_name, "[0]); ", list_name, "[",
                 i, "] is ", describe(t));
-    TORCH_CHECK(!t.is_conj() && !t.is_neg(), op, ": ", list_name, "[", i,
-                "] is a lazily conjugated or negated view; resolve it first (resolve_conj(), "
-                "resolve_neg()); got ",
-                describe(t));
     TORCH_CHECK(t.scalar_type() == dtype, op, ": every tensor of ", list_name,
                 " must have one dtype (", dtype, ", from ", list_name, "[0]); ", list_name, "[", i,
                 "] is ", describe(t));
