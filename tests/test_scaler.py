@@ -242,6 +242,103 @@ def test_bad_inputs_raise_clearly():
         ops.amp_mul_([torch.randn(2)], torch.tensor([1.0, 2.0]))
 
 
+PLAN_CHECK = r"""
+// Runs the CUDA launcher's batch plan on the host and checks, as the kernels would read it,
+// that every real of every tensor is covered exactly once and that each thread block writes the
+// workspace slot the per-tensor reduction reads.
+#include <cstdio>
+#include <vector>
+#include "scaler_batches.h"
+
+int main() {
+  const int split = QCA_SCALER_CUDA_SPLIT;
+  const int64_t part_len = QCA_SCALER_CHUNK / split;
+  int64_t n;
+  std::vector<int64_t> numel;
+  while (std::scanf("%lld", (long long*)&n) == 1) numel.push_back(n);
+  std::vector<void*> data(numel.size());
+  std::vector<int64_t> first_slot(numel.size() + 1, 0);  // what the reduction assumes
+  for (size_t t = 0; t < numel.size(); ++t) {
+    data[t] = (void*)(uintptr_t)(0x1000 * (t + 1));
+    first_slot[t + 1] = first_slot[t] + (numel[t] + QCA_SCALER_CHUNK - 1) / QCA_SCALER_CHUNK * split;
+  }
+  std::vector<int64_t> covered(numel.size(), 0);
+  std::vector<int> slot_writes(first_slot.back(), 0);
+  int launches = 0;
+  const qca_status s = qca_scaler_batches::for_each_batch(
+      data.data(), numel.data(), (int64_t)numel.size(), split,
+      [&](const qca_scaler_batches::ChunkBatch& b, int entries) {
+        ++launches;
+        if (entries < 1 || entries > qca_scaler_batches::kMaxEntries) return QCA_ERR_INVALID_ARGUMENT;
+        for (int e = 0; e < entries; ++e) {
+          const int slot = b.entry_tensor[e];
+          if (slot >= qca_scaler_batches::kMaxTensors) return QCA_ERR_INVALID_ARGUMENT;
+          const size_t t = (uintptr_t)b.data[slot] / 0x1000 - 1;
+          if (t >= numel.size() || b.numel[slot] != numel[t]) return QCA_ERR_INVALID_ARGUMENT;
+          for (int part = 0; part < split; ++part) {  // blockIdx.x % split
+            const int64_t global_part = (int64_t)b.entry_chunk[e] * split + part;
+            const int64_t begin = global_part * part_len;
+            const int64_t end = begin + part_len < numel[t] ? begin + part_len : numel[t];
+            if (end > begin) covered[t] += end - begin;
+            const int64_t slot_index = b.first_partial[slot] + global_part;
+            if (slot_index - first_slot[t] != global_part) return QCA_ERR_INVALID_ARGUMENT;
+            slot_writes[slot_index] += 1;
+          }
+        }
+        return QCA_OK;
+      });
+  if (s != QCA_OK) { std::printf("bad batch\n"); return 1; }
+  for (size_t t = 0; t < numel.size(); ++t)
+    if (covered[t] != numel[t]) { std::printf("tensor %zu covered %lld of %lld\n", t, (long long)covered[t], (long long)numel[t]); return 1; }
+  for (size_t i = 0; i < slot_writes.size(); ++i)
+    if (slot_writes[i] != 1) { std::printf("slot %zu written %d times\n", i, slot_writes[i]); return 1; }
+  std::printf("ok %d\n", launches);
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def plan_checker(tmp_path_factory):
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    root = Path(__file__).resolve().parents[1]
+    folder = tmp_path_factory.mktemp("plan")
+    (folder / "plan_check.cpp").write_text(PLAN_CHECK)
+    binary = folder / "plan_check"
+    subprocess.run(
+        [compiler, "-std=c++17", "-O1", "-I", str(root / "include"), "-I", str(root / "csrc" / "kernels"),
+         str(folder / "plan_check.cpp"), "-o", str(binary)],
+        check=True, capture_output=True, text=True,
+    )
+
+    def check(sizes):
+        result = subprocess.run([str(binary)], input=" ".join(map(str, sizes)), capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout
+        return int(result.stdout.split()[1])
+
+    return check
+
+
+def test_cuda_launch_plan_covers_every_chunk_once(plan_checker):
+    g = torch.Generator().manual_seed(7)
+    assert plan_checker([]) == 0
+    assert plan_checker([0, 0]) == 0
+    assert plan_checker([5]) == 1
+    assert plan_checker([320 * CHUNK]) == 1  # exactly one full batch
+    assert plan_checker([320 * CHUNK + 1]) == 2
+    assert plan_checker([1] * 64) == 1 and plan_checker([1] * 65) == 2  # tensor slots
+    assert plan_checker([700 * CHUNK + 3, 0, 5, 2 * CHUNK]) == 3  # a tensor spanning three batches
+    many = torch.randint(0, 3 * CHUNK, (300,), generator=g).tolist()
+    many[::7] = [0] * len(many[::7])
+    assert plan_checker(many + [400 * CHUNK + 9] + [7] * 70 + [0]) > 2
+
+
 # ----------------------------------------------------------------------------------------------
 # GradScaler side by side with torch's
 

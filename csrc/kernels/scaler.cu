@@ -1,16 +1,16 @@
 // CUDA kernels of the loss scaler (see include/qca_lowmem/scaler.h).
 //
-// Multi-tensor launch: the host walks the list once, mapping chunks of QCA_SCALER_CHUNK reals
-// to entries of a (tensor, chunk) table, and packs the addresses and the table of up to
-// kMaxTensors tensors / kMaxEntries chunks into a struct passed by value as a kernel argument.
-// A full batch is launched and checked, and a tensor cut across batches continues in the next
-// one. Each chunk is split over QCA_SCALER_CUDA_SPLIT thread blocks, so a batch fills the GPU
+// Multi-tensor launch (plan in scaler_batches.h): the host walks the list once, mapping chunks
+// of QCA_SCALER_CHUNK reals to entries of a (tensor, chunk) table, and packs the addresses and
+// the table of up to 64 tensors / 320 chunks into a struct passed by value as a kernel argument.
+// Every launch is checked, and a tensor cut across batches continues in the next one. Each chunk is split over QCA_SCALER_CUDA_SPLIT thread blocks, so a batch fills the GPU
 // with little metadata. Sums of squares are written per block and added per tensor by a second,
 // deterministic pass, so the result does not depend on scheduling.
 #include <math.h>
 
 #include "qca_cuda_common.cuh"
 #include "qca_lowmem/scaler.h"
+#include "scaler_batches.h"
 
 #define QCA_HD __device__
 #include "scaler_rule.h"
@@ -19,20 +19,11 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kVecBytes = 16;  // one 128-bit load or store per thread per iteration
-constexpr int kMaxTensors = 64;
-constexpr int kMaxEntries = 320;
 constexpr int kSplit = QCA_SCALER_CUDA_SPLIT;
 constexpr int64_t kPart = QCA_SCALER_CHUNK / kSplit;  // reals per thread block
 static_assert(kPart % (kVecBytes / 2) == 0, "parts must start at whole vectors of any type");
 
-// Under the 4 KiB kernel-argument limit of older toolkits: 64*8*3 + 320*(2+4) = 3456 bytes.
-struct ChunkBatch {
-  void* data[kMaxTensors];
-  int64_t numel[kMaxTensors];
-  int64_t first_partial[kMaxTensors];  // workspace slot of the tensor's first part
-  uint16_t entry_tensor[kMaxEntries];
-  int32_t entry_chunk[kMaxEntries];
-};
+using qca_scaler_batches::ChunkBatch;
 
 template <typename T>
 struct Real;
@@ -164,47 +155,13 @@ __global__ void sum_partials_kernel(const ReduceBatch batch, const double* parti
 
 template <typename T, bool kCheck, bool kSumsq>
 qca_status run_batches(const qca_unscale_params* p, cudaStream_t stream, qca_cuda_error* err) {
-  ChunkBatch batch;
-  int tensors = 0, entries = 0;
-  int64_t next_partial = 0;
-  auto launch = [&]() -> qca_status {
-    unscale_chunks_kernel<T, kCheck, kSumsq>
-        <<<entries * kSplit, kThreads, 0, stream>>>(batch, p->factor, p->found_inf, p->workspace);
-    return qca_lowmem_cuda::finish_launch(err);
-  };
-  for (int64_t t = 0; t < p->n_tensors; ++t) {
-    const int64_t n = p->numel[t];
-    if (n == 0) continue;
-    const int64_t chunks = (n + QCA_SCALER_CHUNK - 1) / QCA_SCALER_CHUNK;
-    batch.data[tensors] = p->tensors[t];
-    batch.numel[tensors] = n;
-    batch.first_partial[tensors] = next_partial;
-    next_partial += chunks * kSplit;
-    ++tensors;
-    for (int64_t c = 0; c < chunks; ++c) {
-      batch.entry_tensor[entries] = (uint16_t)(tensors - 1);
-      batch.entry_chunk[entries] = (int32_t)c;
-      ++entries;
-      const bool last_chunk = c == chunks - 1;
-      if (entries == kMaxEntries || (tensors == kMaxTensors && last_chunk)) {
-        const qca_status s = launch();
-        if (s != QCA_OK) return s;
-        entries = 0;
-        if (last_chunk) {
-          tensors = 0;
-        } else {  // the current tensor continues in the next batch, in slot 0
-          batch.data[0] = batch.data[tensors - 1];
-          batch.numel[0] = batch.numel[tensors - 1];
-          batch.first_partial[0] = batch.first_partial[tensors - 1];
-          tensors = 1;
-        }
-      }
-    }
-  }
-  if (entries > 0) {
-    const qca_status s = launch();
-    if (s != QCA_OK) return s;
-  }
+  const qca_status s = qca_scaler_batches::for_each_batch(
+      p->tensors, p->numel, p->n_tensors, kSplit, [&](const ChunkBatch& batch, int entries) {
+        unscale_chunks_kernel<T, kCheck, kSumsq><<<entries * kSplit, kThreads, 0, stream>>>(
+            batch, p->factor, p->found_inf, p->workspace);
+        return qca_lowmem_cuda::finish_launch(err);
+      });
+  if (s != QCA_OK) return s;
   if (!kSumsq) return QCA_OK;
 
   // Every tensor's partials are written; add them up, empty tensors included (sum 0).
