@@ -4,6 +4,7 @@ Fused C/CUDA kernels exposed as torch custom ops (torch.ops.qca_lowmem.*), recom
 storing, and a complex-safe mixed-precision loss scaler. See README.md.
 """
 
+from . import amp
 from ._recompute import block_keeps_intermediates, keep_block_intermediates
 from .blocks import FusedConvBlock, groupnorm_elu
 from .memory import saved_bytes
@@ -14,6 +15,7 @@ __all__ = [
     "ConversionReport",
     "FusedConvBlock",
     "UNetUnitary",
+    "amp",
     "block_keeps_intermediates",
     "convert",
     "groupnorm_elu",
