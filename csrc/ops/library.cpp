@@ -29,8 +29,26 @@ TORCH_LIBRARY(qca_lowmem, m) {
       pt2);
 
   // GroupNorm + ELU (fused ConvBlock).
+  m.def("groupnorm_elu(Tensor x, Tensor weight, Tensor bias, int groups, float eps=1e-05) "
+        "-> (Tensor, Tensor, Tensor)",
+        pt2);
+  m.def("groupnorm_elu_apply(Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor rstd) "
+        "-> Tensor",
+        pt2);
+  m.def("groupnorm_elu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor bias, "
+        "Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor)",
+        pt2);
 
   // Training noise.
 
   // Loss scaler.
+  m.def(
+      "amp_unscale_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, "
+      "bool compute_sumsq=False) -> Tensor",
+      pt2);
+  m.def("amp_mul_(Tensor(a!)[] tensors, Tensor factor) -> ()", pt2);
+  m.def(
+      "amp_update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor found_inf, "
+      "float growth_factor, float backoff_factor, int growth_interval) -> ()",
+      pt2);
 }

@@ -4,16 +4,25 @@ Fused C/CUDA kernels exposed as torch custom ops (torch.ops.qca_lowmem.*), recom
 storing, and a complex-safe mixed-precision loss scaler. See README.md.
 """
 
+from . import amp
 from ._recompute import block_keeps_intermediates, keep_block_intermediates
+from .blocks import FusedConvBlock, groupnorm_elu
 from .integration import disable, enable, enable_from_config
 from .memory import saved_bytes
 from .ops import qca_pack, qca_update
+from .unet import ConversionReport, UNetUnitary, convert
 
 __all__ = [
+    "ConversionReport",
+    "FusedConvBlock",
+    "UNetUnitary",
+    "amp",
     "block_keeps_intermediates",
+    "convert",
     "disable",
     "enable",
     "enable_from_config",
+    "groupnorm_elu",
     "keep_block_intermediates",
     "qca_pack",
     "qca_update",
