@@ -49,7 +49,6 @@ def main():
     config = load_config(args.config, episodes=args.episodes, device="cuda", out_dir=run_dir, save_every=0,
                          amp_dtype=args.amp_dtype)
     records, oom, message = [], False, None
-    peak = 0
     trainer = Trainer(config, progress=True)
     try:
         trainer.fit(callback=records.append)

@@ -295,3 +295,12 @@ def test_episode_keys_differ_and_are_stable():
     keys = {train_mod.episode_key(0, e, s) for e in range(100) for s in (0, 1)}
     assert len(keys) == 200 and all(0 <= k < 2**63 for k in keys)
     assert train_mod.episode_key(7, 3, 0) == train_mod.episode_key(7, 3, 0)
+
+
+@pytest.mark.parametrize("script", ["bench_cap.py", "bench_plan.py"])
+def test_gpu_benchmark_scripts_import_and_explain(script):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--config" in done.stdout

@@ -1,0 +1,106 @@
+"""Checks `qca-lowmem plan` against the GPU: predicted vs measured peak for every policy.
+
+    python benchmarks/bench_plan.py [--config configs/default.yaml] [--qca-steps N]
+
+For each policy plan lists, runs one training episode (forward, backward, AdamW step) of the
+reference trainer on CUDA, measures torch.cuda.max_memory_allocated and writes
+benchmarks/results/plan_<device>.json with predicted and measured bytes and their ratio
+(target: within 15%). The stock row runs the users' forward with full autograd when it fits.
+"""
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from qca_lowmem.bench import EpisodeRunner, environment
+from qca_lowmem.plan import plan
+from qca_lowmem.train import Trainer, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def measure_policy(config, estimate):
+    """Peak allocated bytes of one training episode under the estimate's policy."""
+    torch.cuda.empty_cache()
+    if estimate.checkpoint == "stock":
+        runner = EpisodeRunner(config, torch.device("cuda"))
+        optimizer = torch.optim.AdamW(runner.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        # Optimizer state exists from the second step on; measure a step once it does.
+        for _ in range(2):
+            torch.cuda.reset_peak_memory_stats()
+            loss = runner._forward("stock", config.qca_steps, _psi0(config))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            del loss
+        return torch.cuda.max_memory_allocated()
+    policy_config = dataclasses.replace(config, checkpoint=estimate.checkpoint, slots=estimate.slots,
+                                        amp_dtype=estimate.amp_dtype, episodes=2, save_every=0)
+    trainer = Trainer(policy_config, progress=False)
+    peaks = []
+    for episode in range(2):
+        torch.cuda.reset_peak_memory_stats()
+        trainer.train_step(episode, 1)
+        peaks.append(torch.cuda.max_memory_allocated())
+    return peaks[-1]
+
+
+def _psi0(config):
+    from qca_lowmem.integration import stock_initial_state
+
+    generator = torch.Generator().manual_seed(0)
+    return stock_initial_state(config.batch, config.grid, config.grid, config.d_state, torch.device("cuda"), generator)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
+    parser.add_argument("--qca-steps", type=int, default=None)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_plan.py needs a CUDA GPU")
+    out_dir = Path(args.out)
+    config = load_config(args.config, device="cuda", qca_steps=args.qca_steps, out_dir=str(out_dir / "plan_run"))
+    total = torch.cuda.get_device_properties(0).total_memory
+    predicted = plan(config, gpu_mem=total, reserve=0)
+    rows = []
+    for estimate in predicted["estimates"]:
+        row = {"policy": estimate.name, "predicted_bytes": estimate.peak_bytes,
+               "model_state_bytes": estimate.model_state_bytes, "kept_bytes": estimate.kept_bytes,
+               "working_bytes": estimate.working_bytes}
+        if estimate.peak_bytes > 0.9 * total:
+            row["measured_bytes"] = None
+            row["skipped"] = "predicted peak exceeds this GPU"
+        else:
+            try:
+                row["measured_bytes"] = measure_policy(config, estimate)
+                row["predicted_over_measured"] = estimate.peak_bytes / row["measured_bytes"]
+                row["within_15_percent"] = abs(row["predicted_over_measured"] - 1.0) <= 0.15
+            except torch.OutOfMemoryError:
+                row["measured_bytes"] = None
+                row["skipped"] = "out of memory"
+        rows.append(row)
+        print(f"{row['policy']:<26} predicted {row['predicted_bytes'] / 2**20:10.1f} MiB  measured "
+              + (f"{row['measured_bytes'] / 2**20:10.1f} MiB  ratio {row['predicted_over_measured']:.3f}"
+                 if row.get("measured_bytes") else row["skipped"]), flush=True)
+    env = environment(torch.device("cuda"))
+    result = {"kind": "plan", **env,
+              "config": {k: getattr(config, k) for k in ("grid", "d_state", "hidden", "qca_steps", "batch")},
+              "parameters": predicted["parameters"], "rows": rows}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = re.sub(r"[^A-Za-z0-9]+", "_", env["device"]).strip("_").lower()
+    path = out_dir / f"plan_{name}.json"
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
