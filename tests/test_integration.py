@@ -209,3 +209,17 @@ def test_missing_piece_is_a_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match=r"qca_lowmem.rollout is not available"):
         qca_lowmem.enable(trainer)
     assert "train_episode" not in vars(trainer)
+
+
+@needs_all
+def test_noise_curriculum_runs_through_the_rollout():
+    """With noise on, the episode's noise comes from the rollout's replayable schedule, keyed by
+    one draw from the trainer's RNG: same seed, same result; the noise changes the outcome."""
+    outs = []
+    for max_noise in (1.0, 1.0, 0.0):
+        trainer = make_trainer(max_noise=max_noise)
+        qca_lowmem.enable(trainer)
+        outs.append(run_episodes(trainer, [1500])[0])
+    (loss_a, _, psi_a), (loss_b, _, psi_b), (loss_quiet, _, psi_quiet) = outs
+    assert loss_a == loss_b and torch.equal(psi_a, psi_b)
+    assert not torch.allclose(psi_a, psi_quiet, atol=1e-3)
