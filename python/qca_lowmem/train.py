@@ -393,13 +393,14 @@ class Trainer:
                 torch.cuda.reset_peak_memory_stats(self.device)
             loss, metrics, _ = self.forward_episode(episode, policy)
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            loss_value = loss.item()  # waits for the device, so the time below is the episode's
+            seconds = time.perf_counter() - start
+            del loss
             if self.device.type == "cuda":
                 memory = torch.cuda.max_memory_allocated(self.device)
             else:
                 memory = self._saved_bytes(episode, policy)
-            rows.append([episode, loss.item()] + [metrics[k] for k in METRIC_KEYS]
-                        + [memory, time.perf_counter() - start])
-            del loss
+            rows.append([episode, loss_value] + [metrics[k] for k in METRIC_KEYS] + [memory, seconds])
         return rows
 
     def _saved_bytes(self, episode: int, policy: Policy) -> int:
