@@ -132,7 +132,7 @@ def set_allocator_defaults():
     """expandable_segments cuts fragmentation on small GPUs; only effective before CUDA starts."""
     if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
         return
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # (is_available() is not asked: it may touch the driver)
         print("qca-lowmem: CUDA already initialised; PYTORCH_CUDA_ALLOC_CONF left unset", file=sys.stderr)
         return
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
@@ -248,7 +248,7 @@ def atomic_save(obj, path):
 
 def rng_state():
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # (is_available() is not asked: it may touch the driver)
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
         import numpy
