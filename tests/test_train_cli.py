@@ -72,10 +72,13 @@ def test_train_writes_csv_and_checkpoint(tiny_config, tmp_path, capsys):
 
 
 @needs_parts
-def test_resume_continues_exactly(tiny_config, tmp_path):
+@pytest.mark.parametrize("scheduler", ["none", "cosine"])
+def test_resume_continues_exactly(tmp_path, scheduler):
+    tiny_config = tmp_path / "tiny.yaml"
+    tiny_config.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "scheduler": scheduler}}))
     full, split = tmp_path / "full", tmp_path / "split"
     assert run_cli("train", "--config", tiny_config, "--out", full, "--no-progress") == 0
-    assert run_cli("train", "--config", tiny_config, "--out", split, "--episodes", 2, "--no-progress") == 0
+    assert run_cli("train", "--config", tiny_config, "--out", split, "--stop-after", 2, "--no-progress") == 0
     assert torch.load(split / "checkpoint.pt", weights_only=False)["episode"] == 2
     assert run_cli("train", "--config", tiny_config, "--out", split, "--resume", "--no-progress") == 0
     full_rows, split_rows = read_csv(full / "metrics.csv"), read_csv(split / "metrics.csv")
@@ -83,6 +86,8 @@ def test_resume_continues_exactly(tiny_config, tmp_path):
     assert [r["loss"] for r in split_rows] == [r["loss"] for r in full_rows]
     a, b = load_params(full / "checkpoint.pt"), load_params(split / "checkpoint.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    state = torch.load(split / "checkpoint.pt", weights_only=False)
+    assert (state["scheduler_state_dict"] is not None) == (scheduler == "cosine")
 
 
 @needs_parts

@@ -51,6 +51,8 @@ def build_parser():
     _add_config_options(train, training=True)
     train.add_argument("--resume", nargs="?", const="auto", metavar="CHECKPOINT",
                        help="continue from a checkpoint (default: <out>/checkpoint.pt)")
+    train.add_argument("--stop-after", type=int, metavar="N",
+                       help="run at most N episodes now, checkpoint and exit (continue later with --resume)")
     train.add_argument("--ddp", action="store_true", help="under torchrun: split episodes across ranks "
                                                           "(gloo on CPU, NCCL on GPU)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -112,7 +114,7 @@ def _train(args) -> int:
     if resume and not os.path.exists(resume):
         raise FileNotFoundError(f"--resume: no checkpoint at {resume}")
     try:
-        results = train(config, resume=resume, ddp=args.ddp, progress=not args.no_progress)
+        results = train(config, resume=resume, ddp=args.ddp, progress=not args.no_progress, stop_after=args.stop_after)
     except OutOfMemoryStop as stop:
         print(stop, file=sys.stderr)
         return EXIT_OOM

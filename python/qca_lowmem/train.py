@@ -519,7 +519,7 @@ class Trainer:
         if state.get("format") != "qca_lowmem.train/1":
             raise ValueError(f"{path} is not a qca-lowmem train checkpoint (format {state.get('format')!r})")
         saved = state["config"]
-        for name in ("d_state", "hidden", "grid", "qca_steps", "seed", "gamma", "max_noise"):
+        for name in ("d_state", "hidden", "grid", "qca_steps", "seed", "gamma", "max_noise", "scheduler"):
             if saved[name] != getattr(self.config, name):
                 raise ValueError(f"--resume {path}: the checkpoint has {name}={saved[name]!r} but this run has "
                                  f"{name}={getattr(self.config, name)!r}; resuming would not continue the same run")
@@ -567,10 +567,13 @@ class Trainer:
         return SummaryWriter(str(self.out_dir / "tensorboard"))
 
     # -- the loop ---------------------------------------------------------------------------
-    def fit(self, callback: Optional[Callable[[dict], None]] = None) -> List[dict]:
-        """Run episodes next_episode..episodes-1; returns one dict per episode run."""
+    def fit(self, callback: Optional[Callable[[dict], None]] = None, stop_after: Optional[int] = None) -> List[dict]:
+        """Run episodes next_episode..episodes-1 (at most `stop_after` of them, rounded up to whole
+        optimizer steps, then checkpoint: a long run split into jobs); one dict per episode run."""
         config = self.config
-        total = config.episodes
+        if stop_after is not None and stop_after < 1:
+            raise ValueError(f"stop_after must be a positive number of episodes, got {stop_after}")
+        total = config.episodes if stop_after is None else min(config.episodes, self.next_episode + stop_after)
         results = []
         csv_file = writer = board = bar = None
         if self.dist.rank == 0:
@@ -580,12 +583,12 @@ class Trainer:
             if self.progress:
                 from tqdm import tqdm
 
-                bar = tqdm(total=total, initial=self.next_episode, desc="qca-lowmem train", unit="episode", dynamic_ncols=True)
+                bar = tqdm(total=config.episodes, initial=self.next_episode, desc="qca-lowmem train", unit="episode", dynamic_ncols=True)
         group = self.episodes_per_step()
         try:
             while self.next_episode < total:
                 first = self.next_episode
-                count = min(group, total - first)
+                count = min(group, config.episodes - first)
                 rows = self.train_step(first, count)
                 self.next_episode = first + count
                 for row in rows:
@@ -652,7 +655,8 @@ def parse_bytes(text: str, allow_zero: bool = False) -> int:
     return int(value * units[unit])
 
 
-def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, progress: bool = True) -> List[dict]:
+def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, progress: bool = True,
+          stop_after: Optional[int] = None) -> List[dict]:
     """Run the reference trainer as `qca-lowmem train` does."""
     set_allocator_defaults()
     distributed = Distributed(ddp)
@@ -660,7 +664,7 @@ def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, 
         trainer = Trainer(config, distributed, progress=progress)
         if resume:
             trainer.load_checkpoint(resume)
-        results = trainer.fit()
+        results = trainer.fit(stop_after=stop_after)
         if distributed.world_size > 1:
             difference = trainer.replica_difference()
             if distributed.rank == 0:
