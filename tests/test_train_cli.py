@@ -15,7 +15,7 @@ import yaml
 
 import qca_lowmem
 from qca_lowmem import cli, train as train_mod
-from qca_lowmem.plan import Estimate, recommend, recorded_states
+from qca_lowmem.plan import LOSS_STATES, Estimate, recommend
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_PARTS = hasattr(qca_lowmem, "rollout") and hasattr(qca_lowmem, "UNetUnitary")
@@ -217,7 +217,7 @@ def test_bench_writes_json_and_plot(tiny_config, tmp_path, capsys):
 
 
 @needs_parts
-def test_plan_predicts_and_recommends(tiny_config, capsys):
+def test_plan_predicts_and_recommends(tiny_config, tmp_path, capsys):
     assert run_cli("plan", "--config", tiny_config, "--gpu-mem", "1GiB", "--json") == 0
     result = json.loads(capsys.readouterr().out)
     assert result["recommendation"] == "lowmem step fp32"  # the most faithful policy, when it fits
@@ -226,8 +226,21 @@ def test_plan_predicts_and_recommends(tiny_config, capsys):
     params = result["parameters"]
     assert stock["model_state_bytes"] == step["model_state_bytes"] == 16 * params
     psi = 8 * 8 * 2 * 8
-    assert step["kept_bytes"] == (5 + recorded_states(5)) * psi
+    assert step["kept_bytes"] == (5 + LOSS_STATES) * psi
     assert stock["kept_bytes"] > step["kept_bytes"]
+    # The kept-state prediction against what a real episode's graph keeps (saved_bytes, CPU).
+    for name, policy in (("lowmem step fp32", train_mod.Policy("step", None, 1)),
+                         ("stock (for reference)", None)):
+        config = train_mod.load_config(tiny_config, out_dir=str(tmp_path))
+        if policy is None:
+            from qca_lowmem.bench import EpisodeRunner
+
+            runner = EpisodeRunner(config, torch.device("cpu"))
+            measured = qca_lowmem.saved_bytes(runner._forward, "stock", config.qca_steps,
+                                              train_mod.Trainer(config, progress=False).initial_state(0, 1))
+        else:
+            measured = qca_lowmem.saved_bytes(train_mod.Trainer(config, progress=False).forward_episode, 0, policy)
+        assert abs(by_name[name]["kept_bytes"] / measured - 1) < 0.15, (name, by_name[name]["kept_bytes"], measured)
     # Nothing fits in less than the model state: exit 1 with advice.
     assert run_cli("plan", "--config", tiny_config, "--gpu-mem", f"{16 * params}B", "--reserve", "0") == 1
     assert "nothing fits" in capsys.readouterr().out
@@ -244,12 +257,6 @@ def test_recommend_takes_the_first_policy_that_fits_with_margin():
     assert recommend(estimates, gpu_mem=5400, reserve=0).name == "step bf16"  # 5000 * 1.1 > 5400
     assert recommend(estimates, gpu_mem=1500, reserve=500).name == "revolve"
     assert recommend(estimates, gpu_mem=500, reserve=0) is None
-
-
-def test_recorded_states_match_the_stock_history():
-    assert recorded_states(5) == 5  # every step when steps < 10
-    assert recorded_states(500) == 11  # t = 0, 50, ..., 450 and 499
-    assert recorded_states(20) == 11  # every 2nd step (0..18) and t = 19
 
 
 def test_doctor_runs(capsys):
