@@ -68,6 +68,8 @@ def build_parser():
     plan.add_argument("--gpu-mem", required=True, help="GPU memory, e.g. 3.68GiB")
     plan.add_argument("--reserve", default="0.3GiB",
                       help="memory outside PyTorch's allocator (CUDA context); 0 under set_per_process_memory_fraction")
+    plan.add_argument("--half", choices=("bf16", "fp16"), default="bf16",
+                      help="reduced precision to consider (fp16 on GPUs without bf16, before Ampere)")
     plan.add_argument("--json", action="store_true")
 
     commands.add_parser("doctor", help="versions, CUDA kernels, GPU, allocator settings, and what to fix")
@@ -95,7 +97,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "plan":
             from .plan import main_plan
 
-            return main_plan(_config(args), args.gpu_mem, args.reserve, args.json)
+            return main_plan(_config(args), args.gpu_mem, args.reserve, args.json, args.half)
         from .doctor import main_doctor
 
         return main_doctor()

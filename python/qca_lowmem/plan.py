@@ -100,22 +100,22 @@ def measure_step(config: TrainConfig, variant: str, amp_dtype=None, model=None) 
 LOSS_STATES = 3
 
 
-def candidates(config: TrainConfig):
+def candidates(config: TrainConfig, half: str = "bf16"):
     """(name, checkpoint, slots, amp) in order of preference: faithful and fast first. The first,
     the users' stock trainer, is shown for reference and never recommended."""
     out = [("stock (for reference)", "stock", None, None), ("lowmem step fp32", "step", None, None),
-           ("lowmem step bf16", "step", None, "bf16")]
+           (f"lowmem step {half}", "step", None, half)]
     for slots in (64, 32, 16, 8, 4):
         if slots < config.qca_steps:
-            out.append((f"lowmem revolve {slots} bf16", "revolve", slots, "bf16"))
+            out.append((f"lowmem revolve {slots} {half}", "revolve", slots, half))
     return out
 
 
-def estimate_all(config: TrainConfig, parameters: int, measures: dict) -> List[Estimate]:
-    """measures[(variant, amp)]: StepMeasure of ("stock", None), ("lowmem", None), ("lowmem", "bf16")."""
+def estimate_all(config: TrainConfig, parameters: int, measures: dict, half: str = "bf16") -> List[Estimate]:
+    """measures[(variant, amp)]: StepMeasure of ("stock", None), ("lowmem", None), ("lowmem", half)."""
     psi_bytes = config.batch * config.grid * config.grid * config.d_state * 8
     estimates = []
-    for name, checkpoint, slots, amp in candidates(config):
+    for name, checkpoint, slots, amp in candidates(config, half):
         variant = "stock" if checkpoint == "stock" else "lowmem"
         m = measures[(variant, amp)]
         state = 16 * parameters
@@ -141,12 +141,16 @@ def recommend(estimates: List[Estimate], gpu_mem: int, reserve: int) -> Optional
     return None
 
 
-def plan(config: TrainConfig, gpu_mem: int, reserve: int) -> dict:
+def plan(config: TrainConfig, gpu_mem: int, reserve: int, half: str = "bf16") -> dict:
+    """Estimates for every candidate policy and the recommendation; `half` is the reduced
+    precision to consider (bf16, or fp16 for GPUs without bf16)."""
+    if half not in ("bf16", "fp16"):
+        raise ValueError(f"half must be 'bf16' or 'fp16', got {half!r}")
     model = build_model(dataclasses.replace(config, device="cpu"), "cpu")
     parameters = sum(p.numel() for p in model.parameters())
     measures = {(variant, amp): measure_step(config, variant, parse_amp_dtype(amp), model)
-                for variant, amp in (("stock", None), ("lowmem", None), ("lowmem", "bf16"))}
-    estimates = estimate_all(config, parameters, measures)
+                for variant, amp in (("stock", None), ("lowmem", None), ("lowmem", half))}
+    estimates = estimate_all(config, parameters, measures, half)
     choice = recommend(estimates, gpu_mem, reserve)
     return {"config": dataclasses.asdict(config), "parameters": parameters, "gpu_mem": gpu_mem, "reserve": reserve,
             "estimates": estimates, "recommendation": choice}
@@ -161,9 +165,9 @@ def advice_when_nothing_fits(config: TrainConfig, estimates: List[Estimate], gpu
             f"batch {config.batch}).")
 
 
-def main_plan(config: TrainConfig, gpu_mem_text: str, reserve_text: str, as_json: bool) -> int:
+def main_plan(config: TrainConfig, gpu_mem_text: str, reserve_text: str, as_json: bool, half: str = "bf16") -> int:
     gpu_mem, reserve = parse_bytes(gpu_mem_text), parse_bytes(reserve_text, allow_zero=True)
-    result = plan(config, gpu_mem, reserve)
+    result = plan(config, gpu_mem, reserve, half)
     estimates, choice = result["estimates"], result["recommendation"]
     if as_json:
         print(json.dumps({
