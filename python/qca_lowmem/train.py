@@ -454,15 +454,25 @@ class Trainer:
             self._log(f"out of memory at episode {first} with {self.policy.describe()}; retrying with {lower.describe()}")
             self.policy = lower
 
-        params = self._average_gradients(count)
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-            self.scaler.clip_grad_norm_(params, self.config.max_grad_norm)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
-            self.optimizer.step()
+        try:
+            params = self._average_gradients(count)
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+                self.scaler.clip_grad_norm_(params, self.config.max_grad_norm)
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+                self.optimizer.step()
+        except torch.OutOfMemoryError:
+            # The optimizer may have updated some parameters: no checkpoint of this state.
+            parameters = sum(p.numel() for p in self.model.parameters())
+            raise OutOfMemoryStop(
+                f"qca-lowmem: out of memory in the optimizer step after episode {first + count - 1} on {self.device}: "
+                f"the model state (weights, gradients, AdamW moments: {format_bytes(16 * parameters)}) does not fit "
+                f"next to the rest. The last checkpoint in {self.out_dir} holds the progress saved so far. "
+                "Free the GPU of other processes, or see `qca-lowmem plan --gpu-mem <your GPU memory>`."
+            ) from None
         if self.scheduler is not None:
             self.scheduler.step()
 
