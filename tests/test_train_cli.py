@@ -146,6 +146,17 @@ def test_oom_guard_saves_and_explains_when_nothing_fits(tiny_config, tmp_path, m
     assert state["episode"] == 2  # no progress lost: episodes 0 and 1 are in it
 
 
+@needs_parts
+def test_oom_in_the_optimizer_step_stops_with_an_explanation(tiny_config, tmp_path, monkeypatch, capsys):
+    def step(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    assert run_cli("train", "--config", tiny_config, "--out", tmp_path / "run", "--no-progress") == train_mod.EXIT_OOM
+    err = capsys.readouterr().err
+    assert "out of memory in the optimizer step after episode 0" in err and "AdamW moments" in err
+
+
 def test_policy_lowering_chain():
     policy = train_mod.Policy("step", None, 4)
     chain = []
