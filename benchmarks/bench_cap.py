@@ -22,7 +22,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 from qca_lowmem.bench import environment  # noqa: E402
-from qca_lowmem.train import OutOfMemoryStop, Trainer, load_config, parse_bytes  # noqa: E402
+from qca_lowmem.train import OutOfMemoryStop, Policy, Trainer, load_config, parse_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +56,8 @@ def main():
         oom, message = True, str(error)
     peak = max([r["peak_bytes"] for r in records], default=0)
     # The guard may have lowered the policy; an OOM that it absorbed still counts as one.
-    lowered = any(r["policy"] != records[0]["policy"] for r in records) if records else False
+    configured = Policy(config.checkpoint, config.slots, config.batch).describe()
+    lowered = any(r["policy"] != configured for r in records)
 
     last = records[-10:]
     survival = sum(r["survival"] for r in last) / max(1, len(last))
