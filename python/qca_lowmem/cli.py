@@ -19,8 +19,8 @@ def _add_config_options(parser, training: bool):
     parser.add_argument("--checkpoint", choices=("step", "revolve", "none"), help="recompute policy of the lowmem path")
     parser.add_argument("--slots", type=int, help="stored states for --checkpoint revolve")
     parser.add_argument("--amp-dtype", choices=("fp32", "bf16", "fp16"))
-    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; 1 is "
-                                                    "much faster on a CPU shared with other jobs)")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: 1 for the embedded config, "
+                                                    "else torch's choice; 1 is much faster on a shared CPU)")
     if training:
         parser.add_argument("--episodes", type=int, help="total episodes (a resumed run continues up to this)")
         parser.add_argument("--accumulate", type=int, help="episodes per optimizer step per process")
@@ -34,7 +34,7 @@ def _config(args):
     from .train import load_config
 
     overrides = {name: getattr(args, name, None) for name in (
-        "device", "grid", "d_state", "hidden", "qca_steps", "batch", "checkpoint", "slots", "amp_dtype",
+        "device", "threads", "grid", "d_state", "hidden", "qca_steps", "batch", "checkpoint", "slots", "amp_dtype",
         "episodes", "accumulate", "seed", "max_noise", "out_dir", "save_every")}
     if overrides.get("slots") is not None and overrides.get("checkpoint") is None:
         overrides["checkpoint"] = "revolve"
@@ -82,7 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.command != "doctor":  # doctor reports the environment as the user set it
         set_allocator_defaults()  # before anything can initialise CUDA
-    if getattr(args, "threads", None):
+    if getattr(args, "threads", None) and args.command != "train":  # train takes it from its config
         import torch
 
         torch.set_num_threads(args.threads)
