@@ -313,6 +313,7 @@ def test_shipped_configs_load():
     assert small.amp_dtype == "fp16" and small.checkpoint == "step"
     embedded = train_mod.load_config()
     assert embedded.device == "auto" and embedded.grid <= 32 and embedded.hidden <= 16
+    assert embedded.threads == 1 and default.threads is None
 
 
 def test_episode_keys_differ_and_are_stable():
