@@ -6,13 +6,20 @@ storing, and a complex-safe mixed-precision loss scaler. See README.md.
 
 from ._recompute import block_keeps_intermediates, keep_block_intermediates
 from .memory import saved_bytes
+from .noise import NoiseSchedule, bit_flip, noise_coin, phase_flip
 from .ops import qca_pack, qca_update
+from .rollout import rollout
 
 __all__ = [
+    "NoiseSchedule",
+    "bit_flip",
     "block_keeps_intermediates",
     "keep_block_intermediates",
+    "noise_coin",
+    "phase_flip",
     "qca_pack",
     "qca_update",
+    "rollout",
     "saved_bytes",
 ]
 __version__ = "0.1.0"
