@@ -82,9 +82,11 @@ def rollout(
         return _run_plain(unit, psi0, 0, steps, recorded, [])
 
     # Step 0 with grad enabled: its graph tells which leaves (parameters) the episode depends on.
+    # Only the graph's shape is needed, so nothing it would save for backward is kept.
     marker = _next_sequence_nr()
     psi_in = psi0.detach().requires_grad_(True)
-    psi1 = unit(psi_in, 0)
+    with torch.autograd.graph.saved_tensors_hooks(_discard, _discard):
+        psi1 = unit(psi_in, 0)
     params = _leaves_reached(psi1, psi_in, marker)
     psi1 = psi1.detach()
     if not params and not psi0.requires_grad:
@@ -136,6 +138,10 @@ def _run_plain(unit, psi, start, steps, recorded, history):
             history.append(psi)
     history.append(psi)
     return psi, history
+
+
+def _discard(_):
+    return None
 
 
 def _next_sequence_nr() -> int:
