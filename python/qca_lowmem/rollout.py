@@ -318,6 +318,7 @@ class _ParamGradSink:
         self.params = params
         self.buffers: List[Optional[torch.Tensor]] = [None] * len(params)
         self._set_aside = []
+        self._zeros = {}  # one scalar zero per (dtype, device), broadcast to each gradient's shape
 
     def __enter__(self):
         for i, p in enumerate(self.params):
@@ -346,7 +347,10 @@ class _ParamGradSink:
             self.buffers[i] = buffer
         else:
             buffer.add_(grad)
-        return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+        zero = self._zeros.get((grad.dtype, grad.device))
+        if zero is None:
+            zero = self._zeros[grad.dtype, grad.device] = torch.zeros((), dtype=grad.dtype, device=grad.device)
+        return zero.expand(grad.shape)
 
     def take(self):
         buffers, self.buffers = self.buffers, None
