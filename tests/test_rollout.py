@@ -372,6 +372,8 @@ def test_clear_errors():
         rollout(step_fn, psi0, 3, record_every=0)
     with pytest.raises(TypeError, match="step_fn must be callable"):
         rollout(None, psi0, 3)
+    with pytest.raises(TypeError, match=r"psi0 must be a complex or floating tensor, got dtype=torch.int64 shape=\(2, 3\)"):
+        rollout(step_fn, torch.zeros(2, 3, dtype=torch.int64), 3)
     scaled = op.outc.weight * 2  # requires grad, computed outside step_fn
 
     def uses_scaled(psi):

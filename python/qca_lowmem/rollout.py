@@ -58,6 +58,8 @@ def rollout(
         raise TypeError(f"rollout: step_fn must be callable, got {type(step_fn).__name__}")
     if not isinstance(psi0, torch.Tensor):
         raise TypeError(f"rollout: psi0 must be a tensor, got {type(psi0).__name__}")
+    if not (psi0.is_complex() or psi0.is_floating_point()):
+        raise TypeError(f"rollout: psi0 must be a complex or floating tensor, got dtype={psi0.dtype} shape={tuple(psi0.shape)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"rollout: steps must be an int >= 1, got {steps!r}")
     if checkpoint not in CHECKPOINT_MODES:
