@@ -1,0 +1,81 @@
+"""Shared benchmark plumbing: timing with warm-up and medians, copy bandwidth, result files."""
+
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "tests"))  # the stock oracle, tests/reference.py
+
+
+def median_seconds(fn, device, warmup=5, reps=20):
+    """Median wall time of fn(): CUDA events on a GPU, perf_counter after a sync elsewhere."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device, nbytes=1 << 28):
+    """Measured device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    seconds = median_seconds(lambda: dst.copy_(src), device, warmup=3, reps=10)
+    return 2 * nbytes / seconds
+
+
+def device_name(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def metadata(device):
+    return {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def slug(text):
+    return "".join(c if c.isalnum() else "_" for c in text).strip("_").lower()
+
+
+def write_result(kind, device, payload, out=None):
+    """Write benchmarks/results/<kind>_<device>.json (or `out`) and return its path."""
+    path = Path(out) if out else RESULTS / f"{kind}_{slug(device_name(device))}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"kind": kind, **metadata(device), **payload}, indent=2) + "\n")
+    return path
