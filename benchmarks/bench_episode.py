@@ -17,25 +17,16 @@ Writes benchmarks/results/episode_<device>.json. Usage (on a CUDA machine):
 
 import argparse
 import copy
-import datetime
-import json
 import math
-import re
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "python"))
-
-import reference  # noqa: E402  (the stock computation, tests/reference.py)
-
-import qca_lowmem  # noqa: E402
+import common
+import qca_lowmem
+import reference  # the stock computation, tests/reference.py (common puts tests/ on the path)
 
 RUNS = ["stock_fp32", "stock_fp16_autocast", "stock_fp16_checkpoint", "lowmem_fp32_step", "lowmem_bf16_step", "lowmem_bf16_revolve32"]
 
@@ -52,9 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--episode", type=int, default=1000, help="episode number: sets the noise rate min(max_noise, max_noise*episode/2000)")
     p.add_argument("--episodes", type=int, default=3, help="measured episodes per run (after one warm-up)")
     p.add_argument("--runs", nargs="+", default=RUNS, choices=RUNS)
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--skip-grad-check", action="store_true")
-    p.add_argument("--out", type=Path, default=None, help="output JSON (default benchmarks/results/episode_<device>.json)")
+    p.add_argument("--out", default=None, help="output JSON (default benchmarks/results/episode_<device>.json)")
     return p.parse_args(argv)
 
 
@@ -192,20 +183,12 @@ def fp32_gradient_error(stock_model, args, device):
     return max(((grads["lowmem"][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() for n, g in grads["stock"].items())
 
 
-def git_commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
     stock_model = reference.UNetUnitary(args.d_state, args.hidden)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device {device_name}, torch {torch.__version__}, lowmem model: {lowmem_model(stock_model)[1]}")
+    print(f"device {common.device_name(device)}, torch {torch.__version__}, lowmem model: {lowmem_model(stock_model)[1]}")
     runs = []
     for name in args.runs:
         result = measure_run(name, stock_model, args, device)
@@ -222,23 +205,14 @@ def main(argv=None):
             print(f"max fp32 gradient relative error (lowmem_fp32_step vs stock): {grad_error:.3e}")
         except torch.OutOfMemoryError as e:
             print(f"fp32 gradient check ran out of memory: {str(e).splitlines()[0]}")
-    report = {
-        "kind": "episode",
-        "device": device_name,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    payload = {
         "config": {"grid": args.grid, "d_state": args.d_state, "hidden": args.hidden, "qca_steps": args.steps, "batch": args.batch},
         "runs": runs,
         "max_grad_rel_err_fp32": grad_error,
         "lowmem_model": lowmem_model(stock_model)[1],
         "noise": {"max_noise": args.max_noise, "episode": args.episode, "rate": reference.noise_rate(args.episode, args.max_noise)},
     }
-    out = args.out or ROOT / "benchmarks" / "results" / f"episode_{re.sub(r'[^A-Za-z0-9]+', '_', device_name).strip('_')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {common.write_result('episode', device, payload, args.out)}")
     if grad_error is not None and not math.isfinite(grad_error):
         return 1
     return 0
