@@ -83,10 +83,17 @@ def max_relative_error(grads, expected):
 
 _reference_grads = {}
 
+# Every mode with noise and history terms and without either; the mixed cases for two modes.
+GRADIENT_CASES = [(m, s, noise, hist) for m, s in MODES for noise, hist in [(False, False), (True, True)]] + [
+    (m, s, noise, hist) for m, s in [("step", None), ("revolve", 3)] for noise, hist in [(True, False), (False, True)]
+]
 
-@pytest.mark.parametrize("history_loss", [False, True], ids=["final-loss", "history-loss"])
-@pytest.mark.parametrize("with_noise", [False, True], ids=["clean", "noise"])
-@pytest.mark.parametrize("checkpoint,slots", MODES, ids=[f"{m}{s or ''}" for m, s in MODES])
+
+@pytest.mark.parametrize(
+    "checkpoint,slots,with_noise,history_loss",
+    GRADIENT_CASES,
+    ids=[f"{m}{s or ''}-{'noise' if n else 'clean'}-{'history' if h else 'final'}-loss" for m, s, n, h in GRADIENT_CASES],
+)
 def test_gradients_equal_full_graph(checkpoint, slots, with_noise, history_loss):
     op = make_unet()
     params = list(op.parameters())
@@ -155,15 +162,16 @@ def test_memory_flat_in_steps():
 
 
 def test_no_grad_keeps_nothing():
-    op = make_unet(torch.float32)
+    net = make_conv_net(torch.float32)
     psi0 = initial_state(dtype=torch.complex64)
+    fused = fused_step(net)
     inputs = []
 
     def step_fn(psi):
         inputs.append(weakref.ref(psi))
-        return reference.step(psi, op)
+        return fused(psi)
 
-    expected, _ = rollout(reference_step(op), psi0, 6, checkpoint="step")
+    expected, _ = rollout(fused, psi0, 6, checkpoint="step")
     for context in (torch.no_grad, torch.inference_mode):
         for checkpoint, slots in [("step", None), ("revolve", 2), ("none", None)]:
             inputs.clear()
@@ -186,10 +194,10 @@ def test_nothing_requires_grad_keeps_nothing():
 
 
 def test_each_hook_fires_once_and_grad_accumulates_once():
-    op = make_unet()
-    params = list(op.parameters())
+    net = make_conv_net()
+    params = list(net.parameters())
     psi0 = initial_state().requires_grad_()
-    expected = episode_grads(reference_step(op), params, psi0, "none", history_loss=True)
+    expected = episode_grads(fused_step(net), params, psi0, "none", history_loss=True)
     for checkpoint, slots in [("step", None), ("revolve", 2)]:
         calls = {}
 
@@ -201,7 +209,7 @@ def test_each_hook_fires_once_and_grad_accumulates_once():
             handles.append(p.register_hook(lambda g, i=i: count(("pre", i))))
             handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: count(("post", i))))
             p.grad = torch.ones_like(p)
-        psi_T, history = rollout(reference_step(op), psi0, STEPS, checkpoint=checkpoint, slots=slots, record_every=RECORD_EVERY)
+        psi_T, history = rollout(fused_step(net), psi0, STEPS, checkpoint=checkpoint, slots=slots, record_every=RECORD_EVERY)
         episode_loss(psi_T, history, psi0, True).backward()
         assert calls == {(kind, i): 1 for kind in ("pre", "post") for i in range(len(params))}
         assert max_relative_error([p.grad - 1 for p in params], expected[1:]) <= 1e-9
@@ -214,27 +222,28 @@ def test_each_hook_fires_once_and_grad_accumulates_once():
 
 
 def test_autograd_grad_with_parameters_as_inputs():
-    op = make_unet()
-    params = list(op.parameters())
+    net = make_conv_net()
+    params = list(net.parameters())
     psi0 = initial_state().requires_grad_()
-    expected = episode_grads(reference_step(op), params, psi0, "none")
+    expected = episode_grads(fused_step(net), params, psi0, "none")
     for p in params:
         p.grad = None
-    psi_T, history = rollout(reference_step(op), psi0, STEPS, checkpoint="step", record_every=RECORD_EVERY)
+    psi_T, history = rollout(fused_step(net), psi0, STEPS, checkpoint="step", record_every=RECORD_EVERY)
     grads = torch.autograd.grad(episode_loss(psi_T, history, psi0, False), [psi0, *params])
     assert max_relative_error(list(grads), expected) <= 1e-9
     assert all(p.grad is None for p in params)
 
 
 def test_psi0_without_grad_and_history_only_loss():
-    op = make_unet()
-    params = list(op.parameters())
+    net = make_conv_net()
+    params = list(net.parameters())
+    fused = fused_step(net)
     psi0 = initial_state()
     calls = []
 
     def step_fn(psi):
         calls.append(torch.is_grad_enabled())
-        return reference.step(psi, op)
+        return fused(psi)
 
     def grads(checkpoint):
         for p in params:
@@ -266,13 +275,13 @@ def test_revolve_cost_is_optimal():
 
 @pytest.mark.parametrize("steps,slots", [(11, 1), (11, 2), (11, 3), (20, 4), (7, 10), (13, 5)])
 def test_revolve_recomputes_follow_the_schedule(steps, slots):
-    op = make_unet(torch.float32)
+    fused = fused_step(make_conv_net(torch.float32))
     psi0 = initial_state(dtype=torch.complex64)
     calls = []
 
     def step_fn(psi):
         calls.append(torch.is_grad_enabled())
-        return reference.step(psi, op)
+        return fused(psi)
 
     psi_T, _ = rollout(step_fn, psi0, steps, checkpoint="revolve", slots=slots)
     assert len(calls) == steps
@@ -284,11 +293,11 @@ def test_revolve_recomputes_follow_the_schedule(steps, slots):
 
 
 def test_revolve_memory_bounded_by_slots():
-    op = make_unet(torch.float32)
+    fused = fused_step(make_conv_net(torch.float32))
     psi0 = initial_state(dtype=torch.complex64)
     psi_bytes = psi0.numel() * psi0.element_size()
     for slots in (1, 2, 5):
-        kept = saved_bytes(lambda: rollout(reference_step(op), psi0, 30, checkpoint="revolve", slots=slots))
+        kept = saved_bytes(lambda: rollout(fused, psi0, 30, checkpoint="revolve", slots=slots))
         assert kept == slots * psi_bytes
 
 
