@@ -29,6 +29,15 @@ TORCH_LIBRARY(qca_lowmem, m) {
       pt2);
 
   // GroupNorm + ELU (fused ConvBlock).
+  m.def("groupnorm_elu(Tensor x, Tensor weight, Tensor bias, int groups, float eps=1e-05) "
+        "-> (Tensor, Tensor, Tensor)",
+        pt2);
+  m.def("groupnorm_elu_apply(Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor rstd) "
+        "-> Tensor",
+        pt2);
+  m.def("groupnorm_elu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor bias, "
+        "Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor)",
+        pt2);
 
   // Training noise.
   m.def(

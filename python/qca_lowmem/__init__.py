@@ -5,15 +5,22 @@ storing, and a complex-safe mixed-precision loss scaler. See README.md.
 """
 
 from ._recompute import block_keeps_intermediates, keep_block_intermediates
+from .blocks import FusedConvBlock, groupnorm_elu
 from .memory import saved_bytes
 from .noise import NoiseSchedule, bit_flip, noise_coin, phase_flip
 from .ops import qca_pack, qca_update
 from .rollout import rollout
+from .unet import ConversionReport, UNetUnitary, convert
 
 __all__ = [
+    "ConversionReport",
+    "FusedConvBlock",
     "NoiseSchedule",
+    "UNetUnitary",
     "bit_flip",
     "block_keeps_intermediates",
+    "convert",
+    "groupnorm_elu",
     "keep_block_intermediates",
     "noise_coin",
     "phase_flip",

@@ -1,0 +1,40 @@
+// Argument checks and kernel parameters of the GroupNorm + ELU ops, shared by the CPU and CUDA
+// glue. The prepare_* functions validate, pick the layout and allocate the outputs.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+
+#include "qca_lowmem/groupnorm_elu.h"
+
+namespace qca_lowmem {
+
+// Outputs of the forward: y (layout of x), mean and rstd ((N, G), fp32 or fp64 for fp64 x).
+struct GroupNormEluForward {
+  qca_gn_elu_params params;
+  at::Tensor x, weight, bias, y, mean, rstd;  // x/weight/bias as passed to the kernel
+};
+
+GroupNormEluForward prepare_groupnorm_elu(const at::Tensor& x, const at::Tensor& weight,
+                                          const at::Tensor& bias, int64_t groups, double eps);
+GroupNormEluForward prepare_groupnorm_elu_apply(const at::Tensor& x, const at::Tensor& weight,
+                                                const at::Tensor& bias, const at::Tensor& mean,
+                                                const at::Tensor& rstd);
+
+struct GroupNormEluBackward {
+  qca_gn_elu_backward_params params;
+  at::Tensor grad_y, x, weight, bias, mean, rstd, grad_x;
+  at::Tensor grad_weight_per_sample, grad_bias_per_sample;  // (N, C), summed over N afterwards
+};
+
+GroupNormEluBackward prepare_groupnorm_elu_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                    const at::Tensor& weight,
+                                                    const at::Tensor& bias, const at::Tensor& mean,
+                                                    const at::Tensor& rstd);
+
+// (grad_x, grad_weight, grad_bias) once the kernel has run.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_groupnorm_elu_backward(
+    const GroupNormEluBackward& b);
+
+}  // namespace qca_lowmem

@@ -1,0 +1,309 @@
+"""Fused GroupNorm + ELU ops and the fused U-Net ConvBlock built on them.
+
+`FusedConvBlock` computes the stock block, Conv3x3 -> GroupNorm -> ELU -> Conv3x3 -> GroupNorm ->
+ELU, with the parameters and state_dict keys of the stock `ConvBlock`. Its forward keeps for
+backward only the block input and the per-group statistics; backward recomputes conv1 -> GN+ELU
+-> conv2 and runs the fused backward kernels. Inside a step-level recompute
+(`qca_lowmem.keep_block_intermediates()`) or with `recompute=False` it keeps its intermediates
+instead, so the convolutions never run a third time.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._loader import load_native
+from ._recompute import block_keeps_intermediates
+
+load_native()
+
+_lib = torch.ops.qca_lowmem
+
+
+def group_count(channels: int) -> int:
+    """The stock GroupNorm group rule: channels // 8 groups above 8 channels, 1 if that does not divide."""
+    groups = max(1, channels // 8 if channels > 8 else 1)
+    return 1 if channels % groups != 0 else groups
+
+
+def groupnorm_elu(x: Tensor, weight: Tensor, bias: Tensor, groups: int, eps: float = 1e-5) -> Tensor:
+    """ELU(GroupNorm(x)) in one fused kernel, as nn.GroupNorm(groups, C, eps) then nn.ELU().
+
+    x: (N, C, H, W) float32/float16/bfloat16 (float64 on the CPU too), NCHW or channels_last;
+    the output has the layout of x. Statistics are float32 (float64 for float64 x); weight and
+    bias may be wider than x (fp32 affine under autocast). Differentiable: backward saves x and
+    the statistics and recomputes the ELU derivative.
+    """
+    return _lib.groupnorm_elu(x, weight, bias, int(groups), float(eps))[0]
+
+
+def _layout_of(x: Tensor) -> torch.memory_format:
+    """The layout the kernels write: x's own when it is NCHW or channels_last dense."""
+    if x.is_contiguous():
+        return torch.contiguous_format
+    if x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def _stat_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _check_gn_args(x, weight, bias, groups, op):
+    torch._check(x.dim() == 4, lambda: f"{op}: x must have 4 dimensions (N, C, H, W), got shape {tuple(x.shape)}")
+    torch._check(x.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16),
+                 lambda: f"{op}: x must be float32, float64, float16 or bfloat16, got {x.dtype}")
+    channels = x.shape[1]
+    torch._check(weight.shape == (channels,) and bias.shape == (channels,),
+                 lambda: f"{op}: weight and bias must have shape ({channels},), got {tuple(weight.shape)} and {tuple(bias.shape)}")
+    torch._check(groups >= 1 and channels % groups == 0,
+                 lambda: f"{op}: groups must be positive and divide the channels of x ({channels}), got {groups}")
+
+
+@torch.library.register_fake("qca_lowmem::groupnorm_elu")
+def _groupnorm_elu_fake(x, weight, bias, groups, eps=1e-5):
+    _check_gn_args(x, weight, bias, groups, "groupnorm_elu")
+    y = torch.empty_like(x, memory_format=_layout_of(x))
+    mean = x.new_empty((x.shape[0], groups), dtype=_stat_dtype(x))
+    return y, mean, torch.empty_like(mean)
+
+
+@torch.library.register_fake("qca_lowmem::groupnorm_elu_apply")
+def _groupnorm_elu_apply_fake(x, weight, bias, mean, rstd):
+    _check_gn_args(x, weight, bias, mean.shape[1], "groupnorm_elu_apply")
+    return torch.empty_like(x, memory_format=_layout_of(x))
+
+
+@torch.library.register_fake("qca_lowmem::groupnorm_elu_backward")
+def _groupnorm_elu_backward_fake(grad_y, x, weight, bias, mean, rstd):
+    _check_gn_args(x, weight, bias, mean.shape[1], "groupnorm_elu_backward")
+    return torch.empty_like(x, memory_format=_layout_of(x)), torch.empty_like(weight), torch.empty_like(bias)
+
+
+def _groupnorm_elu_setup_context(ctx, inputs, output):
+    x, weight, bias, groups, eps = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _groupnorm_elu_backward(ctx, grad_y, grad_mean, grad_rstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    grad_x, grad_weight, grad_bias = _lib.groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd)
+    return (
+        grad_x if ctx.needs_input_grad[0] else None,
+        grad_weight if ctx.needs_input_grad[1] else None,
+        grad_bias if ctx.needs_input_grad[2] else None,
+        None,
+        None,
+    )
+
+
+torch.library.register_autograd(
+    "qca_lowmem::groupnorm_elu", _groupnorm_elu_backward, setup_context=_groupnorm_elu_setup_context
+)
+
+
+# ---- The whole block as custom ops: one that recomputes, one that keeps its intermediates. ----
+# Both take the conv weights already in the compute dtype (the autocast dtype when autocast is
+# on) and the GroupNorm affine in its own dtype, so backward replays exactly the forward's
+# precision whatever autocast state it runs under.
+
+_STRIDE, _PADDING, _DILATION = [1, 1], [1, 1], [1, 1]
+
+
+def _conv3x3(x: Tensor, weight: Tensor) -> Tensor:
+    return F.conv2d(x, weight, None, 1, 1)
+
+
+def _block_layout(x: Tensor) -> torch.memory_format:
+    """The block's activations follow x: channels_last in, channels_last throughout."""
+    if not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def _block_forward(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias,
+                   groups1, groups2, eps1, eps2):
+    layout = _block_layout(x)
+    h1 = _conv3x3(x, conv1_weight).contiguous(memory_format=layout)
+    a1, mean1, rstd1 = _lib.groupnorm_elu(h1, norm1_weight, norm1_bias, groups1, eps1)
+    h2 = _conv3x3(a1, conv2_weight).contiguous(memory_format=layout)
+    y, mean2, rstd2 = _lib.groupnorm_elu(h2, norm2_weight, norm2_bias, groups2, eps2)
+    return y, h1, a1, h2, mean1, rstd1, mean2, rstd2
+
+
+@torch.library.custom_op("qca_lowmem::conv_block", mutates_args=())
+def conv_block(
+    x: Tensor, conv1_weight: Tensor, norm1_weight: Tensor, norm1_bias: Tensor, conv2_weight: Tensor,
+    norm2_weight: Tensor, norm2_bias: Tensor, groups1: int, groups2: int, eps1: float, eps2: float,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Stock ConvBlock forward; returns (y, mean1, rstd1, mean2, rstd2). Backward recomputes."""
+    y, _, _, _, mean1, rstd1, mean2, rstd2 = _block_forward(
+        x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias,
+        groups1, groups2, eps1, eps2)
+    return y, mean1, rstd1, mean2, rstd2
+
+
+@torch.library.custom_op("qca_lowmem::conv_block_keep", mutates_args=())
+def conv_block_keep(
+    x: Tensor, conv1_weight: Tensor, norm1_weight: Tensor, norm1_bias: Tensor, conv2_weight: Tensor,
+    norm2_weight: Tensor, norm2_bias: Tensor, groups1: int, groups2: int, eps1: float, eps2: float,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Stock ConvBlock forward that also returns its intermediates for backward:
+    (y, h1, a1, h2, mean1, rstd1, mean2, rstd2) with h = conv output, a1 = first GN+ELU output."""
+    return _block_forward(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight,
+                          norm2_bias, groups1, groups2, eps1, eps2)
+
+
+def _block_fake(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias,
+                groups1, groups2, eps1, eps2):
+    torch._check(x.dim() == 4, lambda: f"conv_block: x must have 4 dimensions (N, C, H, W), got shape {tuple(x.shape)}")
+    torch._check(conv1_weight.shape[1] == x.shape[1],
+                 lambda: f"conv_block: conv1_weight expects {conv1_weight.shape[1]} input channels, x has {x.shape[1]}")
+    n, _, h, w = x.shape
+    layout = _block_layout(x)
+    h1 = x.new_empty((n, conv1_weight.shape[0], h, w)).contiguous(memory_format=layout)
+    h2 = x.new_empty((n, conv2_weight.shape[0], h, w)).contiguous(memory_format=layout)
+    stat = _stat_dtype(x)
+    stats1 = [x.new_empty((n, groups1), dtype=stat) for _ in range(2)]
+    stats2 = [x.new_empty((n, groups2), dtype=stat) for _ in range(2)]
+    return torch.empty_like(h2), h1, torch.empty_like(h1), h2, *stats1, *stats2
+
+
+@conv_block.register_fake
+def _conv_block_fake(*args):
+    y, _, _, _, mean1, rstd1, mean2, rstd2 = _block_fake(*args)
+    return y, mean1, rstd1, mean2, rstd2
+
+
+@conv_block_keep.register_fake
+def _conv_block_keep_fake(*args):
+    return _block_fake(*args)
+
+
+def _block_backward(ctx, grad_y, x, h1, a1, h2, weights, stats):
+    conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias = weights
+    mean1, rstd1, mean2, rstd2 = stats
+    needs = ctx.needs_input_grad
+    grad_h2, grad_norm2_weight, grad_norm2_bias = _lib.groupnorm_elu_backward(
+        grad_y, h2, norm2_weight, norm2_bias, mean2, rstd2)
+    grad_a1, grad_conv2_weight, _ = torch.ops.aten.convolution_backward(
+        grad_h2, a1, conv2_weight, None, _STRIDE, _PADDING, _DILATION, False, [0, 0], 1, [True, needs[4], False])
+    grad_h1, grad_norm1_weight, grad_norm1_bias = _lib.groupnorm_elu_backward(
+        grad_a1, h1, norm1_weight, norm1_bias, mean1, rstd1)
+    grad_x, grad_conv1_weight, _ = torch.ops.aten.convolution_backward(
+        grad_h1, x, conv1_weight, None, _STRIDE, _PADDING, _DILATION, False, [0, 0], 1, [needs[0], needs[1], False])
+    return (
+        grad_x,
+        grad_conv1_weight,
+        grad_norm1_weight if needs[2] else None,
+        grad_norm1_bias if needs[3] else None,
+        grad_conv2_weight,
+        grad_norm2_weight if needs[5] else None,
+        grad_norm2_bias if needs[6] else None,
+        None, None, None, None,
+    )
+
+
+def _conv_block_setup_context(ctx, inputs, output):
+    x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias = inputs[:7]
+    _, mean1, rstd1, mean2, rstd2 = output
+    ctx.save_for_backward(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight,
+                          norm2_bias, mean1, rstd1, mean2, rstd2)
+
+
+def _conv_block_backward(ctx, grad_y, *_grad_stats):
+    x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias, *stats = ctx.saved_tensors
+    mean1, rstd1, mean2, rstd2 = stats
+    # Recompute with the statistics of the forward: the same activations, one pass less.
+    with torch.autocast(x.device.type, enabled=False):
+        layout = _block_layout(x)
+        h1 = _conv3x3(x, conv1_weight).contiguous(memory_format=layout)
+        a1 = _lib.groupnorm_elu_apply(h1, norm1_weight, norm1_bias, mean1, rstd1)
+        h2 = _conv3x3(a1, conv2_weight).contiguous(memory_format=layout)
+    weights = (conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias)
+    return _block_backward(ctx, grad_y, x, h1, a1, h2, weights, stats)
+
+
+def _conv_block_keep_setup_context(ctx, inputs, output):
+    x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias = inputs[:7]
+    _, h1, a1, h2, mean1, rstd1, mean2, rstd2 = output
+    ctx.save_for_backward(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight,
+                          norm2_bias, h1, a1, h2, mean1, rstd1, mean2, rstd2)
+
+
+def _conv_block_keep_backward(ctx, grad_y, *_grad_intermediates):
+    saved = ctx.saved_tensors
+    x, weights, (h1, a1, h2), stats = saved[0], saved[1:7], saved[7:10], saved[10:]
+    return _block_backward(ctx, grad_y, x, h1, a1, h2, weights, stats)
+
+
+conv_block.register_autograd(_conv_block_backward, setup_context=_conv_block_setup_context)
+conv_block_keep.register_autograd(_conv_block_keep_backward, setup_context=_conv_block_keep_setup_context)
+
+
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+class FusedConvBlock(nn.Module):
+    """Drop-in for the stock U-Net `ConvBlock(in_channels, out_channels, mid_channels)`.
+
+    Same parameters and state_dict keys (`conv_block.0.weight`, `conv_block.1.weight/bias`,
+    `conv_block.3.weight`, `conv_block.4.weight/bias`) and the same GroupNorm group rule; the
+    `conv_block` Sequential holds them, but forward runs the fused path. With `recompute=True`
+    (default) backward recomputes the block from its saved input unless
+    `qca_lowmem.keep_block_intermediates()` is active; with `recompute=False` it always keeps
+    its intermediates (still with the fused GroupNorm+ELU kernels).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, mid_channels: Optional[int] = None, *,
+                 recompute: bool = True):
+        super().__init__()
+        mid = out_channels if mid_channels is None else mid_channels
+        self.conv_block = nn.Sequential(
+            nn.Conv2d(in_channels, mid, kernel_size=3, padding=1, bias=False),
+            nn.GroupNorm(group_count(mid), mid),
+            nn.ELU(),
+            nn.Conv2d(mid, out_channels, kernel_size=3, padding=1, bias=False),
+            nn.GroupNorm(group_count(out_channels), out_channels),
+            nn.ELU(inplace=True),
+        )
+        self.recompute = recompute
+
+    @classmethod
+    def from_stock(cls, block: nn.Module, *, recompute: bool = True) -> "FusedConvBlock":
+        """A fused block around `block.conv_block` itself: the very same layers and Parameters."""
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.conv_block = block.conv_block
+        fused.recompute = recompute
+        return fused
+
+    def extra_repr(self) -> str:
+        return f"recompute={self.recompute}"
+
+    def forward(self, x: Tensor, *, keep_intermediates: Optional[bool] = None) -> Tensor:
+        """`keep_intermediates` overrides the block's own choice (for callers that recompute
+        around the block themselves); None: keep them when `recompute` is False or inside
+        `keep_block_intermediates()`."""
+        conv1, norm1, _, conv2, norm2, _ = self.conv_block
+        conv1_weight, conv2_weight = conv1.weight, conv2.weight
+        compute_dtype = _autocast_dtype(x.device.type)
+        if compute_dtype is not None:
+            # What autocast does for the stock convolutions: float64 is left alone.
+            x, conv1_weight, conv2_weight = (
+                t if t.dtype == torch.float64 else t.to(compute_dtype) for t in (x, conv1_weight, conv2_weight))
+        args = (x, conv1_weight, norm1.weight, norm1.bias, conv2_weight, norm2.weight, norm2.bias,
+                norm1.num_groups, norm2.num_groups, float(norm1.eps), float(norm2.eps))
+        if keep_intermediates is None:
+            keep_intermediates = not self.recompute or block_keeps_intermediates()
+        if keep_intermediates:
+            return conv_block_keep(*args)[0]
+        return conv_block(*args)[0]

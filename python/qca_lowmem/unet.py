@@ -1,0 +1,186 @@
+"""The stock U-Net operator on fused blocks, and `convert()` for models that already exist."""
+
+import dataclasses
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from torch.utils.checkpoint import checkpoint
+
+from ._recompute import block_keeps_intermediates
+from .blocks import FusedConvBlock
+
+
+RECOMPUTE_MODES = ("unet", "blocks", "none")
+
+
+class UNetUnitary(nn.Module):
+    """The stock `UNetUnitary(d_state, hidden_channels)` built from `FusedConvBlock`s.
+
+    Same modules, parameters, initialisation and state_dict keys as the stock model, so a stock
+    checkpoint loads with `strict=True`. `recompute` says what the forward keeps for backward:
+
+    - "unet" (default): only the U-Net's input; backward re-runs the U-Net once, its blocks then
+      keeping their intermediates (the fewest saved bytes, one extra forward);
+    - "blocks": each block keeps its input and GroupNorm statistics and recomputes itself in
+      backward (one extra forward too; the smallest backward peak, for large grids);
+    - "none": every intermediate, with the fused GroupNorm+ELU kernels.
+
+    Inside `qca_lowmem.keep_block_intermediates()` (a step-level recompute) it behaves as "none",
+    so nothing is recomputed twice.
+    """
+
+    def __init__(self, d_state: int, hidden_channels: int, *, recompute: str = "unet"):
+        super().__init__()
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"UNetUnitary: recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+        self.recompute = recompute
+        h, c = hidden_channels, 2 * d_state
+        self.inc = FusedConvBlock(c, h)
+        self.down1 = nn.Sequential(nn.MaxPool2d(2), FusedConvBlock(h, 2 * h))
+        self.down2 = nn.Sequential(nn.MaxPool2d(2), FusedConvBlock(2 * h, 4 * h))
+        self.bot = FusedConvBlock(4 * h, 8 * h)
+        self.up1 = nn.ConvTranspose2d(8 * h, 4 * h, 2, stride=2)
+        self.conv_up1 = FusedConvBlock(6 * h, 4 * h)
+        self.up2 = nn.ConvTranspose2d(4 * h, 2 * h, 2, stride=2)
+        self.conv_up2 = FusedConvBlock(3 * h, h)
+        self.outc = nn.Conv2d(h, c, 1)
+        nn.init.normal_(self.outc.weight, 0.0, 1e-5)
+
+    def extra_repr(self) -> str:
+        return f"recompute={self.recompute!r}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"UNetUnitary: recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        if block_keeps_intermediates() or self.recompute == "none":
+            return self._forward(x, keep_intermediates=True)
+        if self.recompute == "blocks" or not torch.is_grad_enabled():
+            return self._forward(x, keep_intermediates=False)
+        # Blocks keep their intermediates here: the checkpoint's first forward drops them, and
+        # its recompute needs them for backward, so no convolution runs a third time.
+        return checkpoint(self._forward, x, True, use_reentrant=False, preserve_rng_state=False)
+
+    def _forward(self, x: torch.Tensor, keep_intermediates: bool) -> torch.Tensor:
+        keep = keep_intermediates
+        x1 = self.inc(x, keep_intermediates=keep)
+        x2 = self.down1[1](self.down1[0](x1), keep_intermediates=keep)
+        x3 = self.down2[1](self.down2[0](x2), keep_intermediates=keep)
+        b = self.bot(x3, keep_intermediates=keep)
+        c1 = self.conv_up1(torch.cat([self.up1(b), x2], dim=1), keep_intermediates=keep)
+        c2 = self.conv_up2(torch.cat([self.up2(c1), x1], dim=1), keep_intermediates=keep)
+        return self.outc(c2)
+
+
+@dataclasses.dataclass
+class ConversionReport:
+    """What `convert` did: qualified names of the blocks it replaced, and of the modules with a
+    `conv_block` it left alone, each with the reason."""
+
+    converted: List[str] = dataclasses.field(default_factory=list)
+    skipped: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"converted {len(self.converted)} ConvBlock(s) to FusedConvBlock"]
+        lines += [f"  {name or '<root>'}" for name in self.converted]
+        if self.skipped:
+            lines.append(f"left {len(self.skipped)} alone:")
+            lines += [f"  {name or '<root>'}: {reason}" for name, reason in self.skipped]
+        return "\n".join(lines)
+
+
+def _conv_mismatch(layer: nn.Module, index: int) -> Optional[str]:
+    if type(layer) is not nn.Conv2d:
+        return f"layer {index} is {type(layer).__name__}, expected Conv2d"
+    if (layer.kernel_size, layer.stride, layer.padding, layer.dilation, layer.groups) != ((3, 3), (1, 1), (1, 1), (1, 1), 1):
+        return (f"layer {index} is Conv2d(kernel_size={layer.kernel_size}, stride={layer.stride}, "
+                f"padding={layer.padding}, dilation={layer.dilation}, groups={layer.groups}), expected 3x3, stride 1, padding 1")
+    if layer.padding_mode != "zeros":
+        return f"layer {index} is a Conv2d with padding_mode={layer.padding_mode!r}, expected 'zeros'"
+    if layer.bias is not None:
+        return f"layer {index} is a Conv2d with a bias, expected bias=False"
+    return None
+
+
+def _norm_mismatch(layer: nn.Module, index: int, channels: int) -> Optional[str]:
+    if type(layer) is not nn.GroupNorm:
+        return f"layer {index} is {type(layer).__name__}, expected GroupNorm"
+    if not layer.affine:
+        return f"layer {index} is a GroupNorm without affine parameters, expected affine=True"
+    if layer.num_channels != channels:
+        return f"layer {index} is GroupNorm over {layer.num_channels} channels after a conv with {channels}"
+    return None
+
+
+def _act_mismatch(layer: nn.Module, index: int) -> Optional[str]:
+    if type(layer) is not nn.ELU:
+        return f"layer {index} is {type(layer).__name__}, expected ELU"
+    if layer.alpha != 1.0:
+        return f"layer {index} is ELU(alpha={layer.alpha}), expected alpha=1.0"
+    return None
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or getattr(module, "_backward_pre_hooks", None))
+
+
+def stock_block_mismatch(module: nn.Module) -> Optional[str]:
+    """None when `module` is a stock-shaped ConvBlock that `convert` can replace, else why not."""
+    seq = getattr(module, "conv_block", None)
+    if not isinstance(seq, nn.Sequential):
+        return f"conv_block is {type(seq).__name__}, expected Sequential"
+    if len(seq) != 6:
+        return f"conv_block has {len(seq)} layers, expected 6 (Conv2d, GroupNorm, ELU, Conv2d, GroupNorm, ELU)"
+    conv1, norm1, act1, conv2, norm2, act2 = seq
+    reason = (_conv_mismatch(conv1, 0) or _norm_mismatch(norm1, 1, conv1.out_channels) or _act_mismatch(act1, 2)
+              or _conv_mismatch(conv2, 3))
+    if reason is None and conv2.in_channels != conv1.out_channels:
+        reason = f"layer 3 takes {conv2.in_channels} channels but layer 0 gives {conv1.out_channels}"
+    reason = reason or _norm_mismatch(norm2, 4, conv2.out_channels) or _act_mismatch(act2, 5)
+    if reason:
+        return reason
+    others = [name for name, _ in module.named_children() if name != "conv_block"]
+    if others or list(module.named_parameters(recurse=False)) or list(module.named_buffers(recurse=False)):
+        return "has submodules, parameters or buffers besides conv_block, so its forward may do more"
+    if any(_has_hooks(m) for m in (module, seq, *seq)):
+        return "has hooks that the fused forward would bypass"
+    return None
+
+
+def convert(module: nn.Module, *, recompute: bool = True) -> Tuple[nn.Module, ConversionReport]:
+    """Replace every stock-shaped ConvBlock inside `module` by a `FusedConvBlock`, in place.
+
+    A ConvBlock is any module whose `conv_block` is Sequential(Conv2d(3x3, padding 1, no bias),
+    GroupNorm, ELU(alpha=1), Conv2d(3x3, padding 1, no bias), GroupNorm, ELU(alpha=1)) and that
+    has nothing else; its forward is assumed to be `conv_block(x)`, as stock. The fused block
+    wraps the very same layers, so Parameter objects (and an optimizer holding them), names and
+    state_dict keys are unchanged. Modules with a `conv_block` of another shape (other norms,
+    other activations...) are left alone and reported. Returns `(module, report)`; when
+    `module` itself is a ConvBlock, the returned module is its fused replacement.
+    """
+    report = ConversionReport()
+    result = module
+    fused_of = {}  # a block shared by several parents becomes one fused block
+    for name, child in list(module.named_modules(remove_duplicate=False)):
+        if isinstance(child, FusedConvBlock) or not hasattr(child, "conv_block"):
+            continue
+        if id(child) not in fused_of:
+            reason = stock_block_mismatch(child)
+            if reason is not None:
+                report.skipped.append((name, reason))
+                fused_of[id(child)] = None
+                continue
+            fused_of[id(child)] = FusedConvBlock.from_stock(child, recompute=recompute)
+            fused_of[id(child)].train(child.training)
+        fused = fused_of[id(child)]
+        if fused is None:
+            continue
+        if name == "":
+            result = fused
+        else:
+            parent_name, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(parent_name), attr, fused)
+        report.converted.append(name)
+    return result, report
