@@ -4,8 +4,9 @@ An episode is the stock `train_episode`: psi0, `qca_steps` steps with the stock 
 evolutionary loss (DESIGN section 2), backward, clip_grad_norm_(1.0), AdamW(1e-4, wd 1e-5) step.
 Runs: stock_fp32, stock_fp16_autocast (with a GradScaler), stock_fp16_checkpoint (autocast and
 one torch.utils.checkpoint per step, the users' proposed fix), lowmem_fp32_step,
-lowmem_bf16_step, lowmem_bf16_revolve32. Each run gets a fresh copy of the same initial weights
-and its own optimizer; it reports the peak of torch.cuda.max_memory_allocated over the measured
+lowmem_bf16_step, lowmem_bf16_revolve32 (the lowmem runs: qca_lowmem.UNetUnitary with fused
+blocks, fused pack/update, qca_lowmem.rollout with the replayable NoiseSchedule). Each run gets a
+fresh copy of the same initial weights and its own optimizer; it reports the peak of torch.cuda.max_memory_allocated over the measured
 episodes (after a warm-up episode, so AdamW's state exists) and the median episode time.
 The fp32 gradients of stock and lowmem_fp32_step are compared on the same weights, psi0 and
 noise. A run that runs out of memory is reported with an "error" and no numbers.
@@ -49,11 +50,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def lowmem_model(stock_model):
-    """The model the lowmem runs use: fused blocks when this build has them, else stock."""
-    if hasattr(qca_lowmem, "convert"):
-        return qca_lowmem.convert(copy.deepcopy(stock_model)), "qca_lowmem.convert(stock UNetUnitary)"
-    return copy.deepcopy(stock_model), "stock UNetUnitary (fused blocks not in this build)"
+def lowmem_model(stock_model, args):
+    """qca_lowmem.UNetUnitary (fused blocks) holding the stock model's weights."""
+    model = qca_lowmem.UNetUnitary(args.d_state, args.hidden)
+    model.load_state_dict(stock_model.state_dict())
+    return model
 
 
 def stock_forward(model, psi0, args, rate, autocast_dtype=None, checkpoint_steps=False):
@@ -137,7 +138,7 @@ def synchronize(device):
 
 
 def measure_run(name, stock_model, args, device):
-    model = (lowmem_model(stock_model)[0] if name.startswith("lowmem") else copy.deepcopy(stock_model)).to(device)
+    model = (lowmem_model(stock_model, args) if name.startswith("lowmem") else copy.deepcopy(stock_model)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-5)
     scaler = torch.amp.GradScaler(device.type) if "fp16" in name else None
     try:
@@ -167,7 +168,7 @@ def fp32_gradient_error(stock_model, args, device):
     schedule = qca_lowmem.NoiseSchedule(args.max_noise, args.episode, seed=123)
     grads = {}
     for kind in ("stock", "lowmem"):
-        model = (copy.deepcopy(stock_model) if kind == "stock" else lowmem_model(stock_model)[0]).to(device)
+        model = (copy.deepcopy(stock_model) if kind == "stock" else lowmem_model(stock_model, args)).to(device)
         psi0 = initial_state(args, device, 123)
         if kind == "stock":
             history = qca_lowmem.rollout(lambda psi: reference.step(psi, model, args.gamma), psi0, args.steps, checkpoint="none", noise=schedule)[1]
@@ -188,7 +189,7 @@ def main(argv=None):
     device = torch.device(args.device)
     torch.manual_seed(0)
     stock_model = reference.UNetUnitary(args.d_state, args.hidden)
-    print(f"device {common.device_name(device)}, torch {torch.__version__}, lowmem model: {lowmem_model(stock_model)[1]}")
+    print(f"device {common.device_name(device)}, torch {torch.__version__}")
     runs = []
     for name in args.runs:
         result = measure_run(name, stock_model, args, device)
@@ -209,7 +210,6 @@ def main(argv=None):
         "config": {"grid": args.grid, "d_state": args.d_state, "hidden": args.hidden, "qca_steps": args.steps, "batch": args.batch},
         "runs": runs,
         "max_grad_rel_err_fp32": grad_error,
-        "lowmem_model": lowmem_model(stock_model)[1],
         "noise": {"max_noise": args.max_noise, "episode": args.episode, "rate": reference.noise_rate(args.episode, args.max_noise)},
     }
     print(f"wrote {common.write_result('episode', device, payload, args.out)}")

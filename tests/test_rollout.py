@@ -116,6 +116,43 @@ def test_gradients_equal_full_graph_fused_ops(checkpoint, slots):
     assert max_relative_error(grads, expected) <= 1e-9
 
 
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 3)])
+def test_fused_unet_recomputes_each_step_once(checkpoint, slots, monkeypatch):
+    """With qca_lowmem.UNetUnitary, gradients equal the stock model's full graph, and inside the
+    rollout's recompute the fused blocks keep their intermediates: each convolution runs once per
+    recomputed step, never a third time."""
+    blocks = importlib.import_module("qca_lowmem.blocks")
+    stock = make_unet()
+    fused = qca_lowmem.UNetUnitary(2, 4).to(torch.float64)
+    fused.load_state_dict(stock.state_dict())
+    psi0 = initial_state()
+
+    def fused_step_fn(psi):
+        return qca_lowmem.qca_update(psi, fused(qca_lowmem.qca_pack(psi)), multiplicative=True)
+
+    expected = _reference_grads.get((True, True))
+    if expected is None:
+        expected = _reference_grads[True, True] = episode_grads(
+            reference_step(stock), list(stock.parameters()), psi0, "none", noise=noisy_schedule(), history_loss=True)
+    conv_calls = []
+    conv3x3 = blocks._conv3x3
+    monkeypatch.setattr(blocks, "_conv3x3", lambda x, w: conv_calls.append(1) or conv3x3(x, w))
+    for p in fused.parameters():
+        p.grad = None
+    psi = psi0.detach().requires_grad_()
+    psi_T, history = rollout(fused_step_fn, psi, STEPS, checkpoint=checkpoint, slots=slots, noise=noisy_schedule(), record_every=RECORD_EVERY)
+    forward_calls = len(conv_calls)
+    conv_calls.clear()
+    episode_loss(psi_T, history, psi, True).backward()
+    names = [n for n, _ in stock.named_parameters()]
+    grads = [psi.grad] + [dict(fused.named_parameters())[n].grad for n in names]
+    assert max_relative_error(grads, expected) <= 1e-9
+    convs_per_step = forward_calls // STEPS
+    assert convs_per_step == 12  # 6 blocks, 2 convolutions each
+    advances = 0 if checkpoint == "step" else rollout_module._revolve_cost(STEPS, slots) - rollout_module._revolve_first_sweep(STEPS, slots)[-1]
+    assert len(conv_calls) == convs_per_step * (STEPS + advances)
+
+
 def test_none_matches_the_stock_rollout():
     op = make_unet()
     psi0 = initial_state()
