@@ -153,6 +153,36 @@ def test_fused_unet_recomputes_each_step_once(checkpoint, slots, monkeypatch):
     assert len(conv_calls) == convs_per_step * (STEPS + advances)
 
 
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2)])
+def test_random_draws_replay(checkpoint, slots):
+    """Dropout in the step and the stock (torch.rand) noise injector recompute the same draws."""
+    net = make_conv_net()
+    params = list(net.parameters())
+    psi0 = initial_state()
+    injector = reference.NoiseInjector()
+
+    def step_fn(psi):
+        delta = nn.functional.dropout(net(qca_lowmem.qca_pack(psi)), 0.3, training=True)
+        return qca_lowmem.qca_update(psi, delta, gamma=0.05, multiplicative=False)
+
+    def run(checkpoint, slots=None, preserve_rng_state=True):
+        for p in params:
+            p.grad = None
+        torch.manual_seed(5)
+        psi_T, history = rollout(step_fn, psi0, STEPS, checkpoint=checkpoint, slots=slots, record_every=RECORD_EVERY,
+                                 noise=lambda psi, t: injector.apply_phase_flip(psi, 0.3), preserve_rng_state=preserve_rng_state)
+        history_terms = sum((i + 1) * h.real.square().sum() for i, h in enumerate(history[:-1]))
+        (episode_loss(psi_T, history, psi0, False) + history_terms).backward()
+        return [p.grad for p in params], torch.rand(4)
+
+    expected, next_draws = run("none")
+    grads, draws = run(checkpoint, slots)
+    assert max_relative_error(grads, expected) <= 1e-9
+    assert torch.equal(draws, next_draws)  # the recompute leaves the global generator alone
+    unreplayed, _ = run(checkpoint, slots, preserve_rng_state=False)
+    assert max_relative_error(unreplayed, expected) > 1e-3
+
+
 def test_none_matches_the_stock_rollout():
     op = make_unet()
     psi0 = initial_state()

@@ -35,15 +35,16 @@ def rollout(
     slots: Optional[int] = None,
     noise: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None,
     record_every: Optional[int] = None,
+    preserve_rng_state: bool = True,
 ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """Run an episode of `steps` steps from `psi0`; returns `(psi_T, history)`.
 
     step_fn(psi) -> psi: one step of the engine (the stock `motor.evolve_step` takes psi only);
-      it must return a tensor of psi's shape, dtype and device, and must be deterministic (the
-      backward runs it again). Parameters it reaches through its closure get their gradients.
+      it must return a tensor of psi's shape, dtype and device. Parameters it reaches through its
+      closure get their gradients. The backward runs it again, so it must compute the same
+      function again: random draws are replayed (see preserve_rng_state), other state is not.
     noise(psi, t) -> psi: applied after step t, e.g. a `qca_lowmem.NoiseSchedule`, whose random
-      numbers are keyed by (seed, t) and so replay exactly. Any other callable must be a
-      deterministic function of (psi, t).
+      numbers are keyed by (seed, t) and replay by construction, with no generator state.
     checkpoint: "none" (plain autograd, the stock behaviour: memory grows with steps), "step"
       (keeps each step's input psi, recomputes each step once in backward) or "revolve"
       (binomial checkpointing: keeps at most `slots` states, psi0 included, whatever `steps`;
@@ -51,6 +52,11 @@ def rollout(
     record_every: history holds psi after steps t == 0, t == steps-1 and t % record_every == 0
       (default max(1, steps // 10), as the stock trainer); history[-1] is psi_T. Its entries are
       differentiable: a loss may use any of them.
+    preserve_rng_state: as torch.utils.checkpoint's: the CPU generator's state (and that of
+      psi's CUDA device) before each step is kept (on the host) and restored around the step's
+      recomputes, so steps or noise drawing from torch's generators (dropout, the stock
+      NoiseInjector) replay the same numbers; the global generators are left as the forward left
+      them. Not needed with a NoiseSchedule and deterministic steps.
 
     Under torch.no_grad() (or when nothing requires grad) no state is kept at all.
     """
@@ -86,6 +92,8 @@ def rollout(
     # Step 0 with grad enabled: its graph tells which leaves (parameters) the episode depends on.
     # Only the graph's shape is needed, so nothing it would save for backward is kept.
     marker = _next_sequence_nr()
+    rng = _RngStates(psi0.device, preserve_rng_state)
+    rng.record()
     psi_in = psi0.detach().requires_grad_(True)
     with torch.autograd.graph.saved_tensors_hooks(_discard, _discard):
         psi1 = unit(psi_in, 0)
@@ -95,7 +103,7 @@ def rollout(
         with torch.no_grad():
             return _run_plain(unit, psi1, 1, steps, recorded, [psi1] if steps > 1 else [])
 
-    plan = _Episode(unit, steps, recorded, checkpoint, slots, psi1, len(params), psi0.requires_grad)
+    plan = _Episode(unit, rng, steps, recorded, checkpoint, slots, psi1, len(params), psi0.requires_grad)
     outputs = _EpisodeFunction.apply(plan, psi0, *params)
     psi_T, history = outputs[0], list(outputs[1:])
     history.append(psi_T)
@@ -194,11 +202,38 @@ class _AutocastState:
             yield
 
 
+class _RngStates:
+    """The generators' states before each step of the forward, replayed around recomputes."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.enabled = enabled
+        self.cuda_device = device if device.type == "cuda" else None
+        self.states = []
+
+    def record(self) -> None:
+        if self.enabled:
+            cuda = torch.cuda.get_rng_state(self.cuda_device) if self.cuda_device is not None else None
+            self.states.append((torch.get_rng_state(), cuda))
+
+    @contextlib.contextmanager
+    def replay(self, t: int):
+        if not self.enabled:
+            yield
+            return
+        cpu, cuda = self.states[t]
+        with torch.random.fork_rng(devices=[self.cuda_device] if cuda is not None else []):
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda, self.cuda_device)
+            yield
+
+
 class _Episode:
     """Everything the episode's Function needs besides tensors."""
 
-    def __init__(self, unit, steps, recorded, mode, slots, psi1, n_params, psi0_needs_grad):
+    def __init__(self, unit, rng, steps, recorded, mode, slots, psi1, n_params, psi0_needs_grad):
         self.unit = unit
+        self.rng = rng
         self.steps = steps
         self.history_steps = [t for t in recorded if t != steps - 1]
         self.mode = mode
@@ -213,7 +248,8 @@ class _Episode:
         """psi at step `stop` from psi at step `start`, without a graph (as the forward ran)."""
         with torch.no_grad(), self.autocast():
             for t in range(start, stop):
-                psi = self.unit(psi, t)
+                with self.rng.replay(t):
+                    psi = self.unit(psi, t)
         return psi
 
 
@@ -237,6 +273,7 @@ class _EpisodeFunction(torch.autograd.Function):
                 break
             if t in keep:
                 stored.append(psi)
+            plan.rng.record()
             psi = plan.unit(psi, t)
         plan.stored_steps = sorted(keep)
         outputs = [psi, *history]
@@ -296,7 +333,7 @@ class _GradCarry:
         plan = self.plan
         need_input = t > 0 or plan.psi0_needs_grad
         psi_in = state.detach().requires_grad_(need_input)
-        with torch.enable_grad(), plan.autocast(), keep_block_intermediates():
+        with torch.enable_grad(), plan.autocast(), keep_block_intermediates(), plan.rng.replay(t):
             out = plan.unit(psi_in, t)
         inputs = ([psi_in] if need_input else []) + self.params
         if not out.requires_grad or not inputs:
