@@ -24,6 +24,7 @@ import sys
 import time
 
 import torch
+import torch.utils.checkpoint
 
 import common
 import qca_lowmem

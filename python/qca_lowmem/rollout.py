@@ -301,7 +301,7 @@ class _EpisodeFunction(torch.autograd.Function):
             incoming[plan.steps - 1] = grad_psi_T
 
         sink = _ParamGradSink(params)
-        carry = _GradCarry(plan, incoming, params, sink)
+        carry = _GradCarry(plan, incoming, params)
         with sink:
             if plan.mode == "step":
                 for t in reversed(range(plan.steps)):
@@ -316,11 +316,10 @@ class _EpisodeFunction(torch.autograd.Function):
 class _GradCarry:
     """The gradient flowing back along the episode, one step at a time (steps in reverse)."""
 
-    def __init__(self, plan, incoming, params, sink):
+    def __init__(self, plan, incoming, params):
         self.plan = plan
         self.incoming = incoming
         self.params = params
-        self.sink = sink
         self.grad = None  # gradient w.r.t. psi after the step being reversed
 
     def backprop(self, t: int, state: torch.Tensor) -> None:
