@@ -183,6 +183,18 @@ def test_random_draws_replay(checkpoint, slots):
     assert max_relative_error(unreplayed, expected) > 1e-3
 
 
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2)])
+def test_gradcheck_through_the_episode(checkpoint, slots):
+    net = make_conv_net()
+    psi0 = initial_state(grid=4).requires_grad_()
+
+    def episode(psi):
+        psi_T, history = rollout(fused_step(net), psi, 4, checkpoint=checkpoint, slots=slots, noise=noisy_schedule(), record_every=2)
+        return psi_T, history[0]
+
+    assert torch.autograd.gradcheck(episode, (psi0,), fast_mode=True)
+
+
 def test_none_matches_the_stock_rollout():
     op = make_unet()
     psi0 = initial_state()
