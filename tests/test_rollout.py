@@ -195,6 +195,26 @@ def test_gradcheck_through_the_episode(checkpoint, slots):
     assert torch.autograd.gradcheck(episode, (psi0,), fast_mode=True)
 
 
+@pytest.mark.parametrize("steps", [1, 2, 3, 6])
+def test_short_episodes_and_more_slots_than_steps(steps):
+    net = make_conv_net()
+    params = list(net.parameters())
+    psi0 = initial_state(grid=4)
+
+    def grads(checkpoint, slots=None):
+        for p in params:
+            p.grad = None
+        psi = psi0.detach().requires_grad_()
+        psi_T, history = rollout(fused_step(net), psi, steps, checkpoint=checkpoint, slots=slots, noise=noisy_schedule(), record_every=1)
+        assert len(history) == steps and history[-1] is psi_T
+        (psi_T.abs().sum() + sum(h.real.sum() for h in history)).backward()
+        return [psi.grad] + [p.grad for p in params]
+
+    expected = grads("none")
+    for checkpoint, slots in [("step", None), ("revolve", 1), ("revolve", 2), ("revolve", 10)]:
+        assert max_relative_error(grads(checkpoint, slots), expected) <= 1e-9
+
+
 def test_none_matches_the_stock_rollout():
     op = make_unet()
     psi0 = initial_state()
