@@ -47,4 +47,13 @@ TORCH_LIBRARY(qca_lowmem, m) {
   m.def("noise_coin(int seed, int step) -> float", pt2);
 
   // Loss scaler.
+  m.def(
+      "amp_unscale_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, "
+      "bool compute_sumsq=False) -> Tensor",
+      pt2);
+  m.def("amp_mul_(Tensor(a!)[] tensors, Tensor factor) -> ()", pt2);
+  m.def(
+      "amp_update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor found_inf, "
+      "float growth_factor, float backoff_factor, int growth_interval) -> ()",
+      pt2);
 }

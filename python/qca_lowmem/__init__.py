@@ -4,6 +4,7 @@ Fused C/CUDA kernels exposed as torch custom ops (torch.ops.qca_lowmem.*), recom
 storing, and a complex-safe mixed-precision loss scaler. See README.md.
 """
 
+from . import amp
 from ._recompute import block_keeps_intermediates, keep_block_intermediates
 from .blocks import FusedConvBlock, groupnorm_elu
 from .memory import saved_bytes
@@ -17,6 +18,7 @@ __all__ = [
     "FusedConvBlock",
     "NoiseSchedule",
     "UNetUnitary",
+    "amp",
     "bit_flip",
     "block_keeps_intermediates",
     "convert",

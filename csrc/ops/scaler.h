@@ -1,0 +1,39 @@
+// Argument checks and kernel parameters of the loss-scaler ops, shared by the CPU and CUDA glue.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <utility>
+#include <vector>
+
+#include "qca_lowmem/scaler.h"
+
+namespace qca_lowmem {
+
+// Host arrays the kernel parameters point into; they must outlive the kernel call.
+struct UnscaleList {
+  std::vector<void*> data;
+  std::vector<int64_t> numel;
+  // Tensors that are not dense (a slice with steps, say) are processed in a dense copy, which
+  // copy_back() writes into the original after the kernel.
+  std::vector<std::pair<at::Tensor, at::Tensor>> stand_ins;
+  qca_unscale_params params{};
+
+  void copy_back() {
+    for (auto& [original, dense] : stand_ins) original.copy_(dense);
+  }
+};
+
+// Validates a multi-tensor list with its factor (and found_inf when `found_inf` is defined);
+// fills `list` with data pointers and real counts. `op`, `list_name` and `factor_name` name the
+// arguments in error messages.
+void prepare_unscale(at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& factor,
+                     const char* op, const char* list_name, const char* factor_name,
+                     UnscaleList& list);
+
+qca_scale_update_params prepare_scale_update(const at::Tensor& scale,
+                                             const at::Tensor& growth_tracker,
+                                             const at::Tensor& found_inf, double growth_factor,
+                                             double backoff_factor, int64_t growth_interval);
+
+}  // namespace qca_lowmem
