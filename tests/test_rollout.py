@@ -240,9 +240,10 @@ def test_noise_replays_the_schedule():
         assert torch.equal(psi_T.detach(), psi)
 
 
-def test_memory_flat_in_steps():
-    op = make_unet(torch.float32)
-    psi0 = initial_state(dtype=torch.complex64)
+@pytest.mark.parametrize("grid,d_state,hidden", [(8, 2, 4), (64, 14, 8)], ids=["tiny", "default-psi"])
+def test_memory_flat_in_steps(grid, d_state, hidden):
+    op = make_unet(torch.float32, d_state=d_state, hidden=hidden)
+    psi0 = initial_state(dtype=torch.complex64, grid=grid, d_state=d_state)
     psi_bytes = psi0.numel() * psi0.element_size()
     step_fn = reference_step(op)
 
@@ -255,7 +256,7 @@ def test_memory_flat_in_steps():
     per_step = (step[24] - step[8]) / 16 / psi_bytes
     assert 0.9 <= per_step <= 1.05
     assert revolve[8] == revolve[64] <= 4 * psi_bytes
-    print(f"\nsaved bytes per step (psi = {psi_bytes} bytes): stock {(stock[16] - stock[8]) / 8:.0f}, "
+    print(f"\nsaved bytes per step, grid {grid}, d {d_state}, hidden {hidden} (psi = {psi_bytes} bytes): stock {(stock[16] - stock[8]) / 8:.0f}, "
           f"step {(step[24] - step[8]) / 16:.0f}, revolve(4 slots) {revolve[64] / 64:.0f} at 64 steps "
           f"({revolve[64]} bytes in all, {revolve[8]} at 8 steps)")
 
