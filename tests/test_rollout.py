@@ -492,6 +492,16 @@ def test_clear_errors():
         rollout(uses_scaled, psi0, 3)
 
 
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2)])
+def test_parameter_changed_before_backward_is_an_error(checkpoint, slots):
+    net = make_conv_net()
+    psi_T, _ = rollout(fused_step(net), initial_state(), 4, checkpoint=checkpoint, slots=slots)
+    with torch.no_grad():
+        net[0].weight.add_(1.0)  # e.g. optimizer.step() between forward and backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        psi_T.abs().sum().backward()
+
+
 def test_exported():
     assert "rollout" in qca_lowmem.__all__ and qca_lowmem.rollout is rollout
 
