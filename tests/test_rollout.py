@@ -521,19 +521,26 @@ def test_cuda_gradients_equal_full_graph(checkpoint, slots):
 def test_cuda_autocast_fp16_replays():
     op = make_unet(torch.float32, "cuda")
     psi0 = initial_state("cuda", torch.complex64)
+    seen = []
+
+    def step_fn(psi):
+        seen.append((torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), torch.is_grad_enabled()))
+        return reference.step(psi, op)
 
     def run(checkpoint):
         for p in op.parameters():
             p.grad = None
         with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
-            psi_T, _ = rollout(reference_step(op), psi0, 5, checkpoint=checkpoint, noise=noisy_schedule())
+            psi_T, _ = rollout(step_fn, psi0, 5, checkpoint=checkpoint, noise=noisy_schedule())
+        seen.clear()
         psi_T.abs().sum().backward()
         return psi_T.detach(), [p.grad.clone() for p in op.parameters()]
 
     expected_T, expected = run("none")
     psi_T, grads = run("step")
-    assert torch.equal(psi_T, expected_T)
-    assert max_relative_error(grads, expected) < 1e-3
+    assert seen == [(True, torch.float16, True)] * 5
+    torch.testing.assert_close(psi_T, expected_T, rtol=1e-3, atol=1e-3)
+    assert max_relative_error(grads, expected) < 1e-2
 
 
 @pytest.mark.parametrize("device", DEVICES)
