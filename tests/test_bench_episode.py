@@ -1,6 +1,7 @@
 """The episode benchmark (benchmarks/bench_episode.py) runs end to end on a tiny config."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +11,10 @@ SCRIPT = ROOT / "benchmarks" / "bench_episode.py"
 
 
 def run(*args):
-    # The script imports qca_lowmem as this process does (installed, or PYTHONPATH inherited).
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT)
+    # The script imports qca_lowmem as this process does (installed, or PYTHONPATH inherited);
+    # one thread, as the other tests (tiny tensors, shared machines).
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, env=env)
 
 
 def test_help():
