@@ -40,6 +40,11 @@ TORCH_LIBRARY(qca_lowmem, m) {
         pt2);
 
   // Training noise.
+  m.def(
+      "phase_flip(Tensor psi, float rate, int seed, int step, bool conjugate=False) -> Tensor",
+      pt2);
+  m.def("bit_flip(Tensor psi, float rate, int seed, int step) -> Tensor", pt2);
+  m.def("noise_coin(int seed, int step) -> float", pt2);
 
   // Loss scaler.
   m.def(

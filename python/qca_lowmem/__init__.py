@@ -9,14 +9,18 @@ from ._recompute import block_keeps_intermediates, keep_block_intermediates
 from .blocks import FusedConvBlock, groupnorm_elu
 from .integration import disable, enable, enable_from_config
 from .memory import saved_bytes
+from .noise import NoiseSchedule, bit_flip, noise_coin, phase_flip
 from .ops import qca_pack, qca_update
+from .rollout import rollout
 from .unet import ConversionReport, UNetUnitary, convert
 
 __all__ = [
     "ConversionReport",
     "FusedConvBlock",
+    "NoiseSchedule",
     "UNetUnitary",
     "amp",
+    "bit_flip",
     "block_keeps_intermediates",
     "convert",
     "disable",
@@ -24,8 +28,11 @@ __all__ = [
     "enable_from_config",
     "groupnorm_elu",
     "keep_block_intermediates",
+    "noise_coin",
+    "phase_flip",
     "qca_pack",
     "qca_update",
+    "rollout",
     "saved_bytes",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,223 @@
+"""One training episode, stock vs qca_lowmem, all in one process (issue 4).
+
+An episode is the stock `train_episode`: psi0, `qca_steps` steps with the stock noise, the
+evolutionary loss (DESIGN section 2), backward, clip_grad_norm_(1.0), AdamW(1e-4, wd 1e-5) step.
+Runs: stock_fp32, stock_fp16_autocast (with a GradScaler), stock_fp16_checkpoint (autocast and
+one torch.utils.checkpoint per step, the users' proposed fix), lowmem_fp32_step,
+lowmem_bf16_step, lowmem_bf16_revolve32 (the lowmem runs: qca_lowmem.UNetUnitary with fused
+blocks, fused pack/update, qca_lowmem.rollout with the replayable NoiseSchedule). Each run gets a
+fresh copy of the same initial weights and its own optimizer; it reports the peak of torch.cuda.max_memory_allocated over the measured
+episodes (after a warm-up episode, so AdamW's state exists) and the median episode time.
+The fp32 gradients of stock and lowmem_fp32_step are compared on the same weights, psi0 and
+noise. A run that runs out of memory is reported with an "error" and no numbers.
+
+Writes benchmarks/results/episode_<device>.json. Usage (on a CUDA machine):
+    python benchmarks/bench_episode.py                  # default config: grid 64, d 14, hidden 128, 500 steps
+    python benchmarks/bench_episode.py --steps 50 --runs lowmem_fp32_step stock_fp32
+"""
+
+import argparse
+import copy
+import math
+import statistics
+import sys
+import time
+
+import torch
+import torch.utils.checkpoint
+
+import common
+import qca_lowmem
+import reference  # the stock computation, tests/reference.py (common puts tests/ on the path)
+
+RUNS = ["stock_fp32", "stock_fp16_autocast", "stock_fp16_checkpoint", "lowmem_fp32_step", "lowmem_bf16_step", "lowmem_bf16_revolve32"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--grid", type=int, default=64)
+    p.add_argument("--d-state", type=int, default=14)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--steps", type=int, default=500, help="qca_steps per episode")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--gamma", type=float, default=0.0, help="GAMMA_DECAY")
+    p.add_argument("--max-noise", type=float, default=0.1)
+    p.add_argument("--episode", type=int, default=1000, help="episode number: sets the noise rate min(max_noise, max_noise*episode/2000)")
+    p.add_argument("--episodes", type=int, default=3, help="measured episodes per run (after one warm-up)")
+    p.add_argument("--runs", nargs="+", default=RUNS, choices=RUNS)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--skip-grad-check", action="store_true")
+    p.add_argument("--out", default=None, help="output JSON (default benchmarks/results/episode_<device>.json)")
+    return p.parse_args(argv)
+
+
+def lowmem_model(stock_model, args):
+    """qca_lowmem.UNetUnitary (fused blocks) holding the stock model's weights."""
+    model = qca_lowmem.UNetUnitary(args.d_state, args.hidden)
+    model.load_state_dict(stock_model.state_dict())
+    return model
+
+
+def stock_forward(model, psi0, args, rate, autocast_dtype=None, checkpoint_steps=False):
+    """Stock train_episode's forward: returns the history."""
+    injector = reference.NoiseInjector()
+    step = lambda psi: reference.step(psi, model, args.gamma)  # noqa: E731
+    with torch.autocast(psi0.device.type, dtype=autocast_dtype or torch.float16, enabled=autocast_dtype is not None):
+        if not checkpoint_steps:
+            return reference.rollout(psi0, model, args.steps, args.gamma, injector, rate)[1]
+        psi, history = psi0, []
+        record_every = max(1, args.steps // 10)
+        for t in range(args.steps):
+            psi = torch.utils.checkpoint.checkpoint(step, psi, use_reentrant=False)
+            if rate > 0.001:
+                psi = injector.apply_phase_flip(psi, rate)
+                if torch.rand(()).item() < 0.2:
+                    psi = injector.apply_bit_flip(psi, 0.1 * rate)
+            if t == 0 or t == args.steps - 1 or t % record_every == 0:
+                history.append(psi)
+        return history
+
+
+def lowmem_step_fn(model, gamma, pack_dtype):
+    def step(psi):
+        return qca_lowmem.qca_update(psi, model(qca_lowmem.qca_pack(psi, pack_dtype)), gamma, multiplicative=True)
+
+    return step
+
+
+def lowmem_forward(model, psi0, args, schedule, autocast_dtype=None, checkpoint="step", slots=None):
+    step = lowmem_step_fn(model, args.gamma, autocast_dtype)
+    with torch.autocast(psi0.device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        return qca_lowmem.rollout(step, psi0, args.steps, checkpoint=checkpoint, slots=slots, noise=schedule)[1]
+
+
+def run_forward(name, model, psi0, args, episode_seed):
+    rate = reference.noise_rate(args.episode, args.max_noise)
+    schedule = qca_lowmem.NoiseSchedule(args.max_noise, args.episode, seed=episode_seed)
+    if name == "stock_fp32":
+        return stock_forward(model, psi0, args, rate)
+    if name == "stock_fp16_autocast":
+        return stock_forward(model, psi0, args, rate, torch.float16)
+    if name == "stock_fp16_checkpoint":
+        return stock_forward(model, psi0, args, rate, torch.float16, checkpoint_steps=True)
+    if name == "lowmem_fp32_step":
+        return lowmem_forward(model, psi0, args, schedule)
+    if name == "lowmem_bf16_step":
+        return lowmem_forward(model, psi0, args, schedule, torch.bfloat16)
+    if name == "lowmem_bf16_revolve32":
+        return lowmem_forward(model, psi0, args, schedule, torch.bfloat16, "revolve", 32)
+    raise ValueError(name)
+
+
+def initial_state(args, device, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return reference.initial_state(args.batch, args.grid, args.d_state, device, generator)
+
+
+def train_episode(name, model, optimizer, scaler, args, device, episode_seed):
+    optimizer.zero_grad(set_to_none=True)
+    psi0 = initial_state(args, device, episode_seed)
+    history = run_forward(name, model, psi0, args, episode_seed)
+    loss, _ = reference.evolutionary_loss(history, psi0)
+    del history
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return loss.item()
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_run(name, stock_model, args, device):
+    model = (lowmem_model(stock_model, args) if name.startswith("lowmem") else copy.deepcopy(stock_model)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-5)
+    scaler = torch.amp.GradScaler(device.type) if "fp16" in name else None
+    try:
+        train_episode(name, model, optimizer, scaler, args, device, episode_seed=0)  # warm-up
+        synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for episode in range(args.episodes):
+            synchronize(device)
+            start = time.perf_counter()
+            train_episode(name, model, optimizer, scaler, args, device, episode_seed=1 + episode)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        return {"name": name, "peak_bytes": peak, "episode_s": statistics.median(times)}
+    except torch.OutOfMemoryError as e:
+        return {"name": name, "peak_bytes": None, "episode_s": None, "error": f"out of memory: {str(e).splitlines()[0]}"}
+    finally:
+        del model, optimizer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def fp32_gradient_error(stock_model, args, device):
+    """max over parameters of max|g_lowmem - g_stock| / max|g_stock|, same weights, psi0 and noise."""
+    schedule = qca_lowmem.NoiseSchedule(args.max_noise, args.episode, seed=123)
+    grads = {}
+    for kind in ("stock", "lowmem"):
+        model = (copy.deepcopy(stock_model) if kind == "stock" else lowmem_model(stock_model, args)).to(device)
+        psi0 = initial_state(args, device, 123)
+        if kind == "stock":
+            history = qca_lowmem.rollout(lambda psi: reference.step(psi, model, args.gamma), psi0, args.steps, checkpoint="none", noise=schedule)[1]
+        else:
+            history = lowmem_forward(model, psi0, args, schedule)
+        loss, _ = reference.evolutionary_loss(history, psi0)
+        del history
+        loss.backward()
+        grads[kind] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        del model, loss
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return max(((grads["lowmem"][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() for n, g in grads["stock"].items())
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    stock_model = reference.UNetUnitary(args.d_state, args.hidden)
+    print(f"device {common.device_name(device)}, torch {torch.__version__}")
+    runs = []
+    for name in args.runs:
+        result = measure_run(name, stock_model, args, device)
+        runs.append(result)
+        if "error" in result:
+            print(f"{name:24s} {result['error']}")
+        else:
+            peak = "n/a" if result["peak_bytes"] is None else f"{result['peak_bytes'] / 2**30:.3f} GiB"
+            print(f"{name:24s} peak {peak:>12s}   episode {result['episode_s']:.3f} s")
+    grad_error = None
+    if not args.skip_grad_check:
+        try:
+            grad_error = fp32_gradient_error(stock_model, args, device)
+            print(f"max fp32 gradient relative error (lowmem_fp32_step vs stock): {grad_error:.3e}")
+        except torch.OutOfMemoryError as e:
+            print(f"fp32 gradient check ran out of memory: {str(e).splitlines()[0]}")
+    payload = {
+        "config": {"grid": args.grid, "d_state": args.d_state, "hidden": args.hidden, "qca_steps": args.steps, "batch": args.batch},
+        "runs": runs,
+        "max_grad_rel_err_fp32": grad_error,
+        "noise": {"max_noise": args.max_noise, "episode": args.episode, "rate": reference.noise_rate(args.episode, args.max_noise)},
+    }
+    print(f"wrote {common.write_result('episode', device, payload, args.out)}")
+    if grad_error is not None and not math.isfinite(grad_error):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

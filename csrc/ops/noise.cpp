@@ -1,0 +1,90 @@
+// ATen glue of the noise ops: argument checks, output allocation, CPU dispatch.
+#include "noise.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+
+#include "glue.h"
+
+namespace qca_lowmem {
+
+qca_noise_params prepare_noise(const at::Tensor& psi, double rate, int64_t seed, int64_t step,
+                               bool conjugate, const char* op, at::Tensor& out) {
+  TORCH_CHECK(psi.defined(), op, ": psi is undefined");
+  TORCH_CHECK(psi.scalar_type() == at::kComplexFloat || psi.scalar_type() == at::kComplexDouble,
+              op, ": psi must be complex64 or complex128 with shape (B, H, W, d), got ",
+              describe(psi));
+  TORCH_CHECK(psi.dim() == 4, op, ": psi must have 4 dimensions (B, H, W, d), got ",
+              describe(psi));
+  TORCH_CHECK(psi.size(3) >= 1 && psi.size(3) <= QCA_NOISE_MAX_D, op,
+              ": psi's last dimension d must be between 1 and ", QCA_NOISE_MAX_D, ", got ",
+              describe(psi));
+  TORCH_CHECK(psi.size(0) * psi.size(1) * psi.size(2) <= QCA_NOISE_MAX_CELLS, op,
+              ": psi has more than 2^48 cells: ", describe(psi));
+  TORCH_CHECK(std::isfinite(rate) && rate >= 0.0 && rate <= 1.0, op,
+              ": rate must be a probability in [0, 1], got ", rate);
+  out = at::empty(psi.sizes(), psi.options().memory_format(at::MemoryFormat::Contiguous));
+  qca_noise_params p{};
+  p.grid = qca_grid{psi.size(0), psi.size(1), psi.size(2), psi.size(3)};
+  p.state_dtype = to_qca_dtype(psi.scalar_type());
+  p.psi = psi.const_data_ptr();
+  for (int i = 0; i < 4; ++i) p.psi_stride[i] = psi.stride(i);
+  p.out = out.mutable_data_ptr();
+  p.rate = rate;
+  // int64 seeds and steps are taken as their two's-complement 64-bit patterns.
+  p.seed = static_cast<uint64_t>(seed);
+  p.step = static_cast<uint64_t>(step);
+  p.conjugate = conjugate ? 1 : 0;
+  return p;
+}
+
+namespace {
+
+template <typename Kernel>
+void run_cells_cpu(const qca_noise_params& p, const char* op, Kernel kernel) {
+  const int64_t n_cells = p.grid.batch * p.grid.height * p.grid.width;
+  std::atomic<int> failure{QCA_OK};
+  const int64_t grain = std::max<int64_t>(1, 16384 / p.grid.d);
+  at::parallel_for(0, n_cells, grain, [&](int64_t begin, int64_t end) {
+    const qca_status s = kernel(&p, begin, end);
+    if (s != QCA_OK) failure.store(s);
+  });
+  check_status(static_cast<qca_status>(failure.load()), op);
+}
+
+at::Tensor phase_flip_cpu(const at::Tensor& psi, double rate, int64_t seed, int64_t step,
+                          bool conjugate) {
+  at::Tensor out;
+  const qca_noise_params p = prepare_noise(psi, rate, seed, step, conjugate, "phase_flip", out);
+  run_cells_cpu(p, "phase_flip", qca_phase_flip_cpu);
+  return out;
+}
+
+at::Tensor bit_flip_cpu(const at::Tensor& psi, double rate, int64_t seed, int64_t step) {
+  at::Tensor out;
+  const qca_noise_params p = prepare_noise(psi, rate, seed, step, false, "bit_flip", out);
+  run_cells_cpu(p, "bit_flip", qca_bit_flip_cpu);
+  return out;
+}
+
+// No tensor arguments: the coin is pure host arithmetic on (seed, step), the same on any device.
+double noise_coin(int64_t seed, int64_t step) {
+  return qca_noise_coin(static_cast<uint64_t>(seed), static_cast<uint64_t>(step));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(qca_lowmem, CPU, m) {
+  m.impl("phase_flip", &phase_flip_cpu);
+  m.impl("bit_flip", &bit_flip_cpu);
+}
+
+TORCH_LIBRARY_IMPL(qca_lowmem, CompositeExplicitAutograd, m) {
+  m.impl("noise_coin", &noise_coin);
+}
+
+}  // namespace qca_lowmem

@@ -1,0 +1,42 @@
+// CUDA dispatch of the noise ops: same checks as the CPU glue (noise.cpp), launched on the
+// current stream of psi's device.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "glue_cuda.h"
+#include "noise.h"
+
+namespace qca_lowmem {
+namespace {
+
+at::Tensor phase_flip_cuda(const at::Tensor& psi, double rate, int64_t seed, int64_t step,
+                           bool conjugate) {
+  const c10::cuda::CUDAGuard guard(psi.device());
+  at::Tensor out;
+  const qca_noise_params p = prepare_noise(psi, rate, seed, step, conjugate, "phase_flip", out);
+  qca_cuda_error err{};
+  check_cuda_status(
+      qca_phase_flip_cuda(&p, c10::cuda::getCurrentCUDAStream().stream(), &err), err,
+      "phase_flip");
+  return out;
+}
+
+at::Tensor bit_flip_cuda(const at::Tensor& psi, double rate, int64_t seed, int64_t step) {
+  const c10::cuda::CUDAGuard guard(psi.device());
+  at::Tensor out;
+  const qca_noise_params p = prepare_noise(psi, rate, seed, step, false, "bit_flip", out);
+  qca_cuda_error err{};
+  check_cuda_status(qca_bit_flip_cuda(&p, c10::cuda::getCurrentCUDAStream().stream(), &err), err,
+                    "bit_flip");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(qca_lowmem, CUDA, m) {
+  m.impl("phase_flip", &phase_flip_cuda);
+  m.impl("bit_flip", &bit_flip_cuda);
+}
+
+}  // namespace qca_lowmem

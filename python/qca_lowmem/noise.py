@@ -1,0 +1,148 @@
+"""Training noise as fused ops with replayable randoms (torch.ops.qca_lowmem.phase_flip / bit_flip).
+
+Every random number is a Philox4x32-10 word keyed by `(seed, step)` and indexed by the cell and
+the component (include/qca_lowmem/noise.h), so the same `(seed, step)` gives the same hits and
+phases on every call, on the CPU and on CUDA: a recompute replays the noise without stored masks.
+"""
+
+import math
+from typing import Optional
+
+import torch
+
+from ._loader import load_native
+
+load_native()
+
+_lib = torch.ops.qca_lowmem
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _as_int64(value, name: str) -> int:
+    """A seed or step as the signed int64 the ops take; values up to 2^64 - 1 wrap around."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = int(value.item())
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if not _INT64_MIN <= value < 2**64:
+        raise ValueError(f"{name} must fit in 64 bits, got {value}")
+    return value - 2**64 if value > _INT64_MAX else value
+
+
+def _as_rate(rate, name: str = "rate") -> float:
+    rate = float(rate)
+    if not (math.isfinite(rate) and 0.0 <= rate <= 1.0):
+        raise ValueError(f"{name} must be a probability in [0, 1], got {rate}")
+    return rate
+
+
+def phase_flip(psi: torch.Tensor, rate: float, seed: int, step: int, *, conjugate: bool = False) -> torch.Tensor:
+    """Stock phase-flip noise, keyed by (seed, step).
+
+    Each cell (b, h, w) of psi (complex (B, H, W, d)) is hit with probability `rate`; a hit
+    multiplies every component psi_k by exp(i theta_k), theta_k ~ U[0, 2 pi) independently per
+    component (exp(-i theta_k) with `conjugate`, which undoes the flip). Returns a new tensor.
+    Differentiable: the gradient of a hit cell is multiplied by the conjugate phase.
+    """
+    return _lib.phase_flip(psi, _as_rate(rate), _as_int64(seed, "seed"), _as_int64(step, "step"), bool(conjugate))
+
+
+def bit_flip(psi: torch.Tensor, rate: float, seed: int, step: int) -> torch.Tensor:
+    """Stock bit-flip noise, keyed by (seed, step): each cell is hit with probability `rate` and a
+    hit negates all its components. Returns a new tensor. Differentiable (a hit negates the
+    gradient). The hits are independent of phase_flip's for the same (seed, step)."""
+    return _lib.bit_flip(psi, _as_rate(rate), _as_int64(seed, "seed"), _as_int64(step, "step"))
+
+
+def noise_coin(seed: int, step: int) -> float:
+    """The step's coin in [0, 1), from the same keyed generator (its own stream): the stock
+    schedule bit-flips step `step` when it is below 0.2. Computed on the host, no device sync."""
+    return _lib.noise_coin(_as_int64(seed, "seed"), _as_int64(step, "step"))
+
+
+class NoiseSchedule:
+    """The stock training noise of one episode, replayable: `schedule(psi, step) -> psi`.
+
+    rate r = min(max_noise, max_noise * episode / 2000). At each step, when r > 0.001: a phase
+    flip with rate r, then, when the step's coin (`noise_coin(seed, step)`) is below 0.2, a bit
+    flip with rate 0.1 * r. All randoms come from (seed, step), so calling the schedule again on
+    the same step (the rollout's recompute) applies exactly the same noise. Give each episode its
+    own seed; `seed=None` draws one from torch's default generator (reproducible under
+    torch.manual_seed).
+
+    Pass it to `qca_lowmem.rollout(..., noise=schedule)`.
+    """
+
+    RATE_THRESHOLD = 0.001
+    BIT_FLIP_PROBABILITY = 0.2
+    BIT_FLIP_SCALE = 0.1
+    RAMP_EPISODES = 2000
+
+    def __init__(self, max_noise: float, episode: int, seed: Optional[int] = None):
+        max_noise = float(max_noise)
+        if not (math.isfinite(max_noise) and 0.0 <= max_noise <= 1.0):
+            raise ValueError(f"max_noise must be in [0, 1], got {max_noise}")
+        if isinstance(episode, bool) or not isinstance(episode, int) or episode < 0:
+            raise ValueError(f"episode must be an int >= 0, got {episode!r}")
+        if seed is None:
+            seed = int(torch.randint(_INT64_MIN, _INT64_MAX, (), dtype=torch.int64).item())
+        self.max_noise = max_noise
+        self.episode = episode
+        self.seed = _as_int64(seed, "seed")
+
+    @property
+    def rate(self) -> float:
+        return min(self.max_noise, self.max_noise * self.episode / self.RAMP_EPISODES)
+
+    @property
+    def active(self) -> bool:
+        return self.rate > self.RATE_THRESHOLD
+
+    def bit_flips_at(self, step: int) -> bool:
+        """Whether the step's coin calls for a bit flip (when the schedule is active)."""
+        return noise_coin(self.seed, step) < self.BIT_FLIP_PROBABILITY
+
+    def __call__(self, psi: torch.Tensor, step: int) -> torch.Tensor:
+        if not self.active:
+            return psi
+        rate = self.rate
+        psi = phase_flip(psi, rate, self.seed, step)
+        if self.bit_flips_at(step):
+            psi = bit_flip(psi, self.BIT_FLIP_SCALE * rate, self.seed, step)
+        return psi
+
+    def __repr__(self) -> str:
+        return f"NoiseSchedule(max_noise={self.max_noise}, episode={self.episode}, seed={self.seed}, rate={self.rate:g})"
+
+
+@torch.library.register_fake("qca_lowmem::phase_flip")
+def _phase_flip_fake(psi, rate, seed, step, conjugate=False):
+    torch._check(psi.dim() == 4, lambda: f"phase_flip: psi must have 4 dimensions (B, H, W, d), got shape {tuple(psi.shape)}")
+    torch._check(psi.is_complex(), lambda: f"phase_flip: psi must be complex64 or complex128, got {psi.dtype}")
+    return torch.empty_like(psi, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("qca_lowmem::bit_flip")
+def _bit_flip_fake(psi, rate, seed, step):
+    torch._check(psi.dim() == 4, lambda: f"bit_flip: psi must have 4 dimensions (B, H, W, d), got shape {tuple(psi.shape)}")
+    torch._check(psi.is_complex(), lambda: f"bit_flip: psi must be complex64 or complex128, got {psi.dtype}")
+    return torch.empty_like(psi, memory_format=torch.contiguous_format)
+
+
+def _noise_setup_context(ctx, inputs, output):
+    ctx.rate, ctx.seed, ctx.step = inputs[1], inputs[2], inputs[3]
+    ctx.conjugate = inputs[4] if len(inputs) > 4 else False
+
+
+def _phase_flip_backward(ctx, grad):
+    # exp(i theta) is holomorphic: the gradient picks up the conjugate phase, same hits.
+    return _lib.phase_flip(grad, ctx.rate, ctx.seed, ctx.step, not ctx.conjugate), None, None, None, None
+
+
+def _bit_flip_backward(ctx, grad):
+    return _lib.bit_flip(grad, ctx.rate, ctx.seed, ctx.step), None, None, None
+
+
+torch.library.register_autograd("qca_lowmem::phase_flip", _phase_flip_backward, setup_context=_noise_setup_context)
+torch.library.register_autograd("qca_lowmem::bit_flip", _bit_flip_backward, setup_context=_noise_setup_context)

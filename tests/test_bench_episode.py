@@ -1,0 +1,37 @@
+"""The episode benchmark (benchmarks/bench_episode.py) runs end to end on a tiny config."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "bench_episode.py"
+
+
+def run(*args):
+    # The script imports qca_lowmem as this process does (installed, or PYTHONPATH inherited);
+    # one thread, as the other tests (tiny tensors, shared machines).
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, env=env)
+
+
+def test_help():
+    result = run("--help")
+    assert result.returncode == 0, result.stderr
+    assert "lowmem_bf16_revolve32" in result.stdout
+
+
+def test_tiny_episode_writes_the_report(tmp_path):
+    out = tmp_path / "episode.json"
+    result = run("--device", "cpu", "--grid", "8", "--d-state", "2", "--hidden", "4", "--steps", "3", "--episodes", "1",
+                 "--runs", "stock_fp32", "lowmem_fp32_step", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["kind"] == "episode" and report["config"]["qca_steps"] == 3
+    assert [r["name"] for r in report["runs"]] == ["stock_fp32", "lowmem_fp32_step"]
+    assert all(r["episode_s"] > 0 for r in report["runs"])
+    assert report["max_grad_rel_err_fp32"] < 1e-5
+    for key in ("device", "torch", "cuda", "commit", "date"):
+        assert key in report

@@ -1,0 +1,564 @@
+"""qca_lowmem.rollout: gradients of the recomputing modes equal the full graph's, memory is flat
+in the number of steps, noise and autocast replay, hooks fire once, no_grad keeps nothing."""
+
+import importlib
+import weakref
+
+import pytest
+import reference
+import torch
+from conftest import DEVICES, cuda_only
+from torch import nn
+
+import qca_lowmem
+from qca_lowmem import NoiseSchedule, block_keeps_intermediates, rollout, saved_bytes
+
+rollout_module = importlib.import_module("qca_lowmem.rollout")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors gain nothing from threads, and on a shared machine the intra-op pool's
+    spin-waits make them many times slower; one thread keeps the runtime predictable."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+STEPS, RECORD_EVERY = 11, 3  # recorded steps 0, 3, 6, 9, 10
+MODES = [("step", None), ("revolve", 1), ("revolve", 2), ("revolve", 3), ("revolve", 5)]
+
+
+def make_unet(dtype=torch.float64, device="cpu", d_state=2, hidden=4):
+    torch.manual_seed(1)
+    op = reference.randomize_affine(reference.UNetUnitary(d_state, hidden))
+    with torch.no_grad():
+        op.outc.weight.normal_(0.0, 0.3)  # the stock 1e-5 would make every step nearly the identity
+    return op.to(device=device, dtype=dtype)
+
+
+def make_conv_net(dtype=torch.float64, device="cpu", d_state=2):
+    torch.manual_seed(2)
+    c = 2 * d_state
+    return nn.Sequential(nn.Conv2d(c, 8, 3, padding=1), nn.Tanh(), nn.Conv2d(8, c, 3, padding=1)).to(device=device, dtype=dtype)
+
+
+def reference_step(op):
+    return lambda psi: reference.step(psi, op)
+
+
+def fused_step(net):
+    """An additive-mode step on the fused ops: qca_pack -> conv net -> qca_update."""
+    return lambda psi: qca_lowmem.qca_update(psi, net(qca_lowmem.qca_pack(psi)), gamma=0.05, multiplicative=False)
+
+
+def initial_state(device="cpu", dtype=torch.complex128, grid=8, d_state=2):
+    torch.manual_seed(3)
+    return reference.initial_state(1, grid, d_state, dtype=dtype).to(device)
+
+
+def noisy_schedule():
+    schedule = NoiseSchedule(0.5, 2000, seed=1)  # bit flips at steps 2, 3, 4 and 10
+    assert schedule.active and any(schedule.bit_flips_at(t) for t in range(STEPS))
+    return schedule
+
+
+def episode_loss(psi_T, history, psi0, history_loss):
+    loss, _ = reference.evolutionary_loss(history, psi0)
+    if history_loss:
+        torch.manual_seed(4)
+        for h in history[:-1]:
+            weight = torch.randn(h.shape, dtype=h.real.dtype, device=h.device)
+            loss = loss + (weight * h.real).sum() + (weight.flip(1) * h.imag**2).sum()
+    return loss
+
+
+def episode_grads(step_fn, params, psi0, checkpoint, slots=None, noise=None, history_loss=False, steps=STEPS):
+    for p in params:
+        p.grad = None
+    psi0 = psi0.detach().requires_grad_()
+    psi_T, history = rollout(step_fn, psi0, steps, checkpoint=checkpoint, slots=slots, noise=noise, record_every=RECORD_EVERY)
+    episode_loss(psi_T, history, psi0, history_loss).backward()
+    return [psi0.grad] + [p.grad for p in params]
+
+
+def max_relative_error(grads, expected):
+    assert len(grads) == len(expected)
+    errors = []
+    for g, e in zip(grads, expected):
+        assert g is not None and e is not None
+        errors.append(((g - e).abs().max() / e.abs().max()).item())
+    return max(errors)
+
+
+_reference_grads = {}
+
+# Every mode with noise and history terms and without either; the mixed cases for two modes.
+GRADIENT_CASES = [(m, s, noise, hist) for m, s in MODES for noise, hist in [(False, False), (True, True)]] + [
+    (m, s, noise, hist) for m, s in [("step", None), ("revolve", 3)] for noise, hist in [(True, False), (False, True)]
+]
+
+
+@pytest.mark.parametrize(
+    "checkpoint,slots,with_noise,history_loss",
+    GRADIENT_CASES,
+    ids=[f"{m}{s or ''}-{'noise' if n else 'clean'}-{'history' if h else 'final'}-loss" for m, s, n, h in GRADIENT_CASES],
+)
+def test_gradients_equal_full_graph(checkpoint, slots, with_noise, history_loss):
+    op = make_unet()
+    params = list(op.parameters())
+    psi0 = initial_state()
+    noise = noisy_schedule() if with_noise else None
+    key = (with_noise, history_loss)
+    if key not in _reference_grads:
+        _reference_grads[key] = episode_grads(reference_step(op), params, psi0, "none", noise=noise, history_loss=history_loss)
+    grads = episode_grads(reference_step(op), params, psi0, checkpoint, slots, noise, history_loss)
+    assert max_relative_error(grads, _reference_grads[key]) <= 1e-9
+
+
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2)])
+def test_gradients_equal_full_graph_fused_ops(checkpoint, slots):
+    net = make_conv_net()
+    params = list(net.parameters())
+    psi0 = initial_state()
+    expected = episode_grads(fused_step(net), params, psi0, "none", noise=noisy_schedule(), history_loss=True)
+    grads = episode_grads(fused_step(net), params, psi0, checkpoint, slots, noisy_schedule(), history_loss=True)
+    assert max_relative_error(grads, expected) <= 1e-9
+
+
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 3)])
+def test_fused_unet_recomputes_each_step_once(checkpoint, slots, monkeypatch):
+    """With qca_lowmem.UNetUnitary, gradients equal the stock model's full graph, and inside the
+    rollout's recompute the fused blocks keep their intermediates: each convolution runs once per
+    recomputed step, never a third time."""
+    blocks = importlib.import_module("qca_lowmem.blocks")
+    stock = make_unet()
+    fused = qca_lowmem.UNetUnitary(2, 4).to(torch.float64)
+    fused.load_state_dict(stock.state_dict())
+    psi0 = initial_state()
+
+    def fused_step_fn(psi):
+        return qca_lowmem.qca_update(psi, fused(qca_lowmem.qca_pack(psi)), multiplicative=True)
+
+    expected = _reference_grads.get((True, True))
+    if expected is None:
+        expected = _reference_grads[True, True] = episode_grads(
+            reference_step(stock), list(stock.parameters()), psi0, "none", noise=noisy_schedule(), history_loss=True)
+    conv_calls = []
+    conv3x3 = blocks._conv3x3
+    monkeypatch.setattr(blocks, "_conv3x3", lambda x, w: conv_calls.append(1) or conv3x3(x, w))
+    for p in fused.parameters():
+        p.grad = None
+    psi = psi0.detach().requires_grad_()
+    psi_T, history = rollout(fused_step_fn, psi, STEPS, checkpoint=checkpoint, slots=slots, noise=noisy_schedule(), record_every=RECORD_EVERY)
+    forward_calls = len(conv_calls)
+    conv_calls.clear()
+    episode_loss(psi_T, history, psi, True).backward()
+    names = [n for n, _ in stock.named_parameters()]
+    grads = [psi.grad] + [dict(fused.named_parameters())[n].grad for n in names]
+    assert max_relative_error(grads, expected) <= 1e-9
+    convs_per_step = forward_calls // STEPS
+    assert convs_per_step == 12  # 6 blocks, 2 convolutions each
+    advances = 0 if checkpoint == "step" else rollout_module._revolve_cost(STEPS, slots) - rollout_module._revolve_first_sweep(STEPS, slots)[-1]
+    assert len(conv_calls) == convs_per_step * (STEPS + advances)
+
+
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2)])
+def test_random_draws_replay(checkpoint, slots):
+    """Dropout in the step and the stock (torch.rand) noise injector recompute the same draws."""
+    net = make_conv_net()
+    params = list(net.parameters())
+    psi0 = initial_state()
+    injector = reference.NoiseInjector()
+
+    def step_fn(psi):
+        delta = nn.functional.dropout(net(qca_lowmem.qca_pack(psi)), 0.3, training=True)
+        return qca_lowmem.qca_update(psi, delta, gamma=0.05, multiplicative=False)
+
+    def run(checkpoint, slots=None, preserve_rng_state=True):
+        for p in params:
+            p.grad = None
+        torch.manual_seed(5)
+        psi_T, history = rollout(step_fn, psi0, STEPS, checkpoint=checkpoint, slots=slots, record_every=RECORD_EVERY,
+                                 noise=lambda psi, t: injector.apply_phase_flip(psi, 0.3), preserve_rng_state=preserve_rng_state)
+        history_terms = sum((i + 1) * h.real.square().sum() for i, h in enumerate(history[:-1]))
+        (episode_loss(psi_T, history, psi0, False) + history_terms).backward()
+        return [p.grad for p in params], torch.rand(4)
+
+    expected, next_draws = run("none")
+    grads, draws = run(checkpoint, slots)
+    assert max_relative_error(grads, expected) <= 1e-9
+    assert torch.equal(draws, next_draws)  # the recompute leaves the global generator alone
+    unreplayed, _ = run(checkpoint, slots, preserve_rng_state=False)
+    assert max_relative_error(unreplayed, expected) > 1e-3
+
+
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2)])
+def test_gradcheck_through_the_episode(checkpoint, slots):
+    net = make_conv_net()
+    psi0 = initial_state(grid=4).requires_grad_()
+
+    def episode(psi):
+        psi_T, history = rollout(fused_step(net), psi, 4, checkpoint=checkpoint, slots=slots, noise=noisy_schedule(), record_every=2)
+        return psi_T, history[0]
+
+    assert torch.autograd.gradcheck(episode, (psi0,), fast_mode=True)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 6])
+def test_short_episodes_and_more_slots_than_steps(steps):
+    net = make_conv_net()
+    params = list(net.parameters())
+    psi0 = initial_state(grid=4)
+
+    def grads(checkpoint, slots=None):
+        for p in params:
+            p.grad = None
+        psi = psi0.detach().requires_grad_()
+        psi_T, history = rollout(fused_step(net), psi, steps, checkpoint=checkpoint, slots=slots, noise=noisy_schedule(), record_every=1)
+        assert len(history) == steps and history[-1] is psi_T
+        (psi_T.abs().sum() + sum(h.real.sum() for h in history)).backward()
+        return [psi.grad] + [p.grad for p in params]
+
+    expected = grads("none")
+    for checkpoint, slots in [("step", None), ("revolve", 1), ("revolve", 2), ("revolve", 10)]:
+        assert max_relative_error(grads(checkpoint, slots), expected) <= 1e-9
+
+
+def test_none_matches_the_stock_rollout():
+    op = make_unet()
+    psi0 = initial_state()
+    expected_T, expected_history = reference.rollout(psi0, op, STEPS)
+    for checkpoint, slots in [("none", None), ("step", None), ("revolve", 3)]:
+        psi_T, history = rollout(reference_step(op), psi0, STEPS, checkpoint=checkpoint, slots=slots)
+        assert history[-1] is psi_T
+        assert len(history) == len(expected_history)
+        for h, e in zip(history, expected_history):
+            torch.testing.assert_close(h, e, rtol=1e-12, atol=1e-12)
+
+
+def test_noise_replays_the_schedule():
+    op = make_unet()
+    psi0 = initial_state()
+    schedule = noisy_schedule()
+    with torch.no_grad():
+        psi = psi0
+        for t in range(STEPS):
+            psi = schedule(reference.step(psi, op), t)
+    for checkpoint, slots in [("none", None), ("step", None), ("revolve", 2)]:
+        psi_T, _ = rollout(reference_step(op), psi0, STEPS, checkpoint=checkpoint, slots=slots, noise=schedule)
+        assert torch.equal(psi_T.detach(), psi)
+
+
+@pytest.mark.parametrize("grid,d_state,hidden", [(8, 2, 4), (64, 14, 8)], ids=["tiny", "default-psi"])
+def test_memory_flat_in_steps(grid, d_state, hidden):
+    op = make_unet(torch.float32, d_state=d_state, hidden=hidden)
+    psi0 = initial_state(dtype=torch.complex64, grid=grid, d_state=d_state)
+    psi_bytes = psi0.numel() * psi0.element_size()
+    step_fn = reference_step(op)
+
+    def kept(checkpoint, steps, slots=None):
+        return saved_bytes(lambda: rollout(step_fn, psi0, steps, checkpoint=checkpoint, slots=slots))
+
+    stock = {n: kept("none", n) for n in (8, 16)}
+    step = {n: kept("step", n) for n in (8, 24)}
+    revolve = {n: kept("revolve", n, 4) for n in (8, 64)}
+    per_step = (step[24] - step[8]) / 16 / psi_bytes
+    assert 0.9 <= per_step <= 1.05
+    assert revolve[8] == revolve[64] <= 4 * psi_bytes
+    print(f"\nsaved bytes per step, grid {grid}, d {d_state}, hidden {hidden} (psi = {psi_bytes} bytes): stock {(stock[16] - stock[8]) / 8:.0f}, "
+          f"step {(step[24] - step[8]) / 16:.0f}, revolve(4 slots) {revolve[64] / 64:.0f} at 64 steps "
+          f"({revolve[64]} bytes in all, {revolve[8]} at 8 steps)")
+
+
+def test_no_grad_keeps_nothing():
+    net = make_conv_net(torch.float32)
+    psi0 = initial_state(dtype=torch.complex64)
+    fused = fused_step(net)
+    inputs = []
+
+    def step_fn(psi):
+        inputs.append(weakref.ref(psi))
+        return fused(psi)
+
+    expected, _ = rollout(fused, psi0, 6, checkpoint="step")
+    for context in (torch.no_grad, torch.inference_mode):
+        for checkpoint, slots in [("step", None), ("revolve", 2), ("none", None)]:
+            inputs.clear()
+            with context():
+                assert saved_bytes(lambda: rollout(step_fn, psi0, 6, checkpoint=checkpoint, slots=slots)) == 0
+                psi_T, history = rollout(step_fn, psi0, 6, checkpoint=checkpoint, slots=slots, record_every=100)
+            assert psi_T.grad_fn is None and torch.equal(psi_T, expected.detach())
+            # Only psi0 and the history (t = 0 and the last step) are still alive.
+            alive = [r() for r in inputs[-6:] if r() is not None]
+            assert all(any(a is h for h in history) or a is psi0 for a in alive)
+            assert len(alive) <= 2
+
+
+def test_nothing_requires_grad_keeps_nothing():
+    op = make_unet(torch.float32).requires_grad_(False)
+    psi0 = initial_state(dtype=torch.complex64)
+    assert saved_bytes(lambda: rollout(reference_step(op), psi0, 5)) == 0
+    psi_T, history = rollout(reference_step(op), psi0, 5)
+    assert psi_T.grad_fn is None and len(history) == 5
+
+
+def test_each_hook_fires_once_and_grad_accumulates_once():
+    net = make_conv_net()
+    params = list(net.parameters())
+    psi0 = initial_state().requires_grad_()
+    expected = episode_grads(fused_step(net), params, psi0, "none", history_loss=True)
+    for checkpoint, slots in [("step", None), ("revolve", 2)]:
+        calls = {}
+
+        def count(key):
+            calls[key] = calls.get(key, 0) + 1
+
+        handles = []
+        for i, p in enumerate(params):
+            handles.append(p.register_hook(lambda g, i=i: count(("pre", i))))
+            handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: count(("post", i))))
+            p.grad = torch.ones_like(p)
+        psi_T, history = rollout(fused_step(net), psi0, STEPS, checkpoint=checkpoint, slots=slots, record_every=RECORD_EVERY)
+        episode_loss(psi_T, history, psi0, True).backward()
+        assert calls == {(kind, i): 1 for kind in ("pre", "post") for i in range(len(params))}
+        assert max_relative_error([p.grad - 1 for p in params], expected[1:]) <= 1e-9
+        # The hooks set aside during the backward are back in place.
+        calls.clear()
+        (params[0].sum() * 2).backward()
+        assert calls == {("pre", 0): 1, ("post", 0): 1}
+        for h in handles:
+            h.remove()
+
+
+def test_autograd_grad_with_parameters_as_inputs():
+    net = make_conv_net()
+    params = list(net.parameters())
+    psi0 = initial_state().requires_grad_()
+    expected = episode_grads(fused_step(net), params, psi0, "none")
+    for p in params:
+        p.grad = None
+    psi_T, history = rollout(fused_step(net), psi0, STEPS, checkpoint="step", record_every=RECORD_EVERY)
+    grads = torch.autograd.grad(episode_loss(psi_T, history, psi0, False), [psi0, *params])
+    assert max_relative_error(list(grads), expected) <= 1e-9
+    assert all(p.grad is None for p in params)
+
+
+def test_psi0_without_grad_and_history_only_loss():
+    net = make_conv_net()
+    params = list(net.parameters())
+    fused = fused_step(net)
+    psi0 = initial_state()
+    calls = []
+
+    def step_fn(psi):
+        calls.append(torch.is_grad_enabled())
+        return fused(psi)
+
+    def grads(checkpoint):
+        for p in params:
+            p.grad = None
+        psi_T, history = rollout(step_fn, psi0, STEPS, checkpoint=checkpoint, record_every=RECORD_EVERY)
+        calls.clear()
+        (history[1].abs() ** 3).sum().backward()  # history[1] is psi after step 3
+        return [p.grad for p in params]
+
+    expected = grads("none")
+    got = grads("step")
+    assert max_relative_error(got, expected) <= 1e-9
+    assert calls == [True] * 4  # steps 4..10 do not reach the loss: not recomputed
+
+
+def test_revolve_cost_is_optimal():
+    cost = {}
+    for length in range(1, 31):
+        for slots in range(1, 7):
+            if length == 1:
+                best = 0
+            elif slots == 1:
+                best = length * (length - 1) // 2
+            else:
+                best = min(m + cost[length - m, slots - 1] + cost[m, slots] for m in range(1, length))
+            cost[length, slots] = best
+            assert rollout_module._revolve_cost(length, slots) == best
+
+
+@pytest.mark.parametrize("steps,slots", [(11, 1), (11, 2), (11, 3), (20, 4), (7, 10), (13, 5)])
+def test_revolve_recomputes_follow_the_schedule(steps, slots):
+    fused = fused_step(make_conv_net(torch.float32))
+    psi0 = initial_state(dtype=torch.complex64)
+    calls = []
+
+    def step_fn(psi):
+        calls.append(torch.is_grad_enabled())
+        return fused(psi)
+
+    psi_T, _ = rollout(step_fn, psi0, steps, checkpoint="revolve", slots=slots)
+    assert len(calls) == steps
+    calls.clear()
+    psi_T.abs().sum().backward()
+    first_sweep = rollout_module._revolve_first_sweep(steps, slots)
+    advances = rollout_module._revolve_cost(steps, slots) - (first_sweep[-1] if first_sweep else 0)
+    assert calls.count(True) == steps and calls.count(False) == advances
+
+
+def test_revolve_memory_bounded_by_slots():
+    fused = fused_step(make_conv_net(torch.float32))
+    psi0 = initial_state(dtype=torch.complex64)
+    psi_bytes = psi0.numel() * psi0.element_size()
+    for slots in (1, 2, 5):
+        kept = saved_bytes(lambda: rollout(fused, psi0, 30, checkpoint="revolve", slots=slots))
+        assert kept == slots * psi_bytes
+
+
+def test_autocast_replays():
+    op = make_unet(torch.float32)
+    psi0 = initial_state(dtype=torch.complex64)
+    seen = []
+
+    def step_fn(psi):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_grad_enabled(), block_keeps_intermediates()))
+        return reference.step(psi, op)
+
+    def run(checkpoint, cache_enabled, slots=None):
+        for p in op.parameters():
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache_enabled):
+            psi_T, history = rollout(step_fn, psi0, 7, checkpoint=checkpoint, slots=slots)
+        seen.clear()
+        psi_T.abs().sum().backward()
+        return psi_T.detach(), [p.grad.clone() for p in op.parameters()]
+
+    # Without the weight-cast cache, the full graph accumulates each step's gradient in fp32 as
+    # the rollout does, so the two agree exactly.
+    expected_T, expected = run("none", cache_enabled=False)
+    for checkpoint, slots in [("step", None), ("revolve", 2)]:
+        psi_T, grads = run(checkpoint, False, slots)
+        assert torch.equal(psi_T, expected_T)
+        assert all(torch.equal(g, e) for g, e in zip(grads, expected))
+        recomputes = [s for s in seen if s[2]]
+        assert len(recomputes) == 7 and set(recomputes) == {(True, torch.bfloat16, True, True)}
+    # With the cache, the full graph sums the steps' weight gradients in bf16 first.
+    cached_T, cached = run("none", cache_enabled=True)
+    psi_T, grads = run("step", cache_enabled=True)
+    assert torch.equal(psi_T, cached_T)
+    assert max_relative_error(grads, cached) < 2e-2
+
+
+@pytest.mark.parametrize("with_noise", [False, True], ids=["clean", "noise"])
+def test_identity_step_and_no_parameters(with_noise):
+    psi0 = initial_state().requires_grad_()
+    noise = noisy_schedule() if with_noise else None
+
+    def grad(checkpoint):
+        psi_T, history = rollout(lambda psi: psi, psi0, 4, checkpoint=checkpoint, noise=noise, record_every=1)
+        return torch.autograd.grad(psi_T.real.sum() + history[0].imag.sum(), psi0)[0]
+
+    torch.testing.assert_close(grad("step"), grad("none"), rtol=1e-14, atol=1e-14)
+
+
+def test_history_shares_the_episode_node():
+    op = make_unet()
+    psi0 = initial_state().requires_grad_()
+    psi_T, history = rollout(reference_step(op), psi0, STEPS, record_every=RECORD_EVERY)
+    assert len(history) == 5 and history[-1] is psi_T
+    assert len({h.grad_fn for h in history}) == 1
+
+
+def test_clear_errors():
+    op = make_unet(torch.float32)
+    psi0 = initial_state(dtype=torch.complex64)
+    step_fn = reference_step(op)
+    with pytest.raises(ValueError, match=r"step_fn must keep psi's shape.*shape=\(1, 8, 8, 2\).*returned shape=\(1, 8, 8, 1\)"):
+        rollout(lambda psi: psi[..., :1], psi0, 3)
+    with pytest.raises(ValueError, match=r"dtype=torch.complex64.*returned.*dtype=torch.complex128"):
+        rollout(lambda psi: psi.to(torch.complex128), psi0, 3)
+    with pytest.raises(TypeError, match="step_fn must return a tensor like psi, at step 0 it returned tuple"):
+        rollout(lambda psi: (psi,), psi0, 3)
+    with pytest.raises(ValueError, match="noise must keep psi's shape"):
+        rollout(step_fn, psi0, 3, noise=lambda psi, t: psi[:, :4])
+    with pytest.raises(ValueError, match="slots must be an int >= 1.*got 0"):
+        rollout(step_fn, psi0, 3, checkpoint="revolve", slots=0)
+    with pytest.raises(ValueError, match="checkpoint='revolve' needs slots"):
+        rollout(step_fn, psi0, 3, checkpoint="revolve")
+    with pytest.raises(ValueError, match="slots applies only to checkpoint='revolve'"):
+        rollout(step_fn, psi0, 3, checkpoint="step", slots=4)
+    with pytest.raises(ValueError, match=r"checkpoint must be one of \('none', 'step', 'revolve'\), got 'steps'"):
+        rollout(step_fn, psi0, 3, checkpoint="steps")
+    with pytest.raises(ValueError, match="steps must be an int >= 1, got 0"):
+        rollout(step_fn, psi0, 0)
+    with pytest.raises(ValueError, match="record_every must be an int >= 1"):
+        rollout(step_fn, psi0, 3, record_every=0)
+    with pytest.raises(TypeError, match="step_fn must be callable"):
+        rollout(None, psi0, 3)
+    with pytest.raises(TypeError, match=r"psi0 must be a complex or floating tensor, got dtype=torch.int64 shape=\(2, 3\)"):
+        rollout(step_fn, torch.zeros(2, 3, dtype=torch.int64), 3)
+    scaled = op.outc.weight * 2  # requires grad, computed outside step_fn
+
+    def uses_scaled(psi):
+        return reference.update(psi, nn.functional.conv2d(reference.pack(psi), scaled, op.outc.bias))
+
+    with pytest.raises(RuntimeError, match="computed outside step_fn"):
+        rollout(uses_scaled, psi0, 3)
+
+
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2)])
+def test_parameter_changed_before_backward_is_an_error(checkpoint, slots):
+    net = make_conv_net()
+    psi_T, _ = rollout(fused_step(net), initial_state(), 4, checkpoint=checkpoint, slots=slots)
+    with torch.no_grad():
+        net[0].weight.add_(1.0)  # e.g. optimizer.step() between forward and backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        psi_T.abs().sum().backward()
+
+
+def test_exported():
+    assert "rollout" in qca_lowmem.__all__ and qca_lowmem.rollout is rollout
+
+
+@cuda_only
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 3)])
+def test_cuda_gradients_equal_full_graph(checkpoint, slots):
+    op = make_unet(device="cuda")
+    params = list(op.parameters())
+    psi0 = initial_state("cuda")
+    expected = episode_grads(reference_step(op), params, psi0, "none", noise=noisy_schedule(), history_loss=True)
+    grads = episode_grads(reference_step(op), params, psi0, checkpoint, slots, noisy_schedule(), history_loss=True)
+    assert max_relative_error(grads, expected) <= 1e-9
+
+
+@cuda_only
+def test_cuda_autocast_fp16_replays():
+    op = make_unet(torch.float32, "cuda")
+    psi0 = initial_state("cuda", torch.complex64)
+    seen = []
+
+    def step_fn(psi):
+        seen.append((torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), torch.is_grad_enabled()))
+        return reference.step(psi, op)
+
+    def run(checkpoint):
+        for p in op.parameters():
+            p.grad = None
+        with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
+            psi_T, _ = rollout(step_fn, psi0, 5, checkpoint=checkpoint, noise=noisy_schedule())
+        seen.clear()
+        psi_T.abs().sum().backward()
+        return psi_T.detach(), [p.grad.clone() for p in op.parameters()]
+
+    expected_T, expected = run("none")
+    psi_T, grads = run("step")
+    assert seen == [(True, torch.float16, True)] * 5
+    torch.testing.assert_close(psi_T, expected_T, rtol=1e-3, atol=1e-3)
+    assert max_relative_error(grads, expected) < 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_saved_states_live_on_the_device(device):
+    op = make_unet(torch.float32, device)
+    psi0 = initial_state(device, torch.complex64)
+    psi_T, _ = rollout(reference_step(op), psi0, 3)
+    assert psi_T.device.type == device
+    psi_T.abs().sum().backward()
+    assert all(p.grad.device.type == device for p in op.parameters())
