@@ -20,6 +20,16 @@ needs_all = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors gain nothing from threads, and on a shared machine the intra-op pool's
+    spin-waits make them many times slower; one thread keeps the runtime predictable."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_trainer(scaler=None, grid=8, qca_steps=6, gamma=0.0, **kw):
     torch.manual_seed(1234)
     trainer = QC_Trainer_v4(make_config(grid=grid, qca_steps=qca_steps, gamma=gamma), scaler=scaler, **kw)

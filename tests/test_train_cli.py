@@ -21,6 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 HAVE_PARTS = hasattr(qca_lowmem, "rollout") and hasattr(qca_lowmem, "UNetUnitary")
 needs_parts = pytest.mark.skipif(not HAVE_PARTS, reason="qca_lowmem.rollout and qca_lowmem.UNetUnitary must have landed")
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors gain nothing from threads, and on a shared machine the intra-op pool's
+    spin-waits make them many times slower; one thread keeps the runtime predictable."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 TINY = {
     "model": {"d_state": 2, "hidden": 8},
     # max_noise 1.0: the curriculum's rate passes the stock threshold at episode 3, so noise is on there.

@@ -674,6 +674,7 @@ def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, 
           stop_after: Optional[int] = None) -> List[dict]:
     """Run the reference trainer as `qca-lowmem train` does."""
     set_allocator_defaults()
+    threads = torch.get_num_threads()
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     distributed = Distributed(ddp)
@@ -692,3 +693,4 @@ def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, 
         return results
     finally:
         distributed.close()
+        torch.set_num_threads(threads)
