@@ -10,6 +10,7 @@ backward); on CUDA it is peak allocated memory and the episode's time.
 import contextlib
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -38,6 +39,13 @@ def library_commit() -> Optional[str]:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
     return platform.processor() or platform.machine() or "cpu"
 
 
