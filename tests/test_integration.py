@@ -10,15 +10,6 @@ import qca_lowmem
 from fixtures.qc_trainer_v4 import QC_Trainer_v4, make_config
 from reference import ConvBlock, randomize_affine
 
-HAVE_ROLLOUT = hasattr(qca_lowmem, "rollout")
-HAVE_CONVERT = hasattr(qca_lowmem, "convert")
-HAVE_SCALER = hasattr(qca_lowmem, "amp") and hasattr(qca_lowmem.amp, "GradScaler")
-needs_rollout = pytest.mark.skipif(not HAVE_ROLLOUT, reason="qca_lowmem.rollout has not landed in this build")
-needs_all = pytest.mark.skipif(
-    not (HAVE_ROLLOUT and HAVE_CONVERT and HAVE_SCALER),
-    reason="rollout, convert and amp.GradScaler must all have landed",
-)
-
 
 @pytest.fixture(autouse=True)
 def _one_thread():
@@ -64,7 +55,6 @@ def assert_same_runs(lowmem_trainer, stock_trainer, lowmem_out, stock_out):
         assert_close(lowmem_params[name].detach(), p.detach(), what=name)
 
 
-@needs_all
 @pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2)])
 def test_three_episodes_match_stock(checkpoint, slots, tmp_path):
     stock = make_trainer(scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
@@ -87,7 +77,6 @@ def test_three_episodes_match_stock(checkpoint, slots, tmp_path):
     assert list(saved["model_state_dict"]) == list(stock.motor.operator.state_dict())
 
 
-@needs_rollout
 def test_additive_operator_and_gamma_match_stock():
     """A non-UNetUnitary operator runs additively (stock rule), gamma decay included."""
 
@@ -112,7 +101,6 @@ def test_additive_operator_and_gamma_match_stock():
     assert_same_runs(lowmem, stock, run_episodes(lowmem, range(3)), run_episodes(stock, range(3)))
 
 
-@needs_all
 def test_disable_restores_stock_behaviour():
     stock = make_trainer()
     trainer = make_trainer(scaler=torch.amp.GradScaler("cpu", init_scale=512.0))
@@ -140,10 +128,9 @@ def test_enable_twice_and_disable_unenabled_are_errors():
     trainer = make_trainer()
     with pytest.raises(RuntimeError, match="not enabled"):
         qca_lowmem.disable(trainer)
-    if HAVE_ROLLOUT:
-        qca_lowmem.enable(trainer, fused_blocks=HAVE_CONVERT)
-        with pytest.raises(RuntimeError, match="already enabled"):
-            qca_lowmem.enable(trainer)
+    qca_lowmem.enable(trainer)
+    with pytest.raises(RuntimeError, match="already enabled"):
+        qca_lowmem.enable(trainer)
 
 
 def test_bad_options_are_rejected_before_anything_changes():
@@ -213,15 +200,6 @@ def test_unknown_config_key_is_an_error(monkeypatch):
         qca_lowmem.enable_from_config(object(), {"LOWMEM": {"enabled": True, "chekpoint": "step"}})
 
 
-def test_missing_piece_is_a_clear_error(monkeypatch):
-    monkeypatch.delattr(qca_lowmem, "rollout", raising=False)
-    trainer = make_trainer()
-    with pytest.raises(RuntimeError, match=r"qca_lowmem.rollout is not available"):
-        qca_lowmem.enable(trainer)
-    assert "train_episode" not in vars(trainer)
-
-
-@needs_all
 def test_noise_curriculum_runs_through_the_rollout():
     """With noise on, the episode's noise comes from the rollout's replayable schedule, keyed by
     one draw from the trainer's RNG: same seed, same result; the noise changes the outcome."""

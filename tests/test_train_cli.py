@@ -18,8 +18,6 @@ from qca_lowmem import cli, train as train_mod
 from qca_lowmem.plan import LOSS_STATES, Estimate, recommend
 
 ROOT = Path(__file__).resolve().parents[1]
-HAVE_PARTS = hasattr(qca_lowmem, "rollout") and hasattr(qca_lowmem, "UNetUnitary")
-needs_parts = pytest.mark.skipif(not HAVE_PARTS, reason="qca_lowmem.rollout and qca_lowmem.UNetUnitary must have landed")
 
 @pytest.fixture(autouse=True)
 def _one_thread():
@@ -61,7 +59,6 @@ def load_params(path):
     return torch.load(path, weights_only=False)["model_state_dict"]
 
 
-@needs_parts
 def test_train_writes_csv_and_checkpoint(tiny_config, tmp_path, capsys):
     out = tmp_path / "run"
     assert run_cli("train", "--config", tiny_config, "--out", out, "--no-progress") == 0
@@ -81,7 +78,6 @@ def test_train_writes_csv_and_checkpoint(tiny_config, tmp_path, capsys):
     assert "last loss" in capsys.readouterr().out
 
 
-@needs_parts
 @pytest.mark.parametrize("scheduler", ["none", "cosine"])
 def test_resume_continues_exactly(tmp_path, scheduler):
     tiny_config = tmp_path / "tiny.yaml"
@@ -100,7 +96,6 @@ def test_resume_continues_exactly(tmp_path, scheduler):
     assert (state["scheduler_state_dict"] is not None) == (scheduler == "cosine")
 
 
-@needs_parts
 def test_resume_refuses_a_different_model(tiny_config, tmp_path, capsys):
     out = tmp_path / "run"
     assert run_cli("train", "--config", tiny_config, "--out", out, "--episodes", 1, "--no-progress") == 0
@@ -123,7 +118,6 @@ def _inject_oom(monkeypatch, when):
     return calls
 
 
-@needs_parts
 def test_oom_guard_lowers_the_policy_and_continues(tiny_config, tmp_path, monkeypatch, capsys):
     reference = tmp_path / "reference"
     assert run_cli("train", "--config", tiny_config, "--out", reference, "--no-progress") == 0
@@ -141,7 +135,6 @@ def test_oom_guard_lowers_the_policy_and_continues(tiny_config, tmp_path, monkey
     assert torch.load(out / "checkpoint.pt", weights_only=False)["policy"]["checkpoint"] == "revolve"
 
 
-@needs_parts
 def test_oom_guard_saves_and_explains_when_nothing_fits(tiny_config, tmp_path, monkeypatch, capsys):
     calls = _inject_oom(monkeypatch, lambda episode, policy: episode >= 2)
     out = tmp_path / "run"
@@ -156,7 +149,6 @@ def test_oom_guard_saves_and_explains_when_nothing_fits(tiny_config, tmp_path, m
     assert state["episode"] == 2  # no progress lost: episodes 0 and 1 are in it
 
 
-@needs_parts
 def test_oom_in_the_optimizer_step_stops_with_an_explanation(tiny_config, tmp_path, monkeypatch, capsys):
     def step(self, *args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
@@ -195,7 +187,6 @@ def test_atomic_checkpoint_survives_a_failed_save(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # no temporary left behind
 
 
-@needs_parts
 def test_ddp_two_cpu_processes_equal_a_single_process(tiny_config, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
     ddp, single = tmp_path / "ddp", tmp_path / "single"
@@ -220,7 +211,6 @@ def test_ddp_two_cpu_processes_equal_a_single_process(tiny_config, tmp_path):
     assert [r["loss"] for r in read_csv(ddp / "metrics.csv")] == [r["loss"] for r in read_csv(single / "metrics.csv")]
 
 
-@needs_parts
 def test_bench_writes_json_and_plot(tiny_config, tmp_path, capsys):
     out = tmp_path / "bench"
     assert run_cli("bench", "--config", tiny_config, "--steps", "2,8", "--out", out) == 0
@@ -237,7 +227,6 @@ def test_bench_writes_json_and_plot(tiny_config, tmp_path, capsys):
         assert (out / "bench_cpu.png").stat().st_size > 0
 
 
-@needs_parts
 def test_plan_predicts_and_recommends(tiny_config, tmp_path, capsys):
     assert run_cli("plan", "--config", tiny_config, "--gpu-mem", "1GiB", "--json") == 0
     result = json.loads(capsys.readouterr().out)

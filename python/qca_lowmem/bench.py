@@ -23,6 +23,7 @@ import torch
 from .integration import parse_amp_dtype, record_every, stock_initial_state
 from .memory import saved_bytes
 from .ops import qca_pack, qca_update
+from .rollout import rollout
 from .train import StockForward, TrainConfig, build_model, evolutionary_loss, format_bytes, resolve_device, stock_step
 
 
@@ -68,9 +69,6 @@ class EpisodeRunner:
         self.amp_dtype = parse_amp_dtype(config.amp_dtype)
         self.model = model if model is not None else build_model(config, device)
         self.stock_model = StockForward(self.model)
-        from .integration import _library_piece
-
-        self.rollout = _library_piece("rollout", "the rollout (issue 4)")
 
     def _forward(self, variant: str, steps: int, psi0):
         gamma = self.config.gamma
@@ -85,7 +83,7 @@ class EpisodeRunner:
             policy, blocks = dict(checkpoint=self.config.checkpoint, slots=slots), contextlib.nullcontext()
         autocast = torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None)
         with blocks, autocast:
-            psi, history = self.rollout(step, psi0, steps, record_every=record_every(steps), **policy)
+            psi, history = rollout(step, psi0, steps, record_every=record_every(steps), **policy)
             loss, _ = evolutionary_loss(history, psi0)
         return loss
 

@@ -13,7 +13,11 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
+from . import amp
+from .noise import NoiseSchedule
 from .ops import qca_pack, qca_update
+from .rollout import rollout
+from .unet import convert
 
 CHECKPOINT_POLICIES = ("none", "step", "revolve")
 _AMP_DTYPES = {
@@ -42,7 +46,7 @@ def parse_amp_dtype(value):
 def check_policy(checkpoint, slots):
     if checkpoint not in CHECKPOINT_POLICIES:
         raise ValueError(f"checkpoint must be one of {CHECKPOINT_POLICIES}, got {checkpoint!r}")
-    if checkpoint == "revolve" and (slots is None or int(slots) < 1):
+    if checkpoint == "revolve" and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
         raise ValueError(f"checkpoint='revolve' needs slots >= 1 (the number of stored states), got slots={slots!r}")
     if slots is not None and checkpoint != "revolve":
         raise ValueError(f"slots is only used with checkpoint='revolve', got slots={slots!r} with checkpoint={checkpoint!r}")
@@ -71,34 +75,17 @@ def record_every(steps: int) -> int:
     return max(1, steps // 10)
 
 
-def _library_piece(name: str, issue: str):
-    """A piece another part of the library provides; a clear error while it is missing."""
-    import qca_lowmem
-
-    piece = qca_lowmem
-    for part in name.split("."):
-        piece = getattr(piece, part, None)
-        if piece is None:
-            raise RuntimeError(
-                f"qca_lowmem.{name} is not available in this build (it comes with {issue}); "
-                f"the low-memory path needs it. Update qca_lowmem, or call enable(..., "
-                f"{'fused_blocks=False' if name == 'convert' else 'checkpoint=...'}) accordingly."
-            )
-    return piece
-
-
 def noise_schedule(max_noise: float, episode: int, seed: int):
     """The rollout's replayable stock noise for `episode` (curriculum included), keyed by `seed`;
     None when the episode's rate leaves it off, as stock does."""
     if noise_rate(episode, max_noise) <= 0.001:
         return None
-    return _library_piece("NoiseSchedule", "the rollout (issue 4)")(max_noise, episode, seed)
+    return NoiseSchedule(max_noise, episode, seed)
 
 
 def lowmem_scaler_from(scaler):
     """A qca_lowmem.amp.GradScaler with the same settings and state as `scaler`."""
-    scaler_cls = _library_piece("amp.GradScaler", "the loss scaler (issue 5)")
-    return _copy_scaler(scaler, scaler_cls)
+    return _copy_scaler(scaler, amp.GradScaler)
 
 
 def _copy_scaler(scaler, scaler_cls):
@@ -176,7 +163,6 @@ def _lowmem_train_episode(trainer, episode_num):
     """train_episode with the stock semantics, running the episode through qca_lowmem.rollout."""
     state: _Saved = getattr(trainer, _STATE_ATTR)
     opts = state.options
-    rollout = _library_piece("rollout", "the rollout (issue 4)")
     operator = trainer.motor.operator
     device = next(operator.parameters()).device
 
@@ -284,15 +270,12 @@ def enable(
     if initial_state is None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"enable(): batch_size must be a positive int, got {batch_size!r}")
     operator = trainer.motor.operator
-    # Resolve every piece up front so a missing one fails before anything is changed.
-    _library_piece("rollout", "the rollout (issue 4)")
-    convert = _library_piece("convert", "the fused blocks (issue 3)") if fused_blocks else None
     scaler = getattr(trainer, "scaler", None)
     new_scaler = None
     if lowmem_scaler and scaler is not None:
         new_scaler = lowmem_scaler_from(scaler)
     elif lowmem_scaler and amp == torch.float16 and next(operator.parameters()).device.type == "cuda":
-        new_scaler = _library_piece("amp.GradScaler", "the loss scaler (issue 5)")("cuda")
+        new_scaler = amp.GradScaler("cuda")
 
     state = _Saved(options=dict(
         checkpoint=checkpoint, slots=slots, amp_dtype=amp, grid=grid, batch_size=batch_size,
@@ -302,7 +285,7 @@ def enable(
     multiplicative = is_multiplicative(operator)
     gamma = float(getattr(trainer.motor.cfg, "GAMMA_DECAY", 0.0) or 0.0) if hasattr(trainer.motor, "cfg") else 0.0
 
-    if convert is not None:
+    if fused_blocks:
         params_before = [id(p) for p in operator.parameters()]
         edges = _children(operator)
         _, state.convert_report = convert(operator)

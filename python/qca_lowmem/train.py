@@ -26,10 +26,12 @@ from typing import Callable, List, Optional
 
 import torch
 
-from . import integration
+from . import amp, integration
 from .integration import check_policy, parse_amp_dtype, record_every, stock_initial_state
 from .memory import saved_bytes
 from .ops import qca_pack, qca_update
+from .rollout import rollout
+from .unet import UNetUnitary
 
 CHECKPOINT_NAME = "checkpoint.pt"
 METRICS_NAME = "metrics.csv"
@@ -276,11 +278,10 @@ def set_rng_state(state):
 
 
 def build_model(config: TrainConfig, device) -> torch.nn.Module:
-    unet = integration._library_piece("UNetUnitary", "the fused blocks (issue 3)")
     torch.manual_seed(config.seed)
     # fused_blocks: the U-Net recomputes its intermediates in backward (outside a step-level
     # recompute, which already does); off, it keeps them as stock autograd does.
-    return unet(config.d_state, config.hidden, recompute="unet" if config.fused_blocks else "none").to(device)
+    return UNetUnitary(config.d_state, config.hidden, recompute="unet" if config.fused_blocks else "none").to(device)
 
 
 class Distributed:
@@ -344,15 +345,13 @@ class Trainer:
         self.amp_dtype = parse_amp_dtype(config.amp_dtype)
         self.model = build_model(config, self.device)
         self.model.train()
-        self.rollout = integration._library_piece("rollout", "the rollout (issue 4)")
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = None
         if config.scheduler == "cosine":
             self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=self.optimizer_steps())
         self.scaler = None
         if self.amp_dtype == torch.float16:
-            scaler_cls = integration._library_piece("amp.GradScaler", "the loss scaler (issue 5)")
-            self.scaler = scaler_cls(self.device.type)
+            self.scaler = amp.GradScaler(self.device.type)
         self.policy = Policy(config.checkpoint, config.slots, config.batch)
         self.next_episode = 0
         self.progress = progress and self.dist.rank == 0
@@ -381,7 +380,7 @@ class Trainer:
         psi0 = self.initial_state(episode, policy.batch)
         steps = self.config.qca_steps
         with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
-            psi, history = self.rollout(
+            psi, history = rollout(
                 self.step_fn, psi0, steps, checkpoint=policy.checkpoint,
                 slots=policy.slots if policy.checkpoint == "revolve" else None,
                 noise=self.noise_for(episode), record_every=record_every(steps),
