@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import qca_lowmem
+from conftest import cuda_only
 from fixtures.qc_trainer_v4 import QC_Trainer_v4, make_config
 from reference import ConvBlock, randomize_affine
 
@@ -211,3 +212,14 @@ def test_noise_curriculum_runs_through_the_rollout():
     (loss_a, _, psi_a), (loss_b, _, psi_b), (loss_quiet, _, psi_quiet) = outs
     assert loss_a == loss_b and torch.equal(psi_a, psi_b)
     assert not torch.allclose(psi_a, psi_quiet, atol=1e-3)
+
+
+@cuda_only
+def test_enable_on_cuda_with_the_stock_fp16_setup():
+    """The users' CUDA setup: fp16 autocast and torch's GradScaler; enable() keeps fp16 (use_amp)
+    and hands the scaler's state to qca_lowmem.amp.GradScaler."""
+    trainer = make_trainer(scaler=torch.amp.GradScaler("cuda", init_scale=4096.0), device="cuda", use_amp=True)
+    qca_lowmem.enable(trainer)
+    assert isinstance(trainer.scaler, qca_lowmem.amp.GradScaler) and trainer.scaler.get_scale() == 4096.0
+    for loss, metrics, psi in run_episodes(trainer, range(3)):
+        assert loss == loss and psi.device.type == "cpu" and set(metrics) == {"survival", "symmetry", "complexity"}

@@ -15,6 +15,7 @@ import yaml
 
 import qca_lowmem
 from qca_lowmem import cli, train as train_mod
+from conftest import cuda_only
 from qca_lowmem.plan import LOSS_STATES, Estimate, recommend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -328,3 +329,23 @@ def test_gpu_benchmark_scripts_import_and_explain(script):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--config" in done.stdout
+
+
+@cuda_only
+def test_train_on_cuda_records_peak_memory(tiny_config, tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("train", "--config", tiny_config, "--device", "cuda", "--amp-dtype", "fp16", "--out", out,
+                   "--no-progress") == 0
+    rows = read_csv(out / "metrics.csv")
+    assert len(rows) == 4 and all(int(r["peak_bytes"]) > 0 for r in rows)
+    state = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert state["scaler_state_dict"]["scale"] > 0  # fp16 trains with qca_lowmem.amp.GradScaler
+
+
+@cuda_only
+def test_bench_on_cuda_reports_peaks(tiny_config, tmp_path):
+    assert run_cli("bench", "--config", tiny_config, "--device", "cuda", "--steps", "2,8", "--out", tmp_path) == 0
+    result = json.loads((tmp_path / "bench_cuda.json").read_text())
+    assert result["measure"] == "peak_bytes"
+    long = result["rows"][1]
+    assert long["lowmem_bytes"] < long["stock_bytes"]
