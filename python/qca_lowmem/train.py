@@ -529,7 +529,8 @@ class Trainer:
         return path
 
     def load_checkpoint(self, path):
-        state = torch.load(path, map_location=self.device, weights_only=False)
+        # On the CPU: RNG states must stay CPU tensors; load_state_dict moves the rest to the device.
+        state = torch.load(path, map_location="cpu", weights_only=False)
         if state.get("format") != "qca_lowmem.train/1":
             raise ValueError(f"{path} is not a qca-lowmem train checkpoint (format {state.get('format')!r})")
         saved = state["config"]
