@@ -17,8 +17,6 @@ bandwidth.
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 
@@ -44,28 +42,6 @@ def scaled_gradients(model, grid, d_state, grad_dtype, device):
         p.grad.mul_(SCALE)
     model.to(grad_dtype)
     return [p.grad.clone() for p in model.parameters()]
-
-
-def timed(fn, restore, device, warmup, reps):
-    """Median seconds of fn() alone; restore() runs before each call, outside the timing."""
-    for _ in range(warmup):
-        restore()
-        fn()
-    times = []
-    for _ in range(reps):
-        restore()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def run(device, d_state, hidden, grid, grad_dtype, warmup, reps):
@@ -112,9 +88,9 @@ def run(device, d_state, hidden, grid, grad_dtype, warmup, reps):
         clip_passes = 2 if regime == "clipping" else 0
         ours_bytes = grad_bytes * (2 + clip_passes)
         torch_bytes = grad_bytes * 5
-        ours_s = timed(ours_step(max_norm), restore(ours), device, warmup, reps)
+        ours_s = common.median_seconds(ours_step(max_norm), device, warmup, reps, setup=restore(ours))
         ours_norm = float(total_norm)
-        torch_s = timed(torch_step(max_norm), restore(theirs), device, warmup, reps)
+        torch_s = common.median_seconds(torch_step(max_norm), device, warmup, reps, setup=restore(theirs))
         torch_norm = float(total_norm)
         rows.append(
             {
@@ -136,12 +112,12 @@ def run(device, d_state, hidden, grid, grad_dtype, warmup, reps):
     # the kernel alone (unscale, check and sums of squares), without the scaler's Python
     found_inf = torch.zeros((), device=device)
     inv_scale = torch.full((), 1.0 / SCALE, device=device)
-    kernel_s = timed(
+    kernel_s = common.median_seconds(
         lambda: torch.ops.qca_lowmem.amp_unscale_(grads, found_inf, inv_scale, True),
-        lambda: torch._foreach_copy_(grads, saved),
         device,
         warmup,
         reps,
+        setup=lambda: torch._foreach_copy_(grads, saved),
     )
     rows.append(
         {

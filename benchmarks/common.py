@@ -16,22 +16,29 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "tests"))  # the stock oracle, tests/reference.py
 
 
-def median_seconds(fn, device, warmup=5, reps=20):
-    """Median wall time of fn(): CUDA events on a GPU, perf_counter after a sync elsewhere."""
+def median_seconds(fn, device, warmup=5, reps=20, setup=None):
+    """Median wall time of fn(): CUDA events on a GPU, perf_counter after a sync elsewhere.
+
+    `setup()`, when given, runs before each call, outside the timing (to restore inputs that fn
+    changes in place)."""
     for _ in range(warmup):
+        if setup:
+            setup()
         fn()
     times = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        for _ in range(reps):
+    for _ in range(reps):
+        if setup:
+            setup()
+        if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
-    else:
-        for _ in range(reps):
+        else:
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)

@@ -43,6 +43,18 @@ inline void check_status(qca_status status, const char* op) {
   TORCH_CHECK(status == QCA_OK, op, ": kernel failed with status ", static_cast<int>(status));
 }
 
+// psi, the complex state (B, H, W, d) that every QCA op takes.
+inline void check_state(const at::Tensor& psi, const char* op) {
+  TORCH_CHECK(psi.defined(), op, ": psi is undefined");
+  TORCH_CHECK(psi.scalar_type() == at::kComplexFloat || psi.scalar_type() == at::kComplexDouble,
+              op, ": psi must be complex64 or complex128 with shape (B, H, W, d), got ",
+              describe(psi));
+  TORCH_CHECK(psi.dim() == 4, op, ": psi must have 4 dimensions (B, H, W, d), got ",
+              describe(psi));
+  TORCH_CHECK(psi.size(3) >= 1, op, ": psi's last dimension d must be at least 1, got ",
+              describe(psi));
+}
+
 inline void check_same_device(const at::Tensor& ref, const char* ref_name, const at::Tensor& t,
                               const char* name, const char* op) {
   TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " must be on the same device as ",

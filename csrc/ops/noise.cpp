@@ -14,15 +14,9 @@ namespace qca_lowmem {
 
 qca_noise_params prepare_noise(const at::Tensor& psi, double rate, int64_t seed, int64_t step,
                                bool conjugate, const char* op, at::Tensor& out) {
-  TORCH_CHECK(psi.defined(), op, ": psi is undefined");
-  TORCH_CHECK(psi.scalar_type() == at::kComplexFloat || psi.scalar_type() == at::kComplexDouble,
-              op, ": psi must be complex64 or complex128 with shape (B, H, W, d), got ",
-              describe(psi));
-  TORCH_CHECK(psi.dim() == 4, op, ": psi must have 4 dimensions (B, H, W, d), got ",
-              describe(psi));
-  TORCH_CHECK(psi.size(3) >= 1 && psi.size(3) <= QCA_NOISE_MAX_D, op,
-              ": psi's last dimension d must be between 1 and ", QCA_NOISE_MAX_D, ", got ",
-              describe(psi));
+  check_state(psi, op);
+  TORCH_CHECK(psi.size(3) <= QCA_NOISE_MAX_D, op, ": psi's last dimension d must be at most ",
+              QCA_NOISE_MAX_D, ", got ", describe(psi));
   TORCH_CHECK(psi.size(0) * psi.size(1) * psi.size(2) <= QCA_NOISE_MAX_CELLS, op,
               ": psi has more than 2^48 cells: ", describe(psi));
   TORCH_CHECK(std::isfinite(rate) && rate >= 0.0 && rate <= 1.0, op,

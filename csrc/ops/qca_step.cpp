@@ -13,17 +13,6 @@
 namespace qca_lowmem {
 namespace {
 
-void check_psi(const at::Tensor& psi, const char* op) {
-  TORCH_CHECK(psi.defined(), op, ": psi is undefined");
-  TORCH_CHECK(psi.scalar_type() == at::kComplexFloat || psi.scalar_type() == at::kComplexDouble,
-              op, ": psi must be complex64 or complex128 with shape (B, H, W, d), got ",
-              describe(psi));
-  TORCH_CHECK(psi.dim() == 4, op, ": psi must have 4 dimensions (B, H, W, d), got ",
-              describe(psi));
-  TORCH_CHECK(psi.size(3) >= 1, op, ": psi's last dimension d must be at least 1, got ",
-              describe(psi));
-}
-
 qca_grid grid_of(const at::Tensor& psi) {
   return qca_grid{psi.size(0), psi.size(1), psi.size(2), psi.size(3)};
 }
@@ -58,7 +47,7 @@ at::ScalarType state_real_type(const at::Tensor& psi) {
 qca_pack_params prepare_pack(const at::Tensor& psi, std::optional<at::ScalarType> dtype,
                              bool channels_last, at::Tensor& x_out) {
   const char* op = "qca_pack";
-  check_psi(psi, op);
+  check_state(psi, op);
   const at::ScalarType x_dtype = dtype.value_or(state_real_type(psi));
   TORCH_CHECK(is_real_float(x_dtype), op,
               ": dtype must be float32, float64, float16 or bfloat16, got ", x_dtype);
@@ -99,7 +88,7 @@ qca_unpack_params prepare_unpack(const at::Tensor& grad_x, at::ScalarType psi_dt
 
 qca_update_params prepare_update(const at::Tensor& psi, const at::Tensor& delta, double gamma,
                                  bool multiplicative, double eps, const char* op) {
-  check_psi(psi, op);
+  check_state(psi, op);
   check_step_layout(psi, delta, "delta", op);
   if (psi.scalar_type() == at::kComplexFloat) {
     const at::ScalarType t = delta.scalar_type();
