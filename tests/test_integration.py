@@ -125,6 +125,20 @@ def test_disable_restores_stock_behaviour():
     assert_same_runs(trainer, stock, out, stock_out)
 
 
+def test_trainer_state_reset_draws_psi0():
+    """A trainer whose engine resets its own state: enable() draws psi0 through that reset (no grid
+    needed), and with the same grid the episodes equal stock's."""
+    stock, lowmem = make_trainer(state_object=True), make_trainer(state_object=True)
+    resets = []
+    original = lowmem.motor.state._reset_state_random
+    lowmem.motor.state._reset_state_random = lambda: resets.append(1) or original()
+    del lowmem.grid_size, lowmem.cfg.GRID_SIZE_TRAINING  # the reset knows the grid, enable() need not
+    qca_lowmem.enable(lowmem)
+    lowmem.cfg.GRID_SIZE_TRAINING = stock.cfg.GRID_SIZE_TRAINING  # the state object reads it
+    assert_same_runs(lowmem, stock, run_episodes(lowmem, range(3)), run_episodes(stock, range(3)))
+    assert len(resets) == 3
+
+
 def test_enable_twice_and_disable_unenabled_are_errors():
     trainer = make_trainer()
     with pytest.raises(RuntimeError, match="not enabled"):

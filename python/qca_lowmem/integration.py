@@ -152,6 +152,26 @@ def _infer_grid(trainer) -> Tuple[int, int]:
     )
 
 
+_STATE_RESETS = ("_reset_state_random", "reset_state_random", "reset_state")
+
+
+def own_state_reset(trainer) -> Optional[Callable]:
+    """The trainer's own psi0 draw, when its engine keeps a state object that resets itself
+    (`motor.state.<reset>()` then `motor.state.psi`): psi0 then comes from exactly the code, and
+    the RNG use, stock runs."""
+    state = getattr(trainer.motor, "state", None)
+    if state is None or not hasattr(state, "psi"):
+        return None
+    for name in _STATE_RESETS:
+        reset = getattr(state, name, None)
+        if callable(reset):
+            def initial_state(_trainer, reset=reset, state=state):
+                reset()
+                return state.psi
+            return initial_state
+    return None
+
+
 def stock_initial_state(batch, height, width, d_state, device, generator=None):
     """psi0 as stock draws it: complex(randn, randn) per component, normalised per cell."""
     shape = (batch, height, width, d_state)
@@ -249,9 +269,11 @@ def enable(
     fused_blocks: convert the operator's ConvBlocks to FusedConvBlock in place (same Parameters).
     fused_step_ops: replace `motor.evolve_step` by the fused pack/update ops.
     lowmem_scaler: replace `trainer.scaler` by qca_lowmem.amp.GradScaler carrying its state.
-    grid_size / batch_size / d_state / initial_state: how psi0 is drawn; by default as stock
-      does (trainer's global torch RNG, grid from trainer.grid_size or motor.cfg.GRID_SIZE_TRAINING).
-      `initial_state(trainer) -> psi0` overrides it for trainers that draw psi0 differently.
+    grid_size / batch_size / d_state / initial_state: how psi0 is drawn. By default the trainer's
+      own state reset when its engine has one (`motor.state._reset_state_random()`, then
+      `motor.state.psi`), else the stock draw on the global torch RNG with the grid from
+      trainer.grid_size or motor.cfg.GRID_SIZE_TRAINING. `initial_state(trainer) -> psi0`
+      overrides both for trainers that draw psi0 differently.
     """
     _check_contract(trainer)
     if hasattr(trainer, _STATE_ATTR):
@@ -266,6 +288,8 @@ def enable(
     elif grid_size is not None:
         grid = (int(grid_size[0]), int(grid_size[1]))
     else:
+        if initial_state is None:
+            initial_state = own_state_reset(trainer)
         grid = None if initial_state is not None else _infer_grid(trainer)
     if initial_state is None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"enable(): batch_size must be a positive int, got {batch_size!r}")
