@@ -504,6 +504,24 @@ def test_clear_errors():
 
 
 @pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2)])
+@pytest.mark.parametrize("hooks", ["save_on_cpu", "saved_bytes"])
+def test_gradients_under_saved_tensor_hooks(checkpoint, slots, hooks):
+    # Saved-tensor hooks hand back copies of what was saved; the parameters must still get theirs.
+    op = make_conv_net()
+    params = list(op.parameters())
+    psi0 = initial_state()
+    expected = episode_grads(reference_step(op), params, psi0, "none", steps=5)
+    if hooks == "save_on_cpu":
+        with torch.autograd.graph.save_on_cpu():
+            grads = episode_grads(reference_step(op), params, psi0, checkpoint, slots, steps=5)
+    else:
+        kept = []
+        saved_bytes(lambda: kept.append(episode_grads(reference_step(op), params, psi0, checkpoint, slots, steps=5)))
+        grads = kept[0]
+    assert max_relative_error(grads, expected) <= 1e-9
+
+
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2)])
 def test_parameter_changed_before_backward_is_an_error(checkpoint, slots):
     net = make_conv_net()
     psi_T, _ = rollout(fused_step(net), initial_state(), 4, checkpoint=checkpoint, slots=slots)

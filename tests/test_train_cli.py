@@ -189,7 +189,7 @@ def test_atomic_checkpoint_survives_a_failed_save(tmp_path, monkeypatch):
 
 
 def test_ddp_two_cpu_processes_equal_a_single_process(tiny_config, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"), OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     ddp, single = tmp_path / "ddp", tmp_path / "single"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "-m", "qca_lowmem", "train", "--ddp", "--config", tiny_config, "--out", str(ddp), "--no-progress"]
@@ -324,8 +324,7 @@ def test_episode_keys_differ_and_are_stable():
 
 @pytest.mark.parametrize("script", ["bench_cap.py", "bench_plan.py"])
 def test_gpu_benchmark_scripts_import_and_explain(script):
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], env=env,
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--config" in done.stdout

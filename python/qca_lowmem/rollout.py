@@ -103,7 +103,7 @@ def rollout(
         with torch.no_grad():
             return _run_plain(unit, psi1, 1, steps, recorded, [psi1] if steps > 1 else [])
 
-    plan = _Episode(unit, rng, steps, recorded, checkpoint, slots, psi1, len(params), psi0.requires_grad)
+    plan = _Episode(unit, rng, steps, recorded, checkpoint, slots, psi1, params, psi0.requires_grad)
     outputs = _EpisodeFunction.apply(plan, psi0, *params)
     psi_T, history = outputs[0], list(outputs[1:])
     history.append(psi_T)
@@ -231,7 +231,7 @@ class _RngStates:
 class _Episode:
     """Everything the episode's Function needs besides tensors."""
 
-    def __init__(self, unit, rng, steps, recorded, mode, slots, psi1, n_params, psi0_needs_grad):
+    def __init__(self, unit, rng, steps, recorded, mode, slots, psi1, params, psi0_needs_grad):
         self.unit = unit
         self.rng = rng
         self.steps = steps
@@ -239,7 +239,10 @@ class _Episode:
         self.mode = mode
         self.slots = slots
         self.psi1 = psi1
-        self.n_params = n_params
+        # The parameters stay here, not in save_for_backward: saved-tensor hooks (save_on_cpu,
+        # saved_bytes) would hand back copies, which the recomputed steps never use.
+        self.params = params
+        self.param_versions = [p._version for p in params]
         self.psi0_needs_grad = psi0_needs_grad
         self.autocast = _AutocastState(sorted({"cpu", psi1.device.type}))
         self.stored_steps: List[int] = []  # which states are saved, in saved order
@@ -284,7 +287,7 @@ class _EpisodeFunction(torch.autograd.Function):
                 outputs[i] = out.clone()
             seen.add(id(outputs[i]))
         ctx.plan = plan
-        ctx.save_for_backward(*stored, *params)
+        ctx.save_for_backward(*stored)
         ctx.set_materialize_grads(False)
         return tuple(outputs)
 
@@ -292,10 +295,15 @@ class _EpisodeFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_psi_T, *grad_history):
         plan: _Episode = ctx.plan
-        saved = ctx.saved_tensors
-        n_stored = len(saved) - plan.n_params
-        states = dict(zip(plan.stored_steps, saved[:n_stored]))
-        params = list(saved[n_stored:])
+        states = dict(zip(plan.stored_steps, ctx.saved_tensors))
+        params = plan.params
+        for p, version in zip(params, plan.param_versions):
+            if p._version != version:
+                raise RuntimeError(
+                    f"rollout: a parameter of shape {tuple(p.shape)} was modified by an inplace operation "
+                    f"between the episode's forward and its backward (version {version} -> {p._version}), "
+                    "e.g. an optimizer step; the recompute would not reproduce the forward"
+                )
         incoming = {t: g for t, g in zip(plan.history_steps, grad_history) if g is not None}
         if grad_psi_T is not None:
             incoming[plan.steps - 1] = grad_psi_T
