@@ -4,7 +4,7 @@
 # build:    pip install with the CUDA kernels (QCA_LOWMEM_CUDA=1: fails loudly if it cannot)
 # test:     the whole suite, CUDA variants included
 # sanitize: compute-sanitizer memcheck over the CUDA op tests, racecheck over GN+ELU
-# bench:    the kernel, block, scaler and episode benchmarks (JSON under benchmarks/results/)
+# bench:    kernel, block, scaler, episode and plan-vs-measured benchmarks (benchmarks/results/)
 # cap:      100 default-config episodes under a 3.68 GiB cap (benchmarks/results/cap_<device>.json)
 # Logs go to $OUT when set (the device tool's output folder), else to /tmp.
 set -uo pipefail
@@ -35,6 +35,7 @@ for phase in "$@"; do
       run bench_block "$PYTHON" benchmarks/bench_block.py
       run bench_scaler "$PYTHON" benchmarks/bench_scaler.py
       run bench_episode "$PYTHON" benchmarks/bench_episode.py
+      run bench_plan "$PYTHON" benchmarks/bench_plan.py
       ;;
     cap) run bench_cap "$PYTHON" benchmarks/bench_cap.py ;;
     *) echo "unknown phase: $phase (build, test, sanitize, bench, cap)"; exit 2 ;;
