@@ -46,11 +46,18 @@ bool grid_is_valid(const qca_grid& g) {
   return g.batch >= 0 && g.height >= 0 && g.width >= 0 && g.d >= 1;
 }
 
+// The real tensor's type is only used inside the kernel, where an unknown one would read zeros
+// and write nothing; reject it up front, as the C kernels do.
+bool real_dtype_is_valid(qca_dtype t) {
+  return t == QCA_F32 || t == QCA_F64 || t == QCA_F16 || t == QCA_BF16;
+}
+
 template <typename Params, void (*cells_f32)(const Params*, int64_t, int64_t),
           void (*cells_f64)(const Params*, int64_t, int64_t)>
-qca_status launch(const Params* p, const qca_grid& grid, qca_dtype state_dtype, void* stream,
-                  qca_cuda_error* err) {
+qca_status launch(const Params* p, const qca_grid& grid, qca_dtype state_dtype,
+                  qca_dtype real_dtype, void* stream, qca_cuda_error* err) {
   if (!grid_is_valid(grid)) return QCA_ERR_INVALID_ARGUMENT;
+  if (!real_dtype_is_valid(real_dtype)) return QCA_ERR_UNSUPPORTED_DTYPE;
   const int64_t n = cell_count(grid);
   if (n == 0) return QCA_OK;
   const unsigned int blocks = qca_lowmem_cuda::blocks_for(n, kThreads);
@@ -69,23 +76,23 @@ qca_status launch(const Params* p, const qca_grid& grid, qca_dtype state_dtype, 
 
 extern "C" qca_status qca_pack_cuda(const qca_pack_params* p, void* stream, qca_cuda_error* err) {
   return launch<qca_pack_params, pack_cells_f32, pack_cells_f64>(p, p->grid, p->state_dtype,
-                                                                  stream, err);
+                                                                  p->x_dtype, stream, err);
 }
 
 extern "C" qca_status qca_unpack_cuda(const qca_unpack_params* p, void* stream,
                                       qca_cuda_error* err) {
   return launch<qca_unpack_params, unpack_cells_f32, unpack_cells_f64>(p, p->grid, p->state_dtype,
-                                                                        stream, err);
+                                                                        p->x_dtype, stream, err);
 }
 
 extern "C" qca_status qca_update_cuda(const qca_update_params* p, void* stream,
                                       qca_cuda_error* err) {
-  return launch<qca_update_params, update_cells_f32, update_cells_f64>(p, p->grid, p->state_dtype,
-                                                                        stream, err);
+  return launch<qca_update_params, update_cells_f32, update_cells_f64>(
+      p, p->grid, p->state_dtype, p->delta_dtype, stream, err);
 }
 
 extern "C" qca_status qca_update_backward_cuda(const qca_update_backward_params* p, void* stream,
                                                qca_cuda_error* err) {
   return launch<qca_update_backward_params, update_backward_cells_f32, update_backward_cells_f64>(
-      p, p->fwd.grid, p->fwd.state_dtype, stream, err);
+      p, p->fwd.grid, p->fwd.state_dtype, p->fwd.delta_dtype, stream, err);
 }

@@ -24,6 +24,8 @@ constexpr int64_t kPart = QCA_SCALER_CHUNK / kSplit;  // reals per thread block
 static_assert(kPart % (kVecBytes / 2) == 0, "parts must start at whole vectors of any type");
 
 using qca_scaler_batches::ChunkBatch;
+// Kernel arguments stay within the 4 KiB that toolkits before 12.1 allow.
+static_assert(sizeof(ChunkBatch) + 3 * sizeof(void*) <= 4096, "unscale arguments over 4 KiB");
 
 template <typename T>
 struct Real;
@@ -141,6 +143,7 @@ struct ReduceBatch {
   int64_t n_parts[kMaxReduceTensors];
   int64_t first_tensor;
 };
+static_assert(sizeof(ReduceBatch) + 2 * sizeof(void*) <= 4096, "reduce arguments over 4 KiB");
 
 // One warp per tensor adds its partial sums in a fixed order.
 __global__ void sum_partials_kernel(const ReduceBatch batch, const double* partials,

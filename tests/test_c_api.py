@@ -1,0 +1,60 @@
+"""The C API's CPU and CUDA launchers keep one contract for arguments the ATen glue never sends
+(the glue validates first), called here through ctypes on the loaded library."""
+
+import ctypes
+
+import pytest
+import torch
+
+import qca_lowmem._C as native_module
+from conftest import DEVICES
+
+QCA_F32 = 0
+QCA_BF16 = 3
+BAD_DTYPE = 7
+QCA_OK = 0
+QCA_ERR_UNSUPPORTED_DTYPE = 2
+
+
+class Grid(ctypes.Structure):
+    _fields_ = [("batch", ctypes.c_int64), ("height", ctypes.c_int64), ("width", ctypes.c_int64),
+                ("d", ctypes.c_int64)]
+
+
+class PackParams(ctypes.Structure):  # qca_pack_params
+    _fields_ = [("grid", Grid), ("state_dtype", ctypes.c_int), ("psi", ctypes.c_void_p),
+                ("psi_stride", ctypes.c_int64 * 4), ("x_dtype", ctypes.c_int),
+                ("x", ctypes.c_void_p), ("x_stride", ctypes.c_int64 * 4)]
+
+
+def pack_params(psi, x, x_dtype):
+    return PackParams(Grid(*psi.shape), QCA_F32, psi.data_ptr(), (ctypes.c_int64 * 4)(*psi.stride()),
+                      x_dtype, x.data_ptr(), (ctypes.c_int64 * 4)(*x.stride()))
+
+
+def call_pack(library, device, params):
+    if device == "cpu":
+        fn = library.qca_pack_cpu
+        fn.argtypes = [ctypes.POINTER(PackParams), ctypes.c_int64, ctypes.c_int64]
+        n_cells = params.grid.batch * params.grid.height * params.grid.width
+        return fn(ctypes.byref(params), 0, n_cells)
+    fn = library.qca_pack_cuda
+    fn.argtypes = [ctypes.POINTER(PackParams), ctypes.c_void_p, ctypes.c_void_p]
+    error = ctypes.c_int(0)
+    status = fn(ctypes.byref(params), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+                ctypes.byref(error))
+    torch.cuda.synchronize()
+    return status
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pack_launcher_rejects_an_unknown_x_dtype(device):
+    library = ctypes.CDLL(native_module.__file__)
+    psi = torch.randn(1, 3, 4, 2, dtype=torch.complex64, device=device)
+    x = torch.full((1, 4, 3, 4), 5.0, device=device)
+    status = call_pack(library, device, pack_params(psi, x, BAD_DTYPE))
+    assert status == QCA_ERR_UNSUPPORTED_DTYPE
+    assert torch.equal(x, torch.full_like(x, 5.0))  # nothing written
+    # and the same call with a known dtype packs psi
+    assert call_pack(library, device, pack_params(psi, x, QCA_F32)) == QCA_OK
+    torch.testing.assert_close(x, torch.cat([psi.real, psi.imag], dim=3).permute(0, 3, 1, 2))
