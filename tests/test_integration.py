@@ -237,3 +237,16 @@ def test_enable_on_cuda_with_the_stock_fp16_setup():
     assert isinstance(trainer.scaler, qca_lowmem.amp.GradScaler) and trainer.scaler.get_scale() == 4096.0
     for loss, metrics, psi in run_episodes(trainer, range(3)):
         assert loss == loss and psi.device.type == "cpu" and set(metrics) == {"survival", "symmetry", "complexity"}
+
+
+@cuda_only
+def test_fp16_on_cuda_without_a_scaler_gets_one_and_disable_removes_it():
+    """fp16 autocast needs loss scaling: enable() adds qca_lowmem.amp.GradScaler when the trainer
+    has none, and disable() leaves the trainer without one again."""
+    trainer = make_trainer(scaler=None, device="cuda")
+    qca_lowmem.enable(trainer, amp_dtype="fp16")
+    assert isinstance(trainer.scaler, qca_lowmem.amp.GradScaler) and trainer.scaler.is_enabled()
+    for loss, _, _ in run_episodes(trainer, range(2)):
+        assert loss == loss
+    qca_lowmem.disable(trainer)
+    assert trainer.scaler is None

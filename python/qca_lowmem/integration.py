@@ -280,9 +280,9 @@ def enable(
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
     check_policy(checkpoint, slots)
     if amp_dtype is None and getattr(trainer, "use_amp", False):
-        amp = torch.float16
+        compute_dtype = torch.float16
     else:
-        amp = parse_amp_dtype(amp_dtype)
+        compute_dtype = parse_amp_dtype(amp_dtype)
     if isinstance(grid_size, int):
         grid = (grid_size, grid_size)
     elif grid_size is not None:
@@ -298,11 +298,11 @@ def enable(
     new_scaler = None
     if lowmem_scaler and scaler is not None:
         new_scaler = lowmem_scaler_from(scaler)
-    elif lowmem_scaler and amp == torch.float16 and next(operator.parameters()).device.type == "cuda":
+    elif lowmem_scaler and compute_dtype == torch.float16 and next(operator.parameters()).device.type == "cuda":
         new_scaler = amp.GradScaler("cuda")
 
     state = _Saved(options=dict(
-        checkpoint=checkpoint, slots=slots, amp_dtype=amp, grid=grid, batch_size=batch_size,
+        checkpoint=checkpoint, slots=slots, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
         d_state=d_state or _infer_d_state(trainer, operator), initial_state=initial_state,
         max_grad_norm=max_grad_norm, fused_blocks=fused_blocks,
     ))
@@ -356,8 +356,9 @@ def disable(trainer):
         trainer.train_episode = state.train_episode
     else:
         del trainer.train_episode
-    if state.scaler is not None and trainer.scaler is not state.scaler:
-        state.scaler.load_state_dict(trainer.scaler.state_dict())
+    if trainer.scaler is not state.scaler:
+        if state.scaler is not None:
+            state.scaler.load_state_dict(trainer.scaler.state_dict())
         trainer.scaler = state.scaler
     delattr(trainer, _STATE_ATTR)
     return trainer
