@@ -13,7 +13,7 @@ from torch import nn
 import qca_lowmem
 from qca_lowmem import NoiseSchedule, block_keeps_intermediates, rollout, saved_bytes
 
-rollout_module = importlib.import_module("qca_lowmem.rollout")
+rollout_module = importlib.import_module("qca_lowmem._rollout")
 
 
 @pytest.fixture(autouse=True)

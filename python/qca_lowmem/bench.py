@@ -23,7 +23,7 @@ import torch
 from .integration import parse_amp_dtype, record_every, stock_initial_state
 from .memory import saved_bytes
 from .ops import qca_pack, qca_update
-from .rollout import rollout
+from ._rollout import rollout
 from .train import StockForward, TrainConfig, build_model, evolutionary_loss, format_bytes, resolve_device, stock_step
 
 

@@ -16,7 +16,7 @@ import torch
 from . import amp
 from .noise import NoiseSchedule
 from .ops import qca_pack, qca_update
-from .rollout import rollout
+from ._rollout import rollout
 from .unet import convert
 
 CHECKPOINT_POLICIES = ("none", "step", "revolve")

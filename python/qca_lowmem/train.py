@@ -30,7 +30,7 @@ from . import amp, integration
 from .integration import check_policy, parse_amp_dtype, record_every, stock_initial_state
 from .memory import saved_bytes
 from .ops import qca_pack, qca_update
-from .rollout import rollout
+from ._rollout import rollout
 from .unet import UNetUnitary
 
 CHECKPOINT_NAME = "checkpoint.pt"
