@@ -12,14 +12,7 @@ from fixtures.qc_trainer_v4 import QC_Trainer_v4, make_config
 from reference import ConvBlock, randomize_affine
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors gain nothing from threads, and on a shared machine the intra-op pool's
-    spin-waits make them many times slower; one thread keeps the runtime predictable."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_trainer(scaler=None, grid=8, qca_steps=6, gamma=0.0, **kw):
