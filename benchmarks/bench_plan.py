@@ -89,7 +89,7 @@ def main():
         print(f"{row['policy']:<26} predicted {row['predicted_bytes'] / 2**20:10.1f} MiB  measured "
               + (f"{row['measured_bytes'] / 2**20:10.1f} MiB  ratio {row['predicted_over_measured']:.3f}"
                  if row.get("measured_bytes") else row["skipped"]), flush=True)
-    env = environment(torch.device("cuda"))
+    env = environment(torch.device("cuda"), repo=ROOT)
     result = {"kind": "plan", **env,
               "config": {k: getattr(config, k) for k in ("grid", "d_state", "hidden", "qca_steps", "batch")},
               "parameters": predicted["parameters"], "rows": rows}

@@ -27,10 +27,10 @@ from ._rollout import rollout
 from .train import StockForward, TrainConfig, build_model, evolutionary_loss, format_bytes, resolve_device, stock_step
 
 
-def library_commit() -> Optional[str]:
-    """The git commit of the checkout qca_lowmem runs from, when it is one."""
+def library_commit(repo=None) -> Optional[str]:
+    """The git commit of `repo` (default: the checkout qca_lowmem runs from), when it is one."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo or Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
@@ -50,12 +50,13 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def environment(device: torch.device) -> dict:
+def environment(device: torch.device, repo=None) -> dict:
+    """The facts every result file records: device, torch and CUDA versions, commit, date."""
     return {
         "device": device_name(device),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "commit": library_commit(),
+        "commit": library_commit(repo),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
