@@ -7,7 +7,6 @@ On the CPU the measure is `saved_bytes` of the episode's forward (what autograd 
 backward); on CUDA it is peak allocated memory and the episode's time.
 """
 
-import contextlib
 import datetime
 import json
 import os
@@ -20,9 +19,8 @@ from typing import List, Optional
 
 import torch
 
-from .integration import parse_amp_dtype, record_every, stock_initial_state
+from .integration import autocast, fused_step, parse_amp_dtype, stock_initial_state
 from .memory import saved_bytes
-from .ops import qca_pack, qca_update
 from ._rollout import rollout
 from .train import StockForward, TrainConfig, build_model, evolutionary_loss, format_bytes, resolve_device, stock_step
 
@@ -76,15 +74,13 @@ class EpisodeRunner:
         if variant == "stock":
             def step(psi):
                 return stock_step(psi, self.stock_model, gamma)
-            policy, blocks = dict(checkpoint="none"), contextlib.nullcontext()
+            policy = dict(checkpoint="none")
         else:
-            def step(psi):
-                return qca_update(psi, self.model(qca_pack(psi)), gamma, True)
+            step = fused_step(self.model, gamma, multiplicative=True)
             slots = self.config.slots if self.config.checkpoint == "revolve" else None
-            policy, blocks = dict(checkpoint=self.config.checkpoint, slots=slots), contextlib.nullcontext()
-        autocast = torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None)
-        with blocks, autocast:
-            psi, history = rollout(step, psi0, steps, record_every=record_every(steps), **policy)
+            policy = dict(checkpoint=self.config.checkpoint, slots=slots)
+        with autocast(self.device.type, self.amp_dtype):
+            psi, history = rollout(step, psi0, steps, **policy)  # history as stock records it (the default)
             loss, _ = evolutionary_loss(history, psi0)
         return loss
 

@@ -43,6 +43,11 @@ def parse_amp_dtype(value):
     raise ValueError(f"amp_dtype must be one of None, 'fp32', 'bf16', 'fp16' (or a torch dtype), got {value!r}")
 
 
+def autocast(device_type: str, amp_dtype):
+    """Autocast to `amp_dtype` (a torch dtype from parse_amp_dtype), or off when it is None."""
+    return torch.autocast(device_type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
+
+
 def check_policy(checkpoint, slots):
     if checkpoint not in CHECKPOINT_POLICIES:
         raise ValueError(f"checkpoint must be one of {CHECKPOINT_POLICIES}, got {checkpoint!r}")
@@ -66,21 +71,11 @@ def fused_step(operator, gamma: float, multiplicative: bool) -> Callable:
     return evolve_step
 
 
-def noise_rate(episode: int, max_noise: float) -> float:
-    """The stock curriculum: the rate ramps linearly to max_noise over 2000 episodes."""
-    return min(max_noise, max_noise * episode / 2000)
-
-
-def record_every(steps: int) -> int:
-    return max(1, steps // 10)
-
-
 def noise_schedule(max_noise: float, episode: int, seed: int):
     """The rollout's replayable stock noise for `episode` (curriculum included), keyed by `seed`;
     None when the episode's rate leaves it off, as stock does."""
-    if noise_rate(episode, max_noise) <= 0.001:
-        return None
-    return NoiseSchedule(max_noise, episode, seed)
+    schedule = NoiseSchedule(max_noise, episode, seed)
+    return schedule if schedule.active else None
 
 
 def lowmem_scaler_from(scaler):
@@ -191,17 +186,14 @@ def _lowmem_train_episode(trainer, episode_num):
         opts["batch_size"], *opts["grid"], opts["d_state"], device
     )
     noise = None
-    if noise_rate(episode_num, trainer.max_noise) > 0.001:
+    if NoiseSchedule.rate_at(trainer.max_noise, episode_num) > NoiseSchedule.RATE_THRESHOLD:
         # One draw from the trainer's RNG keys the whole episode's noise, so recompute replays it.
         seed = int(torch.randint(0, 2**62, (1,)).item())
-        noise = noise_schedule(trainer.max_noise, episode_num, seed)
-    steps = trainer.qca_steps
-    amp_dtype = opts["amp_dtype"]
-    with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-        psi, history = rollout(
-            trainer.motor.evolve_step, psi0, steps, checkpoint=opts["checkpoint"], slots=opts["slots"],
-            noise=noise, record_every=record_every(steps),
-        )
+        noise = NoiseSchedule(trainer.max_noise, episode_num, seed)
+    with autocast(device.type, opts["amp_dtype"]):
+        # rollout's default history is the stock one: t == 0, T-1 and every max(1, T // 10) steps.
+        psi, history = rollout(trainer.motor.evolve_step, psi0, trainer.qca_steps, checkpoint=opts["checkpoint"],
+                               slots=opts["slots"], noise=noise)
         loss, metrics = trainer.loss_fn(history, psi0)
 
     parameters = [p for p in operator.parameters() if p.requires_grad]

@@ -27,9 +27,8 @@ from typing import Callable, List, Optional
 import torch
 
 from . import amp, integration
-from .integration import check_policy, parse_amp_dtype, record_every, stock_initial_state
+from .integration import autocast, check_policy, fused_step, parse_amp_dtype, stock_initial_state
 from .memory import saved_bytes
-from .ops import qca_pack, qca_update
 from ._rollout import rollout
 from .unet import UNetUnitary
 
@@ -344,6 +343,7 @@ class Trainer:
         self.device = resolve_device(config.device, self.dist.local_rank)
         self.amp_dtype = parse_amp_dtype(config.amp_dtype)
         self.model = build_model(config, self.device)
+        self.step_fn = fused_step(self.model, config.gamma, multiplicative=True)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = None
@@ -365,9 +365,6 @@ class Trainer:
     def optimizer_steps(self) -> int:
         return math.ceil(self.config.episodes / self.episodes_per_step())
 
-    def step_fn(self, psi):
-        return qca_update(psi, self.model(qca_pack(psi)), self.config.gamma, True)
-
     def initial_state(self, episode: int, batch: int):
         generator = torch.Generator().manual_seed(episode_key(self.config.seed, episode, 0))
         return stock_initial_state(batch, self.config.grid, self.config.grid, self.config.d_state, self.device, generator)
@@ -378,12 +375,11 @@ class Trainer:
     def forward_episode(self, episode: int, policy: Policy):
         """psi0 -> rollout -> loss for one episode; returns (loss, metrics, psi_T)."""
         psi0 = self.initial_state(episode, policy.batch)
-        steps = self.config.qca_steps
-        with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
+        with autocast(self.device.type, self.amp_dtype):
             psi, history = rollout(
-                self.step_fn, psi0, steps, checkpoint=policy.checkpoint,
+                self.step_fn, psi0, self.config.qca_steps, checkpoint=policy.checkpoint,
                 slots=policy.slots if policy.checkpoint == "revolve" else None,
-                noise=self.noise_for(episode), record_every=record_every(steps),
+                noise=self.noise_for(episode),
             )
             loss, metrics = evolutionary_loss(history, psi0)
         return loss, metrics, psi
