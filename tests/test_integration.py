@@ -146,9 +146,9 @@ def test_bad_options_are_rejected_before_anything_changes():
     before = copy.copy(vars(trainer))
     with pytest.raises(ValueError, match="checkpoint must be one of"):
         qca_lowmem.enable(trainer, checkpoint="sometimes")
-    with pytest.raises(ValueError, match="needs slots >= 1"):
+    with pytest.raises(ValueError, match=r"enable\(\): checkpoint='revolve' needs slots >= 1"):
         qca_lowmem.enable(trainer, checkpoint="revolve")
-    with pytest.raises(ValueError, match="slots is only used"):
+    with pytest.raises(ValueError, match=r"enable\(\): slots applies only to checkpoint='revolve'"):
         qca_lowmem.enable(trainer, checkpoint="step", slots=4)
     with pytest.raises(ValueError, match="amp_dtype must be one of"):
         qca_lowmem.enable(trainer, amp_dtype="int8")

@@ -16,10 +16,9 @@ import torch
 from . import amp
 from .noise import NoiseSchedule
 from .ops import qca_pack, qca_update
-from ._rollout import rollout
+from ._rollout import check_checkpoint, rollout
 from .unet import convert
 
-CHECKPOINT_POLICIES = ("none", "step", "revolve")
 _AMP_DTYPES = {
     None: None, "none": None, "fp32": None, "float32": None,
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -46,15 +45,6 @@ def parse_amp_dtype(value):
 def autocast(device_type: str, amp_dtype):
     """Autocast to `amp_dtype` (a torch dtype from parse_amp_dtype), or off when it is None."""
     return torch.autocast(device_type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
-
-
-def check_policy(checkpoint, slots):
-    if checkpoint not in CHECKPOINT_POLICIES:
-        raise ValueError(f"checkpoint must be one of {CHECKPOINT_POLICIES}, got {checkpoint!r}")
-    if checkpoint == "revolve" and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
-        raise ValueError(f"checkpoint='revolve' needs slots >= 1 (the number of stored states), got slots={slots!r}")
-    if slots is not None and checkpoint != "revolve":
-        raise ValueError(f"slots is only used with checkpoint='revolve', got slots={slots!r} with checkpoint={checkpoint!r}")
 
 
 def is_multiplicative(operator) -> bool:
@@ -270,7 +260,7 @@ def enable(
     _check_contract(trainer)
     if hasattr(trainer, _STATE_ATTR):
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
-    check_policy(checkpoint, slots)
+    check_checkpoint(checkpoint, slots, "enable()")
     if amp_dtype is None and getattr(trainer, "use_amp", False):
         compute_dtype = torch.float16
     else:

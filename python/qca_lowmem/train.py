@@ -27,9 +27,9 @@ from typing import Callable, List, Optional
 import torch
 
 from . import amp, integration
-from .integration import autocast, check_policy, fused_step, parse_amp_dtype, stock_initial_state
+from .integration import autocast, fused_step, parse_amp_dtype, stock_initial_state
 from .memory import saved_bytes
-from ._rollout import rollout
+from ._rollout import check_checkpoint, rollout
 from .unet import UNetUnitary
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -86,7 +86,7 @@ class TrainConfig:
             raise ValueError(f"config threads must be a positive integer or null, got {self.threads!r}")
         if self.save_every < 0:
             raise ValueError(f"config save_every must be >= 0 (0: only at the end), got {self.save_every}")
-        check_policy(self.checkpoint, self.slots)
+        check_checkpoint(self.checkpoint, self.slots, "config")
         parse_amp_dtype(self.amp_dtype)
         return self
 
