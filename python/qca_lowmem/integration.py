@@ -70,11 +70,7 @@ def noise_schedule(max_noise: float, episode: int, seed: int):
 
 def lowmem_scaler_from(scaler):
     """A qca_lowmem.amp.GradScaler with the same settings and state as `scaler`."""
-    return _copy_scaler(scaler, amp.GradScaler)
-
-
-def _copy_scaler(scaler, scaler_cls):
-    new = scaler_cls(
+    new = amp.GradScaler(
         getattr(scaler, "_device", "cuda"),
         init_scale=getattr(scaler, "_init_scale", 2.0**16),
         growth_factor=getattr(scaler, "_growth_factor", 2.0),
