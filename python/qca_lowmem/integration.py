@@ -366,7 +366,9 @@ def _get(section, key, default):
     return getattr(section, key, default)
 
 
-_CONFIG_KEYS = ("enabled", "checkpoint", "amp_dtype", "fused_blocks", "slots")
+# The LOWMEM section's settings (enable()'s keyword arguments); the trainer's config shares them.
+LOWMEM_OPTIONS = ("checkpoint", "amp_dtype", "fused_blocks", "slots")
+_CONFIG_KEYS = ("enabled", *LOWMEM_OPTIONS)
 
 
 def _env_enabled() -> Optional[bool]:
@@ -401,7 +403,7 @@ def enable_from_config(trainer, cfg=None, **overrides):
         return False
     options = {}
     if section is not None:
-        for key in _CONFIG_KEYS[1:]:
+        for key in LOWMEM_OPTIONS:
             value = _get(section, key, None)
             if value is not None:
                 options[key] = value

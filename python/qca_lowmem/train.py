@@ -96,7 +96,7 @@ _SECTIONS = {
     "model": ("d_state", "hidden", "gamma"),
     "training": ("grid", "qca_steps", "batch", "max_noise", "episodes", "accumulate", "lr",
                  "weight_decay", "max_grad_norm", "scheduler", "seed"),
-    "lowmem": ("checkpoint", "slots", "amp_dtype", "fused_blocks"),
+    "lowmem": integration.LOWMEM_OPTIONS,
     "output": ("out_dir", "save_every"),
 }
 _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}

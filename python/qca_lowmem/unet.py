@@ -5,7 +5,6 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
-
 from torch.utils.checkpoint import checkpoint
 
 from ._recompute import block_keeps_intermediates
