@@ -51,13 +51,6 @@ def report() -> Tuple[List[Tuple[str, str]], List[str]]:
         fixes.append("export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting Python "
                      "(less fragmentation on small GPUs; qca-lowmem train does it for you)")
 
-    pieces = {"rollout": hasattr(qca_lowmem, "rollout"), "fused blocks": hasattr(qca_lowmem, "convert"),
-              "loss scaler": hasattr(qca_lowmem, "amp")}
-    facts.append(("library parts", ", ".join(f"{k} {'yes' if v else 'missing'}" for k, v in pieces.items())))
-    missing = [k for k, v in pieces.items() if not v]
-    if missing:
-        fixes.append(f"this qca_lowmem lacks {', '.join(missing)}: update it")
-
     for module, why in (("tqdm", "progress bars"), ("yaml", "YAML configs"), ("matplotlib", "bench plots"),
                         ("tensorboard", "TensorBoard logs")):
         present = importlib.util.find_spec(module) is not None
