@@ -268,6 +268,8 @@ def test_doctor_runs(capsys):
     out = capsys.readouterr().out
     assert f"torch {torch.__version__}" in out.replace("  ", " ") or torch.__version__ in out
     assert "_C has CUDA kernels" in out and "allocator settings" in out
+    if torch.version.cuda is None:
+        assert "torch is a CPU-only build" in out
 
 
 def test_bad_config_is_a_clear_error(tmp_path, capsys):

@@ -44,6 +44,9 @@ def report() -> Tuple[List[Tuple[str, str]], List[str]]:
             fixes.append("this GPU has no bf16: use amp_dtype fp16 (with the loss scaler) or fp32")
     elif torch.version.cuda:
         fixes.append("torch is a CUDA build but sees no GPU: check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
+    else:
+        fixes.append("torch is a CPU-only build: to train on a GPU, install a CUDA build of torch, then rebuild "
+                     "qca_lowmem against it (pip install --no-build-isolation --force-reinstall .)")
 
     alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
     facts.append(("allocator settings", alloc or "unset (qca-lowmem train sets expandable_segments:True)"))
