@@ -199,14 +199,7 @@ class StockForward(torch.nn.Module):
         self.unet = unet
 
     def forward(self, x):
-        u = self.unet
-        x1 = u.inc.conv_block(x)
-        x2 = u.down1[1].conv_block(u.down1[0](x1))
-        x3 = u.down2[1].conv_block(u.down2[0](x2))
-        b = u.bot.conv_block(x3)
-        c1 = u.conv_up1.conv_block(torch.cat([u.up1(b), x2], dim=1))
-        c2 = u.conv_up2.conv_block(torch.cat([u.up2(c1), x1], dim=1))
-        return u.outc(c2)
+        return self.unet.forward_with(x, lambda block, h: block.conv_block(h))
 
 
 @dataclass
