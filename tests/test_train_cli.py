@@ -279,6 +279,8 @@ def test_bad_config_is_a_clear_error(tmp_path, capsys):
     assert "unknown key 'qca_stepz'" in capsys.readouterr().err
     assert run_cli("train", "--grid", 10) == 2
     assert "multiple of 4" in capsys.readouterr().err
+    assert run_cli("train", "--max-noise", -0.1) == 2
+    assert "max_noise must be a probability in [0, 1], got -0.1" in capsys.readouterr().err
     assert run_cli("plan", "--gpu-mem", "lots") == 2
     assert "3.68GiB" in capsys.readouterr().err
 

@@ -80,6 +80,8 @@ class TrainConfig:
                 raise ValueError(f"config {name} must be a positive integer, got {value!r}")
         if self.grid % 4:
             raise ValueError(f"config grid must be a multiple of 4 (the U-Net pools twice), got {self.grid}")
+        if not 0.0 <= self.max_noise <= 1.0:
+            raise ValueError(f"config max_noise must be a probability in [0, 1], got {self.max_noise!r}")
         if self.scheduler not in ("none", "cosine"):
             raise ValueError(f"config scheduler must be 'none' or 'cosine', got {self.scheduler!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
