@@ -33,7 +33,7 @@ def measure_policy(config, estimate):
         # Optimizer state exists from the second step on; measure a step once it does.
         for _ in range(2):
             torch.cuda.reset_peak_memory_stats()
-            loss = runner._forward("stock", config.qca_steps, _psi0(config))
+            loss = runner.episode_loss("stock", config.qca_steps, _psi0(config))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -240,7 +240,7 @@ def test_plan_predicts_and_recommends(tiny_config, tmp_path, capsys):
             from qca_lowmem.bench import EpisodeRunner
 
             runner = EpisodeRunner(config, torch.device("cpu"))
-            measured = qca_lowmem.saved_bytes(runner._forward, "stock", config.qca_steps,
+            measured = qca_lowmem.saved_bytes(runner.episode_loss, "stock", config.qca_steps,
                                               train_mod.Trainer(config, progress=False).initial_state(0, 1))
         else:
             measured = qca_lowmem.saved_bytes(train_mod.Trainer(config, progress=False).forward_episode, 0, policy)

@@ -69,7 +69,8 @@ class EpisodeRunner:
         self.model = model if model is not None else build_model(config, device)
         self.stock_model = StockForward(self.model)
 
-    def _forward(self, variant: str, steps: int, psi0):
+    def episode_loss(self, variant: str, steps: int, psi0):
+        """The evolutionary loss of one episode from psi0, "stock" or "lowmem", with its graph."""
         gamma = self.config.gamma
         if variant == "stock":
             def step(psi):
@@ -97,10 +98,10 @@ class EpisodeRunner:
         start = time.perf_counter()
         if self.device.type == "cpu":
             out = {}
-            memory = saved_bytes(lambda: out.update(loss=self._forward(variant, steps, psi0)))
+            memory = saved_bytes(lambda: out.update(loss=self.episode_loss(variant, steps, psi0)))
             out["loss"].backward()
         else:
-            self._forward(variant, steps, psi0).backward()
+            self.episode_loss(variant, steps, psi0).backward()
             torch.cuda.synchronize(self.device)
             memory = torch.cuda.max_memory_allocated(self.device)
         seconds = time.perf_counter() - start
