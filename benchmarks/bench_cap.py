@@ -62,7 +62,7 @@ def main():
     last = records[-10:]
     survival = sum(r["survival"] for r in last) / max(1, len(last))
     symmetry = sum(r["symmetry"] for r in last) / max(1, len(last))
-    env = environment(device)
+    env = environment(device, repo=ROOT)
     result = {
         "kind": "cap",
         "cap_bytes": cap,

@@ -33,7 +33,7 @@ def measure_policy(config, estimate):
         # Optimizer state exists from the second step on; measure a step once it does.
         for _ in range(2):
             torch.cuda.reset_peak_memory_stats()
-            loss = runner._forward("stock", config.qca_steps, _psi0(config))
+            loss = runner.episode_loss("stock", config.qca_steps, _psi0(config))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -89,7 +89,7 @@ def main():
         print(f"{row['policy']:<26} predicted {row['predicted_bytes'] / 2**20:10.1f} MiB  measured "
               + (f"{row['measured_bytes'] / 2**20:10.1f} MiB  ratio {row['predicted_over_measured']:.3f}"
                  if row.get("measured_bytes") else row["skipped"]), flush=True)
-    env = environment(torch.device("cuda"))
+    env = environment(torch.device("cuda"), repo=ROOT)
     result = {"kind": "plan", **env,
               "config": {k: getattr(config, k) for k in ("grid", "d_state", "hidden", "qca_steps", "batch")},
               "parameters": predicted["parameters"], "rows": rows}

@@ -1,15 +1,15 @@
-"""Shared benchmark plumbing: timing with warm-up and medians, copy bandwidth, result files."""
+"""Shared benchmark plumbing: timing with warm-up and medians, copy bandwidth, result files
+(with the facts `qca_lowmem.bench.environment` records)."""
 
-import datetime
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from qca_lowmem.bench import device_name, environment
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -53,29 +53,6 @@ def copy_bandwidth(device, nbytes=1 << 28):
     return 2 * nbytes / seconds
 
 
-def device_name(device):
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine() or "cpu"
-
-
-def git_commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def metadata(device):
-    return {
-        "device": device_name(device),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "commit": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
 def slug(text):
     return "".join(c if c.isalnum() else "_" for c in text).strip("_").lower()
 
@@ -84,5 +61,5 @@ def write_result(kind, device, payload, out=None):
     """Write benchmarks/results/<kind>_<device>.json (or `out`) and return its path."""
     path = Path(out) if out else RESULTS / f"{kind}_{slug(device_name(device))}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"kind": kind, **metadata(device), **payload}, indent=2) + "\n")
+    path.write_text(json.dumps({"kind": kind, **environment(device, repo=ROOT), **payload}, indent=2) + "\n")
     return path

@@ -12,14 +12,7 @@ from fixtures.qc_trainer_v4 import QC_Trainer_v4, make_config
 from reference import ConvBlock, randomize_affine
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors gain nothing from threads, and on a shared machine the intra-op pool's
-    spin-waits make them many times slower; one thread keeps the runtime predictable."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_trainer(scaler=None, grid=8, qca_steps=6, gamma=0.0, **kw):
@@ -153,9 +146,9 @@ def test_bad_options_are_rejected_before_anything_changes():
     before = copy.copy(vars(trainer))
     with pytest.raises(ValueError, match="checkpoint must be one of"):
         qca_lowmem.enable(trainer, checkpoint="sometimes")
-    with pytest.raises(ValueError, match="needs slots >= 1"):
+    with pytest.raises(ValueError, match=r"enable\(\): checkpoint='revolve' needs slots >= 1"):
         qca_lowmem.enable(trainer, checkpoint="revolve")
-    with pytest.raises(ValueError, match="slots is only used"):
+    with pytest.raises(ValueError, match=r"enable\(\): slots applies only to checkpoint='revolve'"):
         qca_lowmem.enable(trainer, checkpoint="step", slots=4)
     with pytest.raises(ValueError, match="amp_dtype must be one of"):
         qca_lowmem.enable(trainer, amp_dtype="int8")
@@ -237,3 +230,16 @@ def test_enable_on_cuda_with_the_stock_fp16_setup():
     assert isinstance(trainer.scaler, qca_lowmem.amp.GradScaler) and trainer.scaler.get_scale() == 4096.0
     for loss, metrics, psi in run_episodes(trainer, range(3)):
         assert loss == loss and psi.device.type == "cpu" and set(metrics) == {"survival", "symmetry", "complexity"}
+
+
+@cuda_only
+def test_fp16_on_cuda_without_a_scaler_gets_one_and_disable_removes_it():
+    """fp16 autocast needs loss scaling: enable() adds qca_lowmem.amp.GradScaler when the trainer
+    has none, and disable() leaves the trainer without one again."""
+    trainer = make_trainer(scaler=None, device="cuda")
+    qca_lowmem.enable(trainer, amp_dtype="fp16")
+    assert isinstance(trainer.scaler, qca_lowmem.amp.GradScaler) and trainer.scaler.is_enabled()
+    for loss, _, _ in run_episodes(trainer, range(2)):
+        assert loss == loss
+    qca_lowmem.disable(trainer)
+    assert trainer.scaler is None

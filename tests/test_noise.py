@@ -14,14 +14,7 @@ from qca_lowmem import NoiseSchedule, bit_flip, noise_coin, phase_flip
 MASK = 0xFFFFFFFF
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors gain nothing from threads, and on a shared machine the intra-op pool's
-    spin-waits make them many times slower; one thread keeps the runtime predictable."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def philox4x32_10(counter, key):

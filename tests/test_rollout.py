@@ -13,17 +13,10 @@ from torch import nn
 import qca_lowmem
 from qca_lowmem import NoiseSchedule, block_keeps_intermediates, rollout, saved_bytes
 
-rollout_module = importlib.import_module("qca_lowmem.rollout")
+rollout_module = importlib.import_module("qca_lowmem._rollout")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors gain nothing from threads, and on a shared machine the intra-op pool's
-    spin-waits make them many times slower; one thread keeps the runtime predictable."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 STEPS, RECORD_EVERY = 11, 3  # recorded steps 0, 3, 6, 9, 10

@@ -665,15 +665,21 @@ def scaled_grads_twice(dtype=torch.float32):
     return model, twin
 
 
-@pytest.mark.parametrize("max_norm", [1.0, 1e9])
-def test_clip_grad_norm_uses_unscale_norm_and_matches_torch(max_norm):
-    model, twin = scaled_grads_twice()
+def unscale_ours_and_by_hand(model, twin):
+    """Our scaler unscales model's gradients; twin's are unscaled by hand, as torch would."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = GradScaler("cpu", init_scale=2.0**10)
     scaler.scale(torch.ones(()))
     scaler.unscale_(opt)
     for p in twin.parameters():
         p.grad.mul_(2.0**-10)
+    return scaler
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 1e9])
+def test_clip_grad_norm_uses_unscale_norm_and_matches_torch(max_norm):
+    model, twin = scaled_grads_twice()
+    scaler = unscale_ours_and_by_hand(model, twin)
     with mock.patch.object(torch.nn.utils, "clip_grad_norm_", side_effect=AssertionError("took torch's path")):
         ours = scaler.clip_grad_norm_(model.parameters(), max_norm)  # the fused path only
     theirs = torch.nn.utils.clip_grad_norm_(twin.parameters(), max_norm)
@@ -696,12 +702,7 @@ def test_clip_grad_norm_bf16_matches_torch():
     del model.extra, twin.extra
     model.bfloat16()
     twin.bfloat16()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = GradScaler("cpu", init_scale=2.0**10)
-    scaler.scale(torch.ones(()))
-    scaler.unscale_(opt)
-    for p in twin.parameters():
-        p.grad.mul_(2.0**-10)
+    scaler = unscale_ours_and_by_hand(model, twin)
     ours = scaler.clip_grad_norm_(model.parameters(), 1.0)
     theirs = torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
     assert ours.dtype == theirs.dtype == torch.bfloat16

@@ -20,14 +20,7 @@ from qca_lowmem.plan import LOSS_STATES, Estimate, recommend
 
 ROOT = Path(__file__).resolve().parents[1]
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors gain nothing from threads, and on a shared machine the intra-op pool's
-    spin-waits make them many times slower; one thread keeps the runtime predictable."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TINY = {
@@ -247,7 +240,7 @@ def test_plan_predicts_and_recommends(tiny_config, tmp_path, capsys):
             from qca_lowmem.bench import EpisodeRunner
 
             runner = EpisodeRunner(config, torch.device("cpu"))
-            measured = qca_lowmem.saved_bytes(runner._forward, "stock", config.qca_steps,
+            measured = qca_lowmem.saved_bytes(runner.episode_loss, "stock", config.qca_steps,
                                               train_mod.Trainer(config, progress=False).initial_state(0, 1))
         else:
             measured = qca_lowmem.saved_bytes(train_mod.Trainer(config, progress=False).forward_episode, 0, policy)
@@ -275,6 +268,8 @@ def test_doctor_runs(capsys):
     out = capsys.readouterr().out
     assert f"torch {torch.__version__}" in out.replace("  ", " ") or torch.__version__ in out
     assert "_C has CUDA kernels" in out and "allocator settings" in out
+    if torch.version.cuda is None:
+        assert "torch is a CPU-only build" in out
 
 
 def test_bad_config_is_a_clear_error(tmp_path, capsys):
@@ -284,6 +279,8 @@ def test_bad_config_is_a_clear_error(tmp_path, capsys):
     assert "unknown key 'qca_stepz'" in capsys.readouterr().err
     assert run_cli("train", "--grid", 10) == 2
     assert "multiple of 4" in capsys.readouterr().err
+    assert run_cli("train", "--max-noise", -0.1) == 2
+    assert "max_noise must be a probability in [0, 1], got -0.1" in capsys.readouterr().err
     assert run_cli("plan", "--gpu-mem", "lots") == 2
     assert "3.68GiB" in capsys.readouterr().err
 

@@ -11,7 +11,7 @@ from .integration import disable, enable, enable_from_config
 from .memory import saved_bytes
 from .noise import NoiseSchedule, bit_flip, noise_coin, phase_flip
 from .ops import qca_pack, qca_update
-from .rollout import rollout
+from ._rollout import rollout
 from .unet import ConversionReport, UNetUnitary, convert
 
 __all__ = [

@@ -7,7 +7,6 @@ On the CPU the measure is `saved_bytes` of the episode's forward (what autograd 
 backward); on CUDA it is peak allocated memory and the episode's time.
 """
 
-import contextlib
 import datetime
 import json
 import os
@@ -20,17 +19,16 @@ from typing import List, Optional
 
 import torch
 
-from .integration import parse_amp_dtype, record_every, stock_initial_state
+from .integration import autocast, fused_step, parse_amp_dtype, stock_initial_state
 from .memory import saved_bytes
-from .ops import qca_pack, qca_update
-from .rollout import rollout
+from ._rollout import rollout
 from .train import StockForward, TrainConfig, build_model, evolutionary_loss, format_bytes, resolve_device, stock_step
 
 
-def library_commit() -> Optional[str]:
-    """The git commit of the checkout qca_lowmem runs from, when it is one."""
+def library_commit(repo=None) -> Optional[str]:
+    """The git commit of `repo` (default: the checkout qca_lowmem runs from), when it is one."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo or Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
@@ -50,12 +48,13 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def environment(device: torch.device) -> dict:
+def environment(device: torch.device, repo=None) -> dict:
+    """The facts every result file records: device, torch and CUDA versions, commit, date."""
     return {
         "device": device_name(device),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "commit": library_commit(),
+        "commit": library_commit(repo),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -70,20 +69,19 @@ class EpisodeRunner:
         self.model = model if model is not None else build_model(config, device)
         self.stock_model = StockForward(self.model)
 
-    def _forward(self, variant: str, steps: int, psi0):
+    def episode_loss(self, variant: str, steps: int, psi0):
+        """The evolutionary loss of one episode from psi0, "stock" or "lowmem", with its graph."""
         gamma = self.config.gamma
         if variant == "stock":
             def step(psi):
                 return stock_step(psi, self.stock_model, gamma)
-            policy, blocks = dict(checkpoint="none"), contextlib.nullcontext()
+            policy = dict(checkpoint="none")
         else:
-            def step(psi):
-                return qca_update(psi, self.model(qca_pack(psi)), gamma, True)
+            step = fused_step(self.model, gamma, multiplicative=True)
             slots = self.config.slots if self.config.checkpoint == "revolve" else None
-            policy, blocks = dict(checkpoint=self.config.checkpoint, slots=slots), contextlib.nullcontext()
-        autocast = torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None)
-        with blocks, autocast:
-            psi, history = rollout(step, psi0, steps, record_every=record_every(steps), **policy)
+            policy = dict(checkpoint=self.config.checkpoint, slots=slots)
+        with autocast(self.device.type, self.amp_dtype):
+            psi, history = rollout(step, psi0, steps, **policy)  # history as stock records it (the default)
             loss, _ = evolutionary_loss(history, psi0)
         return loss
 
@@ -100,10 +98,10 @@ class EpisodeRunner:
         start = time.perf_counter()
         if self.device.type == "cpu":
             out = {}
-            memory = saved_bytes(lambda: out.update(loss=self._forward(variant, steps, psi0)))
+            memory = saved_bytes(lambda: out.update(loss=self.episode_loss(variant, steps, psi0)))
             out["loss"].backward()
         else:
-            self._forward(variant, steps, psi0).backward()
+            self.episode_loss(variant, steps, psi0).backward()
             torch.cuda.synchronize(self.device)
             memory = torch.cuda.max_memory_allocated(self.device)
         seconds = time.perf_counter() - start

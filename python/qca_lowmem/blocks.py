@@ -40,7 +40,8 @@ def groupnorm_elu(x: Tensor, weight: Tensor, bias: Tensor, groups: int, eps: flo
 
 
 def _layout_of(x: Tensor) -> torch.memory_format:
-    """The layout the kernels write: x's own when it is NCHW or channels_last dense."""
+    """The layout the kernels write, and the block's activations follow: x's own when it is NCHW
+    or channels_last dense, else NCHW."""
     if x.is_contiguous():
         return torch.contiguous_format
     if x.is_contiguous(memory_format=torch.channels_last):
@@ -119,16 +120,9 @@ def _conv3x3(x: Tensor, weight: Tensor) -> Tensor:
     return F.conv2d(x, weight, None, 1, 1)
 
 
-def _block_layout(x: Tensor) -> torch.memory_format:
-    """The block's activations follow x: channels_last in, channels_last throughout."""
-    if not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    return torch.contiguous_format
-
-
 def _block_forward(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias,
                    groups1, groups2, eps1, eps2):
-    layout = _block_layout(x)
+    layout = _layout_of(x)
     h1 = _conv3x3(x, conv1_weight).contiguous(memory_format=layout)
     a1, mean1, rstd1 = _lib.groupnorm_elu(h1, norm1_weight, norm1_bias, groups1, eps1)
     h2 = _conv3x3(a1, conv2_weight).contiguous(memory_format=layout)
@@ -165,7 +159,7 @@ def _block_fake(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_w
     torch._check(conv1_weight.shape[1] == x.shape[1],
                  lambda: f"conv_block: conv1_weight expects {conv1_weight.shape[1]} input channels, x has {x.shape[1]}")
     n, _, h, w = x.shape
-    layout = _block_layout(x)
+    layout = _layout_of(x)
     h1 = x.new_empty((n, conv1_weight.shape[0], h, w)).contiguous(memory_format=layout)
     h2 = x.new_empty((n, conv2_weight.shape[0], h, w)).contiguous(memory_format=layout)
     stat = _stat_dtype(x)
@@ -221,7 +215,7 @@ def _conv_block_backward(ctx, grad_y, *_grad_stats):
     mean1, rstd1, mean2, rstd2 = stats
     # Recompute with the statistics of the forward: the same activations, one pass less.
     with torch.autocast(x.device.type, enabled=False):
-        layout = _block_layout(x)
+        layout = _layout_of(x)
         h1 = _conv3x3(x, conv1_weight).contiguous(memory_format=layout)
         a1 = _lib.groupnorm_elu_apply(h1, norm1_weight, norm1_bias, mean1, rstd1)
         h2 = _conv3x3(a1, conv2_weight).contiguous(memory_format=layout)

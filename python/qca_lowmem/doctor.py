@@ -44,19 +44,15 @@ def report() -> Tuple[List[Tuple[str, str]], List[str]]:
             fixes.append("this GPU has no bf16: use amp_dtype fp16 (with the loss scaler) or fp32")
     elif torch.version.cuda:
         fixes.append("torch is a CUDA build but sees no GPU: check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
+    else:
+        fixes.append("torch is a CPU-only build: to train on a GPU, install a CUDA build of torch, then rebuild "
+                     "qca_lowmem against it (pip install --no-build-isolation --force-reinstall .)")
 
     alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
     facts.append(("allocator settings", alloc or "unset (qca-lowmem train sets expandable_segments:True)"))
     if available and (not alloc or "expandable_segments:True" not in alloc):
         fixes.append("export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting Python "
                      "(less fragmentation on small GPUs; qca-lowmem train does it for you)")
-
-    pieces = {"rollout": hasattr(qca_lowmem, "rollout"), "fused blocks": hasattr(qca_lowmem, "convert"),
-              "loss scaler": hasattr(qca_lowmem, "amp")}
-    facts.append(("library parts", ", ".join(f"{k} {'yes' if v else 'missing'}" for k, v in pieces.items())))
-    missing = [k for k, v in pieces.items() if not v]
-    if missing:
-        fixes.append(f"this qca_lowmem lacks {', '.join(missing)}: update it")
 
     for module, why in (("tqdm", "progress bars"), ("yaml", "YAML configs"), ("matplotlib", "bench plots"),
                         ("tensorboard", "TensorBoard logs")):

@@ -16,10 +16,9 @@ import torch
 from . import amp
 from .noise import NoiseSchedule
 from .ops import qca_pack, qca_update
-from .rollout import rollout
+from ._rollout import check_checkpoint, rollout
 from .unet import convert
 
-CHECKPOINT_POLICIES = ("none", "step", "revolve")
 _AMP_DTYPES = {
     None: None, "none": None, "fp32": None, "float32": None,
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -43,13 +42,9 @@ def parse_amp_dtype(value):
     raise ValueError(f"amp_dtype must be one of None, 'fp32', 'bf16', 'fp16' (or a torch dtype), got {value!r}")
 
 
-def check_policy(checkpoint, slots):
-    if checkpoint not in CHECKPOINT_POLICIES:
-        raise ValueError(f"checkpoint must be one of {CHECKPOINT_POLICIES}, got {checkpoint!r}")
-    if checkpoint == "revolve" and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
-        raise ValueError(f"checkpoint='revolve' needs slots >= 1 (the number of stored states), got slots={slots!r}")
-    if slots is not None and checkpoint != "revolve":
-        raise ValueError(f"slots is only used with checkpoint='revolve', got slots={slots!r} with checkpoint={checkpoint!r}")
+def autocast(device_type: str, amp_dtype):
+    """Autocast to `amp_dtype` (a torch dtype from parse_amp_dtype), or off when it is None."""
+    return torch.autocast(device_type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
 
 
 def is_multiplicative(operator) -> bool:
@@ -66,30 +61,16 @@ def fused_step(operator, gamma: float, multiplicative: bool) -> Callable:
     return evolve_step
 
 
-def noise_rate(episode: int, max_noise: float) -> float:
-    """The stock curriculum: the rate ramps linearly to max_noise over 2000 episodes."""
-    return min(max_noise, max_noise * episode / 2000)
-
-
-def record_every(steps: int) -> int:
-    return max(1, steps // 10)
-
-
 def noise_schedule(max_noise: float, episode: int, seed: int):
     """The rollout's replayable stock noise for `episode` (curriculum included), keyed by `seed`;
     None when the episode's rate leaves it off, as stock does."""
-    if noise_rate(episode, max_noise) <= 0.001:
-        return None
-    return NoiseSchedule(max_noise, episode, seed)
+    schedule = NoiseSchedule(max_noise, episode, seed)
+    return schedule if schedule.active else None
 
 
 def lowmem_scaler_from(scaler):
     """A qca_lowmem.amp.GradScaler with the same settings and state as `scaler`."""
-    return _copy_scaler(scaler, amp.GradScaler)
-
-
-def _copy_scaler(scaler, scaler_cls):
-    new = scaler_cls(
+    new = amp.GradScaler(
         getattr(scaler, "_device", "cuda"),
         init_scale=getattr(scaler, "_init_scale", 2.0**16),
         growth_factor=getattr(scaler, "_growth_factor", 2.0),
@@ -191,17 +172,14 @@ def _lowmem_train_episode(trainer, episode_num):
         opts["batch_size"], *opts["grid"], opts["d_state"], device
     )
     noise = None
-    if noise_rate(episode_num, trainer.max_noise) > 0.001:
+    if NoiseSchedule.rate_at(trainer.max_noise, episode_num) > NoiseSchedule.RATE_THRESHOLD:
         # One draw from the trainer's RNG keys the whole episode's noise, so recompute replays it.
         seed = int(torch.randint(0, 2**62, (1,)).item())
-        noise = noise_schedule(trainer.max_noise, episode_num, seed)
-    steps = trainer.qca_steps
-    amp_dtype = opts["amp_dtype"]
-    with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-        psi, history = rollout(
-            trainer.motor.evolve_step, psi0, steps, checkpoint=opts["checkpoint"], slots=opts["slots"],
-            noise=noise, record_every=record_every(steps),
-        )
+        noise = NoiseSchedule(trainer.max_noise, episode_num, seed)
+    with autocast(device.type, opts["amp_dtype"]):
+        # rollout's default history is the stock one: t == 0, T-1 and every max(1, T // 10) steps.
+        psi, history = rollout(trainer.motor.evolve_step, psi0, trainer.qca_steps, checkpoint=opts["checkpoint"],
+                               slots=opts["slots"], noise=noise)
         loss, metrics = trainer.loss_fn(history, psi0)
 
     parameters = [p for p in operator.parameters() if p.requires_grad]
@@ -278,11 +256,11 @@ def enable(
     _check_contract(trainer)
     if hasattr(trainer, _STATE_ATTR):
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
-    check_policy(checkpoint, slots)
+    check_checkpoint(checkpoint, slots, "enable()")
     if amp_dtype is None and getattr(trainer, "use_amp", False):
-        amp = torch.float16
+        compute_dtype = torch.float16
     else:
-        amp = parse_amp_dtype(amp_dtype)
+        compute_dtype = parse_amp_dtype(amp_dtype)
     if isinstance(grid_size, int):
         grid = (grid_size, grid_size)
     elif grid_size is not None:
@@ -298,11 +276,11 @@ def enable(
     new_scaler = None
     if lowmem_scaler and scaler is not None:
         new_scaler = lowmem_scaler_from(scaler)
-    elif lowmem_scaler and amp == torch.float16 and next(operator.parameters()).device.type == "cuda":
+    elif lowmem_scaler and compute_dtype == torch.float16 and next(operator.parameters()).device.type == "cuda":
         new_scaler = amp.GradScaler("cuda")
 
     state = _Saved(options=dict(
-        checkpoint=checkpoint, slots=slots, amp_dtype=amp, grid=grid, batch_size=batch_size,
+        checkpoint=checkpoint, slots=slots, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
         d_state=d_state or _infer_d_state(trainer, operator), initial_state=initial_state,
         max_grad_norm=max_grad_norm, fused_blocks=fused_blocks,
     ))
@@ -356,8 +334,9 @@ def disable(trainer):
         trainer.train_episode = state.train_episode
     else:
         del trainer.train_episode
-    if state.scaler is not None and trainer.scaler is not state.scaler:
-        state.scaler.load_state_dict(trainer.scaler.state_dict())
+    if trainer.scaler is not state.scaler:
+        if state.scaler is not None:
+            state.scaler.load_state_dict(trainer.scaler.state_dict())
         trainer.scaler = state.scaler
     delattr(trainer, _STATE_ATTR)
     return trainer
@@ -387,7 +366,9 @@ def _get(section, key, default):
     return getattr(section, key, default)
 
 
-_CONFIG_KEYS = ("enabled", "checkpoint", "amp_dtype", "fused_blocks", "slots")
+# The LOWMEM section's settings (enable()'s keyword arguments); the trainer's config shares them.
+LOWMEM_OPTIONS = ("checkpoint", "amp_dtype", "fused_blocks", "slots")
+_CONFIG_KEYS = ("enabled", *LOWMEM_OPTIONS)
 
 
 def _env_enabled() -> Optional[bool]:
@@ -422,7 +403,7 @@ def enable_from_config(trainer, cfg=None, **overrides):
         return False
     options = {}
     if section is not None:
-        for key in _CONFIG_KEYS[1:]:
+        for key in LOWMEM_OPTIONS:
             value = _get(section, key, None)
             if value is not None:
                 options[key] = value

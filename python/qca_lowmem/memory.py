@@ -1,5 +1,7 @@
 """Device-independent memory measure: the bytes an autograd graph keeps for backward."""
 
+from typing import List
+
 import torch
 
 
@@ -8,8 +10,17 @@ def saved_bytes(fn, *args, **kwargs) -> int:
 
     Every tensor saved for backward (by autograd, custom Functions or `save_for_backward`) is
     counted by its storage, once however many views of it are saved; nn.Parameters are excluded,
-    since they live whether or not a graph exists. Storages are held until `fn` returns so that a
-    freed address reused by a later allocation cannot be mistaken for the same storage.
+    since they live whether or not a graph exists.
+    """
+    return sum(saved_storage_sizes(fn, *args, **kwargs))
+
+
+def saved_storage_sizes(fn, *args, **kwargs) -> List[int]:
+    """Run `fn(*args, **kwargs)` and return the size in bytes of each distinct storage its autograd
+    graph saves for backward (parameters excluded), as `saved_bytes` counts them.
+
+    Storages are held until `fn` returns so that a freed address reused by a later allocation
+    cannot be mistaken for the same storage.
     """
     storages = {}
 
@@ -22,4 +33,4 @@ def saved_bytes(fn, *args, **kwargs) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         fn(*args, **kwargs)
-    return sum(storage.nbytes() for storage in storages.values())
+    return [storage.nbytes() for storage in storages.values()]

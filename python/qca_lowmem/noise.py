@@ -91,9 +91,14 @@ class NoiseSchedule:
         self.episode = episode
         self.seed = _as_int64(seed, "seed")
 
+    @classmethod
+    def rate_at(cls, max_noise: float, episode: int) -> float:
+        """The stock curriculum: the rate ramps linearly to max_noise over 2000 episodes."""
+        return min(max_noise, max_noise * episode / cls.RAMP_EPISODES)
+
     @property
     def rate(self) -> float:
-        return min(self.max_noise, self.max_noise * self.episode / self.RAMP_EPISODES)
+        return self.rate_at(self.max_noise, self.episode)
 
     @property
     def active(self) -> bool:

@@ -59,8 +59,10 @@ def _pack_backward_fake(grad_x, psi_dtype):
 
 @torch.library.register_fake("qca_lowmem::qca_update")
 def _update_fake(psi, delta, gamma=0.0, multiplicative=True, eps=1e-9):
-    torch._check(psi.dim() == 4 and delta.dim() == 4, lambda: "qca_update: psi and delta must have 4 dimensions")
-    torch._check(delta.shape[1] == 2 * psi.shape[3], lambda: f"qca_update: delta must have 2*d channels, got {tuple(delta.shape)} for psi {tuple(psi.shape)}")
+    torch._check(psi.dim() == 4 and delta.dim() == 4,
+                 lambda: f"qca_update: psi (B, H, W, d) and delta (B, 2d, H, W) must have 4 dimensions, got psi "
+                         f"{tuple(psi.shape)} and delta {tuple(delta.shape)}")
+    torch._check(delta.shape[1] == 2 * psi.shape[3], lambda: f"qca_update: delta must have 2*d channels, got delta {tuple(delta.shape)} for psi {tuple(psi.shape)}")
     return torch.empty_like(psi, memory_format=torch.contiguous_format)
 
 

@@ -10,6 +10,7 @@ A step's graph is measured on the CPU with `saved_bytes` at two small grids of t
 """
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from typing import List, Optional
@@ -17,8 +18,8 @@ from typing import List, Optional
 import torch
 
 from ._recompute import keep_block_intermediates
-from .integration import parse_amp_dtype
-from .ops import qca_pack, qca_update
+from .integration import autocast, fused_step, parse_amp_dtype, stock_initial_state
+from .memory import saved_storage_sizes
 from .train import StockForward, TrainConfig, build_model, format_bytes, parse_bytes, stock_step
 
 SAFETY = 1.10  # allocator rounding and fragmentation, cuDNN/cuBLAS workspaces
@@ -55,27 +56,20 @@ class Estimate:
 
 
 def _measure_one(model, config: TrainConfig, variant: str, amp_dtype, grid: int):
-    storages = {}
-
-    def pack(tensor):
-        if not isinstance(tensor, torch.nn.Parameter):
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage
-        return tensor
-
+    """(bytes, largest storage) that one step's graph keeps at this grid, batch 1."""
     generator = torch.Generator().manual_seed(0)
-    shape = (1, grid, grid, config.d_state)
-    psi = torch.complex(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
-    psi = (psi / psi.abs().pow(2).sum(-1, keepdim=True).sqrt()).requires_grad_(True)
-    autocast = torch.autocast("cpu", dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        if variant == "stock":
-            out = stock_step(psi, StockForward(model), config.gamma)
-        else:  # a step as the rollout recomputes it: blocks keep their intermediates
-            with keep_block_intermediates(True):
-                out = qca_update(psi, model(qca_pack(psi)), config.gamma, True)
-    del out
-    sizes = [s.nbytes() for s in storages.values()]
+    psi = stock_initial_state(1, grid, grid, config.d_state, "cpu", generator).requires_grad_(True)
+    if variant == "stock":
+        step = functools.partial(stock_step, operator=StockForward(model), gamma=config.gamma)
+    else:
+        step = fused_step(model, config.gamma, multiplicative=True)
+
+    def run_step():
+        # The lowmem step as the rollout recomputes it: blocks keep their intermediates.
+        with autocast("cpu", amp_dtype), keep_block_intermediates(variant != "stock"):
+            step(psi)
+
+    sizes = saved_storage_sizes(run_step)
     return sum(sizes), max(sizes, default=0)
 
 

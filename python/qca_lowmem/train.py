@@ -27,10 +27,9 @@ from typing import Callable, List, Optional
 import torch
 
 from . import amp, integration
-from .integration import check_policy, parse_amp_dtype, record_every, stock_initial_state
+from .integration import autocast, fused_step, parse_amp_dtype, stock_initial_state
 from .memory import saved_bytes
-from .ops import qca_pack, qca_update
-from .rollout import rollout
+from ._rollout import check_checkpoint, rollout
 from .unet import UNetUnitary
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -81,13 +80,15 @@ class TrainConfig:
                 raise ValueError(f"config {name} must be a positive integer, got {value!r}")
         if self.grid % 4:
             raise ValueError(f"config grid must be a multiple of 4 (the U-Net pools twice), got {self.grid}")
+        if not 0.0 <= self.max_noise <= 1.0:
+            raise ValueError(f"config max_noise must be a probability in [0, 1], got {self.max_noise!r}")
         if self.scheduler not in ("none", "cosine"):
             raise ValueError(f"config scheduler must be 'none' or 'cosine', got {self.scheduler!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"config threads must be a positive integer or null, got {self.threads!r}")
         if self.save_every < 0:
             raise ValueError(f"config save_every must be >= 0 (0: only at the end), got {self.save_every}")
-        check_policy(self.checkpoint, self.slots)
+        check_checkpoint(self.checkpoint, self.slots, "config")
         parse_amp_dtype(self.amp_dtype)
         return self
 
@@ -97,7 +98,7 @@ _SECTIONS = {
     "model": ("d_state", "hidden", "gamma"),
     "training": ("grid", "qca_steps", "batch", "max_noise", "episodes", "accumulate", "lr",
                  "weight_decay", "max_grad_norm", "scheduler", "seed"),
-    "lowmem": ("checkpoint", "slots", "amp_dtype", "fused_blocks"),
+    "lowmem": integration.LOWMEM_OPTIONS,
     "output": ("out_dir", "save_every"),
 }
 _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -200,14 +201,7 @@ class StockForward(torch.nn.Module):
         self.unet = unet
 
     def forward(self, x):
-        u = self.unet
-        x1 = u.inc.conv_block(x)
-        x2 = u.down1[1].conv_block(u.down1[0](x1))
-        x3 = u.down2[1].conv_block(u.down2[0](x2))
-        b = u.bot.conv_block(x3)
-        c1 = u.conv_up1.conv_block(torch.cat([u.up1(b), x2], dim=1))
-        c2 = u.conv_up2.conv_block(torch.cat([u.up2(c1), x1], dim=1))
-        return u.outc(c2)
+        return self.unet.forward_with(x, lambda block, h: block.conv_block(h))
 
 
 @dataclass
@@ -344,6 +338,7 @@ class Trainer:
         self.device = resolve_device(config.device, self.dist.local_rank)
         self.amp_dtype = parse_amp_dtype(config.amp_dtype)
         self.model = build_model(config, self.device)
+        self.step_fn = fused_step(self.model, config.gamma, multiplicative=True)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = None
@@ -365,9 +360,6 @@ class Trainer:
     def optimizer_steps(self) -> int:
         return math.ceil(self.config.episodes / self.episodes_per_step())
 
-    def step_fn(self, psi):
-        return qca_update(psi, self.model(qca_pack(psi)), self.config.gamma, True)
-
     def initial_state(self, episode: int, batch: int):
         generator = torch.Generator().manual_seed(episode_key(self.config.seed, episode, 0))
         return stock_initial_state(batch, self.config.grid, self.config.grid, self.config.d_state, self.device, generator)
@@ -378,12 +370,11 @@ class Trainer:
     def forward_episode(self, episode: int, policy: Policy):
         """psi0 -> rollout -> loss for one episode; returns (loss, metrics, psi_T)."""
         psi0 = self.initial_state(episode, policy.batch)
-        steps = self.config.qca_steps
-        with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
+        with autocast(self.device.type, self.amp_dtype):
             psi, history = rollout(
-                self.step_fn, psi0, steps, checkpoint=policy.checkpoint,
+                self.step_fn, psi0, self.config.qca_steps, checkpoint=policy.checkpoint,
                 slots=policy.slots if policy.checkpoint == "revolve" else None,
-                noise=self.noise_for(episode), record_every=record_every(steps),
+                noise=self.noise_for(episode),
             )
             loss, metrics = evolutionary_loss(history, psi0)
         return loss, metrics, psi

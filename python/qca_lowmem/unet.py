@@ -5,7 +5,6 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
-
 from torch.utils.checkpoint import checkpoint
 
 from ._recompute import block_keeps_intermediates
@@ -63,13 +62,17 @@ class UNetUnitary(nn.Module):
         return checkpoint(self._forward, x, True, use_reentrant=False, preserve_rng_state=False)
 
     def _forward(self, x: torch.Tensor, keep_intermediates: bool) -> torch.Tensor:
-        keep = keep_intermediates
-        x1 = self.inc(x, keep_intermediates=keep)
-        x2 = self.down1[1](self.down1[0](x1), keep_intermediates=keep)
-        x3 = self.down2[1](self.down2[0](x2), keep_intermediates=keep)
-        b = self.bot(x3, keep_intermediates=keep)
-        c1 = self.conv_up1(torch.cat([self.up1(b), x2], dim=1), keep_intermediates=keep)
-        c2 = self.conv_up2(torch.cat([self.up2(c1), x1], dim=1), keep_intermediates=keep)
+        return self.forward_with(x, lambda block, h: block(h, keep_intermediates=keep_intermediates))
+
+    def forward_with(self, x: torch.Tensor, run_block) -> torch.Tensor:
+        """The stock U-Net forward with `run_block(block, h)` applying each ConvBlock, so that the
+        stock computation (`block.conv_block(h)`) and the fused one share the wiring."""
+        x1 = run_block(self.inc, x)
+        x2 = run_block(self.down1[1], self.down1[0](x1))
+        x3 = run_block(self.down2[1], self.down2[0](x2))
+        b = run_block(self.bot, x3)
+        c1 = run_block(self.conv_up1, torch.cat([self.up1(b), x2], dim=1))
+        c2 = run_block(self.conv_up2, torch.cat([self.up2(c1), x1], dim=1))
         return self.outc(c2)
 
 

@@ -26,6 +26,19 @@ from ._recompute import keep_block_intermediates
 CHECKPOINT_MODES = ("none", "step", "revolve")
 
 
+def check_checkpoint(checkpoint, slots, caller: str = "rollout") -> None:
+    """Raise ValueError, prefixed by `caller`, unless (checkpoint, slots) is a policy rollout takes."""
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"{caller}: checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+    if checkpoint == "revolve":
+        if slots is None:
+            raise ValueError(f"{caller}: checkpoint='revolve' needs slots >= 1 (the number of states to keep)")
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"{caller}: slots must be an int >= 1 (states kept, psi0 included), got {slots!r}")
+    elif slots is not None:
+        raise ValueError(f"{caller}: slots applies only to checkpoint='revolve', got slots={slots!r} with checkpoint={checkpoint!r}")
+
+
 def rollout(
     step_fn: Callable[[torch.Tensor], torch.Tensor],
     psi0: torch.Tensor,
@@ -68,15 +81,7 @@ def rollout(
         raise TypeError(f"rollout: psi0 must be a complex or floating tensor, got dtype={psi0.dtype} shape={tuple(psi0.shape)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"rollout: steps must be an int >= 1, got {steps!r}")
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"rollout: checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-    if checkpoint == "revolve":
-        if slots is None:
-            raise ValueError("rollout: checkpoint='revolve' needs slots=<number of states to keep, >= 1>")
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"rollout: slots must be an int >= 1 (states kept, psi0 included), got {slots!r}")
-    elif slots is not None:
-        raise ValueError(f"rollout: slots applies only to checkpoint='revolve', got slots={slots!r} with checkpoint={checkpoint!r}")
+    check_checkpoint(checkpoint, slots)
     if record_every is None:
         record_every = max(1, steps // 10)
     elif isinstance(record_every, bool) or not isinstance(record_every, int) or record_every < 1:
