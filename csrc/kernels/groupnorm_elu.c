@@ -34,16 +34,13 @@ static group_view view_of(const qca_gn_shape* s, int64_t pair) {
   return v;
 }
 
-static qca_status check_shape(const qca_gn_shape* s, int64_t pair_begin, int64_t pair_end) {
+static qca_status check_args(const qca_gn_shape* s, qca_dtype x, qca_dtype affine, qca_dtype stat,
+                             int64_t pair_begin, int64_t pair_end) {
   if (s->batch < 0 || s->channels < 1 || s->height < 0 || s->width < 0 || s->groups < 1 ||
       s->channels % s->groups != 0)
     return QCA_ERR_INVALID_ARGUMENT;
   if (pair_begin < 0 || pair_end < pair_begin || pair_end > s->batch * s->groups)
     return QCA_ERR_INVALID_ARGUMENT;
-  return QCA_OK;
-}
-
-static qca_status check_dtypes(qca_dtype x, qca_dtype affine, qca_dtype stat) {
   if (!qca_dtype_is_valid(x) || !qca_dtype_is_valid(affine)) return QCA_ERR_UNSUPPORTED_DTYPE;
   if (stat != QCA_F32 && stat != QCA_F64) return QCA_ERR_UNSUPPORTED_DTYPE;
   return QCA_OK;
@@ -55,9 +52,8 @@ static inline double elu(double z) { return z > 0 ? z : expm1(z); }
 static inline double elu_grad(double z) { return z > 0 ? 1.0 : exp(z); }
 
 qca_status qca_gn_elu_forward_cpu(const qca_gn_elu_params* p, int64_t pair_begin, int64_t pair_end) {
-  qca_status status = check_shape(&p->shape, pair_begin, pair_end);
-  if (status != QCA_OK) return status;
-  status = check_dtypes(p->x_dtype, p->affine_dtype, p->stat_dtype);
+  const qca_status status =
+      check_args(&p->shape, p->x_dtype, p->affine_dtype, p->stat_dtype, pair_begin, pair_end);
   if (status != QCA_OK) return status;
   for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
     const group_view v = view_of(&p->shape, pair);
@@ -106,9 +102,8 @@ qca_status qca_gn_elu_forward_cpu(const qca_gn_elu_params* p, int64_t pair_begin
  * where mean(dxhat) = sum_c w_c grad_bias[c] / M and mean(dxhat xhat) = sum_c w_c grad_weight[c] / M. */
 qca_status qca_gn_elu_backward_cpu(const qca_gn_elu_backward_params* p, int64_t pair_begin,
                                    int64_t pair_end) {
-  qca_status status = check_shape(&p->shape, pair_begin, pair_end);
-  if (status != QCA_OK) return status;
-  status = check_dtypes(p->x_dtype, p->affine_dtype, p->stat_dtype);
+  const qca_status status =
+      check_args(&p->shape, p->x_dtype, p->affine_dtype, p->stat_dtype, pair_begin, pair_end);
   if (status != QCA_OK) return status;
   for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
     const group_view v = view_of(&p->shape, pair);

@@ -520,6 +520,20 @@ struct BackwardLaunch {
   }
 };
 
+template <typename Launch, typename Params>
+qca_status launch(const Params* p, int backward, void* stream, qca_cuda_error* err) {
+  const qca_status status = check(p->shape, p->x_dtype, p->affine_dtype, p->stat_dtype);
+  if (status != QCA_OK) return status;
+  const int64_t pairs = p->shape.batch * p->shape.groups;
+  if (pairs == 0) return QCA_OK;
+  const int64_t splits = choose_splits(p->shape);
+  if (p->workspace_bytes < workspace_bytes(p->shape, p->stat_dtype, backward, splits) ||
+      (splits > 1 && p->workspace == nullptr))
+    return QCA_ERR_INVALID_ARGUMENT;
+  dispatch(p->x_dtype, p->stat_dtype, Launch{p, pairs, splits, static_cast<cudaStream_t>(stream)});
+  return qca_lowmem_cuda::finish_launch(err);
+}
+
 }  // namespace
 
 extern "C" int64_t qca_gn_elu_cuda_workspace_bytes(const qca_gn_shape* shape, qca_dtype stat_dtype,
@@ -530,28 +544,10 @@ extern "C" int64_t qca_gn_elu_cuda_workspace_bytes(const qca_gn_shape* shape, qc
 
 extern "C" qca_status qca_gn_elu_forward_cuda(const qca_gn_elu_params* p, void* stream,
                                               qca_cuda_error* err) {
-  const qca_status status = check(p->shape, p->x_dtype, p->affine_dtype, p->stat_dtype);
-  if (status != QCA_OK) return status;
-  const int64_t pairs = p->shape.batch * p->shape.groups;
-  if (pairs == 0) return QCA_OK;
-  const int64_t splits = choose_splits(p->shape);
-  if (p->workspace_bytes < workspace_bytes(p->shape, p->stat_dtype, 0, splits) ||
-      (splits > 1 && p->workspace == nullptr))
-    return QCA_ERR_INVALID_ARGUMENT;
-  dispatch(p->x_dtype, p->stat_dtype, ForwardLaunch{p, pairs, splits, static_cast<cudaStream_t>(stream)});
-  return qca_lowmem_cuda::finish_launch(err);
+  return launch<ForwardLaunch>(p, 0, stream, err);
 }
 
 extern "C" qca_status qca_gn_elu_backward_cuda(const qca_gn_elu_backward_params* p, void* stream,
                                                qca_cuda_error* err) {
-  const qca_status status = check(p->shape, p->x_dtype, p->affine_dtype, p->stat_dtype);
-  if (status != QCA_OK) return status;
-  const int64_t pairs = p->shape.batch * p->shape.groups;
-  if (pairs == 0) return QCA_OK;
-  const int64_t splits = choose_splits(p->shape);
-  if (p->workspace_bytes < workspace_bytes(p->shape, p->stat_dtype, 1, splits) ||
-      (splits > 1 && p->workspace == nullptr))
-    return QCA_ERR_INVALID_ARGUMENT;
-  dispatch(p->x_dtype, p->stat_dtype, BackwardLaunch{p, pairs, splits, static_cast<cudaStream_t>(stream)});
-  return qca_lowmem_cuda::finish_launch(err);
+  return launch<BackwardLaunch>(p, 1, stream, err);
 }
