@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-qca-lowmem train "$@"
+PYTHON=${PYTHON:-python3}
+"$PYTHON" -m qca_lowmem train "$@"  # same as the qca-lowmem script, whatever PATH holds
