@@ -347,10 +347,16 @@ __device__ void share_channel_sums(const GroupLayout& g, const qca_gn_elu_backwa
   }
 }
 
-// grad_x = rstd * (w * g - mean(dxhat) - xhat * mean(dxhat * xhat)) over the block's share.
+// grad_x = rstd * (w * g - mean(dxhat) - xhat * mean(dxhat * xhat)) over the block's share, given
+// each thread's part of sum_c w_c grad_bias[c] and sum_c w_c grad_weight[c] (summed here over the
+// block, so every thread of the block must call it).
 template <typename scalar_t, typename acc_t>
 __device__ void grad_x_share(const GroupLayout& g, const qca_gn_elu_backward_params& p, acc_t mean,
-                             acc_t rstd, acc_t mean_dxhat, acc_t mean_dxhat_xhat) {
+                             acc_t rstd, acc_t weighted_bias_grad, acc_t weighted_weight_grad) {
+  block_sum2(weighted_bias_grad, weighted_weight_grad);
+  const acc_t count = (acc_t)(g.channels * g.pixels);
+  const acc_t mean_dxhat = count > 0 ? weighted_bias_grad / count : acc_t(0);
+  const acc_t mean_dxhat_xhat = count > 0 ? weighted_weight_grad / count : acc_t(0);
   if (!g.active) return;
   const scalar_t* x = static_cast<const scalar_t*>(p.x);
   const scalar_t* grad_y = static_cast<const scalar_t*>(p.grad_y);
@@ -385,10 +391,7 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const qca_gn_elu_bac
     weighted_bias_grad += w * bias_grad;
     weighted_weight_grad += w * weight_grad;
   });
-  block_sum2(weighted_bias_grad, weighted_weight_grad);
-  const acc_t count = (acc_t)(g.channels * g.pixels);
-  grad_x_share<scalar_t, acc_t>(g, p, mean, rstd, count > 0 ? weighted_bias_grad / count : acc_t(0),
-                                count > 0 ? weighted_weight_grad / count : acc_t(0));
+  grad_x_share<scalar_t, acc_t>(g, p, mean, rstd, weighted_bias_grad, weighted_weight_grad);
 }
 
 // Split pairs, first kernel: each block's per-channel sums to the workspace, laid out
@@ -430,10 +433,7 @@ __global__ void __launch_bounds__(kThreads) backward_apply_kernel(const qca_gn_e
     weighted_bias_grad += w * bias_grad;
     weighted_weight_grad += w * weight_grad;
   }
-  block_sum2(weighted_bias_grad, weighted_weight_grad);
-  const acc_t count = (acc_t)(g.channels * g.pixels);
-  grad_x_share<scalar_t, acc_t>(g, p, mean, rstd, count > 0 ? weighted_bias_grad / count : acc_t(0),
-                                count > 0 ? weighted_weight_grad / count : acc_t(0));
+  grad_x_share<scalar_t, acc_t>(g, p, mean, rstd, weighted_bias_grad, weighted_weight_grad);
 }
 
 bool dtype_ok(qca_dtype t) { return t == QCA_F32 || t == QCA_F64 || t == QCA_F16 || t == QCA_BF16; }
