@@ -7,6 +7,7 @@
 #include "qca_scalar.h"
 
 #define QCA_HD
+#define QCA_CELL_TILE 64
 
 #define REAL float
 #define SUFFIX f32

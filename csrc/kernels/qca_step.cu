@@ -6,6 +6,7 @@
 #include "qca_lowmem/qca_step.h"
 
 #define QCA_HD __device__
+#define QCA_CELL_TILE 1  // one thread per cell
 
 #define REAL float
 #define SUFFIX f32
