@@ -321,6 +321,12 @@ class Distributed:
             dist.broadcast(tensor, 0)
         return tensor
 
+    def barrier(self):
+        if self.enabled and self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
     def close(self):
         if self.enabled:
             import torch.distributed as dist
@@ -681,6 +687,10 @@ def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, 
                     json.dump({"world_size": distributed.world_size, "max_param_difference": difference}, f)
             if difference != 0.0:
                 trainer._log(f"warning: parameters differ across ranks by up to {difference:.3e}")
+            # Every rank past its last collective before any tears its connections down: a rank
+            # leaving early can abort a peer still inside gloo's teardown. Only on success: after
+            # a failure the peers are elsewhere, and torchrun stops them.
+            distributed.barrier()
         return results
     finally:
         distributed.close()
