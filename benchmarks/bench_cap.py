@@ -33,6 +33,10 @@ def main():
     parser.add_argument("--cap", default="3.68GiB")
     parser.add_argument("--episodes", type=int, default=100)
     parser.add_argument("--amp-dtype", default=None, help="override the config's amp_dtype (fp32, bf16, fp16)")
+    parser.add_argument("--grid", type=int, default=None, help="override the config's grid")
+    parser.add_argument("--checkpoint", default=None, help="override the config's checkpoint policy (step, revolve)")
+    parser.add_argument("--slots", type=int, default=None, help="revolve slots")
+    parser.add_argument("--name", default=None, help="result file stem (default cap_<device>)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -47,7 +51,7 @@ def main():
 
     run_dir = tempfile.mkdtemp(prefix="qca_cap_")
     config = load_config(args.config, episodes=args.episodes, device="cuda", out_dir=run_dir, save_every=0,
-                         amp_dtype=args.amp_dtype)
+                         amp_dtype=args.amp_dtype, grid=args.grid, checkpoint=args.checkpoint, slots=args.slots)
     records, oom, message = [], False, None
     trainer = Trainer(config, progress=True)
     try:
@@ -85,7 +89,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = re.sub(r"[^A-Za-z0-9]+", "_", env["device"]).strip("_").lower()
-    path = out / f"cap_{name}.json"
+    path = out / f"{args.name or 'cap_' + name}.json"
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     print(f"{len(records)} episodes, oom={result['oom']}, peak {peak / 2**30:.3f} GiB of a {cap / 2**30:.2f} GiB cap; "

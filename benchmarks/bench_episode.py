@@ -4,7 +4,7 @@ An episode is the stock `train_episode`: psi0, `qca_steps` steps with the stock 
 evolutionary loss (DESIGN section 2), backward, clip_grad_norm_(1.0), AdamW(1e-4, wd 1e-5) step.
 Runs: stock_fp32, stock_fp16_autocast (with a GradScaler), stock_fp16_checkpoint (autocast and
 one torch.utils.checkpoint per step, the users' proposed fix), lowmem_fp32_step,
-lowmem_bf16_step, lowmem_bf16_revolve32 (the lowmem runs: qca_lowmem.UNetUnitary with fused
+lowmem_bf16_step, lowmem_fp16_step (with qca_lowmem.amp.GradScaler), lowmem_bf16_revolve32 (the lowmem runs: qca_lowmem.UNetUnitary with fused
 blocks, fused pack/update, qca_lowmem.rollout with the replayable NoiseSchedule). Each run gets a
 fresh copy of the same initial weights and its own optimizer; it reports the peak of torch.cuda.max_memory_allocated over the measured
 episodes (after a warm-up episode, so AdamW's state exists) and the median episode time.
@@ -30,7 +30,8 @@ import common
 import qca_lowmem
 import reference  # the stock computation, tests/reference.py (common puts tests/ on the path)
 
-RUNS = ["stock_fp32", "stock_fp16_autocast", "stock_fp16_checkpoint", "lowmem_fp32_step", "lowmem_bf16_step", "lowmem_bf16_revolve32"]
+RUNS = ["stock_fp32", "stock_fp16_autocast", "stock_fp16_checkpoint", "lowmem_fp32_step", "lowmem_bf16_step",
+        "lowmem_fp16_step", "lowmem_bf16_revolve32"]
 
 
 def parse_args(argv=None):
@@ -104,6 +105,8 @@ def run_forward(name, model, psi0, args, episode_seed):
         return lowmem_forward(model, psi0, args, schedule)
     if name == "lowmem_bf16_step":
         return lowmem_forward(model, psi0, args, schedule, torch.bfloat16)
+    if name == "lowmem_fp16_step":
+        return lowmem_forward(model, psi0, args, schedule, torch.float16)
     if name == "lowmem_bf16_revolve32":
         return lowmem_forward(model, psi0, args, schedule, torch.bfloat16, "revolve", 32)
     raise ValueError(name)
@@ -141,7 +144,9 @@ def synchronize(device):
 def measure_run(name, stock_model, args, device):
     model = (lowmem_model(stock_model, args) if name.startswith("lowmem") else copy.deepcopy(stock_model)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-5)
-    scaler = torch.amp.GradScaler(device.type) if "fp16" in name else None
+    scaler = None
+    if "fp16" in name:
+        scaler = (qca_lowmem.amp.GradScaler if name.startswith("lowmem") else torch.amp.GradScaler)(device.type)
     try:
         train_episode(name, model, optimizer, scaler, args, device, episode_seed=0)  # warm-up
         synchronize(device)
