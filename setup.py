@@ -78,6 +78,11 @@ c_kernels = relative((ROOT / "csrc" / "kernels").glob("*.c"))
 glue = [p for p in relative((ROOT / "csrc" / "ops").glob("*.cpp")) if not p.endswith("_cuda.cpp")]
 include_dirs = [str(ROOT / "include")]
 cxx_flags = ["-O3", "-Wall"]  # the C++ standard is the one torch asks for
+# libstdc++ as a shared library, as torch links it: some toolchain wrappers link it statically,
+# and a private copy in _C next to torch's shared one crashed in iostreams (every error message
+# with a number: a segfault instead of a RuntimeError). Named before the driver's own libraries,
+# the shared one resolves every symbol.
+link_flags = ["-lstdc++"]
 
 if with_cuda:
     cuda_sources = relative((ROOT / "csrc" / "kernels").glob("*.cu"))
@@ -88,6 +93,7 @@ if with_cuda:
         include_dirs=include_dirs,
         define_macros=[("QCA_LOWMEM_WITH_CUDA", "1")],
         extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
+        extra_link_args=link_flags,
     )
 else:
     extension = CppExtension(
@@ -95,6 +101,7 @@ else:
         sources=glue,
         include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=link_flags,
     )
 
 setup(

@@ -42,7 +42,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench_cap.py needs a CUDA GPU")
 
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # an index: set_per_process_memory_fraction needs one
     cap = parse_bytes(args.cap)
     total = torch.cuda.get_device_properties(device).total_memory
     if cap > total:

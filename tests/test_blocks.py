@@ -248,6 +248,34 @@ def compare_modules(stock, fused, x, out_tol, grad_tol, autocast_dtype=None):
     return ys, yf
 
 
+def compare_under_autocast(stock, fused, x, dtype, slack=2.0):
+    """Under autocast the fused module is about as close to the float64 truth as the stock one.
+
+    Their bits differ (GN+ELU rounds its output to `dtype` where stock keeps float32, so grads
+    meeting at a skip connection add in `dtype`; cuDNN reduces in its own order), and one tensor's
+    error varies a lot from seed to seed for both. So each is measured against the same float64
+    computation, per tensor as ||a - truth|| / ||truth||, and the mean over the output and every
+    gradient must stay within `slack` times stock's (0.7-1.6x over 40 seeds on the CPU).
+    Returns the fused output."""
+    truth = copy.deepcopy(stock).double()
+    xt = x.detach().double().requires_grad_(True)
+    yt = truth(xt)
+    grad_output = torch.randn(yt.shape, dtype=torch.float64, device=x.device)
+    expected = [yt] + list(grads_of(truth, xt, yt, grad_output))
+    mean_error = {}
+    for kind, module in (("stock", stock), ("fused", fused)):
+        xi = x.detach().clone().requires_grad_(True)
+        with torch.autocast(x.device.type, dtype=dtype):
+            y = module(xi)
+        if kind == "fused":
+            fused_output = y
+        values = [y] + list(grads_of(module, xi, y, grad_output.to(y.dtype)))
+        errors = [((v.double() - t).norm() / t.norm()).item() for v, t in zip(values, expected)]
+        mean_error[kind] = sum(errors) / len(errors)
+    assert mean_error["fused"] <= slack * mean_error["stock"], mean_error
+    return fused_output
+
+
 def stock_and_fused_block(dtype, device="cpu", mid=None):
     stock = R.randomize_affine(R.ConvBlock(5, 16, mid)).to(device=device, dtype=dtype)
     fused = qca_lowmem.FusedConvBlock(5, 16, mid).to(device=device, dtype=dtype)
@@ -272,7 +300,7 @@ def test_block_matches_stock(device, keep, channels_last, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 def test_block_bf16_autocast(device):
     stock, fused = stock_and_fused_block(torch.float32, device)
-    ys, yf = compare_modules(stock, fused, torch.randn(2, 5, 8, 8, device=device), 3e-2, 6e-2, autocast_dtype=torch.bfloat16)
+    yf = compare_under_autocast(stock, fused, torch.randn(2, 5, 8, 8, device=device), torch.bfloat16)
     assert yf.dtype == torch.bfloat16  # the next convolution would cast to it anyway
 
 
@@ -370,9 +398,11 @@ def test_unet_matches_stock(device, recompute, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_unet_bf16_autocast(device):
+@pytest.mark.parametrize("seed", range(4))
+def test_unet_bf16_autocast(device, seed):
+    torch.manual_seed(seed)
     stock, fused = stock_and_fused_unet(torch.float32, device)
-    compare_modules(stock, fused, torch.randn(2, 4, 8, 8, device=device), 3e-2, 6e-2, autocast_dtype=torch.bfloat16)
+    compare_under_autocast(stock, fused, torch.randn(2, 4, 8, 8, device=device), torch.bfloat16)
 
 
 def test_unet_in_a_qca_step_matches_stock():

@@ -65,3 +65,14 @@ def test_cuda_glue_compiles(source, tmp_path):
     ]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(shutil.which("ldd") is None, reason="needs ldd (glibc Linux)")
+def test_extension_uses_the_shared_libstdcxx():
+    """A private static copy next to torch's shared libstdc++ crashed in iostreams (seen on a GPU
+    machine whose compiler wrapper linked it statically): every error message segfaulted."""
+    import qca_lowmem._C as native
+
+    result = subprocess.run(["ldd", native.__file__], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "libstdc++.so" in result.stdout, result.stdout

@@ -813,11 +813,16 @@ def test_cuda_update_and_mul_match_torch():
         ops.amp_update_scale_(*ours, f, 2.0, 0.5, 2)
         torch._amp_update_scale_(*theirs, f, 2.0, 0.5, 2)
         assert bits_equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    # The multiply is the CPU one (float factor, one rounding). torch's CUDA foreach multiply by
+    # a CUDA scalar tensor rounds the factor to bf16 first (seen on an H100, torch 2.11), so it
+    # may differ from ours by one ulp.
     a = random_list(SIZES, torch.bfloat16, "cuda")
     b = [t.clone() for t in a]
+    expected = [reference_unscale(t, 0.3) for t in a]
     ops.amp_mul_(a, torch.tensor(0.3, device="cuda"))
     torch._foreach_mul_(b, torch.tensor(0.3, device="cuda"))
-    assert all(bits_equal(x, y) for x, y in zip(a, b))
+    assert all(bits_equal(x, e) for x, e in zip(a, expected))
+    assert all((x.view(torch.int16).int() - y.view(torch.int16).int()).abs().max(initial=0) <= 1 for x, y in zip(a, b))
 
 
 @cuda_only
@@ -862,13 +867,18 @@ def test_cuda_clip_grad_norm_matches_torch():
     model.extra = nn.Parameter(torch.randn(3, 3, dtype=torch.complex64, device="cuda"))
     (model(torch.randn(4, 6, device="cuda")).pow(2).sum() * 1000 + model.extra.abs().sum()).backward()
     twin = copy.deepcopy(model)
+    for p, q in zip(model.parameters(), twin.parameters()):  # (deepcopy may leave grads behind)
+        q.grad = p.grad.clone()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = GradScaler("cuda", init_scale=1.0)
     scaler.scale(torch.ones((), device="cuda"))
     scaler.unscale_(opt)
     ours = scaler.clip_grad_norm_(model.parameters(), 1.0)
     theirs = torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
-    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    assert ours.device.type == "cuda"  # the norm stays on the GPU: no sync
+    torch.testing.assert_close(ours.cpu(), theirs.cpu(), rtol=1e-6, atol=0)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
 
 
 @cuda_only

@@ -292,14 +292,21 @@ def test_parse_bytes():
     assert train_mod.parse_bytes("0", allow_zero=True) == 0
 
 
-def test_allocator_default_set_only_when_unset(monkeypatch):
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    train_mod.set_allocator_defaults()
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
-    train_mod.set_allocator_defaults()
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
+def test_allocator_default_set_only_when_unset():
+    # A fresh interpreter each time: in this one an earlier test may have started CUDA, after
+    # which the setting is rightly left alone.
+    script = ("import os; from qca_lowmem import train; train.set_allocator_defaults(); "
+              "print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+
+    def setting_after_defaults(**extra):
+        result = subprocess.run([sys.executable, "-c", script], env=dict(env, **extra), capture_output=True,
+                                text=True)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip()
+
+    assert setting_after_defaults() == "expandable_segments:True"
+    assert setting_after_defaults(PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:64") == "max_split_size_mb:64"
 
 
 def test_shipped_configs_load():

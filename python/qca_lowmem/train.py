@@ -281,7 +281,7 @@ def build_model(config: TrainConfig, device) -> torch.nn.Module:
 class Distributed:
     """Rank, world size and gradient averaging; a single process when torch.distributed is off."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, device: str = "auto"):
         self.enabled = enabled
         self.rank, self.world_size, self.local_rank = 0, 1, 0
         if enabled:
@@ -292,10 +292,15 @@ class Distributed:
                                    "torchrun --nproc_per_node=N -m qca_lowmem train --ddp ...")
             self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
             if not dist.is_initialized():
-                backend = "nccl" if torch.cuda.is_available() else "gloo"
-                if backend == "nccl":
+                # The run's device picks the backend: a CPU run on a GPU machine stays on gloo.
+                on_cuda = resolve_device(device, self.local_rank).type == "cuda"
+                if on_cuda:
+                    visible = torch.cuda.device_count()
+                    if self.local_rank >= visible:
+                        raise RuntimeError(f"--ddp: local rank {self.local_rank} has no GPU ({visible} visible): "
+                                           f"use --nproc_per_node <= {visible}, or --device cpu")
                     torch.cuda.set_device(self.local_rank)
-                dist.init_process_group(backend)
+                dist.init_process_group("nccl" if on_cuda else "gloo")
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     def all_reduce_(self, tensor, op="sum"):
@@ -674,7 +679,7 @@ def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, 
     threads = torch.get_num_threads()
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    distributed = Distributed(ddp)
+    distributed = Distributed(ddp, config.device)
     try:
         trainer = Trainer(config, distributed, progress=progress)
         if resume:
