@@ -26,15 +26,16 @@ from .train import StockForward, TrainConfig, build_model, evolutionary_loss, fo
 
 
 def library_commit(repo=None) -> Optional[str]:
-    """The git commit of `repo` (default: the checkout qca_lowmem runs from), when it is one;
-    else $QCA_LOWMEM_COMMIT (a copy of the tree without .git, e.g. on a lent GPU machine)."""
-    fallback = os.environ.get("QCA_LOWMEM_COMMIT") or None
+    """$QCA_LOWMEM_COMMIT when set (a copied tree whose .git, if any, may be stale, as on a lent
+    GPU machine), else the git commit of `repo` (default: the checkout qca_lowmem runs from)."""
+    if os.environ.get("QCA_LOWMEM_COMMIT"):
+        return os.environ["QCA_LOWMEM_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo or Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return fallback
-    return (out.stdout.strip() or fallback) if out.returncode == 0 else fallback
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def device_name(device: torch.device) -> str:
