@@ -2,6 +2,10 @@
 kernels when the installed torch and toolkit allow it (QCA_LOWMEM_CUDA=auto|0|1)."""
 
 import os
+import shlex
+import struct
+import subprocess
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -57,12 +61,57 @@ def write_build_info(with_cuda, arch_list):
     (ROOT / "python" / "qca_lowmem" / "_build_info.py").write_text("\n".join(lines))
 
 
+def shared_libstdcxx():
+    """The path of the C++ compiler's shared libstdc++, or -lstdc++ when it cannot say."""
+    compiler = shlex.split(os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++")
+    try:
+        found = subprocess.run(compiler + ["-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                               timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        found = ""
+    return found if os.path.isabs(found) and os.path.exists(found) else "-lstdc++"
+
+
+def elf_needed(path):
+    """The DT_NEEDED entries of a 64-bit ELF shared object, or None for another format."""
+    data = Path(path).read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        return None
+    order = "<" if data[5] == 1 else ">"
+    (section_offset,) = struct.unpack_from(order + "Q", data, 0x28)
+    entry_size, count = struct.unpack_from(order + "HH", data, 0x3A)
+    # (name, type, flags, addr, offset, size, link, info, align, entsize)
+    sections = [struct.unpack_from(order + "IIQQQQIIQQ", data, section_offset + i * entry_size) for i in range(count)]
+    needed = []
+    for section in sections:
+        if section[1] != 6:  # SHT_DYNAMIC
+            continue
+        strings = sections[section[6]][4]
+        for offset in range(section[4], section[4] + section[5], 16):
+            tag, value = struct.unpack_from(order + "qQ", data, offset)
+            if tag == 0:
+                break
+            if tag == 1:  # DT_NEEDED
+                start = strings + value
+                needed.append(data[start:data.index(b"\0", start)].decode())
+    return needed
+
+
 class BuildExtensionWithKernels(BuildExtension):
-    """Builds the C kernel library first, also for `build_ext --inplace` and editable installs."""
+    """Builds the C kernel library first, also for `build_ext --inplace` and editable installs;
+    refuses an extension that carries its own copy of libstdc++."""
 
     def run(self):
         self.run_command("build_clib")
         super().run()
+        for ext in self.extensions:
+            needed = elf_needed(self.get_ext_fullpath(ext.name))
+            if needed is not None and not any(name.startswith("libstdc++.so") for name in needed):
+                raise SystemExit(
+                    "qca_lowmem: the C++ compiler linked libstdc++ statically into the extension (a private copy "
+                    "next to torch's crashes on the first error message); build with a plain g++, e.g. "
+                    "CXX=/usr/bin/g++, and install again."
+                )
 
 
 with_cuda, reason = decide_cuda()
@@ -80,9 +129,9 @@ include_dirs = [str(ROOT / "include")]
 cxx_flags = ["-O3", "-Wall"]  # the C++ standard is the one torch asks for
 # libstdc++ as a shared library, as torch links it: some toolchain wrappers link it statically,
 # and a private copy in _C next to torch's shared one crashed in iostreams (every error message
-# with a number: a segfault instead of a RuntimeError). Named before the driver's own libraries,
-# the shared one resolves every symbol.
-link_flags = ["-lstdc++"]
+# with a number: a segfault instead of a RuntimeError). Naming the shared object by its path
+# binds it whatever static flags a wrapper adds; the build then checks the result.
+link_flags = [shared_libstdcxx()]
 
 if with_cuda:
     cuda_sources = relative((ROOT / "csrc" / "kernels").glob("*.cu"))

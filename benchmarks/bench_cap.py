@@ -36,6 +36,8 @@ def main():
     parser.add_argument("--grid", type=int, default=None, help="override the config's grid")
     parser.add_argument("--checkpoint", default=None, help="override the config's checkpoint policy (step, revolve)")
     parser.add_argument("--slots", type=int, default=None, help="revolve slots")
+    parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                        help="override the config's cuda_graph (steps as captured CUDA graphs)")
     parser.add_argument("--name", default=None, help="result file stem (default cap_<device>)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
@@ -51,7 +53,8 @@ def main():
 
     run_dir = tempfile.mkdtemp(prefix="qca_cap_")
     config = load_config(args.config, episodes=args.episodes, device="cuda", out_dir=run_dir, save_every=0,
-                         amp_dtype=args.amp_dtype, grid=args.grid, checkpoint=args.checkpoint, slots=args.slots)
+                         amp_dtype=args.amp_dtype, grid=args.grid, checkpoint=args.checkpoint, slots=args.slots,
+                         cuda_graph=args.cuda_graph)
     records, oom, message = [], False, None
     trainer = Trainer(config, progress=True)
     try:

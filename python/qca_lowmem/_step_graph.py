@@ -24,6 +24,7 @@ too, so a StepGraph costs about one extra copy of the parameters.
 """
 
 import contextlib
+import gc
 from typing import Callable, List, Optional
 
 import torch
@@ -96,6 +97,10 @@ class _Capture:
             with torch.enable_grad(), autocast(), keep_block_intermediates():
                 return step_fn(self.static_in)
 
+        # Warm-up and capture on one side stream. Garbage from earlier work is collected first:
+        # freeing it during the capture would make the allocator touch other streams' events.
+        gc.collect()
+        torch.cuda.synchronize(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), _hooks_set_aside(params), _random_draws_refused(device):
@@ -110,11 +115,11 @@ class _Capture:
         self.forward_graph = torch.cuda.CUDAGraph()
         self.backward_graph = torch.cuda.CUDAGraph()
         with _hooks_set_aside(params), _capture_errors_explained():
-            with torch.cuda.graph(self.forward_graph, pool=self.pool):
+            with torch.cuda.graph(self.forward_graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
                 self.static_out = forward()
             self.static_grad_out = torch.zeros_like(self.static_out)
             self.accumulators = [torch.zeros_like(p) for p in params]
-            with torch.cuda.graph(self.backward_graph, pool=self.pool):
+            with torch.cuda.graph(self.backward_graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
                 grads = torch.autograd.grad(self.static_out, [self.static_in, *params], self.static_grad_out,
                                             allow_unused=True)
                 self.static_grad_in = grads[0]
