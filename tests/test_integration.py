@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import qca_lowmem
-from conftest import cuda_only
+from conftest import cuda_only, randomize_affine
 from fixtures.qc_trainer_v4 import QC_Trainer_v4, make_config
-from reference import ConvBlock, randomize_affine
+from qca_lowmem.stock import ConvBlock
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,6 +16,7 @@ import yaml
 import qca_lowmem
 from qca_lowmem import cli, train as train_mod
 from conftest import cuda_only
+from qca_lowmem.memory import parse_bytes
 from qca_lowmem.plan import LOSS_STATES, Estimate, recommend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,10 +287,10 @@ def test_bad_config_is_a_clear_error(tmp_path, capsys):
 
 
 def test_parse_bytes():
-    assert train_mod.parse_bytes("3.68GiB") == int(3.68 * 2**30)
-    assert train_mod.parse_bytes("512 MiB") == 512 * 2**20
-    assert train_mod.parse_bytes("4GB") == 4 * 10**9
-    assert train_mod.parse_bytes("0", allow_zero=True) == 0
+    assert parse_bytes("3.68GiB") == int(3.68 * 2**30)
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes("4GB") == 4 * 10**9
+    assert parse_bytes("0", allow_zero=True) == 0
 
 
 def test_allocator_default_set_only_when_unset():

@@ -13,59 +13,15 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from . import amp
+from . import amp, stock
+from .amp import autocast, parse_amp_dtype
 from .noise import NoiseSchedule
-from .ops import qca_pack, qca_update
+from .qca_step import fused_step
 from ._rollout import check_checkpoint, rollout
 from .unet import convert
 
-_AMP_DTYPES = {
-    None: None, "none": None, "fp32": None, "float32": None,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-}
 _STATE_ATTR = "_qca_lowmem_state"
 _ENV_FLAG = "QCA_LOWMEM"
-
-
-def parse_amp_dtype(value):
-    """'bf16' / 'fp16' / 'fp32' / None / a torch dtype -> torch dtype or None (full precision)."""
-    if isinstance(value, torch.dtype):
-        if value == torch.float32:
-            return None
-        if value in (torch.bfloat16, torch.float16):
-            return value
-    elif value is None or isinstance(value, str):
-        key = value.lower() if isinstance(value, str) else value
-        if key in _AMP_DTYPES:
-            return _AMP_DTYPES[key]
-    raise ValueError(f"amp_dtype must be one of None, 'fp32', 'bf16', 'fp16' (or a torch dtype), got {value!r}")
-
-
-def autocast(device_type: str, amp_dtype):
-    """Autocast to `amp_dtype` (a torch dtype from parse_amp_dtype), or off when it is None."""
-    return torch.autocast(device_type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
-
-
-def is_multiplicative(operator) -> bool:
-    """The stock rule: UNetUnitary operators act multiplicatively, any other additively."""
-    return type(operator).__name__ == "UNetUnitary"
-
-
-def fused_step(operator, gamma: float, multiplicative: bool) -> Callable:
-    """The stock engine step (DESIGN §2, steps 1-5) on the fused pack/update ops."""
-
-    def evolve_step(psi):
-        return qca_update(psi, operator(qca_pack(psi)), gamma, multiplicative)
-
-    return evolve_step
-
-
-def noise_schedule(max_noise: float, episode: int, seed: int):
-    """The rollout's replayable stock noise for `episode` (curriculum included), keyed by `seed`;
-    None when the episode's rate leaves it off, as stock does."""
-    schedule = NoiseSchedule(max_noise, episode, seed)
-    return schedule if schedule.active else None
 
 
 def lowmem_scaler_from(scaler):
@@ -153,13 +109,6 @@ def own_state_reset(trainer) -> Optional[Callable]:
     return None
 
 
-def stock_initial_state(batch, height, width, d_state, device, generator=None):
-    """psi0 as stock draws it: complex(randn, randn) per component, normalised per cell."""
-    shape = (batch, height, width, d_state)
-    psi = torch.complex(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)).to(device)
-    return psi / torch.sqrt(torch.sum(torch.abs(psi) ** 2, dim=-1, keepdim=True))
-
-
 def _lowmem_train_episode(trainer, episode_num):
     """train_episode with the stock semantics, running the episode through qca_lowmem.rollout."""
     state: _Saved = getattr(trainer, _STATE_ATTR)
@@ -168,11 +117,11 @@ def _lowmem_train_episode(trainer, episode_num):
     device = next(operator.parameters()).device
 
     trainer.optimizer.zero_grad()
-    psi0 = opts["initial_state"](trainer) if opts["initial_state"] is not None else stock_initial_state(
-        opts["batch_size"], *opts["grid"], opts["d_state"], device
+    psi0 = opts["initial_state"](trainer) if opts["initial_state"] is not None else stock.initial_state(
+        opts["batch_size"], opts["grid"], opts["d_state"], device
     )
     noise = None
-    if NoiseSchedule.rate_at(trainer.max_noise, episode_num) > NoiseSchedule.RATE_THRESHOLD:
+    if stock.noise_rate(episode_num, trainer.max_noise) > stock.NOISE_RATE_THRESHOLD:
         # One draw from the trainer's RNG keys the whole episode's noise, so recompute replays it.
         seed = int(torch.randint(0, 2**62, (1,)).item())
         noise = NoiseSchedule(trainer.max_noise, episode_num, seed)
@@ -284,7 +233,7 @@ def enable(
         d_state=d_state or _infer_d_state(trainer, operator), initial_state=initial_state,
         max_grad_norm=max_grad_norm, fused_blocks=fused_blocks,
     ))
-    multiplicative = is_multiplicative(operator)
+    multiplicative = stock.is_multiplicative(operator)
     gamma = float(getattr(trainer.motor.cfg, "GAMMA_DECAY", 0.0) or 0.0) if hasattr(trainer.motor, "cfg") else 0.0
 
     if fused_blocks:

@@ -26,9 +26,11 @@ from typing import Callable, List, Optional
 
 import torch
 
-from . import amp, integration
-from .integration import autocast, fused_step, parse_amp_dtype, stock_initial_state
-from .memory import saved_bytes
+from . import amp, integration, stock
+from .amp import autocast, parse_amp_dtype
+from .memory import format_bytes, saved_bytes
+from .noise import episode_noise
+from .qca_step import fused_step
 from ._rollout import check_checkpoint, rollout
 from .unet import UNetUnitary
 
@@ -164,44 +166,6 @@ def episode_key(seed: int, episode: int, stream: int) -> int:
     x = (x * 0x94D049BB133111EB) & (2**64 - 1)
     x ^= x >> 31
     return x >> 1
-
-
-def evolutionary_loss(psi_history, psi_initial):
-    """The stock default loss (DESIGN §2): 10*survival + 5*symmetry + complexity."""
-    psi_final = psi_history[-1]
-    energy_final = torch.sum(torch.abs(psi_final) ** 2)
-    energy_initial = torch.sum(torch.abs(psi_initial) ** 2)
-    survival = torch.abs(energy_final - 0.8 * energy_initial) / (energy_initial + 1e-6)
-    magnitude = torch.abs(psi_final)
-    symmetry = torch.mean((magnitude - torch.rot90(magnitude, 1, dims=(1, 2))) ** 2)
-    complexity = -torch.log(torch.std(torch.sum(magnitude, dim=-1)) + 1e-6)
-    loss = 10 * survival + 5 * symmetry + complexity
-    return loss, {"survival": survival.item(), "symmetry": symmetry.item(), "complexity": complexity.item()}
-
-
-def stock_step(psi, operator, gamma, multiplicative=True):
-    """The stock engine step in plain torch ops (the baseline of `bench` and `plan`)."""
-    d = psi.shape[-1]
-    x = torch.cat([psi.real.permute(0, 3, 1, 2), psi.imag.permute(0, 3, 1, 2)], dim=1)
-    delta = operator(x)
-    a = torch.complex(delta[:, :d].float(), delta[:, d:].float()).permute(0, 2, 3, 1)
-    n = psi + (a * psi if multiplicative else a)
-    if gamma > 0:
-        n = n - gamma * psi
-    return n / (torch.sqrt(torch.sum(torch.abs(n) ** 2, dim=-1, keepdim=True)) + 1e-9)
-
-
-class StockForward(torch.nn.Module):
-    """The users' stock U-Net forward over a qca_lowmem.UNetUnitary's own layers: every block
-    runs its plain `conv_block` Sequential (Conv2d, GroupNorm, ELU), keeping what stock autograd
-    keeps. Same Parameters; the baseline of `bench` and `plan`."""
-
-    def __init__(self, unet: torch.nn.Module):
-        super().__init__()
-        self.unet = unet
-
-    def forward(self, x):
-        return self.unet.forward_with(x, lambda block, h: block.conv_block(h))
 
 
 @dataclass
@@ -373,10 +337,10 @@ class Trainer:
 
     def initial_state(self, episode: int, batch: int):
         generator = torch.Generator().manual_seed(episode_key(self.config.seed, episode, 0))
-        return stock_initial_state(batch, self.config.grid, self.config.grid, self.config.d_state, self.device, generator)
+        return stock.initial_state(batch, self.config.grid, self.config.d_state, self.device, generator)
 
     def noise_for(self, episode: int):
-        return integration.noise_schedule(self.config.max_noise, episode, episode_key(self.config.seed, episode, 1))
+        return episode_noise(self.config.max_noise, episode, episode_key(self.config.seed, episode, 1))
 
     def forward_episode(self, episode: int, policy: Policy):
         """psi0 -> rollout -> loss for one episode; returns (loss, metrics, psi_T)."""
@@ -387,7 +351,7 @@ class Trainer:
                 slots=policy.slots if policy.checkpoint == "revolve" else None,
                 noise=self.noise_for(episode),
             )
-            loss, metrics = evolutionary_loss(history, psi0)
+            loss, metrics = stock.evolutionary_loss(history, psi0)
         return loss, metrics, psi
 
     def _run_local_episodes(self, episodes: List[int], policy: Policy):
@@ -645,31 +609,6 @@ class Trainer:
         reference = self.dist.broadcast_(flat.clone())
         diff = torch.tensor([(flat - reference).abs().max().item()], device=self._gather_device())
         return self.dist.all_reduce_(diff, op="max").item()
-
-
-def format_bytes(n) -> str:
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
-
-
-def parse_bytes(text: str, allow_zero: bool = False) -> int:
-    """'3.68GiB', '512 MiB', '4GB', '1e9' -> bytes."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-             "k": 2**10, "m": 2**20, "g": 2**30}
-    s = str(text).strip().lower().replace(" ", "")
-    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = None
-    if value is None or unit not in units or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"memory size must look like 3.68GiB, 512MiB or 4GB, got {text!r}")
-    return int(value * units[unit])
 
 
 def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, progress: bool = True,
