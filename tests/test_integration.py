@@ -109,7 +109,8 @@ def test_disable_restores_stock_behaviour():
     assert "train_episode" not in vars(trainer) and "evolve_step" not in vars(trainer.motor)
     assert trainer.scaler is original_scaler and type(trainer.scaler) is torch.amp.GradScaler
     assert trainer.scaler.get_scale() == 256.0  # the state the lowmem scaler reached is carried back
-    assert not qca_lowmem.integration.is_enabled(trainer)
+    with pytest.raises(RuntimeError, match="not enabled"):
+        qca_lowmem.disable(trainer)
     # Stock again: continuing equals a stock trainer that ran the same episodes.
     trainer.scaler = None
     run_episodes(stock, range(1))

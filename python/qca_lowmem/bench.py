@@ -21,10 +21,11 @@ import torch
 
 from . import stock
 from .amp import autocast, parse_amp_dtype
+from .distributed import resolve_device
 from .memory import format_bytes, saved_bytes
 from .qca_step import fused_step
 from ._rollout import rollout
-from .train import TrainConfig, build_model, resolve_device
+from .train import TrainConfig, build_model
 
 
 def library_commit(repo=None) -> Optional[str]:

@@ -206,6 +206,24 @@ def enable(
     if hasattr(trainer, _STATE_ATTR):
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
     check_checkpoint(checkpoint, slots, "enable()")
+    state = _Saved(options=_episode_options(
+        trainer, checkpoint=checkpoint, slots=slots, amp_dtype=amp_dtype, grid_size=grid_size, batch_size=batch_size,
+        d_state=d_state, initial_state=initial_state, max_grad_norm=max_grad_norm, fused_blocks=fused_blocks,
+    ))
+    # Everything that can fail is decided before the trainer changes.
+    new_scaler = _lowmem_scaler_for(trainer, state.options["amp_dtype"]) if lowmem_scaler else None
+    if fused_blocks:
+        _convert_blocks(trainer.motor.operator, state)
+    _swap_step(trainer, state, fused_step_ops)
+    _swap_episode(trainer, state)
+    _swap_scaler(trainer, state, new_scaler)
+    setattr(trainer, _STATE_ATTR, state)
+    return trainer
+
+
+def _episode_options(trainer, *, checkpoint, slots, amp_dtype, grid_size, batch_size, d_state, initial_state,
+                     max_grad_norm, fused_blocks) -> dict:
+    """enable()'s arguments resolved against the trainer: what each lowmem episode reads."""
     if amp_dtype is None and getattr(trainer, "use_amp", False):
         compute_dtype = torch.float16
     else:
@@ -220,47 +238,57 @@ def enable(
         grid = None if initial_state is not None else _infer_grid(trainer)
     if initial_state is None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"enable(): batch_size must be a positive int, got {batch_size!r}")
-    operator = trainer.motor.operator
-    scaler = getattr(trainer, "scaler", None)
-    new_scaler = None
-    if lowmem_scaler and scaler is not None:
-        new_scaler = lowmem_scaler_from(scaler)
-    elif lowmem_scaler and compute_dtype == torch.float16 and next(operator.parameters()).device.type == "cuda":
-        new_scaler = amp.GradScaler("cuda")
-
-    state = _Saved(options=dict(
+    return dict(
         checkpoint=checkpoint, slots=slots, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
-        d_state=d_state or _infer_d_state(trainer, operator), initial_state=initial_state,
+        d_state=d_state or _infer_d_state(trainer, trainer.motor.operator), initial_state=initial_state,
         max_grad_norm=max_grad_norm, fused_blocks=fused_blocks,
-    ))
-    multiplicative = stock.is_multiplicative(operator)
-    gamma = float(getattr(trainer.motor.cfg, "GAMMA_DECAY", 0.0) or 0.0) if hasattr(trainer.motor, "cfg") else 0.0
+    )
 
-    if fused_blocks:
-        params_before = [id(p) for p in operator.parameters()]
-        edges = _children(operator)
-        _, state.convert_report = convert(operator)
-        # What convert() swapped, so disable() can put the very same stock modules back.
-        state.blocks = [(parent, name, child) for parent, name, child in edges if getattr(parent, name) is not child]
-        if [id(p) for p in operator.parameters()] != params_before:
-            _restore_blocks(state.blocks)
-            raise RuntimeError("enable(): convert() did not keep the operator's Parameter objects; nothing was changed")
 
+def _lowmem_scaler_for(trainer, compute_dtype):
+    """The trainer's scaler as a qca_lowmem.amp.GradScaler with its state; a new one when the
+    trainer has none but fp16 on CUDA needs one; else None (nothing to swap)."""
+    scaler = getattr(trainer, "scaler", None)
+    if scaler is not None:
+        return lowmem_scaler_from(scaler)
+    if compute_dtype == torch.float16 and next(trainer.motor.operator.parameters()).device.type == "cuda":
+        return amp.GradScaler("cuda")
+    return None
+
+
+def _convert_blocks(operator, state: _Saved):
+    """Stock ConvBlocks -> FusedConvBlock in place, remembering what was swapped for disable()."""
+    params_before = [id(p) for p in operator.parameters()]
+    edges = _children(operator)
+    _, state.convert_report = convert(operator)
+    # What convert() swapped, so disable() can put the very same stock modules back.
+    state.blocks = [(parent, name, child) for parent, name, child in edges if getattr(parent, name) is not child]
+    if [id(p) for p in operator.parameters()] != params_before:
+        _restore_blocks(state.blocks)
+        raise RuntimeError("enable(): convert() did not keep the operator's Parameter objects; nothing was changed")
+
+
+def _swap_step(trainer, state: _Saved, fused_step_ops: bool):
+    """motor.evolve_step -> the fused pack/update (with the engine's gamma and stock's rule for
+    multiplicative operators), when `fused_step_ops`; the original is kept either way."""
     motor = trainer.motor
     state.had_evolve_step_attr = "evolve_step" in vars(motor)
     state.evolve_step = motor.evolve_step
     if fused_step_ops:
-        motor.evolve_step = fused_step(operator, gamma, multiplicative)
+        gamma = float(getattr(motor.cfg, "GAMMA_DECAY", 0.0) or 0.0) if hasattr(motor, "cfg") else 0.0
+        motor.evolve_step = fused_step(motor.operator, gamma, stock.is_multiplicative(motor.operator))
 
+
+def _swap_episode(trainer, state: _Saved):
     state.had_train_episode_attr = "train_episode" in vars(trainer)
     state.train_episode = trainer.train_episode
     trainer.train_episode = types.MethodType(_lowmem_train_episode, trainer)
 
-    state.scaler = scaler
+
+def _swap_scaler(trainer, state: _Saved, new_scaler):
+    state.scaler = getattr(trainer, "scaler", None)
     if new_scaler is not None:
         trainer.scaler = new_scaler
-    setattr(trainer, _STATE_ATTR, state)
-    return trainer
 
 
 def _restore_blocks(blocks):
@@ -289,10 +317,6 @@ def disable(trainer):
         trainer.scaler = state.scaler
     delattr(trainer, _STATE_ATTR)
     return trainer
-
-
-def is_enabled(trainer) -> bool:
-    return hasattr(trainer, _STATE_ATTR)
 
 
 def _section(cfg, name):
