@@ -1,4 +1,4 @@
-"""One-flag switch for a QC_Trainer_v4-style trainer (DESIGN.md §2 attribute contract).
+"""One-flag switch for a QC_Trainer_v4-style trainer (the attributes it relies on: docs/design.md).
 
 `enable(trainer)` converts the operator's ConvBlocks in place (same Parameters), swaps the engine
 step for the fused pack/update, replaces `train_episode` by a rollout with recompute that keeps the
@@ -168,7 +168,7 @@ def _check_contract(trainer):
     if missing:
         raise TypeError(
             f"enable(): {type(trainer).__name__} lacks the QC_Trainer_v4 attributes {missing} "
-            "(DESIGN.md §2 lists what the switch relies on)"
+            "(docs/design.md lists what the switch relies on)"
         )
 
 
