@@ -16,8 +16,8 @@ from torch import Tensor, nn
 
 from ._recompute import block_keeps_intermediates
 from .amp import autocast_dtype
+from . import stock
 from .groupnorm_elu import output_layout, stat_dtype
-from .stock import group_count
 
 _lib = torch.ops.qca_lowmem
 
@@ -171,15 +171,8 @@ class FusedConvBlock(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, mid_channels: Optional[int] = None, *,
                  recompute: bool = True):
         super().__init__()
-        mid = out_channels if mid_channels is None else mid_channels
-        self.conv_block = nn.Sequential(
-            nn.Conv2d(in_channels, mid, kernel_size=3, padding=1, bias=False),
-            nn.GroupNorm(group_count(mid), mid),
-            nn.ELU(),
-            nn.Conv2d(mid, out_channels, kernel_size=3, padding=1, bias=False),
-            nn.GroupNorm(group_count(out_channels), out_channels),
-            nn.ELU(inplace=True),
-        )
+        # The stock block's own layers: its parameters, keys and initialisation by construction.
+        self.conv_block = stock.ConvBlock(in_channels, out_channels, mid_channels).conv_block
         self.recompute = recompute
 
     @classmethod
