@@ -140,7 +140,6 @@ if with_cuda:
         "qca_lowmem._C",
         sources=glue + cuda_glue + cuda_sources,
         include_dirs=include_dirs,
-        define_macros=[("QCA_LOWMEM_WITH_CUDA", "1")],
         extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
         extra_link_args=link_flags,
     )

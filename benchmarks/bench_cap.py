@@ -22,7 +22,9 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 from qca_lowmem.bench import environment  # noqa: E402
-from qca_lowmem.train import OutOfMemoryStop, Policy, Trainer, load_config, parse_bytes  # noqa: E402
+from qca_lowmem.memory import parse_bytes  # noqa: E402
+from qca_lowmem.oom import OutOfMemoryStop, Policy  # noqa: E402
+from qca_lowmem.train import Trainer, load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

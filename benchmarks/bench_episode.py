@@ -1,7 +1,7 @@
 """One training episode, stock vs qca_lowmem, all in one process (issue 4).
 
 An episode is the stock `train_episode`: psi0, `qca_steps` steps with the stock noise, the
-evolutionary loss (DESIGN section 2), backward, clip_grad_norm_(1.0), AdamW(1e-4, wd 1e-5) step.
+evolutionary loss (docs/design.md), backward, clip_grad_norm_(1.0), AdamW(1e-4, wd 1e-5) step.
 Runs: stock_fp32, stock_fp16_autocast (with a GradScaler), stock_fp16_checkpoint (autocast and
 one torch.utils.checkpoint per step, the users' proposed fix), lowmem_fp32_step,
 lowmem_bf16_step, lowmem_fp16_step (with qca_lowmem.amp.GradScaler), lowmem_bf16_revolve32, and
@@ -29,7 +29,7 @@ import torch.utils.checkpoint
 
 import common
 import qca_lowmem
-import reference  # the stock computation, tests/reference.py (common puts tests/ on the path)
+from qca_lowmem import stock as reference
 
 RUNS = ["lowmem_fp32_step_graph", "lowmem_bf16_step_graph", "lowmem_fp16_step_graph", "stock_fp32",
         "stock_fp16_autocast", "stock_fp16_checkpoint", "lowmem_fp32_step", "lowmem_bf16_step", "lowmem_fp16_step",

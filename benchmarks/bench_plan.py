@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from qca_lowmem import stock
 from qca_lowmem.bench import EpisodeRunner, environment
 from qca_lowmem.plan import plan
 from qca_lowmem.train import Trainer, load_config
@@ -51,10 +52,8 @@ def measure_policy(config, estimate):
 
 
 def _psi0(config):
-    from qca_lowmem.integration import stock_initial_state
-
     generator = torch.Generator().manual_seed(0)
-    return stock_initial_state(config.batch, config.grid, config.grid, config.d_state, torch.device("cuda"), generator)
+    return stock.initial_state(config.batch, config.grid, config.d_state, torch.device("cuda"), generator)
 
 
 def main():

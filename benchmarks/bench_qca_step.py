@@ -15,7 +15,7 @@ import torch
 
 import common
 import qca_lowmem
-import reference
+from qca_lowmem import stock as reference
 
 BYTES_PER_COMPONENT = {
     "pack": 8 + 8,  # psi in, x out

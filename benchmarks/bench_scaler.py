@@ -22,15 +22,13 @@ import torch
 
 import common
 import qca_lowmem
-import reference
 from qca_lowmem.amp import GradScaler
 
 SCALE = 2.0**16
 
 
 def build_model(d_state, hidden, device):
-    cls = getattr(qca_lowmem, "UNetUnitary", None) or reference.UNetUnitary
-    return cls(d_state, hidden).to(device)
+    return qca_lowmem.UNetUnitary(d_state, hidden).to(device)
 
 
 def scaled_gradients(model, grid, d_state, grad_dtype, device):

@@ -3,7 +3,6 @@
 
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -13,7 +12,6 @@ from qca_lowmem.bench import device_name, environment
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(ROOT / "tests"))  # the stock oracle, tests/reference.py
 
 
 def median_seconds(fn, device, warmup=5, reps=20, setup=None):

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import common
 import qca_lowmem
-import reference
+from qca_lowmem import stock as reference
 
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -3,6 +3,7 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -24,3 +25,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def randomize_affine(module: nn.Module, generator=None) -> nn.Module:
+    """Give every GroupNorm a non-trivial affine (stock init is 1 and 0), so tests see it."""
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, nn.GroupNorm):
+                m.weight.copy_(1.0 + 0.3 * torch.randn(m.weight.shape, generator=generator))
+                m.bias.copy_(0.3 * torch.randn(m.bias.shape, generator=generator))
+    return module

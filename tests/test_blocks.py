@@ -6,12 +6,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICES, cuda_only
+from conftest import DEVICES, cuda_only, randomize_affine
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qca_lowmem
-import reference as R
+from qca_lowmem import stock as R
 from qca_lowmem.blocks import conv_block, conv_block_keep
 
 OPS = torch.ops.qca_lowmem
@@ -173,7 +173,7 @@ def test_opcheck_groupnorm_elu_ops(device):
 
 
 def block_args(device, dtype=torch.float32, channels_last=False, requires_grad=True):
-    block = R.randomize_affine(R.ConvBlock(5, 16, 12)).to(device=device, dtype=dtype)
+    block = randomize_affine(R.ConvBlock(5, 16, 12)).to(device=device, dtype=dtype)
     conv1, norm1, _, conv2, norm2, _ = block.conv_block
     x = torch.randn(2, 5, 6, 7, device=device, dtype=dtype)
     if channels_last:
@@ -277,7 +277,7 @@ def compare_under_autocast(stock, fused, x, dtype, slack=2.0):
 
 
 def stock_and_fused_block(dtype, device="cpu", mid=None):
-    stock = R.randomize_affine(R.ConvBlock(5, 16, mid)).to(device=device, dtype=dtype)
+    stock = randomize_affine(R.ConvBlock(5, 16, mid)).to(device=device, dtype=dtype)
     fused = qca_lowmem.FusedConvBlock(5, 16, mid).to(device=device, dtype=dtype)
     fused.load_state_dict(stock.state_dict(), strict=True)
     return stock, fused
@@ -310,7 +310,6 @@ def test_block_parameters_and_keys_match_stock():
     assert list(fused.state_dict()) == list(stock.state_dict())
     assert [(n, p.shape) for n, p in fused.named_parameters()] == [(n, p.shape) for n, p in stock.named_parameters()]
     for channels in (1, 8, 12, 16, 24, 30, 128):
-        assert qca_lowmem.blocks.group_count(channels) == R.group_count(channels)
         assert qca_lowmem.FusedConvBlock(3, channels).conv_block[4].num_groups == R.ConvBlock(3, channels).conv_block[4].num_groups
 
 
@@ -369,7 +368,7 @@ def test_block_recompute_replays_forward_autocast():
 
 
 def stock_and_fused_unet(dtype=torch.float32, device="cpu", recompute="unet", d=2, h=8):
-    stock = R.randomize_affine(R.UNetUnitary(d, h)).to(device=device, dtype=dtype)
+    stock = randomize_affine(R.UNetUnitary(d, h)).to(device=device, dtype=dtype)
     with torch.no_grad():  # a visible output layer, so the gradients reach every block
         stock.outc.weight.normal_(0, 0.3)
     fused = qca_lowmem.UNetUnitary(d, h, recompute=recompute).to(device=device, dtype=dtype)
@@ -497,7 +496,7 @@ class OtherBlock(nn.Module):
 
 
 def test_convert_keeps_parameters_and_matches():
-    model = R.randomize_affine(R.UNetUnitary(2, 8))
+    model = randomize_affine(R.UNetUnitary(2, 8))
     reference = copy.deepcopy(model)
     params_before = {name: p for name, p in model.named_parameters()}
     converted, report = qca_lowmem.convert(model)
@@ -514,7 +513,7 @@ def test_convert_keeps_parameters_and_matches():
 
 def test_adamw_step_after_convert_equals_one_before():
     torch.manual_seed(1)
-    model = R.randomize_affine(R.UNetUnitary(2, 8))
+    model = randomize_affine(R.UNetUnitary(2, 8))
     with torch.no_grad():
         model.outc.weight.normal_(0, 0.3)
     twin = copy.deepcopy(model)
@@ -560,7 +559,7 @@ def test_convert_leaves_other_blocks_alone_and_reports_them():
 
 
 def test_convert_root_block_and_shared_block():
-    block = R.randomize_affine(R.ConvBlock(4, 8))
+    block = randomize_affine(R.ConvBlock(4, 8))
     fused, report = qca_lowmem.convert(block)
     assert isinstance(fused, qca_lowmem.FusedConvBlock) and report.converted == [""]
     assert fused.conv_block is block.conv_block

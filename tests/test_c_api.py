@@ -1,7 +1,11 @@
 """The C API's CPU and CUDA launchers keep one contract for arguments the ATen glue never sends
-(the glue validates first), called here through ctypes on the loaded library."""
+(the glue validates first), called here through ctypes on the loaded library. The ctypes
+structures are checked against the header's layout, as a C compiler sees it."""
 
 import ctypes
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +29,36 @@ class PackParams(ctypes.Structure):  # qca_pack_params
     _fields_ = [("grid", Grid), ("state_dtype", ctypes.c_int), ("psi", ctypes.c_void_p),
                 ("psi_stride", ctypes.c_int64 * 4), ("x_dtype", ctypes.c_int),
                 ("x", ctypes.c_void_p), ("x_stride", ctypes.c_int64 * 4)]
+
+
+INCLUDE = Path(__file__).resolve().parents[1] / "include"
+C_COMPILER = shutil.which("cc") or shutil.which("gcc")
+
+
+def probe(header, expressions, tmp_path):
+    """The value of each C expression, from a program compiled against the header."""
+    lines = "".join(f'printf("%lld\\n", (long long)({e}));\n' for e in expressions)
+    source = tmp_path / "probe.c"
+    source.write_text(f'#include <stddef.h>\n#include <stdio.h>\n#include "{header}"\n'
+                      f"int main(void) {{\n{lines}return 0;\n}}\n")
+    binary = tmp_path / "probe"
+    subprocess.run([C_COMPILER, "-std=c11", "-I", str(INCLUDE), str(source), "-o", str(binary)], check=True)
+    out = subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout
+    return [int(line) for line in out.split()]
+
+
+@pytest.mark.skipif(C_COMPILER is None, reason="needs a C compiler")
+@pytest.mark.parametrize("structure,name", [(Grid, "qca_grid"), (PackParams, "qca_pack_params")])
+def test_ctypes_structures_match_the_header(structure, name, tmp_path):
+    fields = [field for field, _ in structure._fields_]
+    expected = probe("qca_lowmem/qca_step.h", [f"sizeof({name})"] + [f"offsetof({name}, {f})" for f in fields], tmp_path)
+    assert [ctypes.sizeof(structure)] + [getattr(structure, field).offset for field in fields] == expected
+
+
+@pytest.mark.skipif(C_COMPILER is None, reason="needs a C compiler")
+def test_constants_match_the_header(tmp_path):
+    names = ["QCA_F32", "QCA_BF16", "QCA_OK", "QCA_ERR_UNSUPPORTED_DTYPE"]
+    assert [globals()[name] for name in names] == probe("qca_lowmem/common.h", names, tmp_path)
 
 
 def pack_params(psi, x, x_dtype):

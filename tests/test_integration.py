@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import qca_lowmem
-from conftest import cuda_only
+from conftest import cuda_only, randomize_affine
 from fixtures.qc_trainer_v4 import QC_Trainer_v4, make_config
-from reference import ConvBlock, randomize_affine
+from qca_lowmem.stock import ConvBlock
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -109,7 +109,8 @@ def test_disable_restores_stock_behaviour():
     assert "train_episode" not in vars(trainer) and "evolve_step" not in vars(trainer.motor)
     assert trainer.scaler is original_scaler and type(trainer.scaler) is torch.amp.GradScaler
     assert trainer.scaler.get_scale() == 256.0  # the state the lowmem scaler reached is carried back
-    assert not qca_lowmem.integration.is_enabled(trainer)
+    with pytest.raises(RuntimeError, match="not enabled"):
+        qca_lowmem.disable(trainer)
     # Stock again: continuing equals a stock trainer that ran the same episodes.
     trainer.scaler = None
     run_episodes(stock, range(1))

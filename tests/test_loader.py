@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import qca_lowmem
+import qca_lowmem.stock
 from qca_lowmem import _build_info, _loader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,3 +51,15 @@ def test_bad_cuda_switch_is_rejected():
 
 def test_version():
     assert qca_lowmem.__version__
+
+
+def test_stock_computation_uses_no_kernels():
+    """qca_lowmem.stock is the oracle the kernels are tested against: plain torch only."""
+    import ast
+
+    tree = ast.parse(Path(qca_lowmem.stock.__file__).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module or "." for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
+    relative = [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level > 0]
+    assert not relative and imported <= {"math", "typing", "torch"}, (relative, imported)
+    assert "torch.ops" not in Path(qca_lowmem.stock.__file__).read_text()

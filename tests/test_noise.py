@@ -116,7 +116,7 @@ def test_phase_flip_rate_and_uniform_phases():
 
 
 def test_rates_match_the_stock_injector():
-    import reference
+    from qca_lowmem import stock as reference
 
     psi = torch.ones(2, 128, 128, 2, dtype=torch.complex64)
     rate = 0.1

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qca_lowmem
-import reference
+from qca_lowmem import stock as reference
 
 NARROW = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -5,13 +5,13 @@ import importlib
 import weakref
 
 import pytest
-import reference
 import torch
-from conftest import DEVICES, cuda_only
+from conftest import DEVICES, cuda_only, randomize_affine
 from torch import nn
 
 import qca_lowmem
 from qca_lowmem import NoiseSchedule, block_keeps_intermediates, rollout, saved_bytes
+from qca_lowmem import stock as reference
 
 rollout_module = importlib.import_module("qca_lowmem._rollout")
 
@@ -25,7 +25,7 @@ MODES = [("step", None), ("revolve", 1), ("revolve", 2), ("revolve", 3), ("revol
 
 def make_unet(dtype=torch.float64, device="cpu", d_state=2, hidden=4):
     torch.manual_seed(1)
-    op = reference.randomize_affine(reference.UNetUnitary(d_state, hidden))
+    op = randomize_affine(reference.UNetUnitary(d_state, hidden))
     with torch.no_grad():
         op.outc.weight.normal_(0.0, 0.3)  # the stock 1e-5 would make every step nearly the identity
     return op.to(device=device, dtype=dtype)

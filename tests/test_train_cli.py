@@ -16,7 +16,10 @@ import yaml
 import qca_lowmem
 from qca_lowmem import cli, train as train_mod
 from conftest import cuda_only
+from qca_lowmem.memory import parse_bytes
+from qca_lowmem.oom import EXIT_OOM, Policy
 from qca_lowmem.plan import LOSS_STATES, Estimate, recommend
+from qca_lowmem.train_state import atomic_save
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,7 +136,7 @@ def test_oom_guard_saves_and_explains_when_nothing_fits(tiny_config, tmp_path, m
     calls = _inject_oom(monkeypatch, lambda episode, policy: episode >= 2)
     out = tmp_path / "run"
     status = run_cli("train", "--config", tiny_config, "--out", out, "--batch", 2, "--no-progress")
-    assert status == train_mod.EXIT_OOM
+    assert status == EXIT_OOM
     tried = [p for e, p in calls if e == 2]
     assert tried == ["checkpoint=step batch=2", "checkpoint=revolve slots=1 batch=2", "checkpoint=revolve slots=1 batch=1"]
     err = capsys.readouterr().err
@@ -148,13 +151,13 @@ def test_oom_in_the_optimizer_step_stops_with_an_explanation(tiny_config, tmp_pa
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
-    assert run_cli("train", "--config", tiny_config, "--out", tmp_path / "run", "--no-progress") == train_mod.EXIT_OOM
+    assert run_cli("train", "--config", tiny_config, "--out", tmp_path / "run", "--no-progress") == EXIT_OOM
     err = capsys.readouterr().err
     assert "out of memory in the optimizer step after episode 0" in err and "AdamW moments" in err
 
 
 def test_policy_lowering_chain():
-    policy = train_mod.Policy("step", None, 4)
+    policy = Policy("step", None, 4)
     chain = []
     while policy is not None:
         chain.append(policy.describe())
@@ -166,7 +169,7 @@ def test_policy_lowering_chain():
 
 def test_atomic_checkpoint_survives_a_failed_save(tmp_path, monkeypatch):
     path = tmp_path / "checkpoint.pt"
-    train_mod.atomic_save({"episode": 1, "weights": torch.arange(5.0)}, path)
+    atomic_save({"episode": 1, "weights": torch.arange(5.0)}, path)
 
     def broken_save(obj, f, *args, **kwargs):
         f.write(b"partial garbage")
@@ -174,7 +177,7 @@ def test_atomic_checkpoint_survives_a_failed_save(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", broken_save)
     with pytest.raises(OSError, match="disk full"):
-        train_mod.atomic_save({"episode": 2, "weights": torch.zeros(5)}, path)
+        atomic_save({"episode": 2, "weights": torch.zeros(5)}, path)
     monkeypatch.undo()
     state = torch.load(path)
     assert state["episode"] == 1 and torch.equal(state["weights"], torch.arange(5.0))
@@ -233,7 +236,7 @@ def test_plan_predicts_and_recommends(tiny_config, tmp_path, capsys):
     assert step["kept_bytes"] == (5 + LOSS_STATES) * psi
     assert stock["kept_bytes"] > step["kept_bytes"]
     # The kept-state prediction against what a real episode's graph keeps (saved_bytes, CPU).
-    for name, policy in (("lowmem step fp32", train_mod.Policy("step", None, 1)),
+    for name, policy in (("lowmem step fp32", Policy("step", None, 1)),
                          ("stock (for reference)", None)):
         config = train_mod.load_config(tiny_config, out_dir=str(tmp_path))
         if policy is None:
@@ -289,10 +292,10 @@ def test_bad_config_is_a_clear_error(tmp_path, capsys):
 
 
 def test_parse_bytes():
-    assert train_mod.parse_bytes("3.68GiB") == int(3.68 * 2**30)
-    assert train_mod.parse_bytes("512 MiB") == 512 * 2**20
-    assert train_mod.parse_bytes("4GB") == 4 * 10**9
-    assert train_mod.parse_bytes("0", allow_zero=True) == 0
+    assert parse_bytes("3.68GiB") == int(3.68 * 2**30)
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes("4GB") == 4 * 10**9
+    assert parse_bytes("0", allow_zero=True) == 0
 
 
 def test_allocator_default_set_only_when_unset():

@@ -15,7 +15,7 @@ typedef struct group_view {
   int64_t base, channel_stride, pixel_stride;
 } group_view;
 
-static group_view view_of(const qca_gn_shape* s, int64_t pair) {
+static group_view view_of(const qca_groupnorm_elu_shape* s, int64_t pair) {
   group_view v;
   const int64_t hw = s->height * s->width;
   v.sample = pair / s->groups;
@@ -34,8 +34,8 @@ static group_view view_of(const qca_gn_shape* s, int64_t pair) {
   return v;
 }
 
-static qca_status check_args(const qca_gn_shape* s, qca_dtype x, qca_dtype affine, qca_dtype stat,
-                             int64_t pair_begin, int64_t pair_end) {
+static qca_status check_args(const qca_groupnorm_elu_shape* s, qca_dtype x, qca_dtype affine,
+                             qca_dtype stat, int64_t pair_begin, int64_t pair_end) {
   if (s->batch < 0 || s->channels < 1 || s->height < 0 || s->width < 0 || s->groups < 1 ||
       s->channels % s->groups != 0)
     return QCA_ERR_INVALID_ARGUMENT;
@@ -51,7 +51,8 @@ static inline double elu(double z) { return z > 0 ? z : expm1(z); }
 /* d ELU / dz, from z itself so nothing of the forward output has to be kept. */
 static inline double elu_grad(double z) { return z > 0 ? 1.0 : exp(z); }
 
-qca_status qca_gn_elu_forward_cpu(const qca_gn_elu_params* p, int64_t pair_begin, int64_t pair_end) {
+qca_status qca_groupnorm_elu_forward_cpu(const qca_groupnorm_elu_params* p, int64_t pair_begin,
+                                         int64_t pair_end) {
   const qca_status status =
       check_args(&p->shape, p->x_dtype, p->affine_dtype, p->stat_dtype, pair_begin, pair_end);
   if (status != QCA_OK) return status;
@@ -59,9 +60,9 @@ qca_status qca_gn_elu_forward_cpu(const qca_gn_elu_params* p, int64_t pair_begin
     const group_view v = view_of(&p->shape, pair);
     const int64_t count = v.channels * v.pixels;
     double mean, rstd;
-    if (p->stats_given) {
-      mean = qca_load_f64(p->mean, p->stat_dtype, pair);
-      rstd = qca_load_f64(p->rstd, p->stat_dtype, pair);
+    if (p->mean_in) {
+      mean = qca_load_f64(p->mean_in, p->stat_dtype, pair);
+      rstd = qca_load_f64(p->rstd_in, p->stat_dtype, pair);
     } else {
       double sum = 0;
       for (int64_t c = 0; c < v.channels; ++c)
@@ -78,10 +79,10 @@ qca_status qca_gn_elu_forward_cpu(const qca_gn_elu_params* p, int64_t pair_begin
       const double var = count > 0 ? squares / (double)count : 0.0;
       rstd = 1.0 / sqrt(var + p->eps);
       /* Store what was computed, rounded as the stored statistics will be read back. */
-      qca_store_f64(p->mean, p->stat_dtype, pair, mean);
-      qca_store_f64(p->rstd, p->stat_dtype, pair, rstd);
-      mean = qca_load_f64(p->mean, p->stat_dtype, pair);
-      rstd = qca_load_f64(p->rstd, p->stat_dtype, pair);
+      qca_store_f64(p->mean_out, p->stat_dtype, pair, mean);
+      qca_store_f64(p->rstd_out, p->stat_dtype, pair, rstd);
+      mean = qca_load_f64(p->mean_out, p->stat_dtype, pair);
+      rstd = qca_load_f64(p->rstd_out, p->stat_dtype, pair);
     }
     for (int64_t c = 0; c < v.channels; ++c) {
       const double scale = qca_load_f64(p->weight, p->affine_dtype, v.first_channel + c) * rstd;
@@ -100,8 +101,8 @@ qca_status qca_gn_elu_forward_cpu(const qca_gn_elu_params* p, int64_t pair_begin
  *   grad_bias[c] = sum g,  grad_weight[c] = sum g * xhat,
  *   grad_x = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),
  * where mean(dxhat) = sum_c w_c grad_bias[c] / M and mean(dxhat xhat) = sum_c w_c grad_weight[c] / M. */
-qca_status qca_gn_elu_backward_cpu(const qca_gn_elu_backward_params* p, int64_t pair_begin,
-                                   int64_t pair_end) {
+qca_status qca_groupnorm_elu_backward_cpu(const qca_groupnorm_elu_backward_params* p,
+                                          int64_t pair_begin, int64_t pair_end) {
   const qca_status status =
       check_args(&p->shape, p->x_dtype, p->affine_dtype, p->stat_dtype, pair_begin, pair_end);
   if (status != QCA_OK) return status;

@@ -35,7 +35,7 @@ struct GroupLayout {
   int channel_lane, pixel_lane;
   bool active;
 
-  __device__ GroupLayout(const qca_gn_shape& s, int64_t splits) {
+  __device__ GroupLayout(const qca_groupnorm_elu_shape& s, int64_t splits) {
     const int64_t hw = s.height * s.width;
     pair = (int64_t)blockIdx.x / splits;
     split = (int64_t)blockIdx.x % splits;
@@ -233,7 +233,7 @@ __device__ acc_t rstd_of(const Welford<acc_t>& w, double eps) {
 
 // y = ELU((x - mean) * rstd * weight + bias) over the block's share.
 template <typename scalar_t, typename acc_t>
-__device__ void apply_share(const GroupLayout& g, const qca_gn_elu_params& p, acc_t mean, acc_t rstd) {
+__device__ void apply_share(const GroupLayout& g, const qca_groupnorm_elu_params& p, acc_t mean, acc_t rstd) {
   if (!g.active) return;
   const scalar_t* x = static_cast<const scalar_t*>(p.x);
   scalar_t* y = static_cast<scalar_t*>(p.y);
@@ -248,21 +248,21 @@ __device__ void apply_share(const GroupLayout& g, const qca_gn_elu_params& p, ac
 
 // One block per pair: statistics (unless given) and output.
 template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kThreads) forward_kernel(const qca_gn_elu_params p) {
+__global__ void __launch_bounds__(kThreads) forward_kernel(const qca_groupnorm_elu_params p) {
   const GroupLayout g(p.shape, 1);
   __shared__ acc_t s_stats[2];
-  if (p.stats_given) {
+  if (p.mean_in) {
     if (threadIdx.x == 0) {
-      s_stats[0] = load_as<acc_t>(p.mean, p.stat_dtype, g.pair);
-      s_stats[1] = load_as<acc_t>(p.rstd, p.stat_dtype, g.pair);
+      s_stats[0] = load_as<acc_t>(p.mean_in, p.stat_dtype, g.pair);
+      s_stats[1] = load_as<acc_t>(p.rstd_in, p.stat_dtype, g.pair);
     }
   } else {
     const Welford<acc_t> w = share_statistics<scalar_t, acc_t>(g, static_cast<const scalar_t*>(p.x));
     if (threadIdx.x == 0) {
       s_stats[0] = w.mean;
       s_stats[1] = rstd_of(w, p.eps);
-      store_as<acc_t>(p.mean, p.stat_dtype, g.pair, s_stats[0]);
-      store_as<acc_t>(p.rstd, p.stat_dtype, g.pair, s_stats[1]);
+      store_as<acc_t>(p.mean_out, p.stat_dtype, g.pair, s_stats[0]);
+      store_as<acc_t>(p.rstd_out, p.stat_dtype, g.pair, s_stats[1]);
     }
   }
   __syncthreads();
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const qca_gn_elu_para
 
 // Split pairs, first kernel: each block's partial statistics to the workspace.
 template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kThreads) forward_partial_kernel(const qca_gn_elu_params p, int64_t splits) {
+__global__ void __launch_bounds__(kThreads) forward_partial_kernel(const qca_groupnorm_elu_params p, int64_t splits) {
   const GroupLayout g(p.shape, splits);
   const Welford<acc_t> w = share_statistics<scalar_t, acc_t>(g, static_cast<const scalar_t*>(p.x));
   if (threadIdx.x == 0) static_cast<Welford<acc_t>*>(p.workspace)[blockIdx.x] = w;
@@ -279,13 +279,13 @@ __global__ void __launch_bounds__(kThreads) forward_partial_kernel(const qca_gn_
 
 // Split pairs, second kernel: merge the pair's partials (in split order), then the output.
 template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kThreads) forward_apply_kernel(const qca_gn_elu_params p, int64_t splits) {
+__global__ void __launch_bounds__(kThreads) forward_apply_kernel(const qca_groupnorm_elu_params p, int64_t splits) {
   const GroupLayout g(p.shape, splits);
   __shared__ acc_t s_stats[2];
   if (threadIdx.x == 0) {
-    if (p.stats_given) {
-      s_stats[0] = load_as<acc_t>(p.mean, p.stat_dtype, g.pair);
-      s_stats[1] = load_as<acc_t>(p.rstd, p.stat_dtype, g.pair);
+    if (p.mean_in) {
+      s_stats[0] = load_as<acc_t>(p.mean_in, p.stat_dtype, g.pair);
+      s_stats[1] = load_as<acc_t>(p.rstd_in, p.stat_dtype, g.pair);
     } else {
       const Welford<acc_t>* partials = static_cast<const Welford<acc_t>*>(p.workspace) + g.pair * splits;
       Welford<acc_t> w = partials[0];
@@ -293,8 +293,8 @@ __global__ void __launch_bounds__(kThreads) forward_apply_kernel(const qca_gn_el
       s_stats[0] = w.mean;
       s_stats[1] = rstd_of(w, p.eps);
       if (g.split == 0) {
-        store_as<acc_t>(p.mean, p.stat_dtype, g.pair, s_stats[0]);
-        store_as<acc_t>(p.rstd, p.stat_dtype, g.pair, s_stats[1]);
+        store_as<acc_t>(p.mean_out, p.stat_dtype, g.pair, s_stats[0]);
+        store_as<acc_t>(p.rstd_out, p.stat_dtype, g.pair, s_stats[1]);
       }
     }
   }
@@ -305,7 +305,7 @@ __global__ void __launch_bounds__(kThreads) forward_apply_kernel(const qca_gn_el
 // Per-channel sums of g = grad_y * ELU'(z) and g * xhat over the block's share; `emit(c, sum_g,
 // sum_g_xhat)` is called once per channel, by the thread of pixel lane 0.
 template <typename scalar_t, typename acc_t, typename Emit>
-__device__ void share_channel_sums(const GroupLayout& g, const qca_gn_elu_backward_params& p, acc_t mean,
+__device__ void share_channel_sums(const GroupLayout& g, const qca_groupnorm_elu_backward_params& p, acc_t mean,
                                    acc_t rstd, Emit emit) {
   const scalar_t* x = static_cast<const scalar_t*>(p.x);
   const scalar_t* grad_y = static_cast<const scalar_t*>(p.grad_y);
@@ -351,7 +351,7 @@ __device__ void share_channel_sums(const GroupLayout& g, const qca_gn_elu_backwa
 // each thread's part of sum_c w_c grad_bias[c] and sum_c w_c grad_weight[c] (summed here over the
 // block, so every thread of the block must call it).
 template <typename scalar_t, typename acc_t>
-__device__ void grad_x_share(const GroupLayout& g, const qca_gn_elu_backward_params& p, acc_t mean,
+__device__ void grad_x_share(const GroupLayout& g, const qca_groupnorm_elu_backward_params& p, acc_t mean,
                              acc_t rstd, acc_t weighted_bias_grad, acc_t weighted_weight_grad) {
   block_sum2(weighted_bias_grad, weighted_weight_grad);
   const acc_t count = (acc_t)(g.channels * g.pixels);
@@ -378,7 +378,7 @@ __device__ void grad_x_share(const GroupLayout& g, const qca_gn_elu_backward_par
 // Same maths as the C kernel (groupnorm_elu.c): per-channel sums of g and g * xhat, then grad_x
 // from the two weighted group means. One block per pair.
 template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kThreads) backward_kernel(const qca_gn_elu_backward_params p) {
+__global__ void __launch_bounds__(kThreads) backward_kernel(const qca_groupnorm_elu_backward_params p) {
   const GroupLayout g(p.shape, 1);
   const acc_t mean = load_as<acc_t>(p.mean, p.stat_dtype, g.pair);
   const acc_t rstd = load_as<acc_t>(p.rstd, p.stat_dtype, g.pair);
@@ -397,7 +397,7 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const qca_gn_elu_bac
 // Split pairs, first kernel: each block's per-channel sums to the workspace, laid out
 // [block][channel of the group][sum of g, sum of g * xhat].
 template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kThreads) backward_partial_kernel(const qca_gn_elu_backward_params p,
+__global__ void __launch_bounds__(kThreads) backward_partial_kernel(const qca_groupnorm_elu_backward_params p,
                                                                     int64_t splits) {
   const GroupLayout g(p.shape, splits);
   const acc_t mean = load_as<acc_t>(p.mean, p.stat_dtype, g.pair);
@@ -411,7 +411,7 @@ __global__ void __launch_bounds__(kThreads) backward_partial_kernel(const qca_gn
 
 // Split pairs, second kernel: totals of the pair's per-channel sums (in split order), then grad_x.
 template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kThreads) backward_apply_kernel(const qca_gn_elu_backward_params p,
+__global__ void __launch_bounds__(kThreads) backward_apply_kernel(const qca_groupnorm_elu_backward_params p,
                                                                   int64_t splits) {
   const GroupLayout g(p.shape, splits);
   const acc_t mean = load_as<acc_t>(p.mean, p.stat_dtype, g.pair);
@@ -438,7 +438,7 @@ __global__ void __launch_bounds__(kThreads) backward_apply_kernel(const qca_gn_e
 
 bool dtype_ok(qca_dtype t) { return t == QCA_F32 || t == QCA_F64 || t == QCA_F16 || t == QCA_BF16; }
 
-qca_status check(const qca_gn_shape& s, qca_dtype x, qca_dtype affine, qca_dtype stat) {
+qca_status check(const qca_groupnorm_elu_shape& s, qca_dtype x, qca_dtype affine, qca_dtype stat) {
   if (s.batch < 0 || s.channels < 1 || s.height < 0 || s.width < 0 || s.groups < 1 ||
       s.channels % s.groups != 0)
     return QCA_ERR_INVALID_ARGUMENT;
@@ -450,7 +450,7 @@ qca_status check(const qca_gn_shape& s, qca_dtype x, qca_dtype affine, qca_dtype
 
 // Blocks per pair: 1 when the pairs alone fill the GPU (two blocks per SM), more for small
 // batches, as long as each block keeps at least kMinSplitElements elements.
-int64_t choose_splits(const qca_gn_shape& s) {
+int64_t choose_splits(const qca_groupnorm_elu_shape& s) {
   const int64_t pairs = s.batch * s.groups, hw = s.height * s.width;
   int device = 0, sms = 0;
   if (pairs == 0 || hw == 0 || cudaGetDevice(&device) != cudaSuccess ||
@@ -466,7 +466,7 @@ int64_t choose_splits(const qca_gn_shape& s) {
   return splits < 1 ? 1 : splits;
 }
 
-int64_t workspace_bytes(const qca_gn_shape& s, qca_dtype stat_dtype, int backward, int64_t splits) {
+int64_t workspace_bytes(const qca_groupnorm_elu_shape& s, qca_dtype stat_dtype, int backward, int64_t splits) {
   if (splits <= 1) return 0;
   const int64_t blocks = s.batch * s.groups * splits;
   const bool wide = stat_dtype == QCA_F64;
@@ -489,7 +489,7 @@ void dispatch(qca_dtype x_dtype, qca_dtype stat_dtype, const Launch& launch) {
 }
 
 struct ForwardLaunch {
-  const qca_gn_elu_params* p;
+  const qca_groupnorm_elu_params* p;
   int64_t pairs, splits;
   cudaStream_t stream;
   template <typename scalar_t, typename acc_t>
@@ -499,13 +499,13 @@ struct ForwardLaunch {
       return;
     }
     const unsigned int blocks = (unsigned int)(pairs * splits);
-    if (!p->stats_given) forward_partial_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(*p, splits);
+    if (!p->mean_in) forward_partial_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(*p, splits);
     forward_apply_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(*p, splits);
   }
 };
 
 struct BackwardLaunch {
-  const qca_gn_elu_backward_params* p;
+  const qca_groupnorm_elu_backward_params* p;
   int64_t pairs, splits;
   cudaStream_t stream;
   template <typename scalar_t, typename acc_t>
@@ -536,18 +536,18 @@ qca_status launch(const Params* p, int backward, void* stream, qca_cuda_error* e
 
 }  // namespace
 
-extern "C" int64_t qca_gn_elu_cuda_workspace_bytes(const qca_gn_shape* shape, qca_dtype stat_dtype,
+extern "C" int64_t qca_groupnorm_elu_cuda_workspace_bytes(const qca_groupnorm_elu_shape* shape, qca_dtype stat_dtype,
                                                    int backward) {
   if (check(*shape, QCA_F32, QCA_F32, stat_dtype) != QCA_OK) return 0;
   return workspace_bytes(*shape, stat_dtype, backward, choose_splits(*shape));
 }
 
-extern "C" qca_status qca_gn_elu_forward_cuda(const qca_gn_elu_params* p, void* stream,
+extern "C" qca_status qca_groupnorm_elu_forward_cuda(const qca_groupnorm_elu_params* p, void* stream,
                                               qca_cuda_error* err) {
   return launch<ForwardLaunch>(p, 0, stream, err);
 }
 
-extern "C" qca_status qca_gn_elu_backward_cuda(const qca_gn_elu_backward_params* p, void* stream,
+extern "C" qca_status qca_groupnorm_elu_backward_cuda(const qca_groupnorm_elu_backward_params* p, void* stream,
                                                qca_cuda_error* err) {
   return launch<BackwardLaunch>(p, 1, stream, err);
 }

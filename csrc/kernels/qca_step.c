@@ -46,12 +46,12 @@ qca_status qca_pack_cpu(const qca_pack_params* p, int64_t cell_begin, int64_t ce
   return QCA_OK;
 }
 
-qca_status qca_unpack_cpu(const qca_unpack_params* p, int64_t cell_begin, int64_t cell_end) {
+qca_status qca_pack_backward_cpu(const qca_pack_backward_params* p, int64_t cell_begin, int64_t cell_end) {
   qca_status status = check_grid(&p->grid, cell_begin, cell_end);
   if (status != QCA_OK) return status;
   if (!qca_dtype_is_valid(p->x_dtype)) return QCA_ERR_UNSUPPORTED_DTYPE;
-  if (p->state_dtype == QCA_F32) unpack_cells_f32(p, cell_begin, cell_end);
-  else if (p->state_dtype == QCA_F64) unpack_cells_f64(p, cell_begin, cell_end);
+  if (p->state_dtype == QCA_F32) pack_backward_cells_f32(p, cell_begin, cell_end);
+  else if (p->state_dtype == QCA_F64) pack_backward_cells_f64(p, cell_begin, cell_end);
   else return QCA_ERR_UNSUPPORTED_DTYPE;
   return QCA_OK;
 }

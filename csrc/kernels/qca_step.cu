@@ -80,9 +80,9 @@ extern "C" qca_status qca_pack_cuda(const qca_pack_params* p, void* stream, qca_
                                                                   p->x_dtype, stream, err);
 }
 
-extern "C" qca_status qca_unpack_cuda(const qca_unpack_params* p, void* stream,
+extern "C" qca_status qca_pack_backward_cuda(const qca_pack_backward_params* p, void* stream,
                                       qca_cuda_error* err) {
-  return launch<qca_unpack_params, unpack_cells_f32, unpack_cells_f64>(p, p->grid, p->state_dtype,
+  return launch<qca_pack_backward_params, pack_backward_cells_f32, pack_backward_cells_f64>(p, p->grid, p->state_dtype,
                                                                         p->x_dtype, stream, err);
 }
 

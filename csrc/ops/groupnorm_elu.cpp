@@ -2,14 +2,13 @@
 // dispatch.
 #include "groupnorm_elu.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/sum.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <cmath>
+#include <utility>
 
 #include "glue.h"
 
@@ -35,18 +34,6 @@ at::MemoryFormat format_of(const at::Tensor& x) {
   return is_channels_last(x) ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
 }
 
-at::Tensor checked_affine(const at::Tensor& x, const at::Tensor& t, const char* name,
-                          const char* op) {
-  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
-  check_same_device(x, "x", t, name, op);
-  TORCH_CHECK(is_real_float(t.scalar_type()), op, ": ", name,
-              " must be float32, float64, float16 or bfloat16, got ", describe(t));
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == x.size(1), op, ": ", name,
-              " must have shape (C,) with C = ", x.size(1), " (the channels of x), got ",
-              describe(t));
-  return t.contiguous();
-}
-
 at::ScalarType stat_type_of(const at::Tensor& x) {
   return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
@@ -57,45 +44,70 @@ void check_groups(const at::Tensor& x, int64_t groups, const char* op) {
               groups);
 }
 
-at::Tensor checked_stat(const at::Tensor& x, const at::Tensor& t, const char* name,
-                        const char* op) {
-  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
-  check_same_device(x, "x", t, name, op);
-  TORCH_CHECK(t.scalar_type() == stat_type_of(x), op, ": ", name, " must be ",
-              stat_type_of(x), " (statistics of a ", x.scalar_type(), " x), got ", describe(t));
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == x.size(0) && t.size(1) >= 1, op, ": ", name,
-              " must have shape (N, groups) with N = ", x.size(0), ", got ", describe(t));
-  check_groups(x, t.size(1), op);
-  return t.contiguous();
+// weight and bias: (C,) real floating tensors of one dtype on x's device; made contiguous.
+std::pair<at::Tensor, at::Tensor> checked_affine(const at::Tensor& x, const at::Tensor& weight,
+                                                 const at::Tensor& bias, const char* op) {
+  auto checked = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
+    check_same_device(x, "x", t, name, op);
+    TORCH_CHECK(is_real_float(t.scalar_type()), op, ": ", name,
+                " must be float32, float64, float16 or bfloat16, got ", describe(t));
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == x.size(1), op, ": ", name,
+                " must have shape (C,) with C = ", x.size(1), " (the channels of x), got ",
+                describe(t));
+    return t.contiguous();
+  };
+  at::Tensor w = checked(weight, "weight"), b = checked(bias, "bias");
+  TORCH_CHECK(b.scalar_type() == w.scalar_type(), op,
+              ": weight and bias must have the same dtype, got weight ", describe(w), " and bias ",
+              describe(b));
+  return {w, b};
 }
 
-qca_gn_shape shape_of(const at::Tensor& x, int64_t groups) {
-  return qca_gn_shape{x.size(0), x.size(1), x.size(2), x.size(3), groups,
-                      is_channels_last(x) ? 1 : 0};
+// mean and rstd: (N, groups) statistics of x in its statistics dtype; made contiguous.
+std::pair<at::Tensor, at::Tensor> checked_stats(const at::Tensor& x, const at::Tensor& mean,
+                                                const at::Tensor& rstd, const char* op) {
+  auto checked = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
+    check_same_device(x, "x", t, name, op);
+    TORCH_CHECK(t.scalar_type() == stat_type_of(x), op, ": ", name, " must be ",
+                stat_type_of(x), " (statistics of a ", x.scalar_type(), " x), got ", describe(t));
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == x.size(0) && t.size(1) >= 1, op, ": ", name,
+                " must have shape (N, groups) with N = ", x.size(0), ", got ", describe(t));
+    check_groups(x, t.size(1), op);
+    return t.contiguous();
+  };
+  std::pair<at::Tensor, at::Tensor> stats{checked(mean, "mean"), checked(rstd, "rstd")};
+  TORCH_CHECK(mean.sizes() == rstd.sizes(), op, ": mean and rstd must have the same shape, got ",
+              describe(mean), " and ", describe(rstd));
+  return stats;
 }
 
-GroupNormEluForward prepare_forward_common(const at::Tensor& x_in, const at::Tensor& weight_in,
-                                           const at::Tensor& bias_in, int64_t groups,
-                                           const char* op) {
+// The fields the forward and backward parameters share.
+template <typename Params>
+void fill_inputs(Params& p, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                 int64_t groups) {
+  p.shape = qca_groupnorm_elu_shape{x.size(0), x.size(1), x.size(2), x.size(3), groups,
+                                    is_channels_last(x) ? 1 : 0};
+  p.x_dtype = to_qca_dtype(x.scalar_type());
+  p.x = x.const_data_ptr();
+  p.affine_dtype = to_qca_dtype(weight.scalar_type());
+  p.weight = weight.const_data_ptr();
+  p.bias = bias.const_data_ptr();
+  p.stat_dtype = to_qca_dtype(stat_type_of(x));
+}
+
+// Forward and apply without their statistics, which the callers add.
+GroupNormEluForward prepare_forward(const at::Tensor& x, const at::Tensor& weight,
+                                    const at::Tensor& bias, int64_t groups, const char* op) {
   GroupNormEluForward f;
-  f.x = checked_input(x_in, op);
-  f.weight = checked_affine(f.x, weight_in, "weight", op);
-  f.bias = checked_affine(f.x, bias_in, "bias", op);
+  f.x = checked_input(x, op);
+  std::tie(f.weight, f.bias) = checked_affine(f.x, weight, bias, op);
   check_groups(f.x, groups, op);
   f.y = at::empty(f.x.sizes(), f.x.options(), format_of(f.x));
-  qca_gn_elu_params& p = f.params;
-  p = qca_gn_elu_params{};
-  p.shape = shape_of(f.x, groups);
-  p.x_dtype = to_qca_dtype(f.x.scalar_type());
-  p.x = f.x.const_data_ptr();
-  p.affine_dtype = to_qca_dtype(f.weight.scalar_type());
-  TORCH_CHECK(f.bias.scalar_type() == f.weight.scalar_type(), op,
-              ": weight and bias must have the same dtype, got weight ", describe(f.weight),
-              " and bias ", describe(f.bias));
-  p.weight = f.weight.const_data_ptr();
-  p.bias = f.bias.const_data_ptr();
-  p.stat_dtype = to_qca_dtype(stat_type_of(f.x));
-  p.y = f.y.mutable_data_ptr();
+  f.params = qca_groupnorm_elu_params{};
+  fill_inputs(f.params, f.x, f.weight, f.bias, groups);
+  f.params.y = f.y.mutable_data_ptr();
   return f;
 }
 
@@ -105,13 +117,12 @@ GroupNormEluForward prepare_groupnorm_elu(const at::Tensor& x, const at::Tensor&
                                           const at::Tensor& bias, int64_t groups, double eps) {
   const char* op = "groupnorm_elu";
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
-  GroupNormEluForward f = prepare_forward_common(x, weight, bias, groups, op);
+  GroupNormEluForward f = prepare_forward(x, weight, bias, groups, op);
   f.mean = at::empty({f.x.size(0), groups}, f.x.options().dtype(stat_type_of(f.x)));
   f.rstd = at::empty_like(f.mean);
   f.params.eps = eps;
-  f.params.stats_given = 0;
-  f.params.mean = f.mean.mutable_data_ptr();
-  f.params.rstd = f.rstd.mutable_data_ptr();
+  f.params.mean_out = f.mean.mutable_data_ptr();
+  f.params.rstd_out = f.rstd.mutable_data_ptr();
   return f;
 }
 
@@ -120,17 +131,12 @@ GroupNormEluForward prepare_groupnorm_elu_apply(const at::Tensor& x, const at::T
                                                 const at::Tensor& rstd) {
   const char* op = "groupnorm_elu_apply";
   const at::Tensor x_checked = checked_input(x, op);
-  const at::Tensor mean_checked = checked_stat(x_checked, mean, "mean", op);
-  const at::Tensor rstd_checked = checked_stat(x_checked, rstd, "rstd", op);
-  TORCH_CHECK(mean.sizes() == rstd.sizes(), op, ": mean and rstd must have the same shape, got ",
-              describe(mean), " and ", describe(rstd));
-  GroupNormEluForward f = prepare_forward_common(x_checked, weight, bias, mean.size(1), op);
-  f.mean = mean_checked;
-  f.rstd = rstd_checked;
-  f.params.stats_given = 1;
-  // The kernel only reads the statistics when they are given.
-  f.params.mean = const_cast<void*>(f.mean.const_data_ptr());
-  f.params.rstd = const_cast<void*>(f.rstd.const_data_ptr());
+  const auto [mean_in, rstd_in] = checked_stats(x_checked, mean, rstd, op);
+  GroupNormEluForward f = prepare_forward(x_checked, weight, bias, mean.size(1), op);
+  f.mean = mean_in;
+  f.rstd = rstd_in;
+  f.params.mean_in = f.mean.const_data_ptr();
+  f.params.rstd_in = f.rstd.const_data_ptr();
   return f;
 }
 
@@ -147,30 +153,16 @@ GroupNormEluBackward prepare_groupnorm_elu_backward(const at::Tensor& grad_y, co
               ": grad_y must have the shape and dtype of x (", describe(x), "), got ",
               describe(grad_y));
   b.grad_y = grad_y.contiguous(format_of(b.x));
-  b.weight = checked_affine(b.x, weight, "weight", op);
-  b.bias = checked_affine(b.x, bias, "bias", op);
-  TORCH_CHECK(b.bias.scalar_type() == b.weight.scalar_type(), op,
-              ": weight and bias must have the same dtype, got weight ", describe(b.weight),
-              " and bias ", describe(b.bias));
-  b.mean = checked_stat(b.x, mean, "mean", op);
-  b.rstd = checked_stat(b.x, rstd, "rstd", op);
-  TORCH_CHECK(mean.sizes() == rstd.sizes(), op, ": mean and rstd must have the same shape, got ",
-              describe(mean), " and ", describe(rstd));
-  const int64_t groups = mean.size(1);
+  std::tie(b.weight, b.bias) = checked_affine(b.x, weight, bias, op);
+  std::tie(b.mean, b.rstd) = checked_stats(b.x, mean, rstd, op);
   b.grad_x = at::empty(b.x.sizes(), b.x.options(), format_of(b.x));
   b.grad_weight_per_sample =
       at::empty({b.x.size(0), b.x.size(1)}, b.x.options().dtype(stat_type_of(b.x)));
   b.grad_bias_per_sample = at::empty_like(b.grad_weight_per_sample);
-  qca_gn_elu_backward_params& p = b.params;
-  p = qca_gn_elu_backward_params{};
-  p.shape = shape_of(b.x, groups);
-  p.x_dtype = to_qca_dtype(b.x.scalar_type());
+  qca_groupnorm_elu_backward_params& p = b.params;
+  p = qca_groupnorm_elu_backward_params{};
+  fill_inputs(p, b.x, b.weight, b.bias, mean.size(1));
   p.grad_y = b.grad_y.const_data_ptr();
-  p.x = b.x.const_data_ptr();
-  p.affine_dtype = to_qca_dtype(b.weight.scalar_type());
-  p.weight = b.weight.const_data_ptr();
-  p.bias = b.bias.const_data_ptr();
-  p.stat_dtype = to_qca_dtype(stat_type_of(b.x));
   p.mean = b.mean.const_data_ptr();
   p.rstd = b.rstd.const_data_ptr();
   p.grad_x = b.grad_x.mutable_data_ptr();
@@ -188,17 +180,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_groupnorm_elu_backward(
 
 namespace {
 
-// Splits the (sample, group) pairs over torch's intra-op thread pool.
+// A kernel over (sample, group) pairs [begin, end), on the CPU: about 32K elements a task.
 template <typename Kernel>
-void run_pairs_cpu(const qca_gn_shape& s, const char* op, Kernel kernel) {
-  std::atomic<int> failure{QCA_OK};
+void parallel_pairs_cpu(const qca_groupnorm_elu_shape& s, const char* op, const Kernel& kernel) {
   const int64_t per_pair = std::max<int64_t>(1, s.channels / s.groups * s.height * s.width);
-  const int64_t grain = std::max<int64_t>(1, 32768 / per_pair);
-  at::parallel_for(0, s.batch * s.groups, grain, [&](int64_t begin, int64_t end) {
-    const qca_status status = kernel(begin, end);
-    if (status != QCA_OK) failure.store(status);
-  });
-  check_status(static_cast<qca_status>(failure.load()), op);
+  parallel_for_checked(s.batch * s.groups, 32768 / per_pair, op, kernel);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_cpu(const at::Tensor& x,
@@ -206,8 +192,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_cpu(const at::Tenso
                                                                  const at::Tensor& bias,
                                                                  int64_t groups, double eps) {
   const GroupNormEluForward f = prepare_groupnorm_elu(x, weight, bias, groups, eps);
-  run_pairs_cpu(f.params.shape, "groupnorm_elu",
-                [&](int64_t b, int64_t e) { return qca_gn_elu_forward_cpu(&f.params, b, e); });
+  parallel_pairs_cpu(f.params.shape, "groupnorm_elu", [&](int64_t lo, int64_t hi) {
+    return qca_groupnorm_elu_forward_cpu(&f.params, lo, hi);
+  });
   return {f.y, f.mean, f.rstd};
 }
 
@@ -215,8 +202,9 @@ at::Tensor groupnorm_elu_apply_cpu(const at::Tensor& x, const at::Tensor& weight
                                    const at::Tensor& bias, const at::Tensor& mean,
                                    const at::Tensor& rstd) {
   const GroupNormEluForward f = prepare_groupnorm_elu_apply(x, weight, bias, mean, rstd);
-  run_pairs_cpu(f.params.shape, "groupnorm_elu_apply",
-                [&](int64_t b, int64_t e) { return qca_gn_elu_forward_cpu(&f.params, b, e); });
+  parallel_pairs_cpu(f.params.shape, "groupnorm_elu_apply", [&](int64_t lo, int64_t hi) {
+    return qca_groupnorm_elu_forward_cpu(&f.params, lo, hi);
+  });
   return f.y;
 }
 
@@ -224,8 +212,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_backward_cpu(
     const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
     const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& rstd) {
   const GroupNormEluBackward b = prepare_groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd);
-  run_pairs_cpu(b.params.shape, "groupnorm_elu_backward",
-                [&](int64_t lo, int64_t hi) { return qca_gn_elu_backward_cpu(&b.params, lo, hi); });
+  parallel_pairs_cpu(b.params.shape, "groupnorm_elu_backward", [&](int64_t lo, int64_t hi) {
+    return qca_groupnorm_elu_backward_cpu(&b.params, lo, hi);
+  });
   return finish_groupnorm_elu_backward(b);
 }
 

@@ -1,5 +1,6 @@
 // Argument checks and kernel parameters of the GroupNorm + ELU ops, shared by the CPU and CUDA
-// glue. The prepare_* functions validate, pick the layout and allocate the outputs.
+// glue. Each prepare_* checks the arguments, picks the layout, allocates the outputs and fills
+// the C API parameters.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -10,9 +11,10 @@
 
 namespace qca_lowmem {
 
-// Outputs of the forward: y (layout of x), mean and rstd ((N, G), fp32 or fp64 for fp64 x).
+// Forward (statistics computed) and apply (statistics given): y in the layout of x; mean and
+// rstd (N, G), fp32 (fp64 for fp64 x): the outputs of the forward, the inputs of apply.
 struct GroupNormEluForward {
-  qca_gn_elu_params params;
+  qca_groupnorm_elu_params params;
   at::Tensor x, weight, bias, y, mean, rstd;  // x/weight/bias as passed to the kernel
 };
 
@@ -23,7 +25,7 @@ GroupNormEluForward prepare_groupnorm_elu_apply(const at::Tensor& x, const at::T
                                                 const at::Tensor& rstd);
 
 struct GroupNormEluBackward {
-  qca_gn_elu_backward_params params;
+  qca_groupnorm_elu_backward_params params;
   at::Tensor grad_y, x, weight, bias, mean, rstd, grad_x;
   at::Tensor grad_weight_per_sample, grad_bias_per_sample;  // (N, C), summed over N afterwards
 };

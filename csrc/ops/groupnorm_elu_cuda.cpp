@@ -1,8 +1,7 @@
 // CUDA dispatch of the GroupNorm + ELU ops: same checks as the CPU glue (groupnorm_elu.cpp),
-// launched on the current stream of x's device.
+// launched on the current stream of x's device. Every entry point: guard, prepare, launch.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "glue_cuda.h"
@@ -11,13 +10,16 @@
 namespace qca_lowmem {
 namespace {
 
-void* current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
-
-// Scratch for the launchers' split-pair path, from the caching allocator on x's device.
-at::Tensor workspace_for(const at::Tensor& x, const qca_gn_shape& shape, qca_dtype stat_dtype,
-                         int backward) {
-  const int64_t bytes = qca_gn_elu_cuda_workspace_bytes(&shape, stat_dtype, backward);
-  return at::empty({bytes}, x.options().dtype(at::kByte));
+// Launches with the scratch the launchers' split-pair path needs, from the caching allocator on
+// x's device; `backward` picks the backward's workspace size.
+template <typename Params>
+void launch_with_workspace(cuda_launcher<Params> launcher, Params& p, const at::Tensor& x,
+                           int backward, const char* op) {
+  const int64_t bytes = qca_groupnorm_elu_cuda_workspace_bytes(&p.shape, p.stat_dtype, backward);
+  const at::Tensor workspace = at::empty({bytes}, x.options().dtype(at::kByte));
+  p.workspace = workspace.mutable_data_ptr();
+  p.workspace_bytes = workspace.numel();
+  launch_cuda(launcher, p, op);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_cuda(const at::Tensor& x,
@@ -26,12 +28,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_cuda(const at::Tens
                                                                   int64_t groups, double eps) {
   const c10::cuda::CUDAGuard guard(x.device());
   GroupNormEluForward f = prepare_groupnorm_elu(x, weight, bias, groups, eps);
-  const at::Tensor workspace = workspace_for(f.x, f.params.shape, f.params.stat_dtype, 0);
-  f.params.workspace = workspace.mutable_data_ptr();
-  f.params.workspace_bytes = workspace.numel();
-  qca_cuda_error err{};
-  check_cuda_status(qca_gn_elu_forward_cuda(&f.params, current_stream(), &err), err,
-                    "groupnorm_elu");
+  launch_with_workspace(qca_groupnorm_elu_forward_cuda, f.params, f.x, 0, "groupnorm_elu");
   return {f.y, f.mean, f.rstd};
 }
 
@@ -40,12 +37,7 @@ at::Tensor groupnorm_elu_apply_cuda(const at::Tensor& x, const at::Tensor& weigh
                                     const at::Tensor& rstd) {
   const c10::cuda::CUDAGuard guard(x.device());
   GroupNormEluForward f = prepare_groupnorm_elu_apply(x, weight, bias, mean, rstd);
-  const at::Tensor workspace = workspace_for(f.x, f.params.shape, f.params.stat_dtype, 0);
-  f.params.workspace = workspace.mutable_data_ptr();
-  f.params.workspace_bytes = workspace.numel();
-  qca_cuda_error err{};
-  check_cuda_status(qca_gn_elu_forward_cuda(&f.params, current_stream(), &err), err,
-                    "groupnorm_elu_apply");
+  launch_with_workspace(qca_groupnorm_elu_forward_cuda, f.params, f.x, 0, "groupnorm_elu_apply");
   return f.y;
 }
 
@@ -54,12 +46,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_backward_cuda(
     const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& rstd) {
   const c10::cuda::CUDAGuard guard(x.device());
   GroupNormEluBackward b = prepare_groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd);
-  const at::Tensor workspace = workspace_for(b.x, b.params.shape, b.params.stat_dtype, 1);
-  b.params.workspace = workspace.mutable_data_ptr();
-  b.params.workspace_bytes = workspace.numel();
-  qca_cuda_error err{};
-  check_cuda_status(qca_gn_elu_backward_cuda(&b.params, current_stream(), &err), err,
-                    "groupnorm_elu_backward");
+  launch_with_workspace(qca_groupnorm_elu_backward_cuda, b.params, b.x, 1,
+                        "groupnorm_elu_backward");
   return finish_groupnorm_elu_backward(b);
 }
 

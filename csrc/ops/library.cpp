@@ -1,6 +1,7 @@
 // The qca_lowmem operator library: every schema lives in this one block; each device registers
 // its kernels with TORCH_LIBRARY_IMPL next to its glue. Fake kernels and autograd are registered
-// in Python (qca_lowmem/ops.py and the feature modules).
+// in Python, in the module named like the family (python/qca_lowmem/qca_step.py, groupnorm_elu.py,
+// noise.py, scaler.py).
 #include <Python.h>
 #include <torch/library.h>
 

@@ -1,11 +1,9 @@
 // ATen glue of the noise ops: argument checks, output allocation, CPU dispatch.
 #include "noise.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <cmath>
 
 #include "glue.h"
@@ -23,10 +21,10 @@ qca_noise_params prepare_noise(const at::Tensor& psi, double rate, int64_t seed,
               ": rate must be a probability in [0, 1], got ", rate);
   out = at::empty(psi.sizes(), psi.options().memory_format(at::MemoryFormat::Contiguous));
   qca_noise_params p{};
-  p.grid = qca_grid{psi.size(0), psi.size(1), psi.size(2), psi.size(3)};
+  p.grid = grid_of(psi);
   p.state_dtype = to_qca_dtype(psi.scalar_type());
   p.psi = psi.const_data_ptr();
-  for (int i = 0; i < 4; ++i) p.psi_stride[i] = psi.stride(i);
+  copy_strides(psi, p.psi_stride);
   p.out = out.mutable_data_ptr();
   p.rate = rate;
   // int64 seeds and steps are taken as their two's-complement 64-bit patterns.
@@ -38,30 +36,20 @@ qca_noise_params prepare_noise(const at::Tensor& psi, double rate, int64_t seed,
 
 namespace {
 
-template <typename Kernel>
-void run_cells_cpu(const qca_noise_params& p, const char* op, Kernel kernel) {
-  const int64_t n_cells = p.grid.batch * p.grid.height * p.grid.width;
-  std::atomic<int> failure{QCA_OK};
-  const int64_t grain = std::max<int64_t>(1, 16384 / p.grid.d);
-  at::parallel_for(0, n_cells, grain, [&](int64_t begin, int64_t end) {
-    const qca_status s = kernel(&p, begin, end);
-    if (s != QCA_OK) failure.store(s);
-  });
-  check_status(static_cast<qca_status>(failure.load()), op);
-}
-
 at::Tensor phase_flip_cpu(const at::Tensor& psi, double rate, int64_t seed, int64_t step,
                           bool conjugate) {
   at::Tensor out;
   const qca_noise_params p = prepare_noise(psi, rate, seed, step, conjugate, "phase_flip", out);
-  run_cells_cpu(p, "phase_flip", qca_phase_flip_cpu);
+  parallel_cells_cpu(p.grid, "phase_flip",
+                     [&](int64_t b, int64_t e) { return qca_phase_flip_cpu(&p, b, e); });
   return out;
 }
 
 at::Tensor bit_flip_cpu(const at::Tensor& psi, double rate, int64_t seed, int64_t step) {
   at::Tensor out;
   const qca_noise_params p = prepare_noise(psi, rate, seed, step, false, "bit_flip", out);
-  run_cells_cpu(p, "bit_flip", qca_bit_flip_cpu);
+  parallel_cells_cpu(p.grid, "bit_flip",
+                     [&](int64_t b, int64_t e) { return qca_bit_flip_cpu(&p, b, e); });
   return out;
 }
 

@@ -1,7 +1,6 @@
 // CUDA dispatch of the noise ops: same checks as the CPU glue (noise.cpp), launched on the
 // current stream of psi's device.
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "glue_cuda.h"
@@ -15,10 +14,7 @@ at::Tensor phase_flip_cuda(const at::Tensor& psi, double rate, int64_t seed, int
   const c10::cuda::CUDAGuard guard(psi.device());
   at::Tensor out;
   const qca_noise_params p = prepare_noise(psi, rate, seed, step, conjugate, "phase_flip", out);
-  qca_cuda_error err{};
-  check_cuda_status(
-      qca_phase_flip_cuda(&p, c10::cuda::getCurrentCUDAStream().stream(), &err), err,
-      "phase_flip");
+  launch_cuda(qca_phase_flip_cuda, p, "phase_flip");
   return out;
 }
 
@@ -26,9 +22,7 @@ at::Tensor bit_flip_cuda(const at::Tensor& psi, double rate, int64_t seed, int64
   const c10::cuda::CUDAGuard guard(psi.device());
   at::Tensor out;
   const qca_noise_params p = prepare_noise(psi, rate, seed, step, false, "bit_flip", out);
-  qca_cuda_error err{};
-  check_cuda_status(qca_bit_flip_cuda(&p, c10::cuda::getCurrentCUDAStream().stream(), &err), err,
-                    "bit_flip");
+  launch_cuda(qca_bit_flip_cuda, p, "bit_flip");
   return out;
 }
 

@@ -1,25 +1,15 @@
 // ATen glue of the QCA step ops: argument checks, output allocation, CPU dispatch.
 #include "qca_step.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <cmath>
 
 #include "glue.h"
 
 namespace qca_lowmem {
 namespace {
-
-qca_grid grid_of(const at::Tensor& psi) {
-  return qca_grid{psi.size(0), psi.size(1), psi.size(2), psi.size(3)};
-}
-
-void copy_strides(const at::Tensor& t, int64_t* out) {
-  for (int i = 0; i < 4; ++i) out[i] = t.stride(i);
-}
 
 // The real tensor of a step, (B, 2d, H, W), must line up with psi (B, H, W, d).
 void check_step_layout(const at::Tensor& psi, const at::Tensor& t, const char* name,
@@ -42,52 +32,9 @@ at::ScalarType state_real_type(const at::Tensor& psi) {
   return psi.scalar_type() == at::kComplexDouble ? at::kDouble : at::kFloat;
 }
 
-}  // namespace
-
-qca_pack_params prepare_pack(const at::Tensor& psi, std::optional<at::ScalarType> dtype,
-                             bool channels_last, at::Tensor& x_out) {
-  const char* op = "qca_pack";
-  check_state(psi, op);
-  const at::ScalarType x_dtype = dtype.value_or(state_real_type(psi));
-  TORCH_CHECK(is_real_float(x_dtype), op,
-              ": dtype must be float32, float64, float16 or bfloat16, got ", x_dtype);
-  const int64_t B = psi.size(0), H = psi.size(1), W = psi.size(2), d = psi.size(3);
-  x_out = at::empty({B, 2 * d, H, W}, psi.options().dtype(x_dtype),
-                    channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
-  qca_pack_params p{};
-  p.grid = grid_of(psi);
-  p.state_dtype = to_qca_dtype(psi.scalar_type());
-  p.psi = psi.const_data_ptr();
-  copy_strides(psi, p.psi_stride);
-  p.x_dtype = to_qca_dtype(x_dtype);
-  p.x = x_out.mutable_data_ptr();
-  copy_strides(x_out, p.x_stride);
-  return p;
-}
-
-qca_unpack_params prepare_unpack(const at::Tensor& grad_x, at::ScalarType psi_dtype,
-                                 at::Tensor& grad_psi_out) {
-  const char* op = "qca_pack_backward";
-  TORCH_CHECK(grad_x.defined() && grad_x.dim() == 4 && grad_x.size(1) % 2 == 0 &&
-                  grad_x.size(1) >= 2 && is_real_float(grad_x.scalar_type()),
-              op, ": grad_x must be a real floating tensor (B, 2d, H, W), got ", describe(grad_x));
-  TORCH_CHECK(psi_dtype == at::kComplexFloat || psi_dtype == at::kComplexDouble, op,
-              ": psi_dtype must be complex64 or complex128, got ", psi_dtype);
-  const int64_t B = grad_x.size(0), d = grad_x.size(1) / 2, H = grad_x.size(2),
-                W = grad_x.size(3);
-  grad_psi_out = at::empty({B, H, W, d}, grad_x.options().dtype(psi_dtype));
-  qca_unpack_params p{};
-  p.grid = qca_grid{B, H, W, d};
-  p.x_dtype = to_qca_dtype(grad_x.scalar_type());
-  p.x = grad_x.const_data_ptr();
-  copy_strides(grad_x, p.x_stride);
-  p.state_dtype = to_qca_dtype(psi_dtype);
-  p.psi = grad_psi_out.mutable_data_ptr();
-  return p;
-}
-
-qca_update_params prepare_update(const at::Tensor& psi, const at::Tensor& delta, double gamma,
-                                 bool multiplicative, double eps, const char* op) {
+// The update's parameters without an output: the forward adds one, the backward does not.
+qca_update_params update_params(const at::Tensor& psi, const at::Tensor& delta, double gamma,
+                                bool multiplicative, double eps, const char* op) {
   check_state(psi, op);
   check_step_layout(psi, delta, "delta", op);
   if (psi.scalar_type() == at::kComplexFloat) {
@@ -116,20 +63,75 @@ qca_update_params prepare_update(const at::Tensor& psi, const at::Tensor& delta,
   return p;
 }
 
+at::Tensor empty_contiguous_like(const at::Tensor& t) {
+  return at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
+}  // namespace
+
+qca_pack_params prepare_pack(const at::Tensor& psi, std::optional<at::ScalarType> dtype,
+                             bool channels_last, at::Tensor& x_out) {
+  const char* op = "qca_pack";
+  check_state(psi, op);
+  const at::ScalarType x_dtype = dtype.value_or(state_real_type(psi));
+  TORCH_CHECK(is_real_float(x_dtype), op,
+              ": dtype must be float32, float64, float16 or bfloat16, got ", x_dtype);
+  const int64_t B = psi.size(0), H = psi.size(1), W = psi.size(2), d = psi.size(3);
+  x_out = at::empty({B, 2 * d, H, W}, psi.options().dtype(x_dtype),
+                    channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
+  qca_pack_params p{};
+  p.grid = grid_of(psi);
+  p.state_dtype = to_qca_dtype(psi.scalar_type());
+  p.psi = psi.const_data_ptr();
+  copy_strides(psi, p.psi_stride);
+  p.x_dtype = to_qca_dtype(x_dtype);
+  p.x = x_out.mutable_data_ptr();
+  copy_strides(x_out, p.x_stride);
+  return p;
+}
+
+qca_pack_backward_params prepare_pack_backward(const at::Tensor& grad_x,
+                                               at::ScalarType psi_dtype, at::Tensor& grad_psi_out) {
+  const char* op = "qca_pack_backward";
+  TORCH_CHECK(grad_x.defined() && grad_x.dim() == 4 && grad_x.size(1) % 2 == 0 &&
+                  grad_x.size(1) >= 2 && is_real_float(grad_x.scalar_type()),
+              op, ": grad_x must be a real floating tensor (B, 2d, H, W), got ", describe(grad_x));
+  TORCH_CHECK(psi_dtype == at::kComplexFloat || psi_dtype == at::kComplexDouble, op,
+              ": psi_dtype must be complex64 or complex128, got ", psi_dtype);
+  const int64_t B = grad_x.size(0), d = grad_x.size(1) / 2, H = grad_x.size(2),
+                W = grad_x.size(3);
+  grad_psi_out = at::empty({B, H, W, d}, grad_x.options().dtype(psi_dtype));
+  qca_pack_backward_params p{};
+  p.grid = qca_grid{B, H, W, d};
+  p.x_dtype = to_qca_dtype(grad_x.scalar_type());
+  p.x = grad_x.const_data_ptr();
+  copy_strides(grad_x, p.x_stride);
+  p.state_dtype = to_qca_dtype(psi_dtype);
+  p.psi = grad_psi_out.mutable_data_ptr();
+  return p;
+}
+
+qca_update_params prepare_update(const at::Tensor& psi, const at::Tensor& delta, double gamma,
+                                 bool multiplicative, double eps, at::Tensor& out) {
+  qca_update_params p = update_params(psi, delta, gamma, multiplicative, eps, "qca_update");
+  out = empty_contiguous_like(psi);
+  p.out = out.mutable_data_ptr();
+  return p;
+}
+
 qca_update_backward_params prepare_update_backward(const at::Tensor& grad_out,
                                                    const at::Tensor& psi, const at::Tensor& delta,
                                                    double gamma, bool multiplicative, double eps,
                                                    at::Tensor& grad_psi, at::Tensor& grad_delta) {
   const char* op = "qca_update_backward";
   qca_update_backward_params bp{};
-  bp.fwd = prepare_update(psi, delta, gamma, multiplicative, eps, op);
+  bp.fwd = update_params(psi, delta, gamma, multiplicative, eps, op);
   TORCH_CHECK(grad_out.defined() && grad_out.scalar_type() == psi.scalar_type() &&
                   grad_out.sizes() == psi.sizes(),
               op, ": grad_out must match psi (", describe(psi), "), got ", describe(grad_out));
   check_same_device(psi, "psi", grad_out, "grad_out", op);
-  grad_psi = at::empty(psi.sizes(), psi.options().memory_format(at::MemoryFormat::Contiguous));
-  grad_delta =
-      at::empty(delta.sizes(), delta.options().memory_format(at::MemoryFormat::Contiguous));
+  grad_psi = empty_contiguous_like(psi);
+  grad_delta = empty_contiguous_like(delta);
   bp.grad_out = grad_out.const_data_ptr();
   copy_strides(grad_out, bp.grad_out_stride);
   bp.grad_psi = grad_psi.mutable_data_ptr();
@@ -139,46 +141,29 @@ qca_update_backward_params prepare_update_backward(const at::Tensor& grad_out,
 
 namespace {
 
-// Splits the cells over torch's intra-op thread pool, so the kernels follow
-// torch.set_num_threads and the process keeps a single OpenMP runtime.
-template <typename Kernel>
-void run_cells_cpu(int64_t n_cells, int64_t d, const char* op, Kernel kernel) {
-  std::atomic<int> failure{QCA_OK};
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1));
-  at::parallel_for(0, n_cells, grain, [&](int64_t begin, int64_t end) {
-    const qca_status s = kernel(begin, end);
-    if (s != QCA_OK) failure.store(s);
-  });
-  check_status(static_cast<qca_status>(failure.load()), op);
-}
-
-int64_t cells_of(const qca_grid& g) { return g.batch * g.height * g.width; }
-
 at::Tensor pack_cpu(const at::Tensor& psi, std::optional<at::ScalarType> dtype,
                     bool channels_last) {
   at::Tensor x;
   const qca_pack_params p = prepare_pack(psi, dtype, channels_last, x);
-  run_cells_cpu(cells_of(p.grid), p.grid.d, "qca_pack",
-                [&](int64_t b, int64_t e) { return qca_pack_cpu(&p, b, e); });
+  parallel_cells_cpu(p.grid, "qca_pack",
+                     [&](int64_t b, int64_t e) { return qca_pack_cpu(&p, b, e); });
   return x;
 }
 
 at::Tensor pack_backward_cpu(const at::Tensor& grad_x, at::ScalarType psi_dtype) {
   at::Tensor grad_psi;
-  const qca_unpack_params p = prepare_unpack(grad_x, psi_dtype, grad_psi);
-  run_cells_cpu(cells_of(p.grid), p.grid.d, "qca_pack_backward",
-                [&](int64_t b, int64_t e) { return qca_unpack_cpu(&p, b, e); });
+  const qca_pack_backward_params p = prepare_pack_backward(grad_x, psi_dtype, grad_psi);
+  parallel_cells_cpu(p.grid, "qca_pack_backward",
+                     [&](int64_t b, int64_t e) { return qca_pack_backward_cpu(&p, b, e); });
   return grad_psi;
 }
 
 at::Tensor update_cpu(const at::Tensor& psi, const at::Tensor& delta, double gamma,
                       bool multiplicative, double eps) {
-  qca_update_params p = prepare_update(psi, delta, gamma, multiplicative, eps, "qca_update");
-  at::Tensor out =
-      at::empty(psi.sizes(), psi.options().memory_format(at::MemoryFormat::Contiguous));
-  p.out = out.mutable_data_ptr();
-  run_cells_cpu(cells_of(p.grid), p.grid.d, "qca_update",
-                [&](int64_t b, int64_t e) { return qca_update_cpu(&p, b, e); });
+  at::Tensor out;
+  const qca_update_params p = prepare_update(psi, delta, gamma, multiplicative, eps, out);
+  parallel_cells_cpu(p.grid, "qca_update",
+                     [&](int64_t b, int64_t e) { return qca_update_cpu(&p, b, e); });
   return out;
 }
 
@@ -189,8 +174,8 @@ std::tuple<at::Tensor, at::Tensor> update_backward_cpu(const at::Tensor& grad_ou
   at::Tensor grad_psi, grad_delta;
   const qca_update_backward_params p = prepare_update_backward(
       grad_out, psi, delta, gamma, multiplicative, eps, grad_psi, grad_delta);
-  run_cells_cpu(cells_of(p.fwd.grid), p.fwd.grid.d, "qca_update_backward",
-                [&](int64_t b, int64_t e) { return qca_update_backward_cpu(&p, b, e); });
+  parallel_cells_cpu(p.fwd.grid, "qca_update_backward",
+                     [&](int64_t b, int64_t e) { return qca_update_backward_cpu(&p, b, e); });
   return {grad_psi, grad_delta};
 }
 

@@ -1,8 +1,6 @@
 // CUDA dispatch of the QCA step ops: same checks as the CPU glue (qca_step.cpp), launched on the
 // current stream of psi's device.
-#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "glue_cuda.h"
@@ -11,36 +9,29 @@
 namespace qca_lowmem {
 namespace {
 
-void* current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
-
 at::Tensor pack_cuda(const at::Tensor& psi, std::optional<at::ScalarType> dtype,
                      bool channels_last) {
   const c10::cuda::CUDAGuard guard(psi.device());
   at::Tensor x;
   const qca_pack_params p = prepare_pack(psi, dtype, channels_last, x);
-  qca_cuda_error err{};
-  check_cuda_status(qca_pack_cuda(&p, current_stream(), &err), err, "qca_pack");
+  launch_cuda(qca_pack_cuda, p, "qca_pack");
   return x;
 }
 
 at::Tensor pack_backward_cuda(const at::Tensor& grad_x, at::ScalarType psi_dtype) {
   const c10::cuda::CUDAGuard guard(grad_x.device());
   at::Tensor grad_psi;
-  const qca_unpack_params p = prepare_unpack(grad_x, psi_dtype, grad_psi);
-  qca_cuda_error err{};
-  check_cuda_status(qca_unpack_cuda(&p, current_stream(), &err), err, "qca_pack_backward");
+  const qca_pack_backward_params p = prepare_pack_backward(grad_x, psi_dtype, grad_psi);
+  launch_cuda(qca_pack_backward_cuda, p, "qca_pack_backward");
   return grad_psi;
 }
 
 at::Tensor update_cuda(const at::Tensor& psi, const at::Tensor& delta, double gamma,
                        bool multiplicative, double eps) {
   const c10::cuda::CUDAGuard guard(psi.device());
-  qca_update_params p = prepare_update(psi, delta, gamma, multiplicative, eps, "qca_update");
-  at::Tensor out =
-      at::empty(psi.sizes(), psi.options().memory_format(at::MemoryFormat::Contiguous));
-  p.out = out.mutable_data_ptr();
-  qca_cuda_error err{};
-  check_cuda_status(qca_update_cuda(&p, current_stream(), &err), err, "qca_update");
+  at::Tensor out;
+  const qca_update_params p = prepare_update(psi, delta, gamma, multiplicative, eps, out);
+  launch_cuda(qca_update_cuda, p, "qca_update");
   return out;
 }
 
@@ -52,9 +43,7 @@ std::tuple<at::Tensor, at::Tensor> update_backward_cuda(const at::Tensor& grad_o
   at::Tensor grad_psi, grad_delta;
   const qca_update_backward_params p = prepare_update_backward(
       grad_out, psi, delta, gamma, multiplicative, eps, grad_psi, grad_delta);
-  qca_cuda_error err{};
-  check_cuda_status(qca_update_backward_cuda(&p, current_stream(), &err), err,
-                    "qca_update_backward");
+  launch_cuda(qca_update_backward_cuda, p, "qca_update_backward");
   return {grad_psi, grad_delta};
 }
 

@@ -2,12 +2,9 @@
 #include "scaler.h"
 
 #include <ATen/MemoryOverlap.h>
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <atomic>
-#include <cmath>
 #include <limits>
 #include <utility>
 
@@ -113,8 +110,6 @@ qca_scale_update_params prepare_scale_update(const at::Tensor& scale,
 namespace {
 
 // Chunks go to torch's thread pool; per-chunk results are combined afterwards in chunk order,
-// so sums do not depend on the thread count.
-// Chunks go to torch's thread pool; per-chunk results are combined afterwards in chunk order,
 // so sums do not depend on the thread count. Writes found_inf and sumsq when the params ask.
 void run_chunks_cpu(const qca_unscale_params& p, const char* op) {
   std::vector<std::pair<int64_t, int64_t>> chunks;  // (tensor, first real)
@@ -122,16 +117,16 @@ void run_chunks_cpu(const qca_unscale_params& p, const char* op) {
     for (int64_t begin = 0; begin < p.numel[t]; begin += QCA_SCALER_CHUNK)
       chunks.emplace_back(t, begin);
   std::vector<qca_chunk_result> results(chunks.size(), qca_chunk_result{0.0, 0});
-  std::atomic<int> failure{QCA_OK};
-  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t first, int64_t last) {
+  const int64_t n_chunks = static_cast<int64_t>(chunks.size());
+  parallel_for_checked(n_chunks, 1, op, [&](int64_t first, int64_t last) {
     for (int64_t c = first; c < last; ++c) {
       const auto [t, begin] = chunks[c];
       const int64_t end = std::min(p.numel[t], begin + QCA_SCALER_CHUNK);
       const qca_status s = qca_unscale_range_cpu(&p, t, begin, end, &results[c]);
-      if (s != QCA_OK) failure.store(s);
+      if (s != QCA_OK) return s;
     }
+    return QCA_OK;
   });
-  check_status(static_cast<qca_status>(failure.load()), op);
 
   if (p.sumsq)
     for (int64_t t = 0; t < p.n_tensors; ++t) p.sumsq[t] = 0.0;

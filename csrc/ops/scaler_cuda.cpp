@@ -3,7 +3,6 @@
 // be captured in a CUDA graph.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "glue_cuda.h"
@@ -11,8 +10,6 @@
 
 namespace qca_lowmem {
 namespace {
-
-void* current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 at::Tensor amp_unscale_cuda(at::TensorList grads, const at::Tensor& found_inf,
                             const at::Tensor& inv_scale, bool compute_sumsq) {
@@ -29,8 +26,7 @@ at::Tensor amp_unscale_cuda(at::TensorList grads, const at::Tensor& found_inf,
                           inv_scale.options().dtype(at::kDouble));
     p.workspace = workspace.mutable_data_ptr<double>();
   }
-  qca_cuda_error err{};
-  check_cuda_status(qca_unscale_cuda(&p, current_stream(), &err), err, "amp_unscale_");
+  launch_cuda(qca_unscale_cuda, p, "amp_unscale_");
   list.copy_back();
   return sumsq;
 }
@@ -39,8 +35,7 @@ void amp_mul_cuda(at::TensorList tensors, const at::Tensor& factor) {
   UnscaleList list;
   prepare_unscale(tensors, at::Tensor(), factor, "amp_mul_", "tensors", "factor", list);
   const c10::cuda::CUDAGuard guard(factor.device());
-  qca_cuda_error err{};
-  check_cuda_status(qca_unscale_cuda(&list.params, current_stream(), &err), err, "amp_mul_");
+  launch_cuda(qca_unscale_cuda, list.params, "amp_mul_");
   list.copy_back();
 }
 
@@ -51,8 +46,7 @@ void amp_update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tra
                                                          growth_factor, backoff_factor,
                                                          growth_interval);
   const c10::cuda::CUDAGuard guard(scale.device());
-  qca_cuda_error err{};
-  check_cuda_status(qca_scale_update_cuda(&p, current_stream(), &err), err, "amp_update_scale_");
+  launch_cuda(qca_scale_update_cuda, p, "amp_update_scale_");
 }
 
 }  // namespace

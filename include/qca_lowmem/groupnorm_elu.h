@@ -11,7 +11,7 @@
  * the caller can split the work across threads. CUDA launchers run one thread block per pair,
  * or, when there are too few pairs to fill the GPU, several blocks per pair that exchange
  * partial sums through `workspace` (device memory of at least
- * qca_gn_elu_cuda_workspace_bytes(...) bytes, asked for on the device of the launch). */
+ * qca_groupnorm_elu_cuda_workspace_bytes(...) bytes, asked for on the device of the launch). */
 #ifndef QCA_LOWMEM_GROUPNORM_ELU_H
 #define QCA_LOWMEM_GROUPNORM_ELU_H
 
@@ -21,13 +21,13 @@
 extern "C" {
 #endif
 
-typedef struct qca_gn_shape {
+typedef struct qca_groupnorm_elu_shape {
   int64_t batch, channels, height, width, groups; /* groups divides channels */
   int channels_last;                              /* 0: NCHW, 1: channels_last */
-} qca_gn_shape;
+} qca_groupnorm_elu_shape;
 
-typedef struct qca_gn_elu_params {
-  qca_gn_shape shape;
+typedef struct qca_groupnorm_elu_params {
+  qca_groupnorm_elu_shape shape;
   double eps;
   qca_dtype x_dtype;       /* x and y */
   const void* x;
@@ -35,19 +35,22 @@ typedef struct qca_gn_elu_params {
   const void* weight;
   const void* bias;
   qca_dtype stat_dtype;
-  int stats_given;         /* nonzero: mean/rstd are inputs (recompute), else they are written */
-  void* mean;
-  void* rstd;
+  /* Statistics: given (mean_in and rstd_in, a recompute; mean_out/rstd_out unused, may be NULL),
+   * or, when mean_in is NULL, computed and written to mean_out and rstd_out. */
+  const void* mean_in;
+  const void* rstd_in;
+  void* mean_out;
+  void* rstd_out;
   void* y;                 /* same layout as x */
   void* workspace;         /* CUDA only; unused by the CPU kernels */
   int64_t workspace_bytes;
-} qca_gn_elu_params;
+} qca_groupnorm_elu_params;
 
 /* grad_x = d loss / d x; the ELU derivative is recomputed from x. Weight and bias gradients are
  * written per sample, (N, C) in stat_dtype, so that no two pairs write the same element; the
  * caller sums them over N. */
-typedef struct qca_gn_elu_backward_params {
-  qca_gn_shape shape;
+typedef struct qca_groupnorm_elu_backward_params {
+  qca_groupnorm_elu_shape shape;
   qca_dtype x_dtype;       /* x, grad_y, grad_x */
   const void* grad_y;      /* same layout as x */
   const void* x;
@@ -62,21 +65,24 @@ typedef struct qca_gn_elu_backward_params {
   void* grad_bias_per_sample;
   void* workspace;         /* CUDA only; unused by the CPU kernels */
   int64_t workspace_bytes;
-} qca_gn_elu_backward_params;
+} qca_groupnorm_elu_backward_params;
 
-qca_status qca_gn_elu_forward_cpu(const qca_gn_elu_params* p, int64_t pair_begin, int64_t pair_end);
-qca_status qca_gn_elu_backward_cpu(const qca_gn_elu_backward_params* p, int64_t pair_begin,
-                                   int64_t pair_end);
+qca_status qca_groupnorm_elu_forward_cpu(const qca_groupnorm_elu_params* p, int64_t pair_begin,
+                                         int64_t pair_end);
+qca_status qca_groupnorm_elu_backward_cpu(const qca_groupnorm_elu_backward_params* p,
+                                          int64_t pair_begin, int64_t pair_end);
 
 /* Device workspace the CUDA launchers need for `shape` on the current device (0 when none):
  * for the forward (also with given statistics) when `backward` is 0, else for the backward. */
-int64_t qca_gn_elu_cuda_workspace_bytes(const qca_gn_shape* shape, qca_dtype stat_dtype, int backward);
+int64_t qca_groupnorm_elu_cuda_workspace_bytes(const qca_groupnorm_elu_shape* shape,
+                                               qca_dtype stat_dtype, int backward);
 
 /* CUDA launchers; `stream` is a cudaStream_t. On QCA_ERR_CUDA, `err->code` holds the cudaError_t.
  * QCA_ERR_INVALID_ARGUMENT when the workspace is smaller than the shape needs. */
-qca_status qca_gn_elu_forward_cuda(const qca_gn_elu_params* p, void* stream, qca_cuda_error* err);
-qca_status qca_gn_elu_backward_cuda(const qca_gn_elu_backward_params* p, void* stream,
-                                    qca_cuda_error* err);
+qca_status qca_groupnorm_elu_forward_cuda(const qca_groupnorm_elu_params* p, void* stream,
+                                          qca_cuda_error* err);
+qca_status qca_groupnorm_elu_backward_cuda(const qca_groupnorm_elu_backward_params* p, void* stream,
+                                           qca_cuda_error* err);
 
 #ifdef __cplusplus
 }

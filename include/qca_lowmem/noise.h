@@ -1,6 +1,6 @@
-/* Training noise (DESIGN section 2) with counter-based randoms: every random number is a
- * Philox4x32-10 word keyed by the 64-bit `seed` with a counter made of the 64-bit `step`, the
- * cell index, a stream id and the word's position, so it depends only on
+/* Training noise (the stock noise, docs/design.md) with counter-based randoms: every random
+ * number is a Philox4x32-10 word keyed by the 64-bit `seed` with a counter made of the 64-bit
+ * `step`, the cell index, a stream id and the word's position, so it depends only on
  * (seed, step, cell, component). Replaying a step needs no stored masks, CPU and CUDA draw the
  * same hits and phases, and a cell's randoms do not depend on how the work is split.
  *

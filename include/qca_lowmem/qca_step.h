@@ -30,15 +30,15 @@ typedef struct qca_pack_params {
   int64_t x_stride[4];     /* b, c, h, w */
 } qca_pack_params;
 
-/* Inverse layout of pack, which is also its backward: grad_psi[b,h,w,k] = gx[b,k] + i gx[b,d+k]. */
-typedef struct qca_unpack_params {
+/* The backward of pack, the inverse layout: grad_psi[b,h,w,k] = gx[b,k] + i gx[b,d+k]. */
+typedef struct qca_pack_backward_params {
   qca_grid grid;
   qca_dtype x_dtype;
   const void* x;
   int64_t x_stride[4];
   qca_dtype state_dtype;
   void* psi;               /* written contiguous (B, H, W, d) */
-} qca_unpack_params;
+} qca_pack_backward_params;
 
 typedef struct qca_update_params {
   qca_grid grid;
@@ -63,14 +63,15 @@ typedef struct qca_update_backward_params {
 } qca_update_backward_params;
 
 qca_status qca_pack_cpu(const qca_pack_params* p, int64_t cell_begin, int64_t cell_end);
-qca_status qca_unpack_cpu(const qca_unpack_params* p, int64_t cell_begin, int64_t cell_end);
+qca_status qca_pack_backward_cpu(const qca_pack_backward_params* p, int64_t cell_begin,
+                                 int64_t cell_end);
 qca_status qca_update_cpu(const qca_update_params* p, int64_t cell_begin, int64_t cell_end);
 qca_status qca_update_backward_cpu(const qca_update_backward_params* p, int64_t cell_begin,
                                    int64_t cell_end);
 
 /* CUDA launchers; `stream` is a cudaStream_t. On QCA_ERR_CUDA, `err->code` holds the cudaError_t. */
 qca_status qca_pack_cuda(const qca_pack_params* p, void* stream, qca_cuda_error* err);
-qca_status qca_unpack_cuda(const qca_unpack_params* p, void* stream, qca_cuda_error* err);
+qca_status qca_pack_backward_cuda(const qca_pack_backward_params* p, void* stream, qca_cuda_error* err);
 qca_status qca_update_cuda(const qca_update_params* p, void* stream, qca_cuda_error* err);
 qca_status qca_update_backward_cuda(const qca_update_backward_params* p, void* stream,
                                     qca_cuda_error* err);

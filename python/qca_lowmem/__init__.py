@@ -1,16 +1,23 @@
 """qca_lowmem: train a neural quantum cellular automaton on small GPUs without shrinking the model.
 
 Fused C/CUDA kernels exposed as torch custom ops (torch.ops.qca_lowmem.*), recompute instead of
-storing, and a complex-safe mixed-precision loss scaler. See README.md.
+storing, and a complex-safe mixed-precision loss scaler. See README.md and docs/design.md.
 """
+
+from ._loader import load_native
+
+# The one place the native library is loaded: it registers torch.ops.qca_lowmem, which the op
+# modules below (one per C family) wrap. A submodule import runs this file first.
+load_native()
 
 from . import amp
 from ._recompute import block_keeps_intermediates, keep_block_intermediates
-from .blocks import FusedConvBlock, groupnorm_elu
+from .blocks import FusedConvBlock
+from .groupnorm_elu import groupnorm_elu
 from .integration import disable, enable, enable_from_config
 from .memory import saved_bytes
 from .noise import NoiseSchedule, bit_flip, noise_coin, phase_flip
-from .ops import qca_pack, qca_update
+from .qca_step import qca_pack, qca_update
 from ._rollout import rollout
 from ._step_graph import StepGraph
 from .unet import ConversionReport, UNetUnitary, convert

@@ -1,4 +1,5 @@
-"""Mixed-precision loss scaling on the qca_lowmem kernels: a drop-in `torch.amp.GradScaler`.
+"""Mixed precision: the compute-dtype switches (`parse_amp_dtype`, `autocast`) and a drop-in
+`torch.amp.GradScaler` on the qca_lowmem loss-scaler kernels.
 
 `GradScaler` keeps torch's constructor, methods, stage errors, per-optimizer state, disabled
 behaviour and state_dict format (it subclasses `torch.amp.GradScaler`, so torch's scaler loads
@@ -10,7 +11,7 @@ its state_dict and vice versa), and replaces the arithmetic with the C/CUDA kern
   without a second pass over the gradients;
 - the scale update (`torch.ops.qca_lowmem.amp_update_scale_`), torch's rule bit for bit.
 
-The low-level ops are also exposed here as `unscale_`, `mul_` and `update_scale_`.
+The low-level ops (scaler.py) are also exposed here as `unscale_`, `mul_` and `update_scale_`.
 """
 
 from __future__ import annotations
@@ -21,60 +22,44 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
-from ._loader import has_cuda_kernels, load_native
-
-load_native()
+from ._loader import has_cuda_kernels
+from .scaler import mul_, unscale_, update_scale_
 
 _lib = torch.ops.qca_lowmem
 
-__all__ = ["GradScaler", "mul_", "unscale_", "update_scale_"]
+__all__ = ["GradScaler", "autocast", "autocast_dtype", "mul_", "parse_amp_dtype", "unscale_", "update_scale_"]
+
+_AMP_DTYPES = {
+    None: None, "none": None, "fp32": None, "float32": None,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
 
 
-@torch.library.register_fake("qca_lowmem::amp_unscale_")
-def _unscale_fake(grads, found_inf, inv_scale, compute_sumsq=False):
-    return inv_scale.new_empty((len(grads) if compute_sumsq else 0,), dtype=torch.float64)
+def parse_amp_dtype(value) -> Optional[torch.dtype]:
+    """'bf16' / 'fp16' / 'fp32' / None / a torch dtype -> torch dtype or None (full precision)."""
+    if isinstance(value, torch.dtype):
+        if value == torch.float32:
+            return None
+        if value in (torch.bfloat16, torch.float16):
+            return value
+    elif value is None or isinstance(value, str):
+        key = value.lower() if isinstance(value, str) else value
+        if key in _AMP_DTYPES:
+            return _AMP_DTYPES[key]
+    raise ValueError(f"amp_dtype must be one of None, 'fp32', 'bf16', 'fp16' (or a torch dtype), got {value!r}")
 
 
-@torch.library.register_fake("qca_lowmem::amp_mul_")
-def _mul_fake(tensors, factor):
+def autocast(device_type: str, amp_dtype: Optional[torch.dtype]):
+    """Autocast to `amp_dtype` (a torch dtype from parse_amp_dtype), or off when it is None."""
+    return torch.autocast(device_type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
+
+
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype autocast computes in on `device_type` right now; None when autocast is off."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
     return None
-
-
-@torch.library.register_fake("qca_lowmem::amp_update_scale_")
-def _update_scale_fake(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval):
-    return None
-
-
-def unscale_(
-    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor, compute_sumsq: bool = False
-) -> torch.Tensor:
-    """Multiply every tensor of `grads` (one device, one dtype, dense) by `inv_scale` in place.
-
-    `found_inf` (one-element float32) is set to 1 when any value is inf or NaN before the
-    multiply, and never cleared. `inv_scale` is a one-element float32 tensor; when it is exactly 1
-    nothing is written. Returns, when `compute_sumsq`, a float64 tensor with each gradient's sum
-    of squares after unscaling (complex: sum of |z|^2), NaN for gradients that held a non-finite
-    value; otherwise an empty tensor.
-    """
-    return _lib.amp_unscale_(grads, found_inf, inv_scale, compute_sumsq)
-
-
-def mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
-    """Multiply every tensor (one device, one dtype, dense) by a one-element float32 tensor in
-    place, as `torch._foreach_mul_` does; a factor of exactly 1 touches no memory."""
-    _lib.amp_mul_(tensors, factor)
-
-
-def update_scale_(
-    scale: torch.Tensor,
-    growth_tracker: torch.Tensor,
-    found_inf: torch.Tensor,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-) -> None:
-    """`torch._amp_update_scale_` in place on device tensors (no host synchronization)."""
-    _lib.amp_update_scale_(scale, growth_tracker, found_inf, float(growth_factor), float(backoff_factor), int(growth_interval))
 
 
 def _norm_dtype(grad_dtype: torch.dtype) -> torch.dtype:

@@ -19,10 +19,13 @@ from typing import List, Optional
 
 import torch
 
-from .integration import autocast, fused_step, parse_amp_dtype, stock_initial_state
-from .memory import saved_bytes
+from . import stock
+from .amp import autocast, parse_amp_dtype
+from .distributed import resolve_device
+from .memory import format_bytes, saved_bytes
+from .qca_step import fused_step
 from ._rollout import rollout
-from .train import StockForward, TrainConfig, build_model, evolutionary_loss, format_bytes, resolve_device, stock_step
+from .train import TrainConfig, build_model
 
 
 def library_commit(repo=None) -> Optional[str]:
@@ -70,14 +73,14 @@ class EpisodeRunner:
         self.device = device
         self.amp_dtype = parse_amp_dtype(config.amp_dtype)
         self.model = model if model is not None else build_model(config, device)
-        self.stock_model = StockForward(self.model)
+        self.stock_model = stock.StockForward(self.model)
 
     def episode_loss(self, variant: str, steps: int, psi0):
         """The evolutionary loss of one episode from psi0, "stock" or "lowmem", with its graph."""
         gamma = self.config.gamma
         if variant == "stock":
             def step(psi):
-                return stock_step(psi, self.stock_model, gamma)
+                return stock.step(psi, self.stock_model, gamma, multiplicative=True)
             policy = dict(checkpoint="none")
         else:
             step = fused_step(self.model, gamma, multiplicative=True)
@@ -85,14 +88,13 @@ class EpisodeRunner:
             policy = dict(checkpoint=self.config.checkpoint, slots=slots)
         with autocast(self.device.type, self.amp_dtype):
             psi, history = rollout(step, psi0, steps, **policy)  # history as stock records it (the default)
-            loss, _ = evolutionary_loss(history, psi0)
+            loss, _ = stock.evolutionary_loss(history, psi0)
         return loss
 
     def run(self, variant: str, steps: int) -> dict:
         """Returns {'bytes': saved bytes (CPU) or peak allocated bytes (CUDA), 'seconds': ...}."""
         generator = torch.Generator().manual_seed(0)
-        psi0 = stock_initial_state(self.config.batch, self.config.grid, self.config.grid, self.config.d_state,
-                                   self.device, generator)
+        psi0 = stock.initial_state(self.config.batch, self.config.grid, self.config.d_state, self.device, generator)
         self.model.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

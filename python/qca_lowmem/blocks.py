@@ -1,4 +1,4 @@
-"""Fused GroupNorm + ELU ops and the fused U-Net ConvBlock built on them.
+"""The fused U-Net ConvBlock, on the GroupNorm + ELU ops (groupnorm_elu.py).
 
 `FusedConvBlock` computes the stock block, Conv3x3 -> GroupNorm -> ELU -> Conv3x3 -> GroupNorm ->
 ELU, with the parameters and state_dict keys of the stock `ConvBlock`. Its forward keeps for
@@ -14,98 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._loader import load_native
 from ._recompute import block_keeps_intermediates
-
-load_native()
+from .amp import autocast_dtype
+from . import stock
+from .groupnorm_elu import output_layout, stat_dtype
 
 _lib = torch.ops.qca_lowmem
-
-
-def group_count(channels: int) -> int:
-    """The stock GroupNorm group rule: channels // 8 groups above 8 channels, 1 if that does not divide."""
-    groups = max(1, channels // 8 if channels > 8 else 1)
-    return 1 if channels % groups != 0 else groups
-
-
-def groupnorm_elu(x: Tensor, weight: Tensor, bias: Tensor, groups: int, eps: float = 1e-5) -> Tensor:
-    """ELU(GroupNorm(x)) in one fused kernel, as nn.GroupNorm(groups, C, eps) then nn.ELU().
-
-    x: (N, C, H, W) float32/float16/bfloat16 (float64 on the CPU too), NCHW or channels_last;
-    the output has the layout of x. Statistics are float32 (float64 for float64 x); weight and
-    bias may be wider than x (fp32 affine under autocast). Differentiable: backward saves x and
-    the statistics and recomputes the ELU derivative.
-    """
-    return _lib.groupnorm_elu(x, weight, bias, int(groups), float(eps))[0]
-
-
-def _layout_of(x: Tensor) -> torch.memory_format:
-    """The layout the kernels write, and the block's activations follow: x's own when it is NCHW
-    or channels_last dense, else NCHW."""
-    if x.is_contiguous():
-        return torch.contiguous_format
-    if x.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    return torch.contiguous_format
-
-
-def _stat_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _check_gn_args(x, weight, bias, groups, op):
-    torch._check(x.dim() == 4, lambda: f"{op}: x must have 4 dimensions (N, C, H, W), got shape {tuple(x.shape)}")
-    torch._check(x.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16),
-                 lambda: f"{op}: x must be float32, float64, float16 or bfloat16, got {x.dtype}")
-    channels = x.shape[1]
-    torch._check(weight.shape == (channels,) and bias.shape == (channels,),
-                 lambda: f"{op}: weight and bias must have shape ({channels},), got {tuple(weight.shape)} and {tuple(bias.shape)}")
-    torch._check(groups >= 1 and channels % groups == 0,
-                 lambda: f"{op}: groups must be positive and divide the channels of x ({channels}), got {groups}")
-
-
-@torch.library.register_fake("qca_lowmem::groupnorm_elu")
-def _groupnorm_elu_fake(x, weight, bias, groups, eps=1e-5):
-    _check_gn_args(x, weight, bias, groups, "groupnorm_elu")
-    y = torch.empty_like(x, memory_format=_layout_of(x))
-    mean = x.new_empty((x.shape[0], groups), dtype=_stat_dtype(x))
-    return y, mean, torch.empty_like(mean)
-
-
-@torch.library.register_fake("qca_lowmem::groupnorm_elu_apply")
-def _groupnorm_elu_apply_fake(x, weight, bias, mean, rstd):
-    _check_gn_args(x, weight, bias, mean.shape[1], "groupnorm_elu_apply")
-    return torch.empty_like(x, memory_format=_layout_of(x))
-
-
-@torch.library.register_fake("qca_lowmem::groupnorm_elu_backward")
-def _groupnorm_elu_backward_fake(grad_y, x, weight, bias, mean, rstd):
-    _check_gn_args(x, weight, bias, mean.shape[1], "groupnorm_elu_backward")
-    return torch.empty_like(x, memory_format=_layout_of(x)), torch.empty_like(weight), torch.empty_like(bias)
-
-
-def _groupnorm_elu_setup_context(ctx, inputs, output):
-    x, weight, bias, groups, eps = inputs
-    _, mean, rstd = output
-    ctx.save_for_backward(x, weight, bias, mean, rstd)
-    ctx.mark_non_differentiable(mean, rstd)
-
-
-def _groupnorm_elu_backward(ctx, grad_y, grad_mean, grad_rstd):
-    x, weight, bias, mean, rstd = ctx.saved_tensors
-    grad_x, grad_weight, grad_bias = _lib.groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd)
-    return (
-        grad_x if ctx.needs_input_grad[0] else None,
-        grad_weight if ctx.needs_input_grad[1] else None,
-        grad_bias if ctx.needs_input_grad[2] else None,
-        None,
-        None,
-    )
-
-
-torch.library.register_autograd(
-    "qca_lowmem::groupnorm_elu", _groupnorm_elu_backward, setup_context=_groupnorm_elu_setup_context
-)
 
 
 # ---- The whole block as custom ops: one that recomputes, one that keeps its intermediates. ----
@@ -113,16 +27,21 @@ torch.library.register_autograd(
 # on) and the GroupNorm affine in its own dtype, so backward replays exactly the forward's
 # precision whatever autocast state it runs under.
 
-_STRIDE, _PADDING, _DILATION = [1, 1], [1, 1], [1, 1]
-
 
 def _conv3x3(x: Tensor, weight: Tensor) -> Tensor:
     return F.conv2d(x, weight, None, 1, 1)
 
 
+def _conv3x3_backward(grad_out: Tensor, x: Tensor, weight: Tensor, needs_x: bool, needs_weight: bool):
+    """(grad_x, grad_weight) of _conv3x3, each None unless asked for."""
+    grad_x, grad_weight, _ = torch.ops.aten.convolution_backward(
+        grad_out, x, weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [needs_x, needs_weight, False])
+    return grad_x, grad_weight
+
+
 def _block_forward(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias,
                    groups1, groups2, eps1, eps2):
-    layout = _layout_of(x)
+    layout = output_layout(x)
     h1 = _conv3x3(x, conv1_weight).contiguous(memory_format=layout)
     a1, mean1, rstd1 = _lib.groupnorm_elu(h1, norm1_weight, norm1_bias, groups1, eps1)
     h2 = _conv3x3(a1, conv2_weight).contiguous(memory_format=layout)
@@ -159,10 +78,10 @@ def _block_fake(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_w
     torch._check(conv1_weight.shape[1] == x.shape[1],
                  lambda: f"conv_block: conv1_weight expects {conv1_weight.shape[1]} input channels, x has {x.shape[1]}")
     n, _, h, w = x.shape
-    layout = _layout_of(x)
+    layout = output_layout(x)
     h1 = x.new_empty((n, conv1_weight.shape[0], h, w)).contiguous(memory_format=layout)
     h2 = x.new_empty((n, conv2_weight.shape[0], h, w)).contiguous(memory_format=layout)
-    stat = _stat_dtype(x)
+    stat = stat_dtype(x)
     stats1 = [x.new_empty((n, groups1), dtype=stat) for _ in range(2)]
     stats2 = [x.new_empty((n, groups2), dtype=stat) for _ in range(2)]
     return torch.empty_like(h2), h1, torch.empty_like(h1), h2, *stats1, *stats2
@@ -185,12 +104,10 @@ def _block_backward(ctx, grad_y, x, h1, a1, h2, weights, stats):
     needs = ctx.needs_input_grad
     grad_h2, grad_norm2_weight, grad_norm2_bias = _lib.groupnorm_elu_backward(
         grad_y, h2, norm2_weight, norm2_bias, mean2, rstd2)
-    grad_a1, grad_conv2_weight, _ = torch.ops.aten.convolution_backward(
-        grad_h2, a1, conv2_weight, None, _STRIDE, _PADDING, _DILATION, False, [0, 0], 1, [True, needs[4], False])
+    grad_a1, grad_conv2_weight = _conv3x3_backward(grad_h2, a1, conv2_weight, True, needs[4])
     grad_h1, grad_norm1_weight, grad_norm1_bias = _lib.groupnorm_elu_backward(
         grad_a1, h1, norm1_weight, norm1_bias, mean1, rstd1)
-    grad_x, grad_conv1_weight, _ = torch.ops.aten.convolution_backward(
-        grad_h1, x, conv1_weight, None, _STRIDE, _PADDING, _DILATION, False, [0, 0], 1, [needs[0], needs[1], False])
+    grad_x, grad_conv1_weight = _conv3x3_backward(grad_h1, x, conv1_weight, needs[0], needs[1])
     return (
         grad_x,
         grad_conv1_weight,
@@ -215,7 +132,7 @@ def _conv_block_backward(ctx, grad_y, *_grad_stats):
     mean1, rstd1, mean2, rstd2 = stats
     # Recompute with the statistics of the forward: the same activations, one pass less.
     with torch.autocast(x.device.type, enabled=False):
-        layout = _layout_of(x)
+        layout = output_layout(x)
         h1 = _conv3x3(x, conv1_weight).contiguous(memory_format=layout)
         a1 = _lib.groupnorm_elu_apply(h1, norm1_weight, norm1_bias, mean1, rstd1)
         h2 = _conv3x3(a1, conv2_weight).contiguous(memory_format=layout)
@@ -240,12 +157,6 @@ conv_block.register_autograd(_conv_block_backward, setup_context=_conv_block_set
 conv_block_keep.register_autograd(_conv_block_keep_backward, setup_context=_conv_block_keep_setup_context)
 
 
-def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
-
-
 class FusedConvBlock(nn.Module):
     """Drop-in for the stock U-Net `ConvBlock(in_channels, out_channels, mid_channels)`.
 
@@ -260,15 +171,8 @@ class FusedConvBlock(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, mid_channels: Optional[int] = None, *,
                  recompute: bool = True):
         super().__init__()
-        mid = out_channels if mid_channels is None else mid_channels
-        self.conv_block = nn.Sequential(
-            nn.Conv2d(in_channels, mid, kernel_size=3, padding=1, bias=False),
-            nn.GroupNorm(group_count(mid), mid),
-            nn.ELU(),
-            nn.Conv2d(mid, out_channels, kernel_size=3, padding=1, bias=False),
-            nn.GroupNorm(group_count(out_channels), out_channels),
-            nn.ELU(inplace=True),
-        )
+        # The stock block's own layers: its parameters, keys and initialisation by construction.
+        self.conv_block = stock.ConvBlock(in_channels, out_channels, mid_channels).conv_block
         self.recompute = recompute
 
     @classmethod
@@ -289,7 +193,7 @@ class FusedConvBlock(nn.Module):
         `keep_block_intermediates()`."""
         conv1, norm1, _, conv2, norm2, _ = self.conv_block
         conv1_weight, conv2_weight = conv1.weight, conv2.weight
-        compute_dtype = _autocast_dtype(x.device.type)
+        compute_dtype = autocast_dtype(x.device.type)
         if compute_dtype is not None:
             # What autocast does for the stock convolutions: float64 is left alone.
             x, conv1_weight, conv2_weight = (

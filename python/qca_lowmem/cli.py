@@ -109,7 +109,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _train(args) -> int:
-    from .train import CHECKPOINT_NAME, EXIT_OOM, OutOfMemoryStop, train
+    from .oom import EXIT_OOM, OutOfMemoryStop
+    from .train import train
+    from .train_state import CHECKPOINT_NAME
 
     config = _config(args)
     resume = args.resume

@@ -7,7 +7,7 @@ from typing import List, Tuple
 
 import torch
 
-from .train import format_bytes
+from .memory import format_bytes
 
 SMALL_GPU = 4 * 2**30
 

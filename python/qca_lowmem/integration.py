@@ -1,4 +1,4 @@
-"""One-flag switch for a QC_Trainer_v4-style trainer (DESIGN.md §2 attribute contract).
+"""One-flag switch for a QC_Trainer_v4-style trainer (the attributes it relies on: docs/design.md).
 
 `enable(trainer)` converts the operator's ConvBlocks in place (same Parameters), swaps the engine
 step for the fused pack/update, replaces `train_episode` by a rollout with recompute that keeps the
@@ -13,60 +13,16 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from . import amp
+from . import amp, stock
+from .amp import autocast, parse_amp_dtype
 from .noise import NoiseSchedule
-from .ops import qca_pack, qca_update
+from .qca_step import fused_step
 from ._rollout import check_checkpoint, rollout
 from ._step_graph import StepGraph
 from .unet import convert
 
-_AMP_DTYPES = {
-    None: None, "none": None, "fp32": None, "float32": None,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-}
 _STATE_ATTR = "_qca_lowmem_state"
 _ENV_FLAG = "QCA_LOWMEM"
-
-
-def parse_amp_dtype(value):
-    """'bf16' / 'fp16' / 'fp32' / None / a torch dtype -> torch dtype or None (full precision)."""
-    if isinstance(value, torch.dtype):
-        if value == torch.float32:
-            return None
-        if value in (torch.bfloat16, torch.float16):
-            return value
-    elif value is None or isinstance(value, str):
-        key = value.lower() if isinstance(value, str) else value
-        if key in _AMP_DTYPES:
-            return _AMP_DTYPES[key]
-    raise ValueError(f"amp_dtype must be one of None, 'fp32', 'bf16', 'fp16' (or a torch dtype), got {value!r}")
-
-
-def autocast(device_type: str, amp_dtype):
-    """Autocast to `amp_dtype` (a torch dtype from parse_amp_dtype), or off when it is None."""
-    return torch.autocast(device_type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
-
-
-def is_multiplicative(operator) -> bool:
-    """The stock rule: UNetUnitary operators act multiplicatively, any other additively."""
-    return type(operator).__name__ == "UNetUnitary"
-
-
-def fused_step(operator, gamma: float, multiplicative: bool) -> Callable:
-    """The stock engine step (DESIGN §2, steps 1-5) on the fused pack/update ops."""
-
-    def evolve_step(psi):
-        return qca_update(psi, operator(qca_pack(psi)), gamma, multiplicative)
-
-    return evolve_step
-
-
-def noise_schedule(max_noise: float, episode: int, seed: int):
-    """The rollout's replayable stock noise for `episode` (curriculum included), keyed by `seed`;
-    None when the episode's rate leaves it off, as stock does."""
-    schedule = NoiseSchedule(max_noise, episode, seed)
-    return schedule if schedule.active else None
 
 
 def lowmem_scaler_from(scaler):
@@ -155,13 +111,6 @@ def own_state_reset(trainer) -> Optional[Callable]:
     return None
 
 
-def stock_initial_state(batch, height, width, d_state, device, generator=None):
-    """psi0 as stock draws it: complex(randn, randn) per component, normalised per cell."""
-    shape = (batch, height, width, d_state)
-    psi = torch.complex(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)).to(device)
-    return psi / torch.sqrt(torch.sum(torch.abs(psi) ** 2, dim=-1, keepdim=True))
-
-
 def _checked_flag(value, name: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"enable(): {name} must be True or False, got {value!r}")
@@ -176,11 +125,11 @@ def _lowmem_train_episode(trainer, episode_num):
     device = next(operator.parameters()).device
 
     trainer.optimizer.zero_grad()
-    psi0 = opts["initial_state"](trainer) if opts["initial_state"] is not None else stock_initial_state(
-        opts["batch_size"], *opts["grid"], opts["d_state"], device
+    psi0 = opts["initial_state"](trainer) if opts["initial_state"] is not None else stock.initial_state(
+        opts["batch_size"], opts["grid"], opts["d_state"], device
     )
     noise = None
-    if NoiseSchedule.rate_at(trainer.max_noise, episode_num) > NoiseSchedule.RATE_THRESHOLD:
+    if stock.noise_rate(episode_num, trainer.max_noise) > stock.NOISE_RATE_THRESHOLD:
         # One draw from the trainer's RNG keys the whole episode's noise, so recompute replays it.
         seed = int(torch.randint(0, 2**62, (1,)).item())
         noise = NoiseSchedule(trainer.max_noise, episode_num, seed)
@@ -232,7 +181,7 @@ def _check_contract(trainer):
     if missing:
         raise TypeError(
             f"enable(): {type(trainer).__name__} lacks the QC_Trainer_v4 attributes {missing} "
-            "(DESIGN.md §2 lists what the switch relies on)"
+            "(docs/design.md lists what the switch relies on)"
         )
 
 
@@ -273,6 +222,25 @@ def enable(
     if hasattr(trainer, _STATE_ATTR):
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
     check_checkpoint(checkpoint, slots, "enable()")
+    state = _Saved(options=_episode_options(
+        trainer, checkpoint=checkpoint, slots=slots, amp_dtype=amp_dtype, grid_size=grid_size, batch_size=batch_size,
+        d_state=d_state, initial_state=initial_state, max_grad_norm=max_grad_norm, fused_blocks=fused_blocks,
+        cuda_graph=cuda_graph,
+    ))
+    # Everything that can fail is decided before the trainer changes.
+    new_scaler = _lowmem_scaler_for(trainer, state.options["amp_dtype"]) if lowmem_scaler else None
+    if fused_blocks:
+        _convert_blocks(trainer.motor.operator, state)
+    _swap_step(trainer, state, fused_step_ops)
+    _swap_episode(trainer, state)
+    _swap_scaler(trainer, state, new_scaler)
+    setattr(trainer, _STATE_ATTR, state)
+    return trainer
+
+
+def _episode_options(trainer, *, checkpoint, slots, amp_dtype, grid_size, batch_size, d_state, initial_state,
+                     max_grad_norm, fused_blocks, cuda_graph) -> dict:
+    """enable()'s arguments resolved against the trainer: what each lowmem episode reads."""
     if amp_dtype is None and getattr(trainer, "use_amp", False):
         compute_dtype = torch.float16
     else:
@@ -287,47 +255,57 @@ def enable(
         grid = None if initial_state is not None else _infer_grid(trainer)
     if initial_state is None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"enable(): batch_size must be a positive int, got {batch_size!r}")
-    operator = trainer.motor.operator
-    scaler = getattr(trainer, "scaler", None)
-    new_scaler = None
-    if lowmem_scaler and scaler is not None:
-        new_scaler = lowmem_scaler_from(scaler)
-    elif lowmem_scaler and compute_dtype == torch.float16 and next(operator.parameters()).device.type == "cuda":
-        new_scaler = amp.GradScaler("cuda")
-
-    state = _Saved(options=dict(
+    return dict(
         checkpoint=checkpoint, slots=slots, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
-        d_state=d_state or _infer_d_state(trainer, operator), initial_state=initial_state,
+        d_state=d_state or _infer_d_state(trainer, trainer.motor.operator), initial_state=initial_state,
         max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, cuda_graph=_checked_flag(cuda_graph, "cuda_graph"),
-    ))
-    multiplicative = is_multiplicative(operator)
-    gamma = float(getattr(trainer.motor.cfg, "GAMMA_DECAY", 0.0) or 0.0) if hasattr(trainer.motor, "cfg") else 0.0
+    )
 
-    if fused_blocks:
-        params_before = [id(p) for p in operator.parameters()]
-        edges = _children(operator)
-        _, state.convert_report = convert(operator)
-        # What convert() swapped, so disable() can put the very same stock modules back.
-        state.blocks = [(parent, name, child) for parent, name, child in edges if getattr(parent, name) is not child]
-        if [id(p) for p in operator.parameters()] != params_before:
-            _restore_blocks(state.blocks)
-            raise RuntimeError("enable(): convert() did not keep the operator's Parameter objects; nothing was changed")
 
+def _lowmem_scaler_for(trainer, compute_dtype):
+    """The trainer's scaler as a qca_lowmem.amp.GradScaler with its state; a new one when the
+    trainer has none but fp16 on CUDA needs one; else None (nothing to swap)."""
+    scaler = getattr(trainer, "scaler", None)
+    if scaler is not None:
+        return lowmem_scaler_from(scaler)
+    if compute_dtype == torch.float16 and next(trainer.motor.operator.parameters()).device.type == "cuda":
+        return amp.GradScaler("cuda")
+    return None
+
+
+def _convert_blocks(operator, state: _Saved):
+    """Stock ConvBlocks -> FusedConvBlock in place, remembering what was swapped for disable()."""
+    params_before = [id(p) for p in operator.parameters()]
+    edges = _children(operator)
+    _, state.convert_report = convert(operator)
+    # What convert() swapped, so disable() can put the very same stock modules back.
+    state.blocks = [(parent, name, child) for parent, name, child in edges if getattr(parent, name) is not child]
+    if [id(p) for p in operator.parameters()] != params_before:
+        _restore_blocks(state.blocks)
+        raise RuntimeError("enable(): convert() did not keep the operator's Parameter objects; nothing was changed")
+
+
+def _swap_step(trainer, state: _Saved, fused_step_ops: bool):
+    """motor.evolve_step -> the fused pack/update (with the engine's gamma and stock's rule for
+    multiplicative operators), when `fused_step_ops`; the original is kept either way."""
     motor = trainer.motor
     state.had_evolve_step_attr = "evolve_step" in vars(motor)
     state.evolve_step = motor.evolve_step
     if fused_step_ops:
-        motor.evolve_step = fused_step(operator, gamma, multiplicative)
+        gamma = float(getattr(motor.cfg, "GAMMA_DECAY", 0.0) or 0.0) if hasattr(motor, "cfg") else 0.0
+        motor.evolve_step = fused_step(motor.operator, gamma, stock.is_multiplicative(motor.operator))
 
+
+def _swap_episode(trainer, state: _Saved):
     state.had_train_episode_attr = "train_episode" in vars(trainer)
     state.train_episode = trainer.train_episode
     trainer.train_episode = types.MethodType(_lowmem_train_episode, trainer)
 
-    state.scaler = scaler
+
+def _swap_scaler(trainer, state: _Saved, new_scaler):
+    state.scaler = getattr(trainer, "scaler", None)
     if new_scaler is not None:
         trainer.scaler = new_scaler
-    setattr(trainer, _STATE_ATTR, state)
-    return trainer
 
 
 def _restore_blocks(blocks):
@@ -356,10 +334,6 @@ def disable(trainer):
         trainer.scaler = state.scaler
     delattr(trainer, _STATE_ATTR)
     return trainer
-
-
-def is_enabled(trainer) -> bool:
-    return hasattr(trainer, _STATE_ATTR)
 
 
 def _section(cfg, name):

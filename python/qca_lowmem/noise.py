@@ -1,4 +1,5 @@
-"""Training noise as fused ops with replayable randoms (torch.ops.qca_lowmem.phase_flip / bit_flip).
+"""The noise ops (C family `noise`): typed wrappers, fake kernels and autograd of
+torch.ops.qca_lowmem.phase_flip / bit_flip / noise_coin, and the stock noise schedule on them.
 
 Every random number is a Philox4x32-10 word keyed by `(seed, step)` and indexed by the cell and
 the component (include/qca_lowmem/noise.h), so the same `(seed, step)` gives the same hits and
@@ -10,9 +11,7 @@ from typing import Optional
 
 import torch
 
-from ._loader import load_native
-
-load_native()
+from . import stock
 
 _lib = torch.ops.qca_lowmem
 
@@ -74,11 +73,6 @@ class NoiseSchedule:
     Pass it to `qca_lowmem.rollout(..., noise=schedule)`.
     """
 
-    RATE_THRESHOLD = 0.001
-    BIT_FLIP_PROBABILITY = 0.2
-    BIT_FLIP_SCALE = 0.1
-    RAMP_EPISODES = 2000
-
     def __init__(self, max_noise: float, episode: int, seed: Optional[int] = None):
         max_noise = float(max_noise)
         if not (math.isfinite(max_noise) and 0.0 <= max_noise <= 1.0):
@@ -91,22 +85,17 @@ class NoiseSchedule:
         self.episode = episode
         self.seed = _as_int64(seed, "seed")
 
-    @classmethod
-    def rate_at(cls, max_noise: float, episode: int) -> float:
-        """The stock curriculum: the rate ramps linearly to max_noise over 2000 episodes."""
-        return min(max_noise, max_noise * episode / cls.RAMP_EPISODES)
-
     @property
     def rate(self) -> float:
-        return self.rate_at(self.max_noise, self.episode)
+        return stock.noise_rate(self.episode, self.max_noise)
 
     @property
     def active(self) -> bool:
-        return self.rate > self.RATE_THRESHOLD
+        return self.rate > stock.NOISE_RATE_THRESHOLD
 
     def bit_flips_at(self, step: int) -> bool:
         """Whether the step's coin calls for a bit flip (when the schedule is active)."""
-        return noise_coin(self.seed, step) < self.BIT_FLIP_PROBABILITY
+        return noise_coin(self.seed, step) < stock.BIT_FLIP_PROBABILITY
 
     def __call__(self, psi: torch.Tensor, step: int) -> torch.Tensor:
         if not self.active:
@@ -114,11 +103,18 @@ class NoiseSchedule:
         rate = self.rate
         psi = phase_flip(psi, rate, self.seed, step)
         if self.bit_flips_at(step):
-            psi = bit_flip(psi, self.BIT_FLIP_SCALE * rate, self.seed, step)
+            psi = bit_flip(psi, stock.BIT_FLIP_SCALE * rate, self.seed, step)
         return psi
 
     def __repr__(self) -> str:
         return f"NoiseSchedule(max_noise={self.max_noise}, episode={self.episode}, seed={self.seed}, rate={self.rate:g})"
+
+
+def episode_noise(max_noise: float, episode: int, seed: int) -> Optional[NoiseSchedule]:
+    """The replayable stock noise of `episode` (curriculum included), keyed by `seed`; None when
+    the episode's rate leaves it off, as stock does."""
+    schedule = NoiseSchedule(max_noise, episode, seed)
+    return schedule if schedule.active else None
 
 
 @torch.library.register_fake("qca_lowmem::phase_flip")

@@ -17,10 +17,12 @@ from typing import List, Optional
 
 import torch
 
+from . import stock
 from ._recompute import keep_block_intermediates
-from .integration import autocast, fused_step, parse_amp_dtype, stock_initial_state
-from .memory import saved_storage_sizes
-from .train import StockForward, TrainConfig, build_model, format_bytes, parse_bytes, stock_step
+from .amp import autocast, parse_amp_dtype
+from .memory import format_bytes, parse_bytes, saved_storage_sizes
+from .qca_step import fused_step
+from .train import TrainConfig, build_model
 
 SAFETY = 1.10  # allocator rounding and fragmentation, cuDNN/cuBLAS workspaces
 _PROBE_GRIDS = (8, 16)
@@ -58,9 +60,10 @@ class Estimate:
 def _measure_one(model, config: TrainConfig, variant: str, amp_dtype, grid: int):
     """(bytes, largest storage) that one step's graph keeps at this grid, batch 1."""
     generator = torch.Generator().manual_seed(0)
-    psi = stock_initial_state(1, grid, grid, config.d_state, "cpu", generator).requires_grad_(True)
+    psi = stock.initial_state(1, grid, config.d_state, "cpu", generator).requires_grad_(True)
     if variant == "stock":
-        step = functools.partial(stock_step, operator=StockForward(model), gamma=config.gamma)
+        step = functools.partial(stock.step, operator=stock.StockForward(model), gamma=config.gamma,
+                                 multiplicative=True)
     else:
         step = fused_step(model, config.gamma, multiplicative=True)
 

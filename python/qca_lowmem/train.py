@@ -1,4 +1,4 @@
-"""Reference trainer: QC_Trainer_v4's episode semantics (DESIGN.md §2) on qca_lowmem's parts.
+"""Reference trainer: QC_Trainer_v4's episode semantics (qca_lowmem.stock) on qca_lowmem's parts.
 
 One episode: psi0 = complex(randn, randn) normalised per cell; `qca_steps` engine steps with the
 stock noise curriculum; the evolutionary loss on the final and initial states; AdamW(1e-4, 1e-5);
@@ -11,13 +11,10 @@ process and accumulate=1 this is the stock loop (one episode, one step). A DDP r
 equals a single process with accumulate=W: the same episodes, gradients summed then divided by W.
 """
 
-import csv
 import dataclasses
-import gc
 import json
 import math
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -26,17 +23,17 @@ from typing import Callable, List, Optional
 
 import torch
 
-from . import amp, integration
-from .integration import autocast, fused_step, parse_amp_dtype, stock_initial_state
+from . import amp, integration, oom, stock, train_state
+from .amp import autocast, parse_amp_dtype
+from .distributed import Distributed, resolve_device
 from .memory import saved_bytes
+from .noise import episode_noise
+from .oom import Policy
+from .qca_step import fused_step
 from ._rollout import check_checkpoint, rollout
 from ._step_graph import StepGraph
+from .train_log import METRIC_KEYS, EpisodeLog, message, record_of
 from .unet import UNetUnitary
-
-CHECKPOINT_NAME = "checkpoint.pt"
-METRICS_NAME = "metrics.csv"
-METRIC_KEYS = ("survival", "symmetry", "complexity")
-EXIT_OOM = 3
 
 
 @dataclass
@@ -151,15 +148,6 @@ def set_allocator_defaults():
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    if name == "auto":
-        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {name!r} asked for, but torch.cuda.is_available() is False (torch {torch.__version__})")
-    return device
-
-
 def episode_key(seed: int, episode: int, stream: int) -> int:
     """A 63-bit key for (seed, episode, stream), well mixed (splitmix64 finaliser)."""
     x = (seed * 0x9E3779B97F4A7C15 + episode * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB) & (2**64 - 1)
@@ -171,178 +159,11 @@ def episode_key(seed: int, episode: int, stream: int) -> int:
     return x >> 1
 
 
-def evolutionary_loss(psi_history, psi_initial):
-    """The stock default loss (DESIGN §2): 10*survival + 5*symmetry + complexity."""
-    psi_final = psi_history[-1]
-    energy_final = torch.sum(torch.abs(psi_final) ** 2)
-    energy_initial = torch.sum(torch.abs(psi_initial) ** 2)
-    survival = torch.abs(energy_final - 0.8 * energy_initial) / (energy_initial + 1e-6)
-    magnitude = torch.abs(psi_final)
-    symmetry = torch.mean((magnitude - torch.rot90(magnitude, 1, dims=(1, 2))) ** 2)
-    complexity = -torch.log(torch.std(torch.sum(magnitude, dim=-1)) + 1e-6)
-    loss = 10 * survival + 5 * symmetry + complexity
-    return loss, {"survival": survival.item(), "symmetry": symmetry.item(), "complexity": complexity.item()}
-
-
-def stock_step(psi, operator, gamma, multiplicative=True):
-    """The stock engine step in plain torch ops (the baseline of `bench` and `plan`)."""
-    d = psi.shape[-1]
-    x = torch.cat([psi.real.permute(0, 3, 1, 2), psi.imag.permute(0, 3, 1, 2)], dim=1)
-    delta = operator(x)
-    a = torch.complex(delta[:, :d].float(), delta[:, d:].float()).permute(0, 2, 3, 1)
-    n = psi + (a * psi if multiplicative else a)
-    if gamma > 0:
-        n = n - gamma * psi
-    return n / (torch.sqrt(torch.sum(torch.abs(n) ** 2, dim=-1, keepdim=True)) + 1e-9)
-
-
-class StockForward(torch.nn.Module):
-    """The users' stock U-Net forward over a qca_lowmem.UNetUnitary's own layers: every block
-    runs its plain `conv_block` Sequential (Conv2d, GroupNorm, ELU), keeping what stock autograd
-    keeps. Same Parameters; the baseline of `bench` and `plan`."""
-
-    def __init__(self, unet: torch.nn.Module):
-        super().__init__()
-        self.unet = unet
-
-    def forward(self, x):
-        return self.unet.forward_with(x, lambda block, h: block.conv_block(h))
-
-
-@dataclass
-class Policy:
-    """How an episode is run; the OOM guard lowers it step by step."""
-
-    checkpoint: str = "step"
-    slots: Optional[int] = None
-    batch: int = 1
-
-    def describe(self):
-        extra = f" slots={self.slots}" if self.checkpoint == "revolve" else ""
-        return f"checkpoint={self.checkpoint}{extra} batch={self.batch}"
-
-    def lowered(self, qca_steps: int) -> Optional["Policy"]:
-        """The next lower-memory policy: revolve, then fewer slots, then half the batch."""
-        if self.checkpoint != "revolve":
-            return Policy("revolve", max(1, min(32, qca_steps // 4)), self.batch)
-        if self.slots > 2:
-            return Policy("revolve", max(2, self.slots // 4), self.batch)
-        if self.batch > 1:
-            return Policy("revolve", self.slots, self.batch // 2)
-        return None
-
-
-class OutOfMemoryStop(RuntimeError):
-    """Raised after the OOM guard ran out of policies; progress is saved."""
-
-
-def atomic_save(obj, path):
-    """torch.save to a temporary file in the same folder, then os.replace: a crash mid-save
-    leaves the previous file intact."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def rng_state():
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_initialized():  # (is_available() is not asked: it may touch the driver)
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy
-
-        state["numpy"] = numpy.random.get_state()
-    except ImportError:
-        pass
-    return state
-
-
-def set_rng_state(state):
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy
-
-        numpy.random.set_state(state["numpy"])
-
-
 def build_model(config: TrainConfig, device) -> torch.nn.Module:
     torch.manual_seed(config.seed)
     # fused_blocks: the U-Net recomputes its intermediates in backward (outside a step-level
     # recompute, which already does); off, it keeps them as stock autograd does.
     return UNetUnitary(config.d_state, config.hidden, recompute="unet" if config.fused_blocks else "none").to(device)
-
-
-class Distributed:
-    """Rank, world size and gradient averaging; a single process when torch.distributed is off."""
-
-    def __init__(self, enabled: bool, device: str = "auto"):
-        self.enabled = enabled
-        self.rank, self.world_size, self.local_rank = 0, 1, 0
-        if enabled:
-            import torch.distributed as dist
-
-            if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-                raise RuntimeError("--ddp needs torchrun's environment (RANK, WORLD_SIZE, ...): "
-                                   "torchrun --nproc_per_node=N -m qca_lowmem train --ddp ...")
-            self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-            if not dist.is_initialized():
-                # The run's device picks the backend: a CPU run on a GPU machine stays on gloo.
-                on_cuda = resolve_device(device, self.local_rank).type == "cuda"
-                if on_cuda:
-                    visible = torch.cuda.device_count()
-                    if self.local_rank >= visible:
-                        raise RuntimeError(f"--ddp: local rank {self.local_rank} has no GPU ({visible} visible): "
-                                           f"use --nproc_per_node <= {visible}, or --device cpu")
-                    torch.cuda.set_device(self.local_rank)
-                dist.init_process_group("nccl" if on_cuda else "gloo")
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-
-    def all_reduce_(self, tensor, op="sum"):
-        if self.enabled and self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-        return tensor
-
-    def all_gather_rows(self, rows: torch.Tensor) -> List[torch.Tensor]:
-        if not (self.enabled and self.world_size > 1):
-            return [rows]
-        import torch.distributed as dist
-
-        out = [torch.empty_like(rows) for _ in range(self.world_size)]
-        dist.all_gather(out, rows)
-        return out
-
-    def broadcast_(self, tensor):
-        if self.enabled and self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.broadcast(tensor, 0)
-        return tensor
-
-    def barrier(self):
-        if self.enabled and self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-    def close(self):
-        if self.enabled:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
 
 
 class Trainer:
@@ -380,10 +201,10 @@ class Trainer:
 
     def initial_state(self, episode: int, batch: int):
         generator = torch.Generator().manual_seed(episode_key(self.config.seed, episode, 0))
-        return stock_initial_state(batch, self.config.grid, self.config.grid, self.config.d_state, self.device, generator)
+        return stock.initial_state(batch, self.config.grid, self.config.d_state, self.device, generator)
 
     def noise_for(self, episode: int):
-        return integration.noise_schedule(self.config.max_noise, episode, episode_key(self.config.seed, episode, 1))
+        return episode_noise(self.config.max_noise, episode, episode_key(self.config.seed, episode, 1))
 
     def forward_episode(self, episode: int, policy: Policy):
         """psi0 -> rollout -> loss for one episode; returns (loss, metrics, psi_T)."""
@@ -394,7 +215,7 @@ class Trainer:
                 slots=policy.slots if policy.checkpoint == "revolve" else None,
                 noise=self.noise_for(episode),
             )
-            loss, metrics = evolutionary_loss(history, psi0)
+            loss, metrics = stock.evolutionary_loss(history, psi0)
         return loss, metrics, psi
 
     def _run_local_episodes(self, episodes: List[int], policy: Policy):
@@ -447,26 +268,36 @@ class Trainer:
         """
         per_rank = self.config.accumulate
         mine = [first + i for i in range(self.dist.rank * per_rank, min(count, (self.dist.rank + 1) * per_rank))]
+        rows = self._run_lowering_on_oom(first, mine)
+        self._optimizer_step(first + count - 1, count)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return self._gather_rows(rows, per_rank)
+
+    def _run_lowering_on_oom(self, first: int, episodes: List[int]):
+        """This rank's episodes; when any rank runs out of memory, all retry them with the next
+        lower policy, and stop (progress saved) when none is left."""
         while True:
             self.optimizer.zero_grad(set_to_none=True)
             rows = None
             try:
-                rows = self._run_local_episodes(mine, self.policy)
+                rows = self._run_local_episodes(episodes, self.policy)
             except torch.OutOfMemoryError:
                 pass  # handled below, together with the other ranks
             failed = torch.tensor([0.0 if rows is not None else 1.0], device=self._gather_device())
             if self.dist.all_reduce_(failed, op="max").item() == 0:
-                break
+                return rows
             self.optimizer.zero_grad(set_to_none=True)
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            oom.release_cached_memory()
             lower = self.policy.lowered(self.config.qca_steps)
             if lower is None:
-                self._stop_out_of_memory(first)
+                path = self.save_checkpoint()
+                advice = oom.fitting_advice(self.amp_dtype, self.policy, self.config.grid, self.config.hidden)
+                raise oom.no_policy_left(first, self.device, self.policy, self.next_episode, path, advice)
             self._log(f"out of memory at episode {first} with {self.policy.describe()}; retrying with {lower.describe()}")
             self.policy = lower
 
+    def _optimizer_step(self, last_episode: int, count: int):
         try:
             params = self._average_gradients(count)
             if self.scaler is not None:
@@ -478,17 +309,11 @@ class Trainer:
                 torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
                 self.optimizer.step()
         except torch.OutOfMemoryError:
-            # The optimizer may have updated some parameters: no checkpoint of this state.
             parameters = sum(p.numel() for p in self.model.parameters())
-            raise OutOfMemoryStop(
-                f"qca-lowmem: out of memory in the optimizer step after episode {first + count - 1} on {self.device}: "
-                f"the model state (weights, gradients, AdamW moments: {format_bytes(16 * parameters)}) does not fit "
-                f"next to the rest. The last checkpoint in {self.out_dir} holds the progress saved so far. "
-                "Free the GPU of other processes, or see `qca-lowmem plan --gpu-mem <your GPU memory>`."
-            ) from None
-        if self.scheduler is not None:
-            self.scheduler.step()
+            raise oom.optimizer_step_failed(last_episode, self.device, parameters, self.out_dir) from None
 
+    def _gather_rows(self, rows, per_rank: int):
+        """Every rank's rows, on every rank (NaN rows pad ranks with fewer episodes)."""
         width = 2 + len(METRIC_KEYS) + 2
         local = torch.full((per_rank, width), float("nan"), dtype=torch.float64)
         for i, row in enumerate(rows):
@@ -499,96 +324,19 @@ class Trainer:
     def _gather_device(self):
         return self.device if (self.dist.world_size > 1 and self.device.type == "cuda") else torch.device("cpu")
 
-    def _stop_out_of_memory(self, episode: int):
-        path = self.save_checkpoint()
-        config = self.config
-        advice = []
-        if self.amp_dtype is None:
-            advice.append("--amp-dtype bf16 (halves the U-Net activations)")
-        advice.append(f"a smaller --batch (now {self.policy.batch})" if self.policy.batch > 1 else
-                      f"a smaller grid (now {config.grid}) or hidden (now {config.hidden}); this changes the model")
-        advice.append("`qca-lowmem plan --gpu-mem <your GPU memory>` to see what fits")
-        message = (
-            f"qca-lowmem: out of memory at episode {episode} on {self.device} even with "
-            f"{self.policy.describe()} (the lowest-memory policy). Progress up to episode {self.next_episode} "
-            f"is saved in {path}; continue with --resume {path}. To fit, try: " + "; ".join(advice) + "."
-        )
-        raise OutOfMemoryStop(message)
-
-    # -- checkpoints ------------------------------------------------------------------------
-    def checkpoint_state(self):
-        return {
-            "format": "qca_lowmem.train/1",
-            "episode": self.next_episode,
-            "model_state_dict": self.model.state_dict(),
-            "optimizer_state_dict": self.optimizer.state_dict(),
-            "scheduler_state_dict": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler_state_dict": self.scaler.state_dict() if self.scaler is not None else None,
-            "rng_state": rng_state(),
-            "policy": dataclasses.asdict(self.policy),
-            "config": dataclasses.asdict(self.config),
-            "world_size": self.dist.world_size,
-        }
-
+    # -- checkpoints (train_state.py) --------------------------------------------------------
     def save_checkpoint(self, path=None):
-        path = Path(path) if path is not None else self.out_dir / CHECKPOINT_NAME
+        path = Path(path) if path is not None else self.out_dir / train_state.CHECKPOINT_NAME
         if self.dist.rank == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_save(self.checkpoint_state(), path)
+            train_state.atomic_save(train_state.state_of(self), path)
         return path
 
     def load_checkpoint(self, path):
-        # On the CPU: RNG states must stay CPU tensors; load_state_dict moves the rest to the device.
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        if state.get("format") != "qca_lowmem.train/1":
-            raise ValueError(f"{path} is not a qca-lowmem train checkpoint (format {state.get('format')!r})")
-        saved = state["config"]
-        for name in ("d_state", "hidden", "grid", "qca_steps", "seed", "gamma", "max_noise", "scheduler"):
-            if saved[name] != getattr(self.config, name):
-                raise ValueError(f"--resume {path}: the checkpoint has {name}={saved[name]!r} but this run has "
-                                 f"{name}={getattr(self.config, name)!r}; resuming would not continue the same run")
-        if state["world_size"] * saved["accumulate"] != self.episodes_per_step():
-            self._log(f"warning: the checkpoint ran {state['world_size'] * saved['accumulate']} episodes per optimizer "
-                      f"step, this run {self.episodes_per_step()}; the continuation differs from the original run")
-        self.model.load_state_dict(state["model_state_dict"])
-        self.optimizer.load_state_dict(state["optimizer_state_dict"])
-        if self.scheduler is not None and state["scheduler_state_dict"] is not None:
-            self.scheduler.load_state_dict(state["scheduler_state_dict"])
-        if self.scaler is not None and state["scaler_state_dict"] is not None:
-            self.scaler.load_state_dict(state["scaler_state_dict"])
-        set_rng_state(state["rng_state"])
-        self.policy = Policy(**state["policy"])
-        self.next_episode = state["episode"]
-        return self.next_episode
+        return train_state.restore(self, path, warn=self._log)
 
-    # -- logging ----------------------------------------------------------------------------
-    def _log(self, message):
-        if self.dist.rank == 0:
-            print(f"qca-lowmem: {message}", file=sys.stderr, flush=True)
-
-    def _memory_column(self):
-        return "peak_bytes" if self.device.type == "cuda" else "saved_bytes"
-
-    def _open_csv(self):
-        path = self.out_dir / METRICS_NAME
-        header = ["episode", "loss", *METRIC_KEYS, self._memory_column(), "seconds", "policy"]
-        kept = []
-        if path.exists() and self.next_episode > 0:
-            with open(path, newline="") as f:
-                kept = [row for row in csv.DictReader(f) if int(row["episode"]) < self.next_episode]
-        f = open(path, "w", newline="")
-        writer = csv.DictWriter(f, fieldnames=header)
-        writer.writeheader()
-        for row in kept:
-            writer.writerow({k: row.get(k, "") for k in header})
-        return f, writer
-
-    def _tensorboard_writer(self):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            return None
-        return SummaryWriter(str(self.out_dir / "tensorboard"))
+    def _log(self, text):
+        message(text, self.dist.rank)
 
     # -- the loop ---------------------------------------------------------------------------
     def fit(self, callback: Optional[Callable[[dict], None]] = None, stop_after: Optional[int] = None) -> List[dict]:
@@ -599,51 +347,23 @@ class Trainer:
             raise ValueError(f"stop_after must be a positive number of episodes, got {stop_after}")
         total = config.episodes if stop_after is None else min(config.episodes, self.next_episode + stop_after)
         results = []
-        csv_file = writer = board = bar = None
-        if self.dist.rank == 0:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            csv_file, writer = self._open_csv()
-            board = self._tensorboard_writer()
-            if self.progress:
-                from tqdm import tqdm
-
-                bar = tqdm(total=config.episodes, initial=self.next_episode, desc="qca-lowmem train", unit="episode", dynamic_ncols=True)
         group = self.episodes_per_step()
-        try:
+        with EpisodeLog(self.out_dir, self.device, self.next_episode, config.episodes, self.dist.rank,
+                        self.progress) as log:
             while self.next_episode < total:
                 first = self.next_episode
                 count = min(group, config.episodes - first)
                 rows = self.train_step(first, count)
                 self.next_episode = first + count
                 for row in rows:
-                    record = dict(zip(["episode", "loss", *METRIC_KEYS, self._memory_column(), "seconds"], row))
-                    record["episode"] = int(record["episode"])
-                    record[self._memory_column()] = int(record[self._memory_column()])
-                    record["policy"] = self.policy.describe()
+                    record = record_of(row, self.device, self.policy.describe())
                     results.append(record)
-                    if writer is not None:
-                        writer.writerow(record)
-                        csv_file.flush()
-                    if board is not None:
-                        for key in ("loss", *METRIC_KEYS, self._memory_column(), "seconds"):
-                            board.add_scalar(key, record[key], record["episode"])
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(episode=record["episode"], loss=f"{record['loss']:.4f}",
-                                        surv=f"{record['survival']:.3f}", sym=f"{record['symmetry']:.3f}",
-                                        cplx=f"{record['complexity']:.3f}", mem=format_bytes(record[self._memory_column()]))
+                    log.write(record)
                     if callback is not None:
                         callback(record)
                 if config.save_every and (self.next_episode // config.save_every) > (first // config.save_every):
                     self.save_checkpoint()
             self.save_checkpoint()
-        finally:
-            if bar is not None:
-                bar.close()
-            if csv_file is not None:
-                csv_file.close()
-            if board is not None:
-                board.close()
         return results
 
     def replica_difference(self) -> float:
@@ -652,31 +372,6 @@ class Trainer:
         reference = self.dist.broadcast_(flat.clone())
         diff = torch.tensor([(flat - reference).abs().max().item()], device=self._gather_device())
         return self.dist.all_reduce_(diff, op="max").item()
-
-
-def format_bytes(n) -> str:
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
-
-
-def parse_bytes(text: str, allow_zero: bool = False) -> int:
-    """'3.68GiB', '512 MiB', '4GB', '1e9' -> bytes."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-             "k": 2**10, "m": 2**20, "g": 2**30}
-    s = str(text).strip().lower().replace(" ", "")
-    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = None
-    if value is None or unit not in units or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"memory size must look like 3.68GiB, 512MiB or 4GB, got {text!r}")
-    return int(value * units[unit])
 
 
 def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, progress: bool = True,

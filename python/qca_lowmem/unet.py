@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import stock
 from ._recompute import block_keeps_intermediates
 from .blocks import FusedConvBlock
 
@@ -35,17 +36,11 @@ class UNetUnitary(nn.Module):
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"UNetUnitary: recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         self.recompute = recompute
-        h, c = hidden_channels, 2 * d_state
-        self.inc = FusedConvBlock(c, h)
-        self.down1 = nn.Sequential(nn.MaxPool2d(2), FusedConvBlock(h, 2 * h))
-        self.down2 = nn.Sequential(nn.MaxPool2d(2), FusedConvBlock(2 * h, 4 * h))
-        self.bot = FusedConvBlock(4 * h, 8 * h)
-        self.up1 = nn.ConvTranspose2d(8 * h, 4 * h, 2, stride=2)
-        self.conv_up1 = FusedConvBlock(6 * h, 4 * h)
-        self.up2 = nn.ConvTranspose2d(4 * h, 2 * h, 2, stride=2)
-        self.conv_up2 = FusedConvBlock(3 * h, h)
-        self.outc = nn.Conv2d(h, c, 1)
-        nn.init.normal_(self.outc.weight, 0.0, 1e-5)
+        # The stock model's own modules (parameters, keys and initialisation as stock), its
+        # ConvBlocks then fused in place around the same layers.
+        for name, module in stock.UNetUnitary(d_state, hidden_channels).named_children():
+            self.add_module(name, module)
+        convert(self)
 
     def extra_repr(self) -> str:
         return f"recompute={self.recompute!r}"

@@ -1,12 +1,9 @@
-"""Typed wrappers, fake kernels and autograd of the QCA step ops (torch.ops.qca_lowmem.*)."""
+"""The QCA step ops (C family `qca_step`): typed wrappers, fake kernels and autograd of
+torch.ops.qca_lowmem.qca_pack / qca_update, and the stock engine step built on them."""
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
-
-from ._loader import load_native
-
-load_native()
 
 _lib = torch.ops.qca_lowmem
 
@@ -35,6 +32,15 @@ def qca_update(
     Differentiable; backward saves only psi and delta and recomputes the rest.
     """
     return _lib.qca_update(psi, delta, float(gamma), bool(multiplicative), float(eps))
+
+
+def fused_step(operator, gamma: float, multiplicative: bool) -> Callable:
+    """The stock engine step (`stock.step`: pack, operator, update) on the fused ops."""
+
+    def evolve_step(psi):
+        return qca_update(psi, operator(qca_pack(psi)), gamma, multiplicative)
+
+    return evolve_step
 
 
 def _real_dtype_of(complex_dtype: torch.dtype) -> torch.dtype:

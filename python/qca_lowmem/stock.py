@@ -1,16 +1,29 @@
-"""The stock computation, written plainly from DESIGN.md section 2: the oracle of every test.
+"""The stock computation qca_lowmem must match, in plain torch: the oracle of the tests, the
+baseline of the benchmarks, `bench` and `plan`, and the trainer's loss and initial state.
 
-Nothing here uses qca_lowmem. Keep it boring: it must be obviously what the users' code does.
+It is the users' QC_Trainer_v4 episode (docs/design.md, "The stock computation"): a U-Net of
+ConvBlocks applied `qca_steps` times to a complex state, with per-cell normalisation, the stock
+noise curriculum and the evolutionary loss. Nothing here uses qca_lowmem's kernels; keep it
+boring, so that it is obviously what the users' code does.
 """
 
 import math
+from typing import Tuple, Union
 
 import torch
 from torch import nn
 
+# The noise curriculum: rate = min(max_noise, max_noise * episode / NOISE_RAMP_EPISODES); noise
+# is on when the rate exceeds NOISE_RATE_THRESHOLD; each step bit-flips with probability
+# BIT_FLIP_PROBABILITY, at BIT_FLIP_SCALE times the rate.
+NOISE_RAMP_EPISODES = 2000
+NOISE_RATE_THRESHOLD = 0.001
+BIT_FLIP_PROBABILITY = 0.2
+BIT_FLIP_SCALE = 0.1
+
 
 def group_count(channels: int) -> int:
-    """The stock GroupNorm group rule."""
+    """The stock GroupNorm group rule: channels // 8 groups above 8 channels, 1 if that does not divide."""
     groups = max(1, channels // 8 if channels > 8 else 1)
     return 1 if channels % groups != 0 else groups
 
@@ -57,14 +70,18 @@ class UNetUnitary(nn.Module):
         return self.outc(c2)
 
 
-def randomize_affine(module: nn.Module, generator=None) -> nn.Module:
-    """Give every GroupNorm a non-trivial affine (stock init is 1 and 0), so tests see it."""
-    with torch.no_grad():
-        for m in module.modules():
-            if isinstance(m, nn.GroupNorm):
-                m.weight.copy_(1.0 + 0.3 * torch.randn(m.weight.shape, generator=generator))
-                m.bias.copy_(0.3 * torch.randn(m.bias.shape, generator=generator))
-    return module
+class StockForward(nn.Module):
+    """The stock U-Net forward over a qca_lowmem.UNetUnitary's own layers: every block runs its
+    plain `conv_block` Sequential (Conv2d, GroupNorm, ELU), keeping what stock autograd keeps.
+    Same Parameters; the baseline of `bench` and `plan`. Not a "UNetUnitary" by type name, so
+    pass `multiplicative=True` to `step`."""
+
+    def __init__(self, unet: nn.Module):
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, x):
+        return self.unet.forward_with(x, lambda block, h: block.conv_block(h))
 
 
 def is_multiplicative(operator) -> bool:
@@ -73,7 +90,7 @@ def is_multiplicative(operator) -> bool:
 
 
 def pack(psi):
-    """Stock step 1."""
+    """Stock step 1: complex (B, H, W, d) -> real (B, 2d, H, W), real parts first."""
     return torch.cat([psi.real.permute(0, 3, 1, 2), psi.imag.permute(0, 3, 1, 2)], dim=1)
 
 
@@ -91,16 +108,20 @@ def update(psi, delta, gamma=0.0, multiplicative=True, eps=1e-9):
 
 
 def step(psi, operator, gamma=0.0, multiplicative=None):
-    """One stock engine step (`motor.evolve_step`)."""
+    """One stock engine step (`motor.evolve_step`); `multiplicative` None follows the operator's type."""
     if multiplicative is None:
         multiplicative = is_multiplicative(operator)
     return update(psi, operator(pack(psi)), gamma, multiplicative)
 
 
-def initial_state(batch, grid, d_state, device="cpu", generator=None, dtype=torch.complex64):
-    """psi0: complex(randn, randn) per component, normalised per cell."""
+def initial_state(batch, grid: Union[int, Tuple[int, int]], d_state, device="cpu", generator=None,
+                  dtype=torch.complex64):
+    """psi0 on a `grid` (side, or (height, width)): complex(randn, randn) per component,
+    normalised per cell. The draws are made on the CPU, so a generator gives the same psi0 on
+    any device."""
+    height, width = (grid, grid) if isinstance(grid, int) else grid
     real = torch.float64 if dtype == torch.complex128 else torch.float32
-    shape = (batch, grid, grid, d_state)
+    shape = (batch, height, width, d_state)
     psi = torch.complex(
         torch.randn(shape, generator=generator, dtype=real),
         torch.randn(shape, generator=generator, dtype=real),
@@ -109,11 +130,13 @@ def initial_state(batch, grid, d_state, device="cpu", generator=None, dtype=torc
 
 
 def noise_rate(episode, max_noise):
-    return min(max_noise, max_noise * episode / 2000)
+    """The curriculum: the rate ramps linearly to max_noise over NOISE_RAMP_EPISODES episodes."""
+    return min(max_noise, max_noise * episode / NOISE_RAMP_EPISODES)
 
 
 class NoiseInjector:
-    """The stock noise: per-cell phase flips with independent phases, per-cell bit flips."""
+    """The stock noise, on torch's generator: per-cell phase flips with independent phases,
+    per-cell bit flips."""
 
     def apply_phase_flip(self, psi, rate):
         b, h, w, d = psi.shape
@@ -128,14 +151,15 @@ class NoiseInjector:
 
 
 def evolutionary_loss(psi_history, psi_initial):
-    """The default ("evolutionary") loss: uses only the final and the initial state."""
+    """The default ("evolutionary") loss, 10*survival + 5*symmetry + complexity: uses only the
+    final and the initial state. Returns (loss, metrics as floats)."""
     psi_final = psi_history[-1]
     energy_final = torch.sum(torch.abs(psi_final) ** 2)
     energy_initial = torch.sum(torch.abs(psi_initial) ** 2)
     survival = torch.abs(energy_final - 0.8 * energy_initial) / (energy_initial + 1e-6)
     magnitude = torch.abs(psi_final)
     symmetry = torch.mean((magnitude - torch.rot90(magnitude, 1, dims=(1, 2))) ** 2)
-    density = torch.sum(torch.abs(psi_final), dim=-1)
+    density = torch.sum(magnitude, dim=-1)
     complexity = -torch.log(torch.std(density) + 1e-6)
     loss = 10 * survival + 5 * symmetry + 1 * complexity
     metrics = {"survival": survival.item(), "symmetry": symmetry.item(), "complexity": complexity.item()}
@@ -149,10 +173,10 @@ def rollout(psi0, operator, steps, gamma=0.0, noise=None, rate=0.0):
     record_every = max(1, steps // 10)
     for t in range(steps):
         psi = step(psi, operator, gamma)
-        if noise is not None and rate > 0.001:
+        if noise is not None and rate > NOISE_RATE_THRESHOLD:
             psi = noise.apply_phase_flip(psi, rate)
-            if torch.rand(()).item() < 0.2:
-                psi = noise.apply_bit_flip(psi, 0.1 * rate)
+            if torch.rand(()).item() < BIT_FLIP_PROBABILITY:
+                psi = noise.apply_bit_flip(psi, BIT_FLIP_SCALE * rate)
         if t == 0 or t == steps - 1 or t % record_every == 0:
             history.append(psi)
     return psi, history

@@ -1,0 +1,88 @@
+"""The GroupNorm + ELU ops (C family `groupnorm_elu`): typed wrapper, fake kernels and autograd
+of torch.ops.qca_lowmem.groupnorm_elu, groupnorm_elu_apply and groupnorm_elu_backward."""
+
+import torch
+from torch import Tensor
+
+_lib = torch.ops.qca_lowmem
+
+
+def groupnorm_elu(x: Tensor, weight: Tensor, bias: Tensor, groups: int, eps: float = 1e-5) -> Tensor:
+    """ELU(GroupNorm(x)) in one fused kernel, as nn.GroupNorm(groups, C, eps) then nn.ELU().
+
+    x: (N, C, H, W) float32/float16/bfloat16 (float64 on the CPU too), NCHW or channels_last;
+    the output has the layout of x. Statistics are float32 (float64 for float64 x); weight and
+    bias may be wider than x (fp32 affine under autocast). Differentiable: backward saves x and
+    the statistics and recomputes the ELU derivative.
+    """
+    return _lib.groupnorm_elu(x, weight, bias, int(groups), float(eps))[0]
+
+
+def output_layout(x: Tensor) -> torch.memory_format:
+    """The layout the kernels write, and the block's activations follow: x's own when it is NCHW
+    or channels_last dense, else NCHW."""
+    if x.is_contiguous():
+        return torch.contiguous_format
+    if x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def stat_dtype(x: Tensor) -> torch.dtype:
+    """The statistics' dtype: float64 for float64 x, else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _check_gn_args(x, weight, bias, groups, op):
+    torch._check(x.dim() == 4, lambda: f"{op}: x must have 4 dimensions (N, C, H, W), got shape {tuple(x.shape)}")
+    torch._check(x.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16),
+                 lambda: f"{op}: x must be float32, float64, float16 or bfloat16, got {x.dtype}")
+    channels = x.shape[1]
+    torch._check(weight.shape == (channels,) and bias.shape == (channels,),
+                 lambda: f"{op}: weight and bias must have shape ({channels},), got {tuple(weight.shape)} and {tuple(bias.shape)}")
+    torch._check(groups >= 1 and channels % groups == 0,
+                 lambda: f"{op}: groups must be positive and divide the channels of x ({channels}), got {groups}")
+
+
+@torch.library.register_fake("qca_lowmem::groupnorm_elu")
+def _groupnorm_elu_fake(x, weight, bias, groups, eps=1e-5):
+    _check_gn_args(x, weight, bias, groups, "groupnorm_elu")
+    y = torch.empty_like(x, memory_format=output_layout(x))
+    mean = x.new_empty((x.shape[0], groups), dtype=stat_dtype(x))
+    return y, mean, torch.empty_like(mean)
+
+
+@torch.library.register_fake("qca_lowmem::groupnorm_elu_apply")
+def _groupnorm_elu_apply_fake(x, weight, bias, mean, rstd):
+    _check_gn_args(x, weight, bias, mean.shape[1], "groupnorm_elu_apply")
+    return torch.empty_like(x, memory_format=output_layout(x))
+
+
+@torch.library.register_fake("qca_lowmem::groupnorm_elu_backward")
+def _groupnorm_elu_backward_fake(grad_y, x, weight, bias, mean, rstd):
+    _check_gn_args(x, weight, bias, mean.shape[1], "groupnorm_elu_backward")
+    return torch.empty_like(x, memory_format=output_layout(x)), torch.empty_like(weight), torch.empty_like(bias)
+
+
+def _groupnorm_elu_setup_context(ctx, inputs, output):
+    x, weight, bias, groups, eps = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _groupnorm_elu_backward(ctx, grad_y, grad_mean, grad_rstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    grad_x, grad_weight, grad_bias = _lib.groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd)
+    return (
+        grad_x if ctx.needs_input_grad[0] else None,
+        grad_weight if ctx.needs_input_grad[1] else None,
+        grad_bias if ctx.needs_input_grad[2] else None,
+        None,
+        None,
+    )
+
+
+torch.library.register_autograd(
+    "qca_lowmem::groupnorm_elu", _groupnorm_elu_backward, setup_context=_groupnorm_elu_setup_context
+)

@@ -1,0 +1,56 @@
+"""The loss-scaler ops (C family `scaler`): typed wrappers and fake kernels of
+torch.ops.qca_lowmem.amp_unscale_, amp_mul_ and amp_update_scale_. The GradScaler built on them
+is in amp.py. They mutate their arguments in place and have no autograd."""
+
+from __future__ import annotations
+
+import torch
+
+_lib = torch.ops.qca_lowmem
+
+
+@torch.library.register_fake("qca_lowmem::amp_unscale_")
+def _unscale_fake(grads, found_inf, inv_scale, compute_sumsq=False):
+    return inv_scale.new_empty((len(grads) if compute_sumsq else 0,), dtype=torch.float64)
+
+
+@torch.library.register_fake("qca_lowmem::amp_mul_")
+def _mul_fake(tensors, factor):
+    return None
+
+
+@torch.library.register_fake("qca_lowmem::amp_update_scale_")
+def _update_scale_fake(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval):
+    return None
+
+
+def unscale_(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor, compute_sumsq: bool = False
+) -> torch.Tensor:
+    """Multiply every tensor of `grads` (one device, one dtype, dense) by `inv_scale` in place.
+
+    `found_inf` (one-element float32) is set to 1 when any value is inf or NaN before the
+    multiply, and never cleared. `inv_scale` is a one-element float32 tensor; when it is exactly 1
+    nothing is written. Returns, when `compute_sumsq`, a float64 tensor with each gradient's sum
+    of squares after unscaling (complex: sum of |z|^2), NaN for gradients that held a non-finite
+    value; otherwise an empty tensor.
+    """
+    return _lib.amp_unscale_(grads, found_inf, inv_scale, compute_sumsq)
+
+
+def mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every tensor (one device, one dtype, dense) by a one-element float32 tensor in
+    place, as `torch._foreach_mul_` does; a factor of exactly 1 touches no memory."""
+    _lib.amp_mul_(tensors, factor)
+
+
+def update_scale_(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> None:
+    """`torch._amp_update_scale_` in place on device tensors (no host synchronization)."""
+    _lib.amp_update_scale_(scale, growth_tracker, found_inf, float(growth_factor), float(backoff_factor), int(growth_interval))
