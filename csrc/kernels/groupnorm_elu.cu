@@ -89,8 +89,9 @@ __device__ Welford<acc_t> merge(const Welford<acc_t>& a, const Welford<acc_t>& b
 // Merges every thread's Welford state; the result is returned to all threads.
 template <typename acc_t>
 __device__ Welford<acc_t> block_merge(Welford<acc_t> w) {
-  __shared__ acc_t s_mean[kWarps], s_m2[kWarps];
-  __shared__ int64_t s_count[kWarps];
+  QCA_SHARED(acc_t, s_mean, kWarps);
+  QCA_SHARED(acc_t, s_m2, kWarps);
+  QCA_SHARED(int64_t, s_count, kWarps);
   for (int offset = 16; offset > 0; offset >>= 1) {
     Welford<acc_t> other;
     other.mean = __shfl_down_sync(0xffffffffu, w.mean, offset);
@@ -130,7 +131,8 @@ __device__ Welford<acc_t> block_merge(Welford<acc_t> w) {
 // Sums two values over the block; the results are returned to all threads.
 template <typename acc_t>
 __device__ void block_sum2(acc_t& a, acc_t& b) {
-  __shared__ acc_t s_a[kWarps], s_b[kWarps];
+  QCA_SHARED(acc_t, s_a, kWarps);
+  QCA_SHARED(acc_t, s_b, kWarps);
   for (int offset = 16; offset > 0; offset >>= 1) {
     a += __shfl_down_sync(0xffffffffu, a, offset);
     b += __shfl_down_sync(0xffffffffu, b, offset);
@@ -250,7 +252,7 @@ __device__ void apply_share(const GroupLayout& g, const qca_gn_elu_params& p, ac
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads) forward_kernel(const qca_gn_elu_params p) {
   const GroupLayout g(p.shape, 1);
-  __shared__ acc_t s_stats[2];
+  QCA_SHARED(acc_t, s_stats, 2);
   if (p.stats_given) {
     if (threadIdx.x == 0) {
       s_stats[0] = load_as<acc_t>(p.mean, p.stat_dtype, g.pair);
@@ -281,7 +283,7 @@ __global__ void __launch_bounds__(kThreads) forward_partial_kernel(const qca_gn_
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads) forward_apply_kernel(const qca_gn_elu_params p, int64_t splits) {
   const GroupLayout g(p.shape, splits);
-  __shared__ acc_t s_stats[2];
+  QCA_SHARED(acc_t, s_stats, 2);
   if (threadIdx.x == 0) {
     if (p.stats_given) {
       s_stats[0] = load_as<acc_t>(p.mean, p.stat_dtype, g.pair);
@@ -309,7 +311,8 @@ __device__ void share_channel_sums(const GroupLayout& g, const qca_gn_elu_backwa
                                    acc_t rstd, Emit emit) {
   const scalar_t* x = static_cast<const scalar_t*>(p.x);
   const scalar_t* grad_y = static_cast<const scalar_t*>(p.grad_y);
-  __shared__ acc_t s_bias_grad[kThreads], s_weight_grad[kThreads];
+  QCA_SHARED(acc_t, s_bias_grad, kThreads);
+  QCA_SHARED(acc_t, s_weight_grad, kThreads);
   int pixel_lanes_pow2 = 1;
   while (pixel_lanes_pow2 < g.pixel_lanes) pixel_lanes_pow2 <<= 1;
   // Channel chunks are uniform across the block, so the __syncthreads below are reached by all.
@@ -476,16 +479,16 @@ int64_t workspace_bytes(const qca_gn_shape& s, qca_dtype stat_dtype, int backwar
 
 // Instantiates `launch.template run<scalar_t, acc_t>()` for the data and statistics types.
 template <typename Launch>
-void dispatch(qca_dtype x_dtype, qca_dtype stat_dtype, const Launch& launch) {
+cudaError_t dispatch(qca_dtype x_dtype, qca_dtype stat_dtype, const Launch& launch) {
   const bool wide = stat_dtype == QCA_F64;
   switch (x_dtype) {
-    case QCA_F32: wide ? launch.template run<float, double>() : launch.template run<float, float>(); return;
-    case QCA_F64: wide ? launch.template run<double, double>() : launch.template run<double, float>(); return;
-    case QCA_F16: wide ? launch.template run<__half, double>() : launch.template run<__half, float>(); return;
+    case QCA_F32: return wide ? launch.template run<float, double>() : launch.template run<float, float>();
+    case QCA_F64: return wide ? launch.template run<double, double>() : launch.template run<double, float>();
+    case QCA_F16: return wide ? launch.template run<__half, double>() : launch.template run<__half, float>();
     case QCA_BF16:
-      wide ? launch.template run<__nv_bfloat16, double>() : launch.template run<__nv_bfloat16, float>();
-      return;
+      return wide ? launch.template run<__nv_bfloat16, double>() : launch.template run<__nv_bfloat16, float>();
   }
+  return cudaErrorInvalidValue;  // not reached: check() accepted the dtype
 }
 
 struct ForwardLaunch {
@@ -493,14 +496,17 @@ struct ForwardLaunch {
   int64_t pairs, splits;
   cudaStream_t stream;
   template <typename scalar_t, typename acc_t>
-  void run() const {
-    if (splits == 1) {
-      forward_kernel<scalar_t, acc_t><<<(unsigned int)pairs, kThreads, 0, stream>>>(*p);
-      return;
-    }
+  cudaError_t run() const {
+    using qca_lowmem_cuda::launch_kernel;
+    if (splits == 1)
+      return launch_kernel(forward_kernel<scalar_t, acc_t>, (unsigned int)pairs, kThreads, 0, stream, *p);
     const unsigned int blocks = (unsigned int)(pairs * splits);
-    if (!p->stats_given) forward_partial_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(*p, splits);
-    forward_apply_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(*p, splits);
+    if (!p->stats_given) {
+      const cudaError_t e =
+          launch_kernel(forward_partial_kernel<scalar_t, acc_t>, blocks, kThreads, 0, stream, *p, splits);
+      if (e != cudaSuccess) return e;
+    }
+    return launch_kernel(forward_apply_kernel<scalar_t, acc_t>, blocks, kThreads, 0, stream, *p, splits);
   }
 };
 
@@ -509,14 +515,15 @@ struct BackwardLaunch {
   int64_t pairs, splits;
   cudaStream_t stream;
   template <typename scalar_t, typename acc_t>
-  void run() const {
-    if (splits == 1) {
-      backward_kernel<scalar_t, acc_t><<<(unsigned int)pairs, kThreads, 0, stream>>>(*p);
-      return;
-    }
+  cudaError_t run() const {
+    using qca_lowmem_cuda::launch_kernel;
+    if (splits == 1)
+      return launch_kernel(backward_kernel<scalar_t, acc_t>, (unsigned int)pairs, kThreads, 0, stream, *p);
     const unsigned int blocks = (unsigned int)(pairs * splits);
-    backward_partial_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(*p, splits);
-    backward_apply_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(*p, splits);
+    const cudaError_t e =
+        launch_kernel(backward_partial_kernel<scalar_t, acc_t>, blocks, kThreads, 0, stream, *p, splits);
+    if (e != cudaSuccess) return e;
+    return launch_kernel(backward_apply_kernel<scalar_t, acc_t>, blocks, kThreads, 0, stream, *p, splits);
   }
 };
 
@@ -530,8 +537,8 @@ qca_status launch(const Params* p, int backward, void* stream, qca_cuda_error* e
   if (p->workspace_bytes < workspace_bytes(p->shape, p->stat_dtype, backward, splits) ||
       (splits > 1 && p->workspace == nullptr))
     return QCA_ERR_INVALID_ARGUMENT;
-  dispatch(p->x_dtype, p->stat_dtype, Launch{p, pairs, splits, static_cast<cudaStream_t>(stream)});
-  return qca_lowmem_cuda::finish_launch(err);
+  return qca_lowmem_cuda::finish_launch(
+      dispatch(p->x_dtype, p->stat_dtype, Launch{p, pairs, splits, static_cast<cudaStream_t>(stream)}), err);
 }
 
 }  // namespace

@@ -47,18 +47,16 @@ template <void (*cells_f32)(const qca_noise_params*, int64_t, int64_t),
           void (*cells_f64)(const qca_noise_params*, int64_t, int64_t)>
 qca_status launch(const qca_noise_params* p, void* stream, qca_cuda_error* err) {
   if (!params_are_valid(*p)) return QCA_ERR_INVALID_ARGUMENT;
+  if (p->state_dtype != QCA_F32 && p->state_dtype != QCA_F64) return QCA_ERR_UNSUPPORTED_DTYPE;
   const int64_t n = p->grid.batch * p->grid.height * p->grid.width;
   if (n == 0) return QCA_OK;
   const unsigned int blocks = qca_lowmem_cuda::blocks_for(n, kThreads);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (p->state_dtype == QCA_F32) {
-    noise_kernel<cells_f32><<<blocks, kThreads, 0, s>>>(*p, n);
-  } else if (p->state_dtype == QCA_F64) {
-    noise_kernel<cells_f64><<<blocks, kThreads, 0, s>>>(*p, n);
-  } else {
-    return QCA_ERR_UNSUPPORTED_DTYPE;
-  }
-  return qca_lowmem_cuda::finish_launch(err);
+  const cudaError_t e =
+      p->state_dtype == QCA_F32
+          ? qca_lowmem_cuda::launch_kernel(noise_kernel<cells_f32>, blocks, kThreads, 0, s, *p, n)
+          : qca_lowmem_cuda::launch_kernel(noise_kernel<cells_f64>, blocks, kThreads, 0, s, *p, n);
+  return qca_lowmem_cuda::finish_launch(e, err);
 }
 
 }  // namespace

@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool part_nonfinite = __syncthreads_or(nonfinite);
   if (part_nonfinite && threadIdx.x == 0) *found_inf = 1.0f;
   if (kSumsq) {
-    __shared__ double shared[kThreads / 32];
+    QCA_SHARED(double, shared, kThreads / 32);
     const double total = block_sum(acc, shared);
     if (threadIdx.x == 0)
       partials[batch.first_partial[slot] + part] = part_nonfinite ? (double)NAN : total;
@@ -160,9 +160,11 @@ template <typename T, bool kCheck, bool kSumsq>
 qca_status run_batches(const qca_unscale_params* p, cudaStream_t stream, qca_cuda_error* err) {
   const qca_status s = qca_scaler_batches::for_each_batch(
       p->tensors, p->numel, p->n_tensors, kSplit, [&](const ChunkBatch& batch, int entries) {
-        unscale_chunks_kernel<T, kCheck, kSumsq><<<entries * kSplit, kThreads, 0, stream>>>(
-            batch, p->factor, p->found_inf, p->workspace);
-        return qca_lowmem_cuda::finish_launch(err);
+        return qca_lowmem_cuda::finish_launch(
+            qca_lowmem_cuda::launch_kernel(unscale_chunks_kernel<T, kCheck, kSumsq>,
+                                           entries * kSplit, kThreads, 0, stream, batch, p->factor,
+                                           p->found_inf, p->workspace),
+            err);
       });
   if (s != QCA_OK) return s;
   if (!kSumsq) return QCA_OK;
@@ -179,8 +181,10 @@ qca_status run_batches(const qca_unscale_params* p, cudaStream_t stream, qca_cud
     first_partial += chunks * kSplit;
     ++count;
     if (count == kMaxReduceTensors || t == p->n_tensors - 1) {
-      sum_partials_kernel<<<count, 32, 0, stream>>>(reduce, p->workspace, p->sumsq);
-      const qca_status s = qca_lowmem_cuda::finish_launch(err);
+      const qca_status s = qca_lowmem_cuda::finish_launch(
+          qca_lowmem_cuda::launch_kernel(sum_partials_kernel, count, 32, 0, stream, reduce,
+                                         p->workspace, p->sumsq),
+          err);
       if (s != QCA_OK) return s;
       count = 0;
     }
@@ -221,6 +225,8 @@ extern "C" qca_status qca_unscale_cuda(const qca_unscale_params* p, void* stream
 extern "C" qca_status qca_scale_update_cuda(const qca_scale_update_params* p, void* stream,
                                             qca_cuda_error* err) {
   if (!p || !p->scale || !p->growth_tracker || !p->found_inf) return QCA_ERR_INVALID_ARGUMENT;
-  scale_update_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(*p);
-  return qca_lowmem_cuda::finish_launch(err);
+  return qca_lowmem_cuda::finish_launch(
+      qca_lowmem_cuda::launch_kernel(scale_update_kernel, 1, 1, 0,
+                                     static_cast<cudaStream_t>(stream), *p),
+      err);
 }
