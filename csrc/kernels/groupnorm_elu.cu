@@ -452,13 +452,15 @@ qca_status check(const qca_gn_shape& s, qca_dtype x, qca_dtype affine, qca_dtype
 }
 
 // Blocks per pair: 1 when the pairs alone fill the GPU (two blocks per SM), more for small
-// batches, as long as each block keeps at least kMinSplitElements elements.
-int64_t choose_splits(const qca_gn_shape& s) {
+// batches, as long as each block keeps at least kMinSplitElements elements. 0 when the device
+// cannot be asked its size (`*query` says why).
+int64_t choose_splits(const qca_gn_shape& s, cudaError_t* query) {
   const int64_t pairs = s.batch * s.groups, hw = s.height * s.width;
-  int device = 0, sms = 0;
-  if (pairs == 0 || hw == 0 || cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    return 1;
+  *query = cudaSuccess;
+  if (pairs == 0 || hw == 0) return 1;
+  int sms = 0;
+  *query = qca_lowmem_cuda::multiprocessor_count(&sms);
+  if (*query != cudaSuccess) return 0;
   const int64_t target_blocks = 2 * (int64_t)sms;
   if (pairs >= target_blocks) return 1;
   int64_t splits = (target_blocks + pairs - 1) / pairs;
@@ -533,7 +535,9 @@ qca_status launch(const Params* p, int backward, void* stream, qca_cuda_error* e
   if (status != QCA_OK) return status;
   const int64_t pairs = p->shape.batch * p->shape.groups;
   if (pairs == 0) return QCA_OK;
-  const int64_t splits = choose_splits(p->shape);
+  cudaError_t query;
+  const int64_t splits = choose_splits(p->shape, &query);
+  if (query != cudaSuccess) return qca_lowmem_cuda::finish_launch(query, err);
   if (p->workspace_bytes < workspace_bytes(p->shape, p->stat_dtype, backward, splits) ||
       (splits > 1 && p->workspace == nullptr))
     return QCA_ERR_INVALID_ARGUMENT;
@@ -546,7 +550,9 @@ qca_status launch(const Params* p, int backward, void* stream, qca_cuda_error* e
 extern "C" int64_t qca_gn_elu_cuda_workspace_bytes(const qca_gn_shape* shape, qca_dtype stat_dtype,
                                                    int backward) {
   if (check(*shape, QCA_F32, QCA_F32, stat_dtype) != QCA_OK) return 0;
-  return workspace_bytes(*shape, stat_dtype, backward, choose_splits(*shape));
+  cudaError_t query;  // a failed query fails the launch that follows, which reports it
+  const int64_t splits = choose_splits(*shape, &query);
+  return query == cudaSuccess ? workspace_bytes(*shape, stat_dtype, backward, splits) : 0;
 }
 
 extern "C" qca_status qca_gn_elu_forward_cuda(const qca_gn_elu_params* p, void* stream,
