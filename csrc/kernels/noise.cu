@@ -6,6 +6,7 @@
 #include "qca_lowmem/noise.h"
 
 #define QCA_HD __device__
+#define QCA_MUL(a, b) qca_lowmem_cuda::mul_rn((a), (b))  // bit for bit as C: no FMA
 #include "noise_random.h"
 
 #define SINCOS(x, s, c) sincos((x), (s), (c))

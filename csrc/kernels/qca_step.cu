@@ -6,6 +6,7 @@
 #include "qca_lowmem/qca_step.h"
 
 #define QCA_HD __device__
+#define QCA_MUL(a, b) qca_lowmem_cuda::mul_rn((a), (b))  // bit for bit as C: no FMA
 #define QCA_CELL_TILE 1  // one thread per cell
 
 #define REAL float
