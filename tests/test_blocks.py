@@ -102,6 +102,23 @@ def test_groupnorm_elu_matches_stock_cuda(shape, dtype, channels_last):
 
 
 @cuda_only
+@pytest.mark.parametrize("x_device, weight_device", [("cpu", "cuda"), ("cuda", "cpu")])
+def test_groupnorm_elu_names_a_device_mix(x_device, weight_device):
+    """A CUDA weight sends a CPU x to the CUDA kernels, whose checks run before their device
+    guard: the message names the tensors, in every entry point."""
+    x = torch.randn(2, 8, 4, 4, device=x_device)
+    weight, bias = (t.to(weight_device) for t in make_affine(8, torch.float32, "cpu"))
+    stats = [torch.zeros(2, 4, device=x_device), torch.ones(2, 4, device=x_device)]
+    message = "weight must be on the same device as x"
+    with pytest.raises(RuntimeError, match=message):
+        OPS.groupnorm_elu(x, weight, bias, 4, 1e-5)
+    with pytest.raises(RuntimeError, match=message):
+        OPS.groupnorm_elu_apply(x, weight, bias, *stats)
+    with pytest.raises(RuntimeError, match=message):
+        OPS.groupnorm_elu_backward(torch.ones_like(x), x, weight, bias, *stats)
+
+
+@cuda_only
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
 def test_groupnorm_elu_cuda_is_deterministic(channels_last):
     """Small batches split each group over several blocks; the partials merge in a fixed order."""

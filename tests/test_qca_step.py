@@ -264,10 +264,16 @@ def test_error_shows_received_tensor():
 
 
 @cuda_only
-def test_device_mismatch_is_named():
-    psi = torch.randn(1, 4, 4, 3, dtype=torch.complex64, device="cuda")
+@pytest.mark.parametrize("psi_device, delta_device", [("cuda", "cpu"), ("cpu", "cuda")])
+def test_device_mismatch_is_named(psi_device, delta_device):
+    """Either way round: a CUDA delta sends a CPU psi to the CUDA kernel, whose checks run before
+    its device guard."""
+    psi = torch.randn(1, 4, 4, 3, dtype=torch.complex64, device=psi_device)
+    delta = torch.randn(1, 6, 4, 4, device=delta_device)
     with pytest.raises(RuntimeError, match="delta must be on the same device as psi"):
-        qca_lowmem.qca_update(psi, torch.randn(1, 6, 4, 4))
+        qca_lowmem.qca_update(psi, delta)
+    with pytest.raises(RuntimeError, match="delta must be on the same device as psi"):
+        torch.ops.qca_lowmem.qca_update_backward(psi.clone(), psi, delta, 0.0, True, 1e-9)
 
 
 @cuda_only

@@ -24,8 +24,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_cuda(const at::Tens
                                                                   const at::Tensor& weight,
                                                                   const at::Tensor& bias,
                                                                   int64_t groups, double eps) {
-  const c10::cuda::CUDAGuard guard(x.device());
   GroupNormEluForward f = prepare_groupnorm_elu(x, weight, bias, groups, eps);
+  const c10::cuda::CUDAGuard guard(f.x.device());  // after the checks: they name a device mix
   const at::Tensor workspace = workspace_for(f.x, f.params.shape, f.params.stat_dtype, 0);
   f.params.workspace = workspace.mutable_data_ptr();
   f.params.workspace_bytes = workspace.numel();
@@ -38,8 +38,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_cuda(const at::Tens
 at::Tensor groupnorm_elu_apply_cuda(const at::Tensor& x, const at::Tensor& weight,
                                     const at::Tensor& bias, const at::Tensor& mean,
                                     const at::Tensor& rstd) {
-  const c10::cuda::CUDAGuard guard(x.device());
   GroupNormEluForward f = prepare_groupnorm_elu_apply(x, weight, bias, mean, rstd);
+  const c10::cuda::CUDAGuard guard(f.x.device());
   const at::Tensor workspace = workspace_for(f.x, f.params.shape, f.params.stat_dtype, 0);
   f.params.workspace = workspace.mutable_data_ptr();
   f.params.workspace_bytes = workspace.numel();
@@ -52,8 +52,8 @@ at::Tensor groupnorm_elu_apply_cuda(const at::Tensor& x, const at::Tensor& weigh
 std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_backward_cuda(
     const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
     const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& rstd) {
-  const c10::cuda::CUDAGuard guard(x.device());
   GroupNormEluBackward b = prepare_groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd);
+  const c10::cuda::CUDAGuard guard(b.x.device());
   const at::Tensor workspace = workspace_for(b.x, b.params.shape, b.params.stat_dtype, 1);
   b.params.workspace = workspace.mutable_data_ptr();
   b.params.workspace_bytes = workspace.numel();

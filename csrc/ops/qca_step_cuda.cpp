@@ -34,8 +34,8 @@ at::Tensor pack_backward_cuda(const at::Tensor& grad_x, at::ScalarType psi_dtype
 
 at::Tensor update_cuda(const at::Tensor& psi, const at::Tensor& delta, double gamma,
                        bool multiplicative, double eps) {
-  const c10::cuda::CUDAGuard guard(psi.device());
   qca_update_params p = prepare_update(psi, delta, gamma, multiplicative, eps, "qca_update");
+  const c10::cuda::CUDAGuard guard(psi.device());  // after the checks: they name a device mix
   at::Tensor out =
       at::empty(psi.sizes(), psi.options().memory_format(at::MemoryFormat::Contiguous));
   p.out = out.mutable_data_ptr();
@@ -48,10 +48,10 @@ std::tuple<at::Tensor, at::Tensor> update_backward_cuda(const at::Tensor& grad_o
                                                         const at::Tensor& psi,
                                                         const at::Tensor& delta, double gamma,
                                                         bool multiplicative, double eps) {
-  const c10::cuda::CUDAGuard guard(psi.device());
   at::Tensor grad_psi, grad_delta;
   const qca_update_backward_params p = prepare_update_backward(
       grad_out, psi, delta, gamma, multiplicative, eps, grad_psi, grad_delta);
+  const c10::cuda::CUDAGuard guard(psi.device());
   qca_cuda_error err{};
   check_cuda_status(qca_update_backward_cuda(&p, current_stream(), &err), err,
                     "qca_update_backward");
