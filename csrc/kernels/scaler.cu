@@ -108,9 +108,12 @@ __global__ void __launch_bounds__(kThreads)
   const bool aligned = (reinterpret_cast<uintptr_t>(data) % sizeof(VecOf<T>)) == 0;
   int64_t i = begin;
   constexpr int kVec = VecOf<T>::kWidth;
+  // Two vectors in flight per thread, and the scalar loop not unrolled: unrolled further, ptxas
+  // spilled (sm_75, sm_86, sm_89) to fit the registers it allows a 512-thread block.
   if (aligned && begin < end) {  // parts start at whole vectors, so they stay aligned
     VecOf<T>* vec = reinterpret_cast<VecOf<T>*>(data);
     const int64_t vec_end = begin + (end - begin) / kVec * kVec;
+#pragma unroll 2
     for (int64_t j = begin / kVec + threadIdx.x; j < vec_end / kVec; j += blockDim.x) {
       VecOf<T> x = vec[j];
 #pragma unroll
@@ -120,6 +123,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     i = vec_end;
   }
+#pragma unroll 1
   for (int64_t j = i + threadIdx.x; j < end; j += blockDim.x) {
     const T out = process<T, kCheck, kSumsq>(data[j], factor, identity, nonfinite, acc);
     if (!identity) data[j] = out;
@@ -146,8 +150,8 @@ struct ReduceBatch {
 static_assert(sizeof(ReduceBatch) + 2 * sizeof(void*) <= 4096, "reduce arguments over 4 KiB");
 
 // One warp per tensor adds its partial sums in a fixed order.
-__global__ void sum_partials_kernel(const ReduceBatch batch, const double* partials,
-                                    double* sumsq) {
+__global__ void __launch_bounds__(32)
+    sum_partials_kernel(const ReduceBatch batch, const double* partials, double* sumsq) {
   const int t = blockIdx.x;
   const double* p = partials + batch.first_partial[t];
   double acc = 0.0;
@@ -199,7 +203,7 @@ qca_status dispatch_mode(const qca_unscale_params* p, cudaStream_t stream, qca_c
   return run_batches<T, false, false>(p, stream, err);
 }
 
-__global__ void scale_update_kernel(const qca_scale_update_params p) {
+__global__ void __launch_bounds__(1) scale_update_kernel(const qca_scale_update_params p) {
   qca_scale_update_rule(p.scale, p.growth_tracker, p.found_inf, p.growth_factor,
                         p.backoff_factor, p.growth_interval);
 }
