@@ -144,4 +144,7 @@ setup(
     ],
     ext_modules=[extension],
     cmdclass={"build_ext": BuildExtensionWithKernels},
+    # Objects of the C kernels apart from the extension's: groupnorm_elu.c and groupnorm_elu.cu
+    # would both be groupnorm_elu.o, and a rebuild in the same tree took one for the other.
+    options={"build_clib": {"build_temp": str(Path("build") / "temp.kernels")}},
 )
