@@ -22,9 +22,7 @@
 #include <ucontext.h>
 #endif
 
-// Initialised, so that they live in .data: kernels read them, and nothing of this file should
-// look like memory the kernels own.
-uint3 threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0};
+uint3 threadIdx, blockIdx;
 dim3 blockDim, gridDim;
 
 namespace qca_emu {
@@ -154,7 +152,6 @@ std::map<const void*, int> g_max_dynamic_shared;
 
 constexpr size_t kMaxReports = 50;
 std::vector<std::string> g_reports;
-size_t g_reports_dropped = 0;
 
 struct Counters {
   uint64_t launches, blocks, threads, switches;
@@ -246,7 +243,7 @@ void report(const char* format, ...) __attribute__((format(printf, 1, 2)));
 void report(const char* format, ...) {
   if (g_launch && !g_launch->reported.insert(format).second) return;
   if (g_reports.size() >= kMaxReports) {
-    ++g_reports_dropped;
+    if (g_reports.size() == kMaxReports) g_reports.push_back("(later reports dropped)");
     return;
   }
   char buffer[1024];
@@ -843,10 +840,7 @@ int qca_emu_peek_last_error() { return g_last_error; }
 
 int qca_emu_report_count() { return (int)qca_emu::g_reports.size(); }
 const char* qca_emu_report(int i) { return qca_emu::g_reports[(size_t)i].c_str(); }
-void qca_emu_clear_reports() {
-  qca_emu::g_reports.clear();
-  qca_emu::g_reports_dropped = 0;
-}
+void qca_emu_clear_reports() { qca_emu::g_reports.clear(); }
 
 // launches, blocks, threads, fiber switches since the library was loaded
 void qca_emu_counters(uint64_t out[4]) {
