@@ -533,3 +533,31 @@ def test_a_failed_device_query_fails_the_launch_that_made_it_and_is_cleared(emu)
     # and the next launch succeeds
     with emu.settings(sms=1):
         c, cuda = gn_forward(emu, x, weight, bias, groups, channels_last, stat_dtype)
+
+
+# ---- independence of the order threads run in ----
+
+@pytest.mark.parametrize("path", SPLIT_SETTINGS)
+def test_results_do_not_depend_on_the_order_threads_run_in(emu, path):
+    """The kernels with barriers and shared memory give the same bits whether the emulator runs
+    a block's threads (and the blocks) forward, backward or shuffled: an order-dependent result
+    would be a race its checks did not name."""
+    case, dtypes = ((1, 8, 64, 64), 2, True), (torch.float16, torch.float32)
+    x, weight, bias, groups, channels_last, stat_dtype = gn_inputs(case, dtypes, seed=3)
+    grad_y = torch.randn(x.shape).to(x.dtype).contiguous(memory_format=torch.channels_last)
+    tensors = make_list([70000, 5, 1000], torch.float32, nonfinite_at=None)
+    results = []
+    for order, seed in [("forward", 0), ("reverse", 0), ("random", 1), ("random", 2)]:
+        with emu.settings(sms=SPLIT_SETTINGS[path], order=order, seed=seed):
+            _, forward = gn_forward(emu, x, weight, bias, groups, channels_last, stat_dtype)
+            ws, ws_bytes = workspace(emu, x, groups, channels_last, stat_dtype, 1)
+            grads = [torch.empty_like(x), torch.empty(x.shape[:2]), torch.empty(x.shape[:2])]
+            emu.run("emu_gn_backward", CUDA, describe(grad_y), describe(x), groups, channels_last,
+                    describe(weight), describe(bias), describe(forward[2]), describe(forward[3]),
+                    *[ptr(g) for g in grads], ptr(ws), ws_bytes).check()
+            scaled = [t.clone() for t in tensors]
+            _, sums = unscale(emu, CUDA, scaled, 0.5, True, True)
+        results.append([forward[1], forward[2], forward[3], *grads, *scaled, sums])
+    for other in results[1:]:
+        for i, (a, b) in enumerate(zip(results[0], other)):
+            assert_same_bits(a, b, f"output {i}")
