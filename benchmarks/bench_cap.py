@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +28,10 @@ from qca_lowmem.oom import OutOfMemoryStop, Policy  # noqa: E402
 from qca_lowmem.train import Trainer, load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def main():
@@ -60,9 +65,13 @@ def main():
     records, oom, message = [], False, None
     trainer = Trainer(config, progress=True)
     try:
+        # A time limit (SIGTERM) still leaves a result file with the episodes done so far.
+        signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
         trainer.fit(callback=records.append)
     except (OutOfMemoryStop, torch.OutOfMemoryError) as error:
         oom, message = True, str(error)
+    except KeyboardInterrupt:
+        message = f"interrupted after {len(records)} episodes"
     peak = max([r["peak_bytes"] for r in records], default=0)
     # The guard may have lowered the policy; an OOM that it absorbed still counts as one.
     configured = Policy(config.checkpoint, config.slots, config.batch).describe()

@@ -1,5 +1,5 @@
 """Fused GroupNorm+ELU ops, FusedConvBlock, the fused UNetUnitary and convert(), against the
-stock modules of tests/reference.py."""
+stock modules of qca_lowmem.stock."""
 
 import copy
 
@@ -99,6 +99,23 @@ def test_groupnorm_elu_matches_stock(shape, dtype, channels_last):
 @pytest.mark.parametrize("shape", SHAPES + [(2, 1024, 5, 6, 1), (1, 96, 33, 17, 2), (4, 128, 64, 64, 16)], ids=str)
 def test_groupnorm_elu_matches_stock_cuda(shape, dtype, channels_last):
     check_gn_elu(shape, dtype, "cuda", channels_last)
+
+
+@cuda_only
+@pytest.mark.parametrize("x_device, weight_device", [("cpu", "cuda"), ("cuda", "cpu")])
+def test_groupnorm_elu_names_a_device_mix(x_device, weight_device):
+    """A CUDA weight sends a CPU x to the CUDA kernels, whose checks run before their device
+    guard: the message names the tensors, in every entry point."""
+    x = torch.randn(2, 8, 4, 4, device=x_device)
+    weight, bias = (t.to(weight_device) for t in make_affine(8, torch.float32, "cpu"))
+    stats = [torch.zeros(2, 4, device=x_device), torch.ones(2, 4, device=x_device)]
+    message = "weight must be on the same device as x"
+    with pytest.raises(RuntimeError, match=message):
+        OPS.groupnorm_elu(x, weight, bias, 4, 1e-5)
+    with pytest.raises(RuntimeError, match=message):
+        OPS.groupnorm_elu_apply(x, weight, bias, *stats)
+    with pytest.raises(RuntimeError, match=message):
+        OPS.groupnorm_elu_backward(torch.ones_like(x), x, weight, bias, *stats)
 
 
 @cuda_only

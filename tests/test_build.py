@@ -1,8 +1,10 @@
 """The CUDA code compiles on a machine without a GPU: every .cu with plain `nvcc -c` (no torch
-headers), and the CUDA glue through the host compiler against torch's headers."""
+headers), and the CUDA glue through the host compiler against torch's headers; the kernels that
+must give the C kernels' bits compile to code nvcc cannot contract into FMAs."""
 
 import os
 import shutil
+import struct
 import subprocess
 import sysconfig
 from pathlib import Path
@@ -76,3 +78,45 @@ def test_extension_uses_the_shared_libstdcxx():
     result = subprocess.run(["ldd", native.__file__], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "libstdc++.so" in result.stdout, result.stdout
+
+
+def text_sections(cubin):
+    """{name: bytes} of the machine-code sections of an ELF64 cubin."""
+    data = cubin.read_bytes()
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names_offset = headers[shstrndx][4]
+
+    def name(h):
+        start = names_offset + h[0]
+        return data[start:data.index(b"\0", start)].decode()
+
+    return {name(h): data[h[4]:h[4] + h[5]] for h in headers if name(h).startswith(".text")}
+
+
+def machine_code(source, fmad, tmp_path):
+    cubin = tmp_path / f"{source.stem}-{fmad}.cubin"
+    result = subprocess.run([NVCC, "-cubin", "-arch=sm_80", f"-fmad={fmad}", "-I", str(ROOT / "include"),
+                             str(source), "-o", str(cubin)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return text_sections(cubin)
+
+
+@needs_nvcc
+def test_fma_contraction_shows_in_the_machine_code(tmp_path):
+    """The check below can fail: a kernel with `a * b + c` compiles differently without FMA."""
+    source = tmp_path / "fused.cu"
+    source.write_text("__global__ void k(float* p) { p[0] = p[1] * p[2] + p[3]; }\n")
+    assert machine_code(source, "true", tmp_path) != machine_code(source, "false", tmp_path)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", ["qca_step.cu", "noise.cu"])
+def test_kernels_matching_c_bit_for_bit_have_nothing_to_fuse(name, tmp_path):
+    """The QCA step and the noise must give the C kernels' bits, so nvcc may not fuse a product
+    and an add into one FMA (C never does): their machine code is the same with and without
+    -fmad (their products go through qca_lowmem_cuda::mul_rn)."""
+    source = ROOT / "csrc" / "kernels" / name
+    fused, unfused = machine_code(source, "true", tmp_path), machine_code(source, "false", tmp_path)
+    assert fused and fused == unfused

@@ -89,8 +89,9 @@ __device__ Welford<acc_t> merge(const Welford<acc_t>& a, const Welford<acc_t>& b
 // Merges every thread's Welford state; the result is returned to all threads.
 template <typename acc_t>
 __device__ Welford<acc_t> block_merge(Welford<acc_t> w) {
-  __shared__ acc_t s_mean[kWarps], s_m2[kWarps];
-  __shared__ int64_t s_count[kWarps];
+  QCA_SHARED(acc_t, s_mean, kWarps);
+  QCA_SHARED(acc_t, s_m2, kWarps);
+  QCA_SHARED(int64_t, s_count, kWarps);
   for (int offset = 16; offset > 0; offset >>= 1) {
     Welford<acc_t> other;
     other.mean = __shfl_down_sync(0xffffffffu, w.mean, offset);
@@ -130,7 +131,8 @@ __device__ Welford<acc_t> block_merge(Welford<acc_t> w) {
 // Sums two values over the block; the results are returned to all threads.
 template <typename acc_t>
 __device__ void block_sum2(acc_t& a, acc_t& b) {
-  __shared__ acc_t s_a[kWarps], s_b[kWarps];
+  QCA_SHARED(acc_t, s_a, kWarps);
+  QCA_SHARED(acc_t, s_b, kWarps);
   for (int offset = 16; offset > 0; offset >>= 1) {
     a += __shfl_down_sync(0xffffffffu, a, offset);
     b += __shfl_down_sync(0xffffffffu, b, offset);
@@ -250,7 +252,7 @@ __device__ void apply_share(const GroupLayout& g, const qca_groupnorm_elu_params
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads) forward_kernel(const qca_groupnorm_elu_params p) {
   const GroupLayout g(p.shape, 1);
-  __shared__ acc_t s_stats[2];
+  QCA_SHARED(acc_t, s_stats, 2);
   if (p.mean_in) {
     if (threadIdx.x == 0) {
       s_stats[0] = load_as<acc_t>(p.mean_in, p.stat_dtype, g.pair);
@@ -281,7 +283,7 @@ __global__ void __launch_bounds__(kThreads) forward_partial_kernel(const qca_gro
 template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads) forward_apply_kernel(const qca_groupnorm_elu_params p, int64_t splits) {
   const GroupLayout g(p.shape, splits);
-  __shared__ acc_t s_stats[2];
+  QCA_SHARED(acc_t, s_stats, 2);
   if (threadIdx.x == 0) {
     if (p.mean_in) {
       s_stats[0] = load_as<acc_t>(p.mean_in, p.stat_dtype, g.pair);
@@ -309,7 +311,8 @@ __device__ void share_channel_sums(const GroupLayout& g, const qca_groupnorm_elu
                                    acc_t rstd, Emit emit) {
   const scalar_t* x = static_cast<const scalar_t*>(p.x);
   const scalar_t* grad_y = static_cast<const scalar_t*>(p.grad_y);
-  __shared__ acc_t s_bias_grad[kThreads], s_weight_grad[kThreads];
+  QCA_SHARED(acc_t, s_bias_grad, kThreads);
+  QCA_SHARED(acc_t, s_weight_grad, kThreads);
   int pixel_lanes_pow2 = 1;
   while (pixel_lanes_pow2 < g.pixel_lanes) pixel_lanes_pow2 <<= 1;
   // Channel chunks are uniform across the block, so the __syncthreads below are reached by all.
@@ -449,13 +452,15 @@ qca_status check(const qca_groupnorm_elu_shape& s, qca_dtype x, qca_dtype affine
 }
 
 // Blocks per pair: 1 when the pairs alone fill the GPU (two blocks per SM), more for small
-// batches, as long as each block keeps at least kMinSplitElements elements.
-int64_t choose_splits(const qca_groupnorm_elu_shape& s) {
+// batches, as long as each block keeps at least kMinSplitElements elements. 0 when the device
+// cannot be asked its size (`*query` says why).
+int64_t choose_splits(const qca_groupnorm_elu_shape& s, cudaError_t* query) {
   const int64_t pairs = s.batch * s.groups, hw = s.height * s.width;
-  int device = 0, sms = 0;
-  if (pairs == 0 || hw == 0 || cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    return 1;
+  *query = cudaSuccess;
+  if (pairs == 0 || hw == 0) return 1;
+  int sms = 0;
+  *query = qca_lowmem_cuda::multiprocessor_count(&sms);
+  if (*query != cudaSuccess) return 0;
   const int64_t target_blocks = 2 * (int64_t)sms;
   if (pairs >= target_blocks) return 1;
   int64_t splits = (target_blocks + pairs - 1) / pairs;
@@ -476,16 +481,16 @@ int64_t workspace_bytes(const qca_groupnorm_elu_shape& s, qca_dtype stat_dtype, 
 
 // Instantiates `launch.template run<scalar_t, acc_t>()` for the data and statistics types.
 template <typename Launch>
-void dispatch(qca_dtype x_dtype, qca_dtype stat_dtype, const Launch& launch) {
+cudaError_t dispatch(qca_dtype x_dtype, qca_dtype stat_dtype, const Launch& launch) {
   const bool wide = stat_dtype == QCA_F64;
   switch (x_dtype) {
-    case QCA_F32: wide ? launch.template run<float, double>() : launch.template run<float, float>(); return;
-    case QCA_F64: wide ? launch.template run<double, double>() : launch.template run<double, float>(); return;
-    case QCA_F16: wide ? launch.template run<__half, double>() : launch.template run<__half, float>(); return;
+    case QCA_F32: return wide ? launch.template run<float, double>() : launch.template run<float, float>();
+    case QCA_F64: return wide ? launch.template run<double, double>() : launch.template run<double, float>();
+    case QCA_F16: return wide ? launch.template run<__half, double>() : launch.template run<__half, float>();
     case QCA_BF16:
-      wide ? launch.template run<__nv_bfloat16, double>() : launch.template run<__nv_bfloat16, float>();
-      return;
+      return wide ? launch.template run<__nv_bfloat16, double>() : launch.template run<__nv_bfloat16, float>();
   }
+  return cudaErrorInvalidValue;  // not reached: check() accepted the dtype
 }
 
 struct ForwardLaunch {
@@ -493,14 +498,17 @@ struct ForwardLaunch {
   int64_t pairs, splits;
   cudaStream_t stream;
   template <typename scalar_t, typename acc_t>
-  void run() const {
-    if (splits == 1) {
-      forward_kernel<scalar_t, acc_t><<<(unsigned int)pairs, kThreads, 0, stream>>>(*p);
-      return;
-    }
+  cudaError_t run() const {
+    using qca_lowmem_cuda::launch_kernel;
+    if (splits == 1)
+      return launch_kernel(forward_kernel<scalar_t, acc_t>, (unsigned int)pairs, kThreads, 0, stream, *p);
     const unsigned int blocks = (unsigned int)(pairs * splits);
-    if (!p->mean_in) forward_partial_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(*p, splits);
-    forward_apply_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(*p, splits);
+    if (!p->mean_in) {
+      const cudaError_t e =
+          launch_kernel(forward_partial_kernel<scalar_t, acc_t>, blocks, kThreads, 0, stream, *p, splits);
+      if (e != cudaSuccess) return e;
+    }
+    return launch_kernel(forward_apply_kernel<scalar_t, acc_t>, blocks, kThreads, 0, stream, *p, splits);
   }
 };
 
@@ -509,14 +517,15 @@ struct BackwardLaunch {
   int64_t pairs, splits;
   cudaStream_t stream;
   template <typename scalar_t, typename acc_t>
-  void run() const {
-    if (splits == 1) {
-      backward_kernel<scalar_t, acc_t><<<(unsigned int)pairs, kThreads, 0, stream>>>(*p);
-      return;
-    }
+  cudaError_t run() const {
+    using qca_lowmem_cuda::launch_kernel;
+    if (splits == 1)
+      return launch_kernel(backward_kernel<scalar_t, acc_t>, (unsigned int)pairs, kThreads, 0, stream, *p);
     const unsigned int blocks = (unsigned int)(pairs * splits);
-    backward_partial_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(*p, splits);
-    backward_apply_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(*p, splits);
+    const cudaError_t e =
+        launch_kernel(backward_partial_kernel<scalar_t, acc_t>, blocks, kThreads, 0, stream, *p, splits);
+    if (e != cudaSuccess) return e;
+    return launch_kernel(backward_apply_kernel<scalar_t, acc_t>, blocks, kThreads, 0, stream, *p, splits);
   }
 };
 
@@ -526,12 +535,14 @@ qca_status launch(const Params* p, int backward, void* stream, qca_cuda_error* e
   if (status != QCA_OK) return status;
   const int64_t pairs = p->shape.batch * p->shape.groups;
   if (pairs == 0) return QCA_OK;
-  const int64_t splits = choose_splits(p->shape);
+  cudaError_t query;
+  const int64_t splits = choose_splits(p->shape, &query);
+  if (query != cudaSuccess) return qca_lowmem_cuda::finish_launch(query, err);
   if (p->workspace_bytes < workspace_bytes(p->shape, p->stat_dtype, backward, splits) ||
       (splits > 1 && p->workspace == nullptr))
     return QCA_ERR_INVALID_ARGUMENT;
-  dispatch(p->x_dtype, p->stat_dtype, Launch{p, pairs, splits, static_cast<cudaStream_t>(stream)});
-  return qca_lowmem_cuda::finish_launch(err);
+  return qca_lowmem_cuda::finish_launch(
+      dispatch(p->x_dtype, p->stat_dtype, Launch{p, pairs, splits, static_cast<cudaStream_t>(stream)}), err);
 }
 
 }  // namespace
@@ -539,7 +550,9 @@ qca_status launch(const Params* p, int backward, void* stream, qca_cuda_error* e
 extern "C" int64_t qca_groupnorm_elu_cuda_workspace_bytes(const qca_groupnorm_elu_shape* shape, qca_dtype stat_dtype,
                                                    int backward) {
   if (check(*shape, QCA_F32, QCA_F32, stat_dtype) != QCA_OK) return 0;
-  return workspace_bytes(*shape, stat_dtype, backward, choose_splits(*shape));
+  cudaError_t query;  // a failed query fails the launch that follows, which reports it
+  const int64_t splits = choose_splits(*shape, &query);
+  return query == cudaSuccess ? workspace_bytes(*shape, stat_dtype, backward, splits) : 0;
 }
 
 extern "C" qca_status qca_groupnorm_elu_forward_cuda(const qca_groupnorm_elu_params* p, void* stream,

@@ -1,12 +1,28 @@
-// Device helpers shared by the CUDA C kernels: typed loads and stores, launch geometry.
-// No ATen: the kernels are plain CUDA and compile with `nvcc -c` alone.
+// Device helpers shared by the CUDA C kernels: typed loads and stores, launch geometry, and the
+// conventions that let every kernel also run on the CPU under the test emulator
+// (docs/cuda_emulation.md): launches through launch_kernel, shared memory through QCA_SHARED /
+// QCA_DYNAMIC_SHARED. No ATen: the kernels are plain CUDA and compile with `nvcc -c` alone.
 #ifndef QCA_LOWMEM_CUDA_COMMON_CUH
 #define QCA_LOWMEM_CUDA_COMMON_CUH
 
+#ifdef QCA_CUDA_EMULATION
+#include "cuda_emu.h"  // tests/cuda_emu: the CUDA subset these kernels use, run on the CPU
+#else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+// `type name[count]` in the block's shared memory; inside a kernel or device function only.
+#define QCA_SHARED(type, name, count) __shared__ type name[count]
+// `type* name`: the launch's dynamic shared memory (its smem_bytes), 16-byte aligned.
+#define QCA_DYNAMIC_SHARED(type, name)                                  \
+  extern __shared__ __align__(16) unsigned char qca_dynamic_shared_[]; \
+  type* name = reinterpret_cast<type*>(qca_dynamic_shared_)
+#endif
+
 #include <stdint.h>
+
+#include <utility>
 
 #include "qca_lowmem/common.h"
 
@@ -33,6 +49,11 @@ __device__ __forceinline__ void store_as(void* base, qca_dtype dtype, int64_t in
   }
 }
 
+// A product rounded on its own, never fused with a neighbouring add into one FMA (nvcc fuses
+// `a * b + c` by default, C11 does not): for maths that must give the C kernels' bits.
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
 // Grid for a grid-stride loop over `n` items: enough blocks to fill the device, capped so the
 // block count stays in range for any n (the loop covers the rest with 64-bit indices).
 inline unsigned int blocks_for(int64_t n, int threads) {
@@ -42,13 +63,36 @@ inline unsigned int blocks_for(int64_t n, int threads) {
   return (unsigned int)(blocks < 1 ? 1 : blocks);
 }
 
-inline qca_status finish_launch(qca_cuda_error* err) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) {
-    if (err) err->code = (int)e;
-    return QCA_ERR_CUDA;
-  }
-  return QCA_OK;
+// kernel<<<grid, block, smem_bytes, stream>>>(args...), returning this launch's own error. A
+// failed launch's error is taken out of the runtime's last-error slot here, and an error left
+// there by someone else is neither blamed on this launch nor cleared.
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                          cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  const cudaError_t e = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  if (e != cudaSuccess) (void)cudaGetLastError();
+  return e;
+}
+
+inline qca_status finish_launch(cudaError_t e, qca_cuda_error* err) {
+  if (e == cudaSuccess) return QCA_OK;
+  if (err) err->code = (int)e;
+  return QCA_ERR_CUDA;
+}
+
+// Multiprocessors of the current device. A failed query's error is returned here and taken out
+// of the last-error slot, so that no later launch is blamed for it.
+inline cudaError_t multiprocessor_count(int* sms) {
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+  if (e != cudaSuccess) (void)cudaGetLastError();
+  return e;
 }
 
 }  // namespace qca_lowmem_cuda

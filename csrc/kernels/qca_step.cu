@@ -6,6 +6,7 @@
 #include "qca_lowmem/qca_step.h"
 
 #define QCA_HD __device__
+#define QCA_MUL(a, b) qca_lowmem_cuda::mul_rn((a), (b))  // bit for bit as C: no FMA
 #define QCA_CELL_TILE 1  // one thread per cell
 
 #define REAL float
@@ -59,18 +60,16 @@ qca_status launch(const Params* p, const qca_grid& grid, qca_dtype state_dtype,
                   qca_dtype real_dtype, void* stream, qca_cuda_error* err) {
   if (!grid_is_valid(grid)) return QCA_ERR_INVALID_ARGUMENT;
   if (!real_dtype_is_valid(real_dtype)) return QCA_ERR_UNSUPPORTED_DTYPE;
+  if (state_dtype != QCA_F32 && state_dtype != QCA_F64) return QCA_ERR_UNSUPPORTED_DTYPE;
   const int64_t n = cell_count(grid);
   if (n == 0) return QCA_OK;
   const unsigned int blocks = qca_lowmem_cuda::blocks_for(n, kThreads);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (state_dtype == QCA_F32) {
-    per_cell_kernel<Params, cells_f32><<<blocks, kThreads, 0, s>>>(*p, n);
-  } else if (state_dtype == QCA_F64) {
-    per_cell_kernel<Params, cells_f64><<<blocks, kThreads, 0, s>>>(*p, n);
-  } else {
-    return QCA_ERR_UNSUPPORTED_DTYPE;
-  }
-  return qca_lowmem_cuda::finish_launch(err);
+  const cudaError_t e =
+      state_dtype == QCA_F32
+          ? qca_lowmem_cuda::launch_kernel(per_cell_kernel<Params, cells_f32>, blocks, kThreads, 0, s, *p, n)
+          : qca_lowmem_cuda::launch_kernel(per_cell_kernel<Params, cells_f64>, blocks, kThreads, 0, s, *p, n);
+  return qca_lowmem_cuda::finish_launch(e, err);
 }
 
 }  // namespace

@@ -108,9 +108,12 @@ __global__ void __launch_bounds__(kThreads)
   const bool aligned = (reinterpret_cast<uintptr_t>(data) % sizeof(VecOf<T>)) == 0;
   int64_t i = begin;
   constexpr int kVec = VecOf<T>::kWidth;
+  // Two vectors in flight per thread, and the scalar loop not unrolled: unrolled further, ptxas
+  // spilled (sm_75, sm_86, sm_89) to fit the registers it allows a 512-thread block.
   if (aligned && begin < end) {  // parts start at whole vectors, so they stay aligned
     VecOf<T>* vec = reinterpret_cast<VecOf<T>*>(data);
     const int64_t vec_end = begin + (end - begin) / kVec * kVec;
+#pragma unroll 2
     for (int64_t j = begin / kVec + threadIdx.x; j < vec_end / kVec; j += blockDim.x) {
       VecOf<T> x = vec[j];
 #pragma unroll
@@ -120,6 +123,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     i = vec_end;
   }
+#pragma unroll 1
   for (int64_t j = i + threadIdx.x; j < end; j += blockDim.x) {
     const T out = process<T, kCheck, kSumsq>(data[j], factor, identity, nonfinite, acc);
     if (!identity) data[j] = out;
@@ -129,7 +133,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool part_nonfinite = __syncthreads_or(nonfinite);
   if (part_nonfinite && threadIdx.x == 0) *found_inf = 1.0f;
   if (kSumsq) {
-    __shared__ double shared[kThreads / 32];
+    QCA_SHARED(double, shared, kThreads / 32);
     const double total = block_sum(acc, shared);
     if (threadIdx.x == 0)
       partials[batch.first_partial[slot] + part] = part_nonfinite ? (double)NAN : total;
@@ -146,8 +150,8 @@ struct ReduceBatch {
 static_assert(sizeof(ReduceBatch) + 2 * sizeof(void*) <= 4096, "reduce arguments over 4 KiB");
 
 // One warp per tensor adds its partial sums in a fixed order.
-__global__ void sum_partials_kernel(const ReduceBatch batch, const double* partials,
-                                    double* sumsq) {
+__global__ void __launch_bounds__(32)
+    sum_partials_kernel(const ReduceBatch batch, const double* partials, double* sumsq) {
   const int t = blockIdx.x;
   const double* p = partials + batch.first_partial[t];
   double acc = 0.0;
@@ -160,9 +164,11 @@ template <typename T, bool kCheck, bool kSumsq>
 qca_status run_batches(const qca_unscale_params* p, cudaStream_t stream, qca_cuda_error* err) {
   const qca_status s = qca_scaler_batches::for_each_batch(
       p->tensors, p->numel, p->n_tensors, kSplit, [&](const ChunkBatch& batch, int entries) {
-        unscale_chunks_kernel<T, kCheck, kSumsq><<<entries * kSplit, kThreads, 0, stream>>>(
-            batch, p->factor, p->found_inf, p->workspace);
-        return qca_lowmem_cuda::finish_launch(err);
+        return qca_lowmem_cuda::finish_launch(
+            qca_lowmem_cuda::launch_kernel(unscale_chunks_kernel<T, kCheck, kSumsq>,
+                                           entries * kSplit, kThreads, 0, stream, batch, p->factor,
+                                           p->found_inf, p->workspace),
+            err);
       });
   if (s != QCA_OK) return s;
   if (!kSumsq) return QCA_OK;
@@ -179,8 +185,10 @@ qca_status run_batches(const qca_unscale_params* p, cudaStream_t stream, qca_cud
     first_partial += chunks * kSplit;
     ++count;
     if (count == kMaxReduceTensors || t == p->n_tensors - 1) {
-      sum_partials_kernel<<<count, 32, 0, stream>>>(reduce, p->workspace, p->sumsq);
-      const qca_status s = qca_lowmem_cuda::finish_launch(err);
+      const qca_status s = qca_lowmem_cuda::finish_launch(
+          qca_lowmem_cuda::launch_kernel(sum_partials_kernel, count, 32, 0, stream, reduce,
+                                         p->workspace, p->sumsq),
+          err);
       if (s != QCA_OK) return s;
       count = 0;
     }
@@ -195,7 +203,7 @@ qca_status dispatch_mode(const qca_unscale_params* p, cudaStream_t stream, qca_c
   return run_batches<T, false, false>(p, stream, err);
 }
 
-__global__ void scale_update_kernel(const qca_scale_update_params p) {
+__global__ void __launch_bounds__(1) scale_update_kernel(const qca_scale_update_params p) {
   qca_scale_update_rule(p.scale, p.growth_tracker, p.found_inf, p.growth_factor,
                         p.backoff_factor, p.growth_interval);
 }
@@ -221,6 +229,8 @@ extern "C" qca_status qca_unscale_cuda(const qca_unscale_params* p, void* stream
 extern "C" qca_status qca_scale_update_cuda(const qca_scale_update_params* p, void* stream,
                                             qca_cuda_error* err) {
   if (!p || !p->scale || !p->growth_tracker || !p->found_inf) return QCA_ERR_INVALID_ARGUMENT;
-  scale_update_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(*p);
-  return qca_lowmem_cuda::finish_launch(err);
+  return qca_lowmem_cuda::finish_launch(
+      qca_lowmem_cuda::launch_kernel(scale_update_kernel, 1, 1, 0,
+                                     static_cast<cudaStream_t>(stream), *p),
+      err);
 }

@@ -1,5 +1,5 @@
 // CUDA dispatch of the GroupNorm + ELU ops: same checks as the CPU glue (groupnorm_elu.cpp),
-// launched on the current stream of x's device. Every entry point: guard, prepare, launch.
+// launched on the current stream of x's device. Every entry point: prepare (the checks), guard, launch.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -26,8 +26,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_cuda(const at::Tens
                                                                   const at::Tensor& weight,
                                                                   const at::Tensor& bias,
                                                                   int64_t groups, double eps) {
-  const c10::cuda::CUDAGuard guard(x.device());
   GroupNormEluForward f = prepare_groupnorm_elu(x, weight, bias, groups, eps);
+  const c10::cuda::CUDAGuard guard(x.device());  // after the checks: they name a device mix
   launch_with_workspace(qca_groupnorm_elu_forward_cuda, f.params, f.x, 0, "groupnorm_elu");
   return {f.y, f.mean, f.rstd};
 }
@@ -35,8 +35,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_cuda(const at::Tens
 at::Tensor groupnorm_elu_apply_cuda(const at::Tensor& x, const at::Tensor& weight,
                                     const at::Tensor& bias, const at::Tensor& mean,
                                     const at::Tensor& rstd) {
-  const c10::cuda::CUDAGuard guard(x.device());
   GroupNormEluForward f = prepare_groupnorm_elu_apply(x, weight, bias, mean, rstd);
+  const c10::cuda::CUDAGuard guard(x.device());  // after the checks: they name a device mix
   launch_with_workspace(qca_groupnorm_elu_forward_cuda, f.params, f.x, 0, "groupnorm_elu_apply");
   return f.y;
 }
@@ -44,8 +44,8 @@ at::Tensor groupnorm_elu_apply_cuda(const at::Tensor& x, const at::Tensor& weigh
 std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_backward_cuda(
     const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
     const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& rstd) {
-  const c10::cuda::CUDAGuard guard(x.device());
   GroupNormEluBackward b = prepare_groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd);
+  const c10::cuda::CUDAGuard guard(x.device());  // after the checks: they name a device mix
   launch_with_workspace(qca_groupnorm_elu_backward_cuda, b.params, b.x, 1,
                         "groupnorm_elu_backward");
   return finish_groupnorm_elu_backward(b);

@@ -11,17 +11,17 @@ namespace {
 
 at::Tensor phase_flip_cuda(const at::Tensor& psi, double rate, int64_t seed, int64_t step,
                            bool conjugate) {
-  const c10::cuda::CUDAGuard guard(psi.device());
   at::Tensor out;
   const qca_noise_params p = prepare_noise(psi, rate, seed, step, conjugate, "phase_flip", out);
+  const c10::cuda::CUDAGuard guard(psi.device());  // after the checks: they name a device mix
   launch_cuda(qca_phase_flip_cuda, p, "phase_flip");
   return out;
 }
 
 at::Tensor bit_flip_cuda(const at::Tensor& psi, double rate, int64_t seed, int64_t step) {
-  const c10::cuda::CUDAGuard guard(psi.device());
   at::Tensor out;
   const qca_noise_params p = prepare_noise(psi, rate, seed, step, false, "bit_flip", out);
+  const c10::cuda::CUDAGuard guard(psi.device());  // after the checks: they name a device mix
   launch_cuda(qca_bit_flip_cuda, p, "bit_flip");
   return out;
 }

@@ -11,26 +11,26 @@ namespace {
 
 at::Tensor pack_cuda(const at::Tensor& psi, std::optional<at::ScalarType> dtype,
                      bool channels_last) {
-  const c10::cuda::CUDAGuard guard(psi.device());
   at::Tensor x;
   const qca_pack_params p = prepare_pack(psi, dtype, channels_last, x);
+  const c10::cuda::CUDAGuard guard(psi.device());  // after the checks: they name a device mix
   launch_cuda(qca_pack_cuda, p, "qca_pack");
   return x;
 }
 
 at::Tensor pack_backward_cuda(const at::Tensor& grad_x, at::ScalarType psi_dtype) {
-  const c10::cuda::CUDAGuard guard(grad_x.device());
   at::Tensor grad_psi;
   const qca_pack_backward_params p = prepare_pack_backward(grad_x, psi_dtype, grad_psi);
+  const c10::cuda::CUDAGuard guard(grad_x.device());  // after the checks: they name a device mix
   launch_cuda(qca_pack_backward_cuda, p, "qca_pack_backward");
   return grad_psi;
 }
 
 at::Tensor update_cuda(const at::Tensor& psi, const at::Tensor& delta, double gamma,
                        bool multiplicative, double eps) {
-  const c10::cuda::CUDAGuard guard(psi.device());
   at::Tensor out;
   const qca_update_params p = prepare_update(psi, delta, gamma, multiplicative, eps, out);
+  const c10::cuda::CUDAGuard guard(psi.device());  // after the checks: they name a device mix
   launch_cuda(qca_update_cuda, p, "qca_update");
   return out;
 }
@@ -39,10 +39,10 @@ std::tuple<at::Tensor, at::Tensor> update_backward_cuda(const at::Tensor& grad_o
                                                         const at::Tensor& psi,
                                                         const at::Tensor& delta, double gamma,
                                                         bool multiplicative, double eps) {
-  const c10::cuda::CUDAGuard guard(psi.device());
   at::Tensor grad_psi, grad_delta;
   const qca_update_backward_params p = prepare_update_backward(
       grad_out, psi, delta, gamma, multiplicative, eps, grad_psi, grad_delta);
+  const c10::cuda::CUDAGuard guard(psi.device());  // after the checks: they name a device mix
   launch_cuda(qca_update_backward_cuda, p, "qca_update_backward");
   return {grad_psi, grad_delta};
 }

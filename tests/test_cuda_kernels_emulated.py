@@ -1,0 +1,563 @@
+"""Every CUDA kernel family run by the CPU emulator (tests/cuda_emu) and compared with the C
+kernels on the same inputs: the CPU tests' shapes plus edge shapes (one cell, counts that are not
+a multiple of the block size, zero-size, strided, permuted and channels_last layouts) in every
+supported dtype. Each emulated launch must also pass the emulator's checks (no race, no
+divergent barrier or shuffle, valid launch configuration).
+
+Bit-identical where CUDA and C run the same maths: the QCA step and the noise (their shared
+.inc files; CUDA rounds each product on its own, as C does, see docs/cuda_emulation.md), the
+scaler's multiply, non-finite check and scale update. GroupNorm+ELU and the scaler's sums of
+squares add in a different order (and GroupNorm+ELU accumulates float data in float where C
+uses double), so they compare within the tolerances stated at each comparison."""
+
+import ctypes
+import math
+
+import pytest
+import torch
+
+from cuda_emu import C, CUDA, QCA_DTYPE, describe, emulator
+
+COMPLEX = [torch.complex64, torch.complex128]
+REALS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+QCA_OK, QCA_ERR_UNSUPPORTED_DTYPE, QCA_ERR_CUDA = 0, 2, 3
+BAD_DTYPE = 7
+
+
+@pytest.fixture(scope="module")
+def emu():
+    return emulator()
+
+
+def ptr(t):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+def bits(t):
+    """The tensor's storage as integers, so that equal means equal bits (NaN and -0.0 included)."""
+    t = torch.view_as_real(t) if t.is_complex() else t
+    return t.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def assert_same_bits(a, b, what):
+    same = bits(a) == bits(b)
+    assert bool(same.all()), (
+        f"{what}: {int((~same).sum())} of {same.numel()} values differ; first at "
+        f"{(~same).nonzero()[0].tolist()}: C {a.flatten()[(~same).flatten().nonzero()[0]].item()}, "
+        f"CUDA {b.flatten()[(~same).flatten().nonzero()[0]].item()}")
+
+
+def padded(shape, dtype, fill=float("nan"), channels_last=False):
+    """An output buffer inside a larger one filled with `fill`, so that a write out of range
+    shows when the whole storage is compared."""
+    n = math.prod(shape)
+    storage = torch.full((n + 37,), fill, dtype=dtype)
+    view = storage[17:17 + n].view(shape)
+    if channels_last:
+        view = storage[17:17 + n].view(shape[0], shape[2], shape[3], shape[1]).permute(0, 3, 1, 2)
+    return view, storage
+
+
+def run_both(emu, name, make_args, outputs):
+    """Calls `name` on the C kernels and on the emulated CUDA launchers, each with fresh output
+    buffers from `outputs()`; returns the two sets of buffers."""
+    results = []
+    for backend in (C, CUDA):
+        out = outputs()
+        result = emu.run(name, backend, *make_args(out))
+        result.check()
+        results.append(out)
+    return results
+
+
+# ---- layouts ----
+
+def state(shape, dtype, layout, generator=None):
+    """psi (B, H, W, d): contiguous, every other element of a larger tensor, or a permuted
+    storage; a few cells exactly zero (the update's n == 0 case)."""
+    B, H, W, d = shape
+    if layout == "contiguous":
+        psi = torch.randn(shape, dtype=dtype, generator=generator)
+    elif layout == "strided":
+        psi = torch.randn(B, H, 2 * W, d, dtype=dtype, generator=generator)[:, :, ::2]
+    else:
+        psi = torch.randn(d, W, B, H, dtype=dtype, generator=generator).permute(2, 3, 1, 0)
+    if psi.numel():
+        psi[0, 0, 0] = 0
+    return psi
+
+
+def planar(shape, dtype, layout, generator=None):
+    """x / delta (B, 2d, H, W): NCHW, channels_last, or a permuted storage."""
+    B, C2, H, W = shape
+    if layout == "nchw":
+        return torch.randn(shape, generator=generator).to(dtype)
+    if layout == "channels_last":
+        return torch.randn(B, H, W, C2, generator=generator).to(dtype).permute(0, 3, 1, 2)
+    return torch.randn(H, C2, W, B, generator=generator).to(dtype).permute(3, 1, 0, 2)
+
+
+QCA_SHAPES = [(1, 1, 1, 1), (2, 3, 5, 3), (0, 4, 4, 2), (3, 17, 19, 4), (2, 8, 8, 14)]
+STATE_LAYOUTS = ["contiguous", "strided", "permuted"]
+PLANAR_LAYOUTS = ["nchw", "channels_last", "permuted"]
+
+
+def empty_planar(shape, dtype, layout):
+    """An output (B, 2d, H, W) in `layout`, padded; returns (view, storage)."""
+    B, C2, H, W = shape
+    order = {"nchw": (B, C2, H, W), "channels_last": (B, H, W, C2), "permuted": (H, C2, W, B)}[layout]
+    back = {"nchw": (0, 1, 2, 3), "channels_last": (0, 3, 1, 2), "permuted": (3, 1, 0, 2)}[layout]
+    view, storage = padded(order, dtype)
+    return view.permute(back), storage
+
+
+@pytest.mark.parametrize("state_dtype", COMPLEX)
+@pytest.mark.parametrize("x_dtype", REALS)
+def test_qca_pack(emu, state_dtype, x_dtype):
+    for shape in QCA_SHAPES:
+        for psi_layout, x_layout in zip(STATE_LAYOUTS, PLANAR_LAYOUTS):
+            psi = state(shape, state_dtype, psi_layout)
+            B, H, W, d = shape
+            x_shape = (B, 2 * d, H, W)
+            c, cuda = run_both(emu, "emu_qca_pack",
+                               lambda out: (describe(psi), describe(out[0])),
+                               lambda: empty_planar(x_shape, x_dtype, x_layout))
+            assert_same_bits(c[1], cuda[1], f"pack {shape} {psi_layout} -> {x_layout}")
+
+
+@pytest.mark.parametrize("state_dtype", COMPLEX)
+@pytest.mark.parametrize("x_dtype", REALS)
+def test_qca_pack_backward(emu, state_dtype, x_dtype):
+    for shape in QCA_SHAPES:
+        for layout in PLANAR_LAYOUTS:
+            B, H, W, d = shape
+            x = planar((B, 2 * d, H, W), x_dtype, layout)
+            c, cuda = run_both(emu, "emu_qca_pack_backward",
+                               lambda out: (describe(x), describe(out[0])),
+                               lambda: padded(shape, state_dtype))
+            assert_same_bits(c[1], cuda[1], f"pack backward {shape} {layout}")
+
+
+UPDATE_CASES = [(0.0, True), (0.25, True), (0.0, False), (0.25, False)]
+
+
+@pytest.mark.parametrize("state_dtype", COMPLEX)
+@pytest.mark.parametrize("delta_dtype", REALS)
+def test_qca_update(emu, state_dtype, delta_dtype):
+    if state_dtype == torch.complex128 and delta_dtype != torch.float64:
+        delta_dtype = torch.float64  # the glue pairs complex128 with float64 only; C takes any
+    for shape in QCA_SHAPES:
+        for psi_layout, delta_layout in zip(STATE_LAYOUTS, PLANAR_LAYOUTS):
+            for gamma, multiplicative in UPDATE_CASES:
+                psi = state(shape, state_dtype, psi_layout)
+                B, H, W, d = shape
+                delta = planar((B, 2 * d, H, W), delta_dtype, delta_layout)
+                if delta.numel():
+                    delta[0, :, 0, 0] = 0  # with psi[0, 0, 0] = 0: n == 0 in the additive case
+                c, cuda = run_both(
+                    emu, "emu_qca_update",
+                    lambda out: (describe(psi), describe(delta), gamma, int(multiplicative), 1e-9,
+                                 ptr(out[0])),
+                    lambda: padded(shape, state_dtype))
+                assert_same_bits(c[1], cuda[1], f"update {shape} {psi_layout} {delta_layout} "
+                                                f"gamma={gamma} multiplicative={multiplicative}")
+
+
+@pytest.mark.parametrize("state_dtype", COMPLEX)
+@pytest.mark.parametrize("delta_dtype", REALS)
+def test_qca_update_backward(emu, state_dtype, delta_dtype):
+    for shape in QCA_SHAPES:
+        for psi_layout, delta_layout in zip(STATE_LAYOUTS, PLANAR_LAYOUTS):
+            for (gamma, multiplicative), wanted in zip(UPDATE_CASES, ["both", "psi", "delta", "both"]):
+                psi = state(shape, state_dtype, psi_layout)
+                grad_out = state(shape, state_dtype, psi_layout[::-1] if psi_layout != "strided" else "strided")
+                B, H, W, d = shape
+                delta = planar((B, 2 * d, H, W), delta_dtype, delta_layout)
+
+                def outputs():
+                    grad_psi = padded(shape, state_dtype) if wanted != "delta" else (None, torch.zeros(0))
+                    grad_delta = padded((B, 2 * d, H, W), delta_dtype) if wanted != "psi" else (None, torch.zeros(0))
+                    return grad_psi + grad_delta
+
+                c, cuda = run_both(
+                    emu, "emu_qca_update_backward",
+                    lambda out: (describe(grad_out), describe(psi), describe(delta), gamma,
+                                 int(multiplicative), 1e-9, ptr(out[0]), ptr(out[2])),
+                    outputs)
+                what = f"update backward {shape} {psi_layout} {delta_layout} gamma={gamma}"
+                assert_same_bits(c[1], cuda[1], what + " grad_psi")
+                assert_same_bits(c[3], cuda[3], what + " grad_delta")
+
+
+@pytest.mark.parametrize("state_dtype", COMPLEX)
+@pytest.mark.parametrize("kind", ["phase_flip", "bit_flip"])
+def test_noise(emu, state_dtype, kind):
+    for shape in QCA_SHAPES:
+        for layout in STATE_LAYOUTS:
+            for rate, seed, step, conjugate in [(0.0, 1, 2, 0), (0.3, 12345, 7, 0),
+                                                (0.3, 2 ** 40 + 3, 2 ** 33 + 5, 1), (1.0, 9, 0, 1)]:
+                psi = state(shape, state_dtype, layout)
+                c, cuda = run_both(
+                    emu, "emu_noise",
+                    lambda out: (int(kind == "bit_flip"), describe(psi), rate, seed, step, conjugate,
+                                 ptr(out[0])),
+                    lambda: padded(shape, state_dtype))
+                # The phases come from sincos: the host's in the emulator, as in C; on a GPU CUDA's
+                # own (tests/test_noise.py states that tolerance).
+                assert_same_bits(c[1], cuda[1], f"{kind} {shape} {layout} rate={rate}")
+
+
+# ---- GroupNorm + ELU ----
+
+GN_CASES = [  # (shape, groups, channels_last)
+    ((2, 32, 16, 16), 8, False),   # the CPU tests' shape
+    ((2, 32, 16, 16), 8, True),
+    ((3, 6, 5, 7), 3, False),      # pixel counts that are not a multiple of anything
+    ((3, 6, 5, 7), 3, True),
+    ((2, 4, 1, 1), 2, False),      # one pixel
+    ((1, 1024, 3, 3), 1, True),    # more channels per group than threads per block
+    ((1, 1024, 3, 3), 1, False),
+    ((4, 8, 9, 9), 8, True),       # one channel per group
+    ((1, 8, 64, 64), 2, False),    # big groups: the split path when the GPU is large
+    ((1, 8, 64, 64), 2, True),
+    ((0, 4, 4, 4), 2, False),      # no samples
+    ((2, 4, 0, 3), 1, False),      # no pixels
+]
+GN_DTYPES = [  # (x, weight and bias): each data type with its own and with float32 parameters
+    (torch.float32, torch.float32), (torch.float64, torch.float64), (torch.float16, torch.float16),
+    (torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+]
+# Multiprocessors: with 1, two pairs fill the GPU (only a lone pair is split); with 132 every
+# case with enough elements per pair is split.
+SPLIT_SETTINGS = {"one_block": 1, "split": 132}
+SPLIT_CASE = ((1, 8, 64, 64), 2)  # split on the large GPU only
+
+
+def assert_path_taken(path, split_by_case):
+    cases = [c for c in split_by_case if c[:2] == SPLIT_CASE]
+    assert cases and all(split_by_case[c] == (path == "split") for c in cases), split_by_case
+
+
+def gn_inputs(case, dtypes, seed):
+    (shape, groups, channels_last), (x_dtype, affine_dtype) = case, dtypes
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 3 + 1.5  # a mean well off zero, as after a conv
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    x = x.to(x_dtype)
+    weight = (torch.rand(shape[1], generator=g) + 0.5).to(affine_dtype)
+    bias = torch.randn(shape[1], generator=g).to(affine_dtype)
+    stat_dtype = torch.float64 if x_dtype == torch.float64 else torch.float32
+    return x, weight, bias, groups, int(channels_last), stat_dtype
+
+
+def workspace(emu, x, groups, channels_last, stat_dtype, backward):
+    n = emu.lib.emu_gn_workspace_bytes(describe(x), groups, channels_last, QCA_DTYPE[stat_dtype],
+                                       backward)
+    return torch.empty(n, dtype=torch.uint8), n
+
+
+def gn_tolerance(dtype, stat_dtype, magnitude):
+    """Allowed |C - CUDA| for a GroupNorm+ELU output of `dtype` whose values (or, for a sum, the
+    sum of the absolute values of its terms) are of size `magnitude`.
+
+    C adds the up to n = 2^14 terms of a group (or channel) one after another in double: in
+    practice within sqrt(n) = 2^7 roundings, 2^-46. CUDA adds at most 32 terms per thread, then
+    merges the 512 threads in a tree of depth 9, in the statistics dtype: within about 2^6
+    roundings, 2^-47 in double and 2^-18 in float (all but float64 data). The tolerance is twice
+    the sum of the two: 2^-44 with double statistics, 2^-17 with float ones. The result is then
+    rounded to `dtype`, so a value near a rounding boundary may land one ulp of `dtype` away."""
+    accumulation = 2.0 ** -44 if stat_dtype == torch.float64 else 2.0 ** -17
+    ulp = {torch.float64: 2.0 ** -52, torch.float32: 2.0 ** -23,
+           torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
+    return (accumulation + ulp) * magnitude
+
+
+def assert_close_gn(c, cuda, dtype, stat_dtype, what, magnitude=None):
+    c, cuda = c.double(), cuda.double()
+    assert torch.equal(c.isnan(), cuda.isnan()), what
+    if magnitude is None:
+        magnitude = c.abs().clamp_min(1.0)  # values of size one at least: rstd ~ 1 here
+    excess = (c - cuda).abs() - gn_tolerance(dtype, stat_dtype, magnitude)
+    assert not bool((excess > 0).any()), (
+        f"{what}: {int((excess > 0).sum())} values beyond the tolerance, worst by "
+        f"{excess.max().item():.3g}")
+
+
+def gn_forward(emu, x, weight, bias, groups, channels_last, stat_dtype, stats=None):
+    """C and CUDA forward; `stats` (mean, rstd) makes it the apply-only variant."""
+    ws, ws_bytes = workspace(emu, x, groups, channels_last, stat_dtype, 0)
+
+    def outputs():
+        y = padded(tuple(x.shape), x.dtype, channels_last=bool(channels_last))
+        if stats is not None:
+            return y + (stats[0].clone(), stats[1].clone())
+        mean = torch.full((x.shape[0], groups), float("nan"), dtype=stat_dtype)
+        return y + (mean, torch.full_like(mean, float("nan")))
+
+    return run_both(emu, "emu_gn_forward",
+                    lambda out: (describe(x), groups, channels_last, 1e-5, describe(weight),
+                                 describe(bias), int(stats is not None), describe(out[2]),
+                                 describe(out[3]), ptr(out[0]), ptr(ws), ws_bytes),
+                    outputs)
+
+
+@pytest.mark.parametrize("path", SPLIT_SETTINGS)
+@pytest.mark.parametrize("dtypes", GN_DTYPES, ids=lambda d: f"{d[0]}-{d[1]}".replace("torch.", ""))
+def test_groupnorm_elu_forward(emu, path, dtypes):
+    split_by_case = {}
+    with emu.settings(sms=SPLIT_SETTINGS[path]):
+        for i, case in enumerate(GN_CASES):
+            x, weight, bias, groups, channels_last, stat_dtype = gn_inputs(case, dtypes, seed=i)
+            split_by_case[case] = workspace(emu, x, groups, channels_last, stat_dtype, 0)[1] > 0
+            c, cuda = gn_forward(emu, x, weight, bias, groups, channels_last, stat_dtype)
+            what = f"forward {case}"
+            # the output's padding and every value
+            assert_close_gn(c[1], cuda[1], x.dtype, stat_dtype, what + " y")
+            assert_close_gn(c[2], cuda[2], stat_dtype, stat_dtype, what + " mean")
+            assert_close_gn(c[3], cuda[3], stat_dtype, stat_dtype, what + " rstd")
+            # Given statistics (the recompute's variant): both apply C's statistics.
+            c, cuda = gn_forward(emu, x, weight, bias, groups, channels_last, stat_dtype,
+                                 stats=(c[2], c[3]))
+            assert_close_gn(c[1], cuda[1], x.dtype, stat_dtype, what + " y from given statistics")
+    assert_path_taken(path, split_by_case)
+
+
+@pytest.mark.parametrize("path", SPLIT_SETTINGS)
+@pytest.mark.parametrize("dtypes", GN_DTYPES, ids=lambda d: f"{d[0]}-{d[1]}".replace("torch.", ""))
+def test_groupnorm_elu_backward(emu, path, dtypes):
+    split_by_case = {}
+    with emu.settings(sms=SPLIT_SETTINGS[path]):
+        for i, case in enumerate(GN_CASES):
+            x, weight, bias, groups, channels_last, stat_dtype = gn_inputs(case, dtypes, seed=i)
+            c_forward, _ = gn_forward(emu, x, weight, bias, groups, channels_last, stat_dtype)
+            mean, rstd = c_forward[2], c_forward[3]
+            grad_y = torch.randn(x.shape).to(x.dtype)
+            if channels_last:
+                grad_y = grad_y.contiguous(memory_format=torch.channels_last)
+            ws, ws_bytes = workspace(emu, x, groups, channels_last, stat_dtype, 1)
+            split_by_case[case] = ws_bytes > 0
+            per_sample = (x.shape[0], x.shape[1])
+
+            def outputs():
+                return (padded(tuple(x.shape), x.dtype, channels_last=bool(channels_last))
+                        + padded(per_sample, stat_dtype) + padded(per_sample, stat_dtype))
+
+            c, cuda = run_both(
+                emu, "emu_gn_backward",
+                lambda out: (describe(grad_y), describe(x), groups, channels_last, describe(weight),
+                             describe(bias), describe(mean), describe(rstd), ptr(out[0]),
+                             ptr(out[2]), ptr(out[4]), ptr(ws), ws_bytes),
+                outputs)
+            what = f"backward {case}"
+            # Per-channel sums: the tolerance scales with the sum of |terms|, bounded here by
+            # |grad_y| * max(1, |xhat|) summed over the channel's pixels.
+            pixels = x.shape[2] * x.shape[3]
+            xhat = ((x.double() - mean.double().repeat_interleave(x.shape[1] // groups, 1)[..., None, None])
+                    * rstd.double().repeat_interleave(x.shape[1] // groups, 1)[..., None, None])
+            term = (grad_y.double().abs() * xhat.abs().clamp_min(1.0)).sum((2, 3)) if pixels else torch.zeros(per_sample)
+            padding = torch.ones(37, dtype=torch.float64)
+            magnitude = torch.cat([padding[:17], term.flatten().clamp_min(1.0), padding[17:]])
+            assert_close_gn(c[3], cuda[3], stat_dtype, stat_dtype, what + " grad_weight", magnitude)
+            assert_close_gn(c[5], cuda[5], stat_dtype, stat_dtype, what + " grad_bias", magnitude)
+            # grad_x = rstd * (w g - mean(w g) - xhat mean(w g xhat)): values of size |grad_y|,
+            # plus the two group means, each within the sum tolerance of its magnitude.
+            assert_close_gn(c[1], cuda[1], x.dtype, stat_dtype, what + " grad_x",
+                            c[1].double().abs().clamp_min(1.0) * 4)
+    assert_path_taken(path, split_by_case)
+
+
+# ---- the loss scaler ----
+
+def unscale_lists():
+    """(name, sizes): tensors of one dtype as the list the optimizer's gradients make."""
+    g = torch.Generator().manual_seed(5)
+    many = torch.randint(0, 300, (210,), generator=g).tolist()  # > 64 per launch, > 200 per sum pass
+    return [("small", [1000, 0, 1, 70000]), ("many", many)]
+
+
+def make_list(sizes, dtype, nonfinite_at=None, misaligned=False):
+    tensors = []
+    for i, n in enumerate(sizes):
+        t = (torch.randn(n + int(misaligned)) * 100).to(dtype)
+        if misaligned:
+            t = t[1:]  # not 16-byte aligned: the kernel's scalar path
+        if nonfinite_at is not None and i == nonfinite_at and n:
+            t[n // 2] = float("inf")
+        tensors.append(t)
+    return tensors
+
+
+def unscale(emu, backend, tensors, factor, check, sumsq):
+    dtype = tensors[0].dtype
+    numel = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
+    data = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+    factor_t = torch.tensor([factor], dtype=torch.float32)
+    found_inf = torch.zeros(1) if check else None
+    sums = torch.full((len(tensors),), -1.0, dtype=torch.float64) if sumsq else None
+    work = None
+    if sumsq:
+        work = torch.full((max(1, emu.lib.emu_unscale_workspace_size(len(tensors), ptr(numel))),),
+                          float("nan"), dtype=torch.float64)
+    result = emu.run("emu_unscale", backend, QCA_DTYPE[dtype], len(tensors), data, ptr(numel),
+                     ptr(factor_t), ptr(found_inf), ptr(sums), ptr(work))
+    result.check()
+    return found_inf, sums
+
+
+def assert_sums_close(c, cuda, tensors):
+    """Sums of squares of n values in double, added in two different orders: each within
+    (n - 1) * 2^-53 of the exact sum (the terms are positive), so within twice that of each
+    other."""
+    assert torch.equal(c.isnan(), cuda.isnan())
+    n = torch.tensor([max(t.numel(), 1) for t in tensors], dtype=torch.float64)
+    finite = ~c.isnan()
+    bound = 2 * (n - 1) * 2.0 ** -53 * c.abs()
+    assert bool(((c - cuda).abs() <= bound)[finite].all()), ((c - cuda).abs() / c.abs().clamp_min(1e-300))[finite].max()
+
+
+@pytest.mark.parametrize("dtype", REALS)
+@pytest.mark.parametrize("mode", ["multiply", "check", "sumsq"])
+def test_unscale(emu, dtype, mode):
+    check, sumsq = mode != "multiply", mode == "sumsq"
+    for name, sizes in unscale_lists():
+        for factor, nonfinite_at, misaligned in [(0.5, None, False), (1.0, None, True),
+                                                 (2.0 ** -16, 0, False), (1.0 / 3, 2, True)]:
+            torch.manual_seed(len(sizes))
+            original = make_list(sizes, dtype, nonfinite_at, misaligned)
+            results = []
+            for backend in (C, CUDA):
+                tensors = [t.clone() for t in original]
+                if misaligned:  # clone() aligns; keep the kernels' scalar path
+                    tensors = [torch.cat([t[:1], t])[1:] for t in tensors]
+                results.append((tensors,) + unscale(emu, backend, tensors, factor, check, sumsq))
+            (c_tensors, c_inf, c_sums), (cuda_tensors, cuda_inf, cuda_sums) = results
+            what = f"{mode} {name} factor={factor} nonfinite_at={nonfinite_at}"
+            for i, (a, b) in enumerate(zip(c_tensors, cuda_tensors)):
+                assert_same_bits(a, b, f"{what} tensor {i}")
+            if check:
+                assert torch.equal(c_inf, cuda_inf), what
+                assert c_inf.item() == float(nonfinite_at is not None and sizes[nonfinite_at] > 0)
+            if sumsq:
+                assert_sums_close(c_sums, cuda_sums, c_tensors)
+
+
+def test_unscale_of_a_tensor_longer_than_one_launch(emu):
+    """One tensor of more chunks than one launch covers (320), cut across two launches."""
+    n = 320 * 65536 + 1000
+    original = [torch.randn(n), torch.randn(10)]
+    original[0][n - 5] = float("nan")
+    results = []
+    for backend in (C, CUDA):
+        tensors = [t.clone() for t in original]
+        results.append((tensors,) + unscale(emu, backend, tensors, 0.25, True, True))
+    (c_tensors, c_inf, c_sums), (cuda_tensors, cuda_inf, cuda_sums) = results
+    for a, b in zip(c_tensors, cuda_tensors):
+        assert_same_bits(a, b, "long tensor")
+    assert c_inf.item() == cuda_inf.item() == 1.0
+    assert c_sums[0].isnan() and cuda_sums[0].isnan()
+    assert_sums_close(c_sums, cuda_sums, c_tensors)
+
+
+def test_scale_update(emu):
+    cases = [(65536.0, 0, 0.0, 2000), (65536.0, 1998, 0.0, 2000), (65536.0, 1999, 0.0, 2000),
+             (3.0e38, 1999, 0.0, 2000), (1024.0, 5, 1.0, 2000), (1024.0, 5, float("nan"), 2000),
+             (1.0, 0, 0.0, 1)]
+    for scale, tracker, found_inf, interval in cases:
+        results = []
+        for backend in (C, CUDA):
+            s = torch.tensor([scale], dtype=torch.float32)
+            t = torch.tensor([tracker], dtype=torch.int32)
+            f = torch.tensor([found_inf], dtype=torch.float32)
+            emu.run("emu_scale_update", backend, ptr(s), ptr(t), ptr(f), 2.0, 0.5, interval).check()
+            results.append((s, t))
+        assert_same_bits(results[0][0], results[1][0], f"scale {scale, tracker, found_inf}")
+        assert torch.equal(results[0][1], results[1][1])
+
+
+# ---- the launchers' contract ----
+
+def zero_cell_calls(emu, bad):
+    psi = torch.zeros(0, 3, 3, 2, dtype=torch.complex64)
+    x = torch.zeros(0, 4, 3, 3)
+    out = torch.zeros(1)
+    state = describe(psi, dtype=bad)
+    return {
+        "pack": lambda b: emu.run("emu_qca_pack", b, state, describe(x)),
+        "pack_backward": lambda b: emu.run("emu_qca_pack_backward", b, describe(x), state),
+        "update": lambda b: emu.run("emu_qca_update", b, state, describe(x), 0.0, 1, 1e-9, ptr(out)),
+        "update_backward": lambda b: emu.run("emu_qca_update_backward", b, describe(psi, dtype=bad),
+                                             state, describe(x), 0.0, 1, 1e-9, ptr(out), ptr(out)),
+        "phase_flip": lambda b: emu.run("emu_noise", b, 0, state, 0.5, 1, 2, 0, ptr(out)),
+        "bit_flip": lambda b: emu.run("emu_noise", b, 1, state, 0.5, 1, 2, 0, ptr(out)),
+    }
+
+
+@pytest.mark.parametrize("op", ["pack", "pack_backward", "update", "update_backward", "phase_flip",
+                                "bit_flip"])
+def test_zero_cells_with_an_unknown_state_dtype_are_rejected_like_c(emu, op):
+    call = zero_cell_calls(emu, BAD_DTYPE)[op]
+    assert call(C).status == QCA_ERR_UNSUPPORTED_DTYPE
+    assert call(CUDA).status == QCA_ERR_UNSUPPORTED_DTYPE
+    good = zero_cell_calls(emu, QCA_DTYPE[torch.complex64])[op]
+    assert good(C).status == QCA_OK and good(CUDA).status == QCA_OK
+
+
+def test_a_pending_error_is_neither_blamed_on_a_launch_nor_cleared(emu):
+    psi = torch.randn(2, 3, 3, 2, dtype=torch.complex64)
+    x = torch.zeros(2, 4, 3, 3)
+    emu.lib.qca_emu_set_last_error(700)  # left by some earlier, unrelated call
+    try:
+        result = emu.run("emu_qca_pack", CUDA, describe(psi), describe(x))
+        assert result.status == QCA_OK and result.cuda_error == 0
+        assert emu.lib.qca_emu_peek_last_error() == 700
+    finally:
+        emu.lib.qca_emu_set_last_error(0)
+
+
+def test_a_failed_device_query_fails_the_launch_that_made_it_and_is_cleared(emu):
+    x, weight, bias, groups, channels_last, stat_dtype = gn_inputs(GN_CASES[0], GN_DTYPES[0], 0)
+    mean = torch.zeros(x.shape[0], groups)
+    emu.lib.qca_emu_fail_device_queries(100)  # cudaErrorNoDevice
+    try:
+        assert emu.lib.emu_gn_workspace_bytes(describe(x), groups, channels_last, 0, 0) == 0
+        assert emu.lib.qca_emu_peek_last_error() == 0
+        y = torch.zeros_like(x)
+        result = emu.run("emu_gn_forward", CUDA, describe(x), groups, channels_last, 1e-5,
+                         describe(weight), describe(bias), 0, describe(mean), describe(mean.clone()),
+                         ptr(y), None, 0)
+        assert result.status == QCA_ERR_CUDA and result.cuda_error == 100
+        assert emu.lib.qca_emu_peek_last_error() == 0
+    finally:
+        emu.lib.qca_emu_fail_device_queries(0)
+    # and the next launch succeeds
+    with emu.settings(sms=1):
+        c, cuda = gn_forward(emu, x, weight, bias, groups, channels_last, stat_dtype)
+
+
+# ---- independence of the order threads run in ----
+
+@pytest.mark.parametrize("path", SPLIT_SETTINGS)
+def test_results_do_not_depend_on_the_order_threads_run_in(emu, path):
+    """The kernels with barriers and shared memory give the same bits whether the emulator runs
+    a block's threads (and the blocks) forward, backward or shuffled: an order-dependent result
+    would be a race its checks did not name."""
+    case, dtypes = ((1, 8, 64, 64), 2, True), (torch.float16, torch.float32)
+    x, weight, bias, groups, channels_last, stat_dtype = gn_inputs(case, dtypes, seed=3)
+    grad_y = torch.randn(x.shape).to(x.dtype).contiguous(memory_format=torch.channels_last)
+    tensors = make_list([70000, 5, 1000], torch.float32, nonfinite_at=None)
+    results = []
+    for order, seed in [("forward", 0), ("reverse", 0), ("random", 1), ("random", 2)]:
+        with emu.settings(sms=SPLIT_SETTINGS[path], order=order, seed=seed):
+            _, forward = gn_forward(emu, x, weight, bias, groups, channels_last, stat_dtype)
+            ws, ws_bytes = workspace(emu, x, groups, channels_last, stat_dtype, 1)
+            grads = [torch.empty_like(x), torch.empty(x.shape[:2]), torch.empty(x.shape[:2])]
+            emu.run("emu_gn_backward", CUDA, describe(grad_y), describe(x), groups, channels_last,
+                    describe(weight), describe(bias), describe(forward[2]), describe(forward[3]),
+                    *[ptr(g) for g in grads], ptr(ws), ws_bytes).check()
+            scaled = [t.clone() for t in tensors]
+            _, sums = unscale(emu, CUDA, scaled, 0.5, True, True)
+        results.append([forward[1], forward[2], forward[3], *grads, *scaled, sums])
+    for other in results[1:]:
+        for i, (a, b) in enumerate(zip(results[0], other)):
+            assert_same_bits(a, b, f"output {i}")
