@@ -86,7 +86,16 @@ def write_build_info(with_cuda, arch_list):
 
 
 def shared_libstdcxx():
-    """The path of the C++ compiler's shared libstdc++, or -lstdc++ when it cannot say."""
+    """The shared libstdc++ torch runs with: the one this process loaded with torch (or, where
+    /proc is missing, the compiler's), by path; -lstdc++ when neither can be found."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libstdc++.so") and os.path.isabs(path):
+                    return path
+    except OSError:
+        pass
     compiler = shlex.split(os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++")
     try:
         found = subprocess.run(compiler + ["-print-file-name=libstdc++.so"], capture_output=True, text=True,

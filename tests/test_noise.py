@@ -291,8 +291,10 @@ def test_cuda_gradcheck_and_stream():
     stream = torch.cuda.Stream()
     x = random_psi((1, 64, 64, 14), torch.complex64, "cuda")
     expected = phase_flip(x, 0.5, 1, 1)
+    # The side stream waits for x and expected (on the default stream) before it reads x; inside
+    # the context current_stream() would be the side stream itself (a race, seen on an H100).
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        stream.wait_stream(torch.cuda.current_stream())
         out = phase_flip(x, 0.5, 1, 1)
     torch.cuda.current_stream().wait_stream(stream)
     assert torch.equal(out, expected)
