@@ -5,7 +5,7 @@ be built against the very torch it will be imported with, never one a frontend d
 default build isolation hides that torch from the build, but pip still runs the build hooks with
 the target environment's interpreter: a subprocess of it without pip's isolation variables finds
 the target's torch, and that subprocess's sys.path goes at the END of ours, so the build
-environment's own setuptools and wheel still come first.
+environment's own setuptools still comes first.
 """
 
 import importlib
@@ -45,7 +45,8 @@ OLD_TORCH = (
 ISOLATED = (
     "qca_lowmem builds against the torch installed in your environment, which this frontend's isolated "
     "build environment ({prefix}) cannot see: install with `pip install .`, or build without isolation: "
-    "`python -m build --no-isolation`, `uv build --no-build-isolation`, `uv pip install --no-build-isolation .`"
+    "`python -m build --no-isolation`, `uv build --no-build-isolation`, `uv pip install --no-build-isolation .`, "
+    "`pip install --no-build-isolation .`"
 )
 
 

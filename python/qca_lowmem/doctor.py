@@ -34,7 +34,7 @@ def report() -> Tuple[List[Tuple[str, str]], List[str]]:
             facts.append((f"GPU {index}", f"{props.name}, {format_bytes(props.total_memory)}, "
                                            f"compute capability {props.major}.{props.minor}"))
             if props.total_memory < SMALL_GPU:
-                fixes.append(f"GPU {index} has {format_bytes(props.total_memory)}: train with configs/small_gpu.yaml, "
+                fixes.append(f"GPU {index} has {format_bytes(props.total_memory)}: train with --config small_gpu, "
                              f"or run `qca-lowmem plan --gpu-mem {props.total_memory / 2**30:.2f}GiB` to pick a policy")
         if not cuda_kernels:
             fixes.append("a GPU is present but qca_lowmem was built without CUDA kernels: set CUDA_HOME to a CUDA "
