@@ -28,12 +28,14 @@ NO_TORCH = ("qca_lowmem builds against the torch installed in your environment a
 ISOLATED = "cannot see: install with `pip install .`, or build without isolation: `python -m build --no-isolation`"
 CHECK = """
 import json, torch, qca_lowmem
-from qca_lowmem import _build_info
+from qca_lowmem import _build_info, train
 psi = torch.randn(2, 3, 4, 5, dtype=torch.complex64)
 stock = torch.cat([psi.real, psi.imag], dim=-1).permute(0, 3, 1, 2)
 print(json.dumps({"torch": torch.__version__, "built_against": _build_info.TORCH_VERSION,
-                  "file": qca_lowmem.__file__, "pack_ok": torch.equal(qca_lowmem.qca_pack(psi), stock)}))
+                  "file": qca_lowmem.__file__, "pack_ok": torch.equal(qca_lowmem.qca_pack(psi), stock),
+                  "configs": train.bundled_configs()}))
 """
+CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
 
 
 def _run(*args, cwd=None, ok=True):
@@ -119,7 +121,7 @@ def test_plain_pip_install_builds_against_the_venvs_torch(plain_install, torch_v
     assert "Building wheel for qca-lowmem" in result.output  # built, with pip's isolation on
     assert facts["built_against"] == facts["torch"] == TORCH_VERSION
     assert Path(facts["file"]).is_relative_to(torch_venv.parents[1])
-    assert facts["pack_ok"]
+    assert facts["pack_ok"] and facts["configs"] == CONFIGS
 
 
 def test_sdist_carries_what_a_build_needs_and_nothing_machine_specific(sdist):
@@ -147,7 +149,7 @@ def test_wheel_holds_the_package_and_its_build_facts(wheel):
         entry_points = archive.read("qca_lowmem-0.1.0.dist-info/entry_points.txt").decode()
     assert all(n.startswith(("qca_lowmem/", "qca_lowmem-0.1.0.dist-info/")) for n in names), names
     modules = {f"qca_lowmem/{f}" for f in _files(ROOT / "python" / "qca_lowmem") if f.endswith(".py")}
-    assert modules | {"qca_lowmem/_build_info.py"} <= names
+    assert modules | {"qca_lowmem/_build_info.py"} | {f"qca_lowmem/configs/{c}.yaml" for c in CONFIGS} <= names
     assert [n for n in names if n.startswith("qca_lowmem/_C.") and n.endswith(".so")]
     assert f"TORCH_VERSION = {TORCH_VERSION!r}" in build_info
     assert "qca-lowmem = qca_lowmem.cli:main" in entry_points
@@ -158,7 +160,8 @@ def test_wheel_installs_imports_and_uninstalls_without_leftovers(work, torch_ven
     site = Path(_run(torch_venv, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))").stdout.strip())
     before = _files(torch_venv.parents[1])
     _run(torch_venv, "-m", "pip", "install", "--no-deps", wheel)
-    assert _installed(torch_venv, work)["pack_ok"]
+    facts = _installed(torch_venv, work)
+    assert facts["pack_ok"] and facts["configs"] == CONFIGS
     assert re.search(rf"built against +torch {re.escape(TORCH_VERSION)}", _run(torch_venv.parent / "qca-lowmem", "doctor").stdout)
     _run(torch_venv, "-m", "pip", "uninstall", "-y", "qca-lowmem")
     assert _files(torch_venv.parents[1]) == before
@@ -168,14 +171,14 @@ def test_wheel_installs_imports_and_uninstalls_without_leftovers(work, torch_ven
 def test_no_build_isolation_still_works(work, torch_venv, source, plain_install):
     _run(torch_venv, "-m", "pip", "install", "--no-build-isolation", "--force-reinstall", "--no-deps", ".", cwd=source)
     facts = _installed(torch_venv, work)
-    assert facts["built_against"] == facts["torch"] and facts["pack_ok"]
+    assert facts["built_against"] == facts["torch"] and facts["pack_ok"] and facts["configs"] == CONFIGS
 
 
 def test_editable_install(work, torch_venv, source, plain_install):
     _run(torch_venv, "-m", "pip", "install", "-e", ".", cwd=source)
     facts = _installed(torch_venv, work)
     assert Path(facts["file"]).is_relative_to(source / "python")
-    assert facts["built_against"] == facts["torch"] and facts["pack_ok"]
+    assert facts["built_against"] == facts["torch"] and facts["pack_ok"] and facts["configs"] == CONFIGS
 
 
 def test_python_m_build_says_to_turn_isolation_off_and_works_without_it(work, torch_venv, source, plain_install):
