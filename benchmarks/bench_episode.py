@@ -4,7 +4,8 @@ An episode is the stock `train_episode`: psi0, `qca_steps` steps with the stock 
 evolutionary loss (DESIGN section 2), backward, clip_grad_norm_(1.0), AdamW(1e-4, wd 1e-5) step.
 Runs: stock_fp32, stock_fp16_autocast (with a GradScaler), stock_fp16_checkpoint (autocast and
 one torch.utils.checkpoint per step, the users' proposed fix), lowmem_fp32_step,
-lowmem_bf16_step, lowmem_fp16_step (with qca_lowmem.amp.GradScaler), lowmem_bf16_revolve32 (the lowmem runs: qca_lowmem.UNetUnitary with fused
+lowmem_bf16_step, lowmem_fp16_step (with qca_lowmem.amp.GradScaler), lowmem_bf16_revolve32, and
+lowmem_{fp32,bf16,fp16}_step_graph (each step as replays of captured CUDA graphs, StepGraph) (the lowmem runs: qca_lowmem.UNetUnitary with fused
 blocks, fused pack/update, qca_lowmem.rollout with the replayable NoiseSchedule). Each run gets a
 fresh copy of the same initial weights and its own optimizer; it reports the peak of torch.cuda.max_memory_allocated over the measured
 episodes (after a warm-up episode, so AdamW's state exists) and the median episode time.
@@ -31,7 +32,9 @@ import qca_lowmem
 import reference  # the stock computation, tests/reference.py (common puts tests/ on the path)
 
 RUNS = ["stock_fp32", "stock_fp16_autocast", "stock_fp16_checkpoint", "lowmem_fp32_step", "lowmem_bf16_step",
-        "lowmem_fp16_step", "lowmem_bf16_revolve32"]
+        "lowmem_fp16_step", "lowmem_bf16_revolve32", "lowmem_fp32_step_graph", "lowmem_bf16_step_graph",
+        "lowmem_fp16_step_graph"]
+AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args(argv=None):
@@ -86,13 +89,13 @@ def lowmem_step_fn(model, gamma, pack_dtype):
     return step
 
 
-def lowmem_forward(model, psi0, args, schedule, autocast_dtype=None, checkpoint="step", slots=None):
-    step = lowmem_step_fn(model, args.gamma, autocast_dtype)
+def lowmem_forward(model, psi0, args, schedule, autocast_dtype=None, checkpoint="step", slots=None, step=None):
+    step = step or lowmem_step_fn(model, args.gamma, autocast_dtype)
     with torch.autocast(psi0.device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
         return qca_lowmem.rollout(step, psi0, args.steps, checkpoint=checkpoint, slots=slots, noise=schedule)[1]
 
 
-def run_forward(name, model, psi0, args, episode_seed):
+def run_forward(name, model, psi0, args, episode_seed, step=None):
     rate = reference.noise_rate(args.episode, args.max_noise)
     schedule = qca_lowmem.NoiseSchedule(args.max_noise, args.episode, seed=episode_seed)
     if name == "stock_fp32":
@@ -109,6 +112,8 @@ def run_forward(name, model, psi0, args, episode_seed):
         return lowmem_forward(model, psi0, args, schedule, torch.float16)
     if name == "lowmem_bf16_revolve32":
         return lowmem_forward(model, psi0, args, schedule, torch.bfloat16, "revolve", 32)
+    if name.endswith("_step_graph"):
+        return lowmem_forward(model, psi0, args, schedule, AMP[name.split("_")[1]], step=step)
     raise ValueError(name)
 
 
@@ -117,10 +122,10 @@ def initial_state(args, device, seed):
     return reference.initial_state(args.batch, args.grid, args.d_state, device, generator)
 
 
-def train_episode(name, model, optimizer, scaler, args, device, episode_seed):
+def train_episode(name, model, optimizer, scaler, args, device, episode_seed, step=None):
     optimizer.zero_grad(set_to_none=True)
     psi0 = initial_state(args, device, episode_seed)
-    history = run_forward(name, model, psi0, args, episode_seed)
+    history = run_forward(name, model, psi0, args, episode_seed, step)
     loss, _ = reference.evolutionary_loss(history, psi0)
     del history
     if scaler is not None:
@@ -147,8 +152,11 @@ def measure_run(name, stock_model, args, device):
     scaler = None
     if "fp16" in name:
         scaler = (qca_lowmem.amp.GradScaler if name.startswith("lowmem") else torch.amp.GradScaler)(device.type)
+    step = None
+    if name.endswith("_step_graph"):
+        step = qca_lowmem.StepGraph(lowmem_step_fn(model, args.gamma, AMP[name.split("_")[1]]))
     try:
-        train_episode(name, model, optimizer, scaler, args, device, episode_seed=0)  # warm-up
+        train_episode(name, model, optimizer, scaler, args, device, episode_seed=0, step=step)  # warm-up (and capture)
         synchronize(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -156,7 +164,7 @@ def measure_run(name, stock_model, args, device):
         for episode in range(args.episodes):
             synchronize(device)
             start = time.perf_counter()
-            train_episode(name, model, optimizer, scaler, args, device, episode_seed=1 + episode)
+            train_episode(name, model, optimizer, scaler, args, device, episode_seed=1 + episode, step=step)
             synchronize(device)
             times.append(time.perf_counter() - start)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -169,17 +177,20 @@ def measure_run(name, stock_model, args, device):
             torch.cuda.empty_cache()
 
 
-def fp32_gradient_error(stock_model, args, device):
-    """max over parameters of max|g_lowmem - g_stock| / max|g_stock|, same weights, psi0 and noise."""
+def fp32_gradient_errors(stock_model, args, device):
+    """{kind: max over parameters of max|g_kind - g_stock| / max|g_stock|} for the lowmem step,
+    eager and (on CUDA) as captured graphs; same weights, psi0 and noise."""
     schedule = qca_lowmem.NoiseSchedule(args.max_noise, args.episode, seed=123)
     grads = {}
-    for kind in ("stock", "lowmem"):
+    kinds = ("stock", "lowmem", "lowmem_graph") if device.type == "cuda" else ("stock", "lowmem")
+    for kind in kinds:
         model = (copy.deepcopy(stock_model) if kind == "stock" else lowmem_model(stock_model, args)).to(device)
         psi0 = initial_state(args, device, 123)
         if kind == "stock":
             history = qca_lowmem.rollout(lambda psi: reference.step(psi, model, args.gamma), psi0, args.steps, checkpoint="none", noise=schedule)[1]
         else:
-            history = lowmem_forward(model, psi0, args, schedule)
+            step = lowmem_step_fn(model, args.gamma, None)
+            history = lowmem_forward(model, psi0, args, schedule, step=qca_lowmem.StepGraph(step) if kind == "lowmem_graph" else step)
         loss, _ = reference.evolutionary_loss(history, psi0)
         del history
         loss.backward()
@@ -187,7 +198,8 @@ def fp32_gradient_error(stock_model, args, device):
         del model, loss
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return max(((grads["lowmem"][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() for n, g in grads["stock"].items())
+    return {kind: max(((grads[kind][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
+                      for n, g in grads["stock"].items()) for kind in kinds[1:]}
 
 
 def main(argv=None):
@@ -205,21 +217,24 @@ def main(argv=None):
         else:
             peak = "n/a" if result["peak_bytes"] is None else f"{result['peak_bytes'] / 2**30:.3f} GiB"
             print(f"{name:24s} peak {peak:>12s}   episode {result['episode_s']:.3f} s")
-    grad_error = None
+    grad_errors = {}
     if not args.skip_grad_check:
         try:
-            grad_error = fp32_gradient_error(stock_model, args, device)
-            print(f"max fp32 gradient relative error (lowmem_fp32_step vs stock): {grad_error:.3e}")
+            grad_errors = fp32_gradient_errors(stock_model, args, device)
+            for kind, error in grad_errors.items():
+                print(f"max fp32 gradient relative error ({kind} vs stock): {error:.3e}")
         except torch.OutOfMemoryError as e:
             print(f"fp32 gradient check ran out of memory: {str(e).splitlines()[0]}")
+    grad_error = grad_errors.get("lowmem")
     payload = {
         "config": {"grid": args.grid, "d_state": args.d_state, "hidden": args.hidden, "qca_steps": args.steps, "batch": args.batch},
         "runs": runs,
         "max_grad_rel_err_fp32": grad_error,
+        "max_grad_rel_err_fp32_graph": grad_errors.get("lowmem_graph"),
         "noise": {"max_noise": args.max_noise, "episode": args.episode, "rate": reference.noise_rate(args.episode, args.max_noise)},
     }
     print(f"wrote {common.write_result('episode', device, payload, args.out)}")
-    if grad_error is not None and not math.isfinite(grad_error):
+    if not all(math.isfinite(e) for e in grad_errors.values()):
         return 1
     return 0
 

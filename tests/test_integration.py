@@ -243,3 +243,19 @@ def test_fp16_on_cuda_without_a_scaler_gets_one_and_disable_removes_it():
         assert loss == loss
     qca_lowmem.disable(trainer)
     assert trainer.scaler is None
+
+
+def test_enable_refuses_a_cuda_graph_flag_it_cannot_read():
+    with pytest.raises(ValueError, match="cuda_graph must be True or False, got 'yes'"):
+        qca_lowmem.enable(make_trainer(), cuda_graph="yes")
+
+
+@cuda_only
+def test_enable_with_cuda_graph_equals_eager_on_cuda():
+    results = []
+    for cuda_graph in (False, True):
+        torch.manual_seed(0)
+        trainer = make_trainer(device="cuda")
+        qca_lowmem.enable(trainer, cuda_graph=cuda_graph)
+        results.append([loss for loss, _, _ in run_episodes(trainer, range(3))])
+    assert results[1] == pytest.approx(results[0], rel=1e-4)

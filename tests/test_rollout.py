@@ -573,3 +573,98 @@ def test_saved_states_live_on_the_device(device):
     assert psi_T.device.type == device
     psi_T.abs().sum().backward()
     assert all(p.grad.device.type == device for p in op.parameters())
+
+
+# ---------------------------------------------------------------- StepGraph (captured CUDA graphs)
+
+
+def fused_unet_step(dtype=torch.float32, device="cuda", d_state=2, hidden=8):
+    """The library's own step: fused U-Net (stock weights) between qca_pack and qca_update."""
+    op = make_unet(dtype, device, d_state, hidden)
+    fused = qca_lowmem.UNetUnitary(d_state, hidden).to(device=device, dtype=dtype)
+    fused.load_state_dict(op.state_dict())
+
+    def step(psi):
+        pack_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        return qca_lowmem.qca_update(psi, fused(qca_lowmem.qca_pack(psi, pack_dtype)), gamma=0.05)
+
+    return fused, step
+
+
+def graph_and_eager_grads(step, params, psi0, checkpoint, slots=None, autocast_dtype=None):
+    graph = qca_lowmem.StepGraph(step)
+    results = []
+    for step_fn in (step, graph, graph):  # eager, then the graph captured and then reused
+        with torch.autocast("cuda", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None,
+                            cache_enabled=False):
+            grads = episode_grads(step_fn, params, psi0, checkpoint, slots, noisy_schedule(), history_loss=True)
+        results.append([g.clone() for g in grads])
+    return graph, results
+
+
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 3)])
+def test_step_graph_on_cpu_is_the_plain_step(checkpoint, slots):
+    net = make_conv_net()
+    params = list(net.parameters())
+    psi0 = initial_state()
+    expected = episode_grads(fused_step(net), params, psi0, checkpoint, slots, noisy_schedule(), history_loss=True)
+    graph = qca_lowmem.StepGraph(fused_step(net))
+    grads = episode_grads(graph, params, psi0, checkpoint, slots, noisy_schedule(), history_loss=True)
+    assert graph.capture is None and graph.captures_made == 0
+    assert max_relative_error(grads, expected) == 0
+
+
+@cuda_only
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 3)])
+@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_step_graph_equals_eager_cuda(checkpoint, slots, autocast_dtype):
+    fused, step = fused_unet_step()
+    params = list(fused.parameters())
+    psi0 = initial_state("cuda", torch.complex64)
+    graph, (eager, captured, replayed) = graph_and_eager_grads(step, params, psi0, checkpoint, slots, autocast_dtype)
+    assert graph.captures_made == 1
+    # The same kernels on the same data; cuDNN may pick another algorithm inside a capture.
+    assert max_relative_error(captured, eager) < 1e-5
+    assert max_relative_error(replayed, captured) == 0
+
+
+@cuda_only
+def test_step_graph_follows_inplace_updates_and_recaptures_new_storage():
+    fused, step = fused_unet_step()
+    params = list(fused.parameters())
+    psi0 = initial_state("cuda", torch.complex64)
+    graph = qca_lowmem.StepGraph(step)
+    episode_grads(graph, params, psi0, "step")
+    with torch.no_grad():  # what an optimizer step does: same storage, new values
+        for p in params:
+            p.add_(0.01 * torch.randn_like(p))
+    grads = [g.clone() for g in episode_grads(graph, params, psi0, "step")]
+    assert graph.captures_made == 1
+    assert max_relative_error(grads, episode_grads(step, params, psi0, "step")) < 1e-5
+    for p in params:  # new storage: the old graphs would read freed memory
+        p.data = p.data.clone()
+    grads = [g.clone() for g in episode_grads(graph, params, psi0, "step")]
+    assert graph.captures_made == 2
+    assert max_relative_error(grads, episode_grads(step, params, psi0, "step")) < 1e-5
+
+
+@cuda_only
+def test_step_graph_runs_parameter_hooks_once_with_the_total():
+    fused, step = fused_unet_step()
+    params = list(fused.parameters())
+    psi0 = initial_state("cuda", torch.complex64)
+    expected = episode_grads(step, params, psi0, "step")[1:]
+    seen = []
+    params[0].register_hook(lambda g: seen.append(g.clone()))
+    grads = episode_grads(qca_lowmem.StepGraph(step), params, psi0, "step")[1:]
+    assert len(seen) == 1 and max_relative_error([seen[0]], [expected[0]]) < 1e-5
+    assert max_relative_error(grads, expected) < 1e-5
+
+
+@cuda_only
+def test_step_graph_refuses_a_step_that_draws_random_numbers():
+    fused, step = fused_unet_step()
+    psi0 = initial_state("cuda", torch.complex64).requires_grad_()
+    graph = qca_lowmem.StepGraph(lambda psi: step(psi) * (1 + 0 * torch.rand((), device="cuda")))
+    with pytest.raises(RuntimeError, match="draws random numbers"):
+        rollout(graph, psi0, 3)

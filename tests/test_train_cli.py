@@ -283,6 +283,9 @@ def test_bad_config_is_a_clear_error(tmp_path, capsys):
     assert "max_noise must be a probability in [0, 1], got -0.1" in capsys.readouterr().err
     assert run_cli("plan", "--gpu-mem", "lots") == 2
     assert "3.68GiB" in capsys.readouterr().err
+    path.write_text(yaml.safe_dump({"lowmem": {"cuda_graph": "yes"}}))
+    assert run_cli("train", "--config", path) == 2
+    assert "cuda_graph must be true or false, got 'yes'" in capsys.readouterr().err
 
 
 def test_bundled_configs_by_name_are_the_repositorys():
@@ -360,3 +363,14 @@ def test_bench_on_cuda_reports_peaks(tiny_config, tmp_path):
     assert result["measure"] == "peak_bytes"
     long = result["rows"][1]
     assert long["lowmem_bytes"] < long["stock_bytes"]
+
+
+@cuda_only
+def test_train_on_cuda_with_captured_steps_equals_eager(tiny_config, tmp_path):
+    """--cuda-graph replays captured graphs of the same kernels: the same losses, to rounding."""
+    losses = {}
+    for flag in ("--no-cuda-graph", "--cuda-graph"):
+        out = tmp_path / flag
+        assert run_cli("train", "--config", tiny_config, "--device", "cuda", flag, "--out", out, "--no-progress") == 0
+        losses[flag] = [float(r["loss"]) for r in read_csv(out / "metrics.csv")]
+    assert losses["--cuda-graph"] == pytest.approx(losses["--no-cuda-graph"], rel=1e-4)

@@ -12,12 +12,14 @@ from .memory import saved_bytes
 from .noise import NoiseSchedule, bit_flip, noise_coin, phase_flip
 from .ops import qca_pack, qca_update
 from ._rollout import rollout
+from ._step_graph import StepGraph
 from .unet import ConversionReport, UNetUnitary, convert
 
 __all__ = [
     "ConversionReport",
     "FusedConvBlock",
     "NoiseSchedule",
+    "StepGraph",
     "UNetUnitary",
     "amp",
     "bit_flip",

@@ -22,6 +22,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ._recompute import keep_block_intermediates
+from ._step_graph import StepGraph
 
 CHECKPOINT_MODES = ("none", "step", "revolve")
 
@@ -56,6 +57,8 @@ def rollout(
       it must return a tensor of psi's shape, dtype and device. Parameters it reaches through its
       closure get their gradients. The backward runs it again, so it must compute the same
       function again: random draws are replayed (see preserve_rng_state), other state is not.
+      A `qca_lowmem.StepGraph(step_fn)` runs, for psi on a GPU with checkpoint "step" or
+      "revolve", each step as replays of captured CUDA graphs (same kernels, no launch overhead).
     noise(psi, t) -> psi: applied after step t, e.g. a `qca_lowmem.NoiseSchedule`, whose random
       numbers are keyed by (seed, t) and replay by construction, with no generator state.
     checkpoint: "none" (plain autograd, the stock behaviour: memory grows with steps), "step"
@@ -109,6 +112,8 @@ def rollout(
             return _run_plain(unit, psi1, 1, steps, recorded, [psi1] if steps > 1 else [])
 
     plan = _Episode(unit, rng, steps, recorded, checkpoint, slots, psi1, params, psi0.requires_grad)
+    if isinstance(step_fn, StepGraph) and psi0.is_cuda:
+        unit.capture = step_fn.for_rollout(psi1, params, plan.autocast)
     outputs = _EpisodeFunction.apply(plan, psi0, *params)
     psi_T, history = outputs[0], list(outputs[1:])
     history.append(psi_T)
@@ -116,20 +121,30 @@ def rollout(
 
 
 class _StepUnit:
-    """One step of the episode: step_fn then noise, with the checks that keep psi's type."""
+    """One step of the episode: step_fn then noise, with the checks that keep psi's type.
+
+    With a capture (a StepGraph's, see _step_graph.py), steps taken without grad replay its
+    forward graph; the backward asks the capture directly (_GradCarry)."""
 
     def __init__(self, step_fn, noise):
         self.step_fn = step_fn
         self.noise = noise
+        self.capture = None
 
     def __call__(self, psi: torch.Tensor, t: int) -> torch.Tensor:
-        out = self.step_fn(psi)
-        _check_state(out, psi, "step_fn", t)
-        if self.noise is not None:
-            noisy = self.noise(out, t)
-            _check_state(noisy, out, "noise", t)
-            out = noisy
-        return out
+        if self.capture is not None and not torch.is_grad_enabled():
+            out = self.capture.forward(psi)
+        else:
+            out = self.step_fn(psi)
+            _check_state(out, psi, "step_fn", t)
+        return self.add_noise(out, t)
+
+    def add_noise(self, out: torch.Tensor, t: int) -> torch.Tensor:
+        if self.noise is None:
+            return out
+        noisy = self.noise(out, t)
+        _check_state(noisy, out, "noise", t)
+        return noisy
 
 
 def _check_state(out, psi, name, t):
@@ -199,11 +214,19 @@ class _AutocastState:
         self.cache_enabled = torch.is_autocast_cache_enabled()
         self.states = [(dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)) for dt in device_types]
 
-    @contextlib.contextmanager
     def __call__(self):
+        return self._entered(self.cache_enabled)
+
+    def without_cache(self):
+        """The same state with autocast's cast cache off, as CUDA graph capture requires (the
+        casts are the same, only not shared between calls)."""
+        return self._entered(False)
+
+    @contextlib.contextmanager
+    def _entered(self, cache_enabled):
         with contextlib.ExitStack() as stack:
             for device_type, enabled, dtype in self.states:
-                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=self.cache_enabled))
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled))
             yield
 
 
@@ -313,7 +336,10 @@ class _EpisodeFunction(torch.autograd.Function):
         if grad_psi_T is not None:
             incoming[plan.steps - 1] = grad_psi_T
 
-        sink = _ParamGradSink(params)
+        capture = plan.unit.capture
+        if capture is not None:
+            capture.zero_accumulators()
+        sink = _ParamGradSink(params) if capture is None else contextlib.nullcontext()
         carry = _GradCarry(plan, incoming, params)
         with sink:
             if plan.mode == "step":
@@ -322,7 +348,7 @@ class _EpisodeFunction(torch.autograd.Function):
             else:
                 _revolve_backward(plan, states, carry)
         del states
-        buffers = sink.take()
+        buffers = sink.take() if capture is None else capture.parameter_grads()
         return (None, carry.grad if plan.psi0_needs_grad else None, *buffers)
 
 
@@ -344,6 +370,9 @@ class _GradCarry:
             return  # nothing of the loss depends on this step's output
         plan = self.plan
         need_input = t > 0 or plan.psi0_needs_grad
+        if plan.unit.capture is not None:
+            self._backprop_captured(t, state, need_input)
+            return
         psi_in = state.detach().requires_grad_(need_input)
         with torch.enable_grad(), plan.autocast(), keep_block_intermediates(), plan.rng.replay(t):
             out = plan.unit(psi_in, t)
@@ -353,6 +382,23 @@ class _GradCarry:
             return
         grads = torch.autograd.grad(out, inputs, self.grad, allow_unused=True)
         self.grad = grads[0] if need_input else None
+
+    def _backprop_captured(self, t: int, state: torch.Tensor, need_input: bool) -> None:
+        """backprop through the capture's graphs; the noise after the step stays eager."""
+        plan = self.plan
+        unit = plan.unit
+        out = unit.capture.output_for_backward(state)
+        grad_out = self.grad
+        if unit.noise is not None:
+            out = out.requires_grad_(True)
+            with torch.enable_grad(), plan.autocast(), plan.rng.replay(t):
+                noisy = unit.add_noise(out, t)
+            grad_out = torch.autograd.grad(noisy, out, grad_out, allow_unused=True)[0] if noisy.requires_grad else None
+            if grad_out is None:
+                self.grad = None
+                return
+        grad_in = unit.capture.backward(grad_out)
+        self.grad = grad_in if need_input else None
 
 
 class _ParamGradSink:

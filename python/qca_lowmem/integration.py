@@ -17,6 +17,7 @@ from . import amp
 from .noise import NoiseSchedule
 from .ops import qca_pack, qca_update
 from ._rollout import check_checkpoint, rollout
+from ._step_graph import StepGraph
 from .unet import convert
 
 _AMP_DTYPES = {
@@ -96,6 +97,7 @@ class _Saved:
     had_train_episode_attr: bool = False
     scaler: Any = None
     convert_report: Any = None
+    step_graph: Any = None  # a StepGraph of the motor's step, made at the first CUDA episode
 
 
 def _children(root: torch.nn.Module):
@@ -160,6 +162,12 @@ def stock_initial_state(batch, height, width, d_state, device, generator=None):
     return psi / torch.sqrt(torch.sum(torch.abs(psi) ** 2, dim=-1, keepdim=True))
 
 
+def _checked_flag(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"enable(): {name} must be True or False, got {value!r}")
+    return value
+
+
 def _lowmem_train_episode(trainer, episode_num):
     """train_episode with the stock semantics, running the episode through qca_lowmem.rollout."""
     state: _Saved = getattr(trainer, _STATE_ATTR)
@@ -176,9 +184,14 @@ def _lowmem_train_episode(trainer, episode_num):
         # One draw from the trainer's RNG keys the whole episode's noise, so recompute replays it.
         seed = int(torch.randint(0, 2**62, (1,)).item())
         noise = NoiseSchedule(trainer.max_noise, episode_num, seed)
+    step = trainer.motor.evolve_step
+    if opts["cuda_graph"] and device.type == "cuda":
+        if state.step_graph is None:
+            state.step_graph = StepGraph(step)
+        step = state.step_graph
     with autocast(device.type, opts["amp_dtype"]):
         # rollout's default history is the stock one: t == 0, T-1 and every max(1, T // 10) steps.
-        psi, history = rollout(trainer.motor.evolve_step, psi0, trainer.qca_steps, checkpoint=opts["checkpoint"],
+        psi, history = rollout(step, psi0, trainer.qca_steps, checkpoint=opts["checkpoint"],
                                slots=opts["slots"], noise=noise)
         loss, metrics = trainer.loss_fn(history, psi0)
 
@@ -229,6 +242,7 @@ def enable(
     amp_dtype=None,
     fused_blocks: bool = True,
     slots: Optional[int] = None,
+    cuda_graph: bool = False,
     *,
     fused_step_ops: bool = True,
     lowmem_scaler: bool = True,
@@ -245,6 +259,8 @@ def enable(
     amp_dtype: None follows the trainer (fp16 autocast when `trainer.use_amp`), else "fp32",
       "bf16" or "fp16"; the state and its normalisation stay complex64 either way.
     fused_blocks: convert the operator's ConvBlocks to FusedConvBlock in place (same Parameters).
+    cuda_graph: on CUDA, with checkpoint "step" or "revolve", run each step as replays of
+      captured CUDA graphs (qca_lowmem.StepGraph): the same kernels without launch overhead.
     fused_step_ops: replace `motor.evolve_step` by the fused pack/update ops.
     lowmem_scaler: replace `trainer.scaler` by qca_lowmem.amp.GradScaler carrying its state.
     grid_size / batch_size / d_state / initial_state: how psi0 is drawn. By default the trainer's
@@ -282,7 +298,7 @@ def enable(
     state = _Saved(options=dict(
         checkpoint=checkpoint, slots=slots, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
         d_state=d_state or _infer_d_state(trainer, operator), initial_state=initial_state,
-        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks,
+        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, cuda_graph=_checked_flag(cuda_graph, "cuda_graph"),
     ))
     multiplicative = is_multiplicative(operator)
     gamma = float(getattr(trainer.motor.cfg, "GAMMA_DECAY", 0.0) or 0.0) if hasattr(trainer.motor, "cfg") else 0.0
@@ -367,7 +383,7 @@ def _get(section, key, default):
 
 
 # The LOWMEM section's settings (enable()'s keyword arguments); the trainer's config shares them.
-LOWMEM_OPTIONS = ("checkpoint", "amp_dtype", "fused_blocks", "slots")
+LOWMEM_OPTIONS = ("checkpoint", "amp_dtype", "fused_blocks", "slots", "cuda_graph")
 _CONFIG_KEYS = ("enabled", *LOWMEM_OPTIONS)
 
 

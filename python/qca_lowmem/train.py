@@ -31,6 +31,7 @@ from . import amp, integration
 from .integration import autocast, fused_step, parse_amp_dtype, stock_initial_state
 from .memory import saved_bytes
 from ._rollout import check_checkpoint, rollout
+from ._step_graph import StepGraph
 from .unet import UNetUnitary
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -66,6 +67,7 @@ class TrainConfig:
     slots: Optional[int] = None
     amp_dtype: Optional[str] = None
     fused_blocks: bool = True
+    cuda_graph: bool = False  # on CUDA: each step as replays of captured graphs (StepGraph)
     # run
     device: str = "auto"
     # CPU threads (None: torch's choice). The small embedded model gains little from a second
@@ -89,6 +91,9 @@ class TrainConfig:
             raise ValueError(f"config threads must be a positive integer or null, got {self.threads!r}")
         if self.save_every < 0:
             raise ValueError(f"config save_every must be >= 0 (0: only at the end), got {self.save_every}")
+        for name in ("fused_blocks", "cuda_graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"config {name} must be true or false, got {getattr(self, name)!r}")
         check_checkpoint(self.checkpoint, self.slots, "config")
         parse_amp_dtype(self.amp_dtype)
         return self
@@ -364,6 +369,8 @@ class Trainer:
         self.amp_dtype = parse_amp_dtype(config.amp_dtype)
         self.model = build_model(config, self.device)
         self.step_fn = fused_step(self.model, config.gamma, multiplicative=True)
+        if config.cuda_graph and self.device.type == "cuda":
+            self.step_fn = StepGraph(self.step_fn)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = None
