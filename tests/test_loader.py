@@ -1,7 +1,11 @@
 """Build decisions and the import-time check of the recorded build facts."""
 
+import os
+import re
+import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -22,8 +26,45 @@ def test_build_facts_recorded():
 
 def test_torch_mismatch_says_how_to_rebuild(monkeypatch):
     monkeypatch.setattr(_build_info, "TORCH_VERSION", "1.0.0")
-    with pytest.raises(ImportError, match=r"built against torch 1\.0\.0 but torch .* is running; rebuild .*pip install --no-build-isolation"):
+    with pytest.raises(ImportError, match=r"built against torch 1\.0\.0 but torch .* is running; rebuild .*"
+                       + re.escape(_loader.REBUILD_COMMAND)):
         _loader.load_native()
+
+
+def _import_copy_with(tmp_path, replace_c):
+    """Imports a copy of the installed package whose _C is missing or replaced, in a fresh interpreter."""
+    package = Path(qca_lowmem.__file__).parent
+    copy = tmp_path / "qca_lowmem"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("_C.*", "__pycache__"))
+    replace_c(copy)
+    return subprocess.run([sys.executable, "-c", "import qca_lowmem"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+
+
+def _assert_one_line_rebuild_hint(result, says):
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: ") and says in last and last.endswith(_loader.REBUILD_COMMAND), result.stderr
+    assert "circular import" not in result.stderr and "During handling" not in result.stderr, result.stderr
+
+
+def test_missing_native_library_says_how_to_rebuild(tmp_path):
+    result = _import_copy_with(tmp_path, lambda copy: None)
+    _assert_one_line_rebuild_hint(result, "native library _C is missing from")
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_unloadable_native_library_says_how_to_rebuild(tmp_path):
+    """A _C built for another torch fails in the dynamic loader on a symbol this torch lacks."""
+    source = tmp_path / "c.c"
+    source.write_text("void symbol_of_another_torch(void);\nvoid *PyInit__C(void) { symbol_of_another_torch(); return 0; }\n")
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+
+    def build_c(copy):
+        subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(copy / f"_C{suffix}")], check=True)
+
+    result = _import_copy_with(tmp_path, build_c)
+    _assert_one_line_rebuild_hint(result, "undefined symbol: symbol_of_another_torch")
 
 
 def _setup_py(env_value):

@@ -291,6 +291,14 @@ def test_bad_config_is_a_clear_error(tmp_path, capsys):
     assert "cuda_graph must be true or false, got 'yes'" in capsys.readouterr().err
 
 
+def test_bundled_configs_by_name_are_the_repositorys():
+    assert train_mod.bundled_configs() == sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
+    for name in train_mod.bundled_configs():
+        assert train_mod.load_config(name) == train_mod.load_config(str(ROOT / "configs" / f"{name}.yaml"))
+    with pytest.raises(ValueError, match=r"'small_cpu' is neither a YAML file nor a bundled config \(default, small_gpu\)"):
+        train_mod.load_config("small_cpu")
+
+
 def test_parse_bytes():
     assert parse_bytes("3.68GiB") == int(3.68 * 2**30)
     assert parse_bytes("512 MiB") == 512 * 2**20

@@ -8,8 +8,8 @@ from typing import List, Optional
 
 
 def _add_config_options(parser, training: bool):
-    parser.add_argument("--config", help="YAML config (default: the embedded small CPU config); "
-                                         "configs/default.yaml is the full model, configs/small_gpu.yaml fits < 4 GiB")
+    parser.add_argument("--config", help="YAML file, or a bundled config by name (default: the embedded small CPU "
+                                         "config): default is the full model, small_gpu fits < 4 GiB")
     parser.add_argument("--device", help="auto (default), cpu, cuda, cuda:1, ...")
     parser.add_argument("--grid", type=int)
     parser.add_argument("--d-state", type=int)

@@ -16,7 +16,7 @@ def report() -> Tuple[List[Tuple[str, str]], List[str]]:
     """(facts as (name, value), things to fix)."""
     import qca_lowmem
     from . import _build_info
-    from ._loader import has_cuda_kernels
+    from ._loader import REBUILD_COMMAND, has_cuda_kernels
 
     facts, fixes = [], []
     facts.append(("python", sys.version.split()[0]))
@@ -34,19 +34,19 @@ def report() -> Tuple[List[Tuple[str, str]], List[str]]:
             facts.append((f"GPU {index}", f"{props.name}, {format_bytes(props.total_memory)}, "
                                            f"compute capability {props.major}.{props.minor}"))
             if props.total_memory < SMALL_GPU:
-                fixes.append(f"GPU {index} has {format_bytes(props.total_memory)}: train with configs/small_gpu.yaml, "
+                fixes.append(f"GPU {index} has {format_bytes(props.total_memory)}: train with --config small_gpu, "
                              f"or run `qca-lowmem plan --gpu-mem {props.total_memory / 2**30:.2f}GiB` to pick a policy")
         if not cuda_kernels:
             fixes.append("a GPU is present but qca_lowmem was built without CUDA kernels: set CUDA_HOME to a CUDA "
-                         "toolkit matching torch's CUDA and reinstall with QCA_LOWMEM_CUDA=1 "
-                         "pip install --no-build-isolation --force-reinstall .")
+                         "toolkit matching torch's CUDA and rebuild in the qca_lowmem source directory: "
+                         f"QCA_LOWMEM_CUDA=1 {REBUILD_COMMAND}")
         if not torch.cuda.is_bf16_supported():
             fixes.append("this GPU has no bf16: use amp_dtype fp16 (with the loss scaler) or fp32")
     elif torch.version.cuda:
         fixes.append("torch is a CUDA build but sees no GPU: check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
     else:
         fixes.append("torch is a CPU-only build: to train on a GPU, install a CUDA build of torch, then rebuild "
-                     "qca_lowmem against it (pip install --no-build-isolation --force-reinstall .)")
+                     f"qca_lowmem against it in its source directory ({REBUILD_COMMAND})")
 
     alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
     facts.append(("allocator settings", alloc or "unset (qca-lowmem train sets expandable_segments:True)"))

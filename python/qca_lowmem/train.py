@@ -12,6 +12,7 @@ equals a single process with accumulate=W: the same episodes, gradients summed t
 """
 
 import dataclasses
+import importlib.resources
 import json
 import math
 import os
@@ -126,14 +127,27 @@ def config_from_dict(data: dict, base: Optional[TrainConfig] = None) -> TrainCon
     return TrainConfig(**values).validate()
 
 
+def bundled_configs() -> List[str]:
+    """Names of the configs shipped in the package (the repository's configs/*.yaml)."""
+    configs = importlib.resources.files(f"{__package__}.configs")
+    return sorted(f.name.removesuffix(".yaml") for f in configs.iterdir() if f.name.endswith(".yaml"))
+
+
 def load_config(path: Optional[str] = None, **overrides) -> TrainConfig:
-    """The embedded default, or a YAML file, with keyword overrides (None values ignored)."""
+    """The embedded default, a YAML file, or a bundled config by name (`small_gpu`), with keyword
+    overrides (None values ignored)."""
     config = TrainConfig()
     if path is not None:
         import yaml
 
-        with open(path) as f:
-            config = config_from_dict(yaml.safe_load(f) or {}, base=TrainConfig(threads=None))
+        if os.sep in path or path.endswith((".yaml", ".yml")):
+            with open(path) as f:
+                text = f.read()
+        elif path in bundled_configs():
+            text = (importlib.resources.files(f"{__package__}.configs") / f"{path}.yaml").read_text()
+        else:
+            raise ValueError(f"config: {path!r} is neither a YAML file nor a bundled config ({', '.join(bundled_configs())})")
+        config = config_from_dict(yaml.safe_load(text) or {}, base=TrainConfig(threads=None))
     changes = {k: v for k, v in overrides.items() if v is not None}
     return config_from_dict(changes, base=config) if changes else config.validate()
 
