@@ -367,6 +367,46 @@ def test_groupnorm_elu_backward(emu, path, dtypes):
     assert_path_taken(path, split_by_case)
 
 
+# (batch size, multiprocessors): one block a pair, or 2 or 3 blocks a pair taking different runs
+# of the sample's chunks (3 chunks a pair in channels_last, 2 in NCHW).
+BATCHES_AND_GPUS = [(1, 1), (1, 4), (1, 132), (3, 4), (3, 132), (140, 132)]
+
+
+@pytest.mark.parametrize("channels_last", [0, 1], ids=["nchw", "channels_last"])
+def test_groupnorm_elu_gives_a_sample_the_same_bits_in_any_batch_on_any_gpu(emu, channels_last):
+    """Forward and backward of one sample alone and inside larger batches, on GPUs of several
+    sizes (the one-block and the split paths): bit-identical."""
+    x, weight, bias, groups, _, stat_dtype = gn_inputs(((1, 2, 72, 120), 1, channels_last),
+                                                       (torch.float32, torch.float32), seed=11)
+    grad_y = torch.randn(x.shape)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    results, split = {}, {}
+    for batch, sms in BATCHES_AND_GPUS:
+        at = batch // 2  # the sample's place in the batch; the other samples are random
+        xs, grads = torch.randn((batch,) + x.shape[1:]), torch.randn((batch,) + x.shape[1:])
+        xs[at], grads[at] = x[0], grad_y[0]
+        xs, grads = xs.contiguous(memory_format=memory_format), grads.contiguous(memory_format=memory_format)
+        y = torch.empty_like(xs)
+        mean, rstd = torch.empty(batch, groups), torch.empty(batch, groups)
+        grad_x, grad_weight, grad_bias = torch.empty_like(xs), torch.empty(batch, 2), torch.empty(batch, 2)
+        with emu.settings(sms=sms):
+            ws, ws_bytes = workspace(emu, xs, groups, channels_last, stat_dtype, 0)
+            split[batch, sms] = ws_bytes > 0
+            emu.run("emu_gn_forward", CUDA, describe(xs), groups, channels_last, 1e-5, describe(weight),
+                    describe(bias), 0, describe(mean), describe(rstd), ptr(y), ptr(ws), ws_bytes).check()
+            ws, ws_bytes = workspace(emu, xs, groups, channels_last, stat_dtype, 1)
+            emu.run("emu_gn_backward", CUDA, describe(grads), describe(xs), groups, channels_last,
+                    describe(weight), describe(bias), describe(mean), describe(rstd), ptr(grad_x),
+                    ptr(grad_weight), ptr(grad_bias), ptr(ws), ws_bytes).check()
+        results[batch, sms] = [t[at] for t in (y, mean, rstd, grad_x, grad_weight, grad_bias)]
+    assert split == {(1, 1): False, (1, 4): True, (1, 132): True, (3, 4): True, (3, 132): True,
+                     (140, 132): False}
+    reference = results[BATCHES_AND_GPUS[0]]
+    for (batch, sms), outputs in results.items():
+        for name, a, b in zip(["y", "mean", "rstd", "grad_x", "grad_weight", "grad_bias"], reference, outputs):
+            assert_same_bits(a, b, f"{name}, batch {batch} on {sms} multiprocessors")
+
+
 # ---- the loss scaler ----
 
 def unscale_lists():
