@@ -117,9 +117,11 @@ template <typename acc_t> __device__ __forceinline__ void put(__nv_bfloat16* p, 
 // Visits this thread's pixels of channel c in chunk `chunk`, kBatch at a time: a batch's loads
 // are all issued before any value is used, so each warp keeps several requests in flight (one at
 // a time leaves these loops latency bound). `load(i)` reads element i, `use(i, value)` consumes it.
-// Four loads in flight per thread: four pixels of x in the forward, two of x and grad_y in the
-// backward (four pixels there spill at the 64 registers __launch_bounds__ allows).
-constexpr int kForwardBatch = 4, kBackwardBatch = 2;
+// Pixels per batch: four in the forward, two in the backward (which loads x and grad_y) and in
+// the double forward; four there spill at the 64 registers __launch_bounds__ allows.
+template <typename scalar_t>
+constexpr int kForwardBatch = sizeof(scalar_t) == 8 ? 2 : 4;
+constexpr int kBackwardBatch = 2;
 
 template <int kBatch, typename Load, typename Use>
 __device__ __forceinline__ void for_pixels(const Place& t, const Plan& plan, int64_t c, int64_t chunk, Load load,
@@ -161,7 +163,7 @@ __device__ Welford<acc_t> chunk_statistics(const Place& t, const Plan& plan, con
   // Welford's update: stable in one pass, without a second read of the group.
   Welford<acc_t> w{acc_t(0), acc_t(0), 0};
   for_channels(t, plan, [&](int64_t c) {
-    for_pixels<kForwardBatch>(
+    for_pixels<kForwardBatch<scalar_t>>(
         t, plan, c, chunk, [&](int64_t i) { return to_acc<acc_t>(x[i]); },
         [&](int64_t, acc_t v) {
           w.count += 1;
@@ -225,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     const acc_t scale = mul_rn(load_as<acc_t>(p.weight, p.affine_dtype, t.first_channel + c), rstd);
     const acc_t shift = load_as<acc_t>(p.bias, p.affine_dtype, t.first_channel + c);
     for (int64_t chunk = t.first_chunk; chunk < t.end_chunk; ++chunk)
-      for_pixels<kForwardBatch>(
+      for_pixels<kForwardBatch<scalar_t>>(
           t, plan, c, chunk, [&](int64_t i) { return to_acc<acc_t>(x[i]); },
           [&](int64_t i, acc_t v) { put<acc_t>(y, i, elu(mul_rn(v - mean, scale) + shift)); });
   });
