@@ -8,8 +8,11 @@
 // a pair's chunks (enough pairs to fill the GPU) or the chunks are spread over several blocks
 // that exchange them through a workspace (small batches: `splits` blocks per pair, a partial
 // kernel then the main one), a sample gets the same bits whatever the batch size or SM count.
-// Every product in that arithmetic is rounded on its own (mul_rn): nvcc would otherwise fuse
-// products into FMAs wherever it chose, differently in the one-block and split kernels.
+// Every product is rounded on its own (mul_rn): nvcc would otherwise fuse products into FMAs
+// wherever it chose, perhaps differently in the one-block and split kernels. The machine code
+// is the same with and without -fmad but for the float expf/expm1f of CUDA's math library,
+// elementwise and the same code in every kernel. CUDA does not match the C kernels bit for bit:
+// they add in another order (tests/test_cuda_kernels_emulated.py states the tolerance).
 //
 // Threads are laid out as (pixel lane, channel lane): with NCHW one channel lane, so a warp reads
 // consecutive pixels of one channel; with channels_last up to one lane per channel of the group,
