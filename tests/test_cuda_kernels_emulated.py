@@ -550,6 +550,22 @@ def test_zero_cells_with_an_unknown_state_dtype_are_rejected_like_c(emu, op):
     assert good(C).status == QCA_OK and good(CUDA).status == QCA_OK
 
 
+@pytest.mark.parametrize("x_dtype, stat_dtype", [(torch.float32, torch.float64),
+                                                  (torch.float16, torch.float64),
+                                                  (torch.float64, torch.float32)], ids=str)
+def test_groupnorm_elu_cuda_takes_only_the_statistics_dtype_of_its_data(emu, x_dtype, stat_dtype):
+    """The CUDA kernels exist for the (data, statistics) pairs the ops use: any other is refused."""
+    x = torch.randn(2, 4, 3, 3).to(x_dtype)
+    weight, bias, y = torch.ones(4), torch.zeros(4), torch.empty_like(x)
+    grads = [torch.empty_like(x), torch.empty(2, 4, dtype=stat_dtype), torch.empty(2, 4, dtype=stat_dtype)]
+    mean, rstd = torch.zeros(2, 2, dtype=stat_dtype), torch.ones(2, 2, dtype=stat_dtype)
+    forward = emu.run("emu_gn_forward", CUDA, describe(x), 2, 0, 1e-5, describe(weight), describe(bias), 0,
+                      describe(mean), describe(rstd), ptr(y), None, 0)
+    backward = emu.run("emu_gn_backward", CUDA, describe(x), describe(x), 2, 0, describe(weight),
+                       describe(bias), describe(mean), describe(rstd), *[ptr(g) for g in grads], None, 0)
+    assert forward.status == backward.status == QCA_ERR_UNSUPPORTED_DTYPE
+
+
 def test_a_pending_error_is_neither_blamed_on_a_launch_nor_cleared(emu):
     psi = torch.randn(2, 3, 3, 2, dtype=torch.complex64)
     x = torch.zeros(2, 4, 3, 3)
