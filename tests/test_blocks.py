@@ -135,6 +135,24 @@ def test_groupnorm_elu_cuda_is_deterministic(channels_last):
             assert torch.equal(a, b)
 
 
+@cuda_only
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_groupnorm_elu_cuda_gives_a_sample_the_same_bits_in_any_batch(channels_last):
+    """Alone, a sample's groups are split over several blocks; in a batch of 140 each group is one
+    block: the same bits either way (the kernels reduce fixed chunks in a fixed order)."""
+    batch = make_input((140, 16, 128, 128, 4), torch.float32, "cuda", channels_last)
+    weight, bias = make_affine(16, torch.float32, "cuda")
+    grad_y = torch.randn_like(batch)
+    alone, in_batch = batch[70:71].clone(memory_format=torch.preserve_format), batch
+    outputs = []
+    for x, g in [(alone, grad_y[70:71].clone(memory_format=torch.preserve_format)), (in_batch, grad_y)]:
+        y, mean, rstd = OPS.groupnorm_elu(x, weight, bias, 4, 1e-5)
+        grad_x = OPS.groupnorm_elu_backward(g, x, weight, bias, mean, rstd)[0]
+        outputs.append([y, mean, rstd, grad_x])
+    for a, b in zip(outputs[0], outputs[1]):
+        assert torch.equal(a[0], b[70])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_groupnorm_elu_statistics(device):
     x = make_input((2, 12, 5, 7, 3), torch.float32, device, False)

@@ -7,8 +7,9 @@ divergent barrier or shuffle, valid launch configuration).
 Bit-identical where CUDA and C run the same maths: the QCA step and the noise (their shared
 .inc files; CUDA rounds each product on its own, as C does, see docs/cuda_emulation.md), the
 scaler's multiply, non-finite check and scale update. GroupNorm+ELU and the scaler's sums of
-squares add in a different order (and GroupNorm+ELU accumulates float data in float where C
-uses double), so they compare within the tolerances stated at each comparison."""
+squares add in a different order than C, so they compare within the tolerances stated at each
+comparison. GroupNorm+ELU's CUDA results are compared with themselves bit for bit instead: a
+sample's bits must not depend on the batch it is in or on the GPU's size."""
 
 import ctypes
 import math
@@ -218,8 +219,8 @@ GN_CASES = [  # (shape, groups, channels_last)
     ((1, 1024, 3, 3), 1, True),    # more channels per group than threads per block
     ((1, 1024, 3, 3), 1, False),
     ((4, 8, 9, 9), 8, True),       # one channel per group
-    ((1, 8, 64, 64), 2, False),    # big groups: the split path when the GPU is large
-    ((1, 8, 64, 64), 2, True),
+    ((1, 4, 96, 96), 2, False),    # several chunks a pair: the split path when the GPU is large
+    ((1, 4, 96, 96), 2, True),
     ((0, 4, 4, 4), 2, False),      # no samples
     ((2, 4, 0, 3), 1, False),      # no pixels
 ]
@@ -230,7 +231,7 @@ GN_DTYPES = [  # (x, weight and bias): each data type with its own and with floa
 # Multiprocessors: with 1, two pairs fill the GPU (only a lone pair is split); with 132 every
 # case with enough elements per pair is split.
 SPLIT_SETTINGS = {"one_block": 1, "split": 132}
-SPLIT_CASE = ((1, 8, 64, 64), 2)  # split on the large GPU only
+SPLIT_CASE = ((1, 4, 96, 96), 2)  # split on the large GPU only
 
 
 def assert_path_taken(path, split_by_case):
@@ -261,13 +262,17 @@ def gn_tolerance(dtype, stat_dtype, magnitude):
     """Allowed |C - CUDA| for a GroupNorm+ELU output of `dtype` whose values (or, for a sum, the
     sum of the absolute values of its terms) are of size `magnitude`.
 
-    C adds the up to n = 2^14 terms of a group (or channel) one after another in double: in
-    practice within sqrt(n) = 2^7 roundings, 2^-46. CUDA adds at most 32 terms per thread, then
-    merges the 512 threads in a tree of depth 9, in the statistics dtype: within about 2^6
-    roundings, 2^-47 in double and 2^-18 in float (all but float64 data). The tolerance is twice
-    the sum of the two: 2^-44 with double statistics, 2^-17 with float ones. The result is then
-    rounded to `dtype`, so a value near a rounding boundary may land one ulp of `dtype` away."""
-    accumulation = 2.0 ** -44 if stat_dtype == torch.float64 else 2.0 ** -17
+    C and CUDA add the up to n = 2^14 terms of a group (or channel) in different orders, so they
+    round differently; a sum of n terms is within about sqrt(n) = 2^7 roundings of the exact one
+    in practice. CUDA adds at most 16 terms per channel per thread in each chunk (of 8192
+    elements or so), combines the 512 threads in a shuffle tree of depth 5 then the 16 warps one
+    after another, then the chunks one after another, in the statistics dtype: about 2^6
+    roundings, 2^-47 in double and 2^-18 in float (all but float64 data). C stays within 2^7
+    roundings of its own accumulator (double, or float lanes combined in double): 2^-46 at
+    worst in double, 2^-17 in float. The tolerance is twice the sum: 2^-44 with double
+    statistics, 2^-15 with float ones. The result is then rounded to `dtype`, so a value near a
+    rounding boundary may land one ulp of `dtype` away."""
+    accumulation = 2.0 ** -44 if stat_dtype == torch.float64 else 2.0 ** -15
     ulp = {torch.float64: 2.0 ** -52, torch.float32: 2.0 ** -23,
            torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
     return (accumulation + ulp) * magnitude
@@ -285,8 +290,9 @@ def assert_close_gn(c, cuda, dtype, stat_dtype, what, magnitude=None):
 
 
 def gn_forward(emu, x, weight, bias, groups, channels_last, stat_dtype, stats=None):
-    """C and CUDA forward; `stats` (mean, rstd) makes it the apply-only variant."""
-    ws, ws_bytes = workspace(emu, x, groups, channels_last, stat_dtype, 0)
+    """C and CUDA forward; `stats` (mean, rstd) makes it the apply-only variant, which is given
+    no workspace: it needs none, on the split path too."""
+    ws, ws_bytes = workspace(emu, x, groups, channels_last, stat_dtype, 0) if stats is None else (None, 0)
 
     def outputs():
         y = padded(tuple(x.shape), x.dtype, channels_last=bool(channels_last))
@@ -365,6 +371,47 @@ def test_groupnorm_elu_backward(emu, path, dtypes):
             assert_close_gn(c[1], cuda[1], x.dtype, stat_dtype, what + " grad_x",
                             c[1].double().abs().clamp_min(1.0) * 4)
     assert_path_taken(path, split_by_case)
+
+
+# (batch size, multiprocessors): one block a pair (two blocks per multiprocessor filled), or 2
+# or 3 blocks a pair taking different runs of the sample's chunks (3 chunks a pair in
+# channels_last, 2 in NCHW).
+BATCHES_AND_GPUS = {(1, 1): "split", (1, 132): "split", (3, 1): "one block", (3, 4): "split",
+                    (140, 64): "one block"}
+
+
+@pytest.mark.parametrize("channels_last", [0, 1], ids=["nchw", "channels_last"])
+def test_groupnorm_elu_gives_a_sample_the_same_bits_in_any_batch_on_any_gpu(emu, channels_last):
+    """Forward and backward of one sample alone and inside larger batches, on GPUs of several
+    sizes (the one-block and the split paths): bit-identical."""
+    x, weight, bias, groups, _, stat_dtype = gn_inputs(((1, 2, 72, 120), 1, channels_last),
+                                                       (torch.float32, torch.float32), seed=11)
+    grad_y = torch.randn(x.shape)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    results, split = {}, {}
+    for batch, sms in BATCHES_AND_GPUS:
+        at = batch // 2  # the sample's place in the batch; the other samples are random
+        xs, grads = torch.randn((batch,) + x.shape[1:]), torch.randn((batch,) + x.shape[1:])
+        xs[at], grads[at] = x[0], grad_y[0]
+        xs, grads = xs.contiguous(memory_format=memory_format), grads.contiguous(memory_format=memory_format)
+        y = torch.empty_like(xs)
+        mean, rstd = torch.empty(batch, groups), torch.empty(batch, groups)
+        grad_x, grad_weight, grad_bias = torch.empty_like(xs), torch.empty(batch, 2), torch.empty(batch, 2)
+        with emu.settings(sms=sms):
+            ws, ws_bytes = workspace(emu, xs, groups, channels_last, stat_dtype, 0)
+            split[batch, sms] = ws_bytes > 0
+            emu.run("emu_gn_forward", CUDA, describe(xs), groups, channels_last, 1e-5, describe(weight),
+                    describe(bias), 0, describe(mean), describe(rstd), ptr(y), ptr(ws), ws_bytes).check()
+            ws, ws_bytes = workspace(emu, xs, groups, channels_last, stat_dtype, 1)
+            emu.run("emu_gn_backward", CUDA, describe(grads), describe(xs), groups, channels_last,
+                    describe(weight), describe(bias), describe(mean), describe(rstd), ptr(grad_x),
+                    ptr(grad_weight), ptr(grad_bias), ptr(ws), ws_bytes).check()
+        results[batch, sms] = [t[at] for t in (y, mean, rstd, grad_x, grad_weight, grad_bias)]
+    assert split == {setting: path == "split" for setting, path in BATCHES_AND_GPUS.items()}
+    reference = results[1, 1]
+    for (batch, sms), outputs in results.items():
+        for name, a, b in zip(["y", "mean", "rstd", "grad_x", "grad_weight", "grad_bias"], reference, outputs):
+            assert_same_bits(a, b, f"{name}, batch {batch} on {sms} multiprocessors")
 
 
 # ---- the loss scaler ----
@@ -503,6 +550,22 @@ def test_zero_cells_with_an_unknown_state_dtype_are_rejected_like_c(emu, op):
     assert good(C).status == QCA_OK and good(CUDA).status == QCA_OK
 
 
+@pytest.mark.parametrize("x_dtype, stat_dtype", [(torch.float32, torch.float64),
+                                                  (torch.float16, torch.float64),
+                                                  (torch.float64, torch.float32)], ids=str)
+def test_groupnorm_elu_cuda_takes_only_the_statistics_dtype_of_its_data(emu, x_dtype, stat_dtype):
+    """The CUDA kernels exist for the (data, statistics) pairs the ops use: any other is refused."""
+    x = torch.randn(2, 4, 3, 3).to(x_dtype)
+    weight, bias, y = torch.ones(4), torch.zeros(4), torch.empty_like(x)
+    grads = [torch.empty_like(x), torch.empty(2, 4, dtype=stat_dtype), torch.empty(2, 4, dtype=stat_dtype)]
+    mean, rstd = torch.zeros(2, 2, dtype=stat_dtype), torch.ones(2, 2, dtype=stat_dtype)
+    forward = emu.run("emu_gn_forward", CUDA, describe(x), 2, 0, 1e-5, describe(weight), describe(bias), 0,
+                      describe(mean), describe(rstd), ptr(y), None, 0)
+    backward = emu.run("emu_gn_backward", CUDA, describe(x), describe(x), 2, 0, describe(weight),
+                       describe(bias), describe(mean), describe(rstd), *[ptr(g) for g in grads], None, 0)
+    assert forward.status == backward.status == QCA_ERR_UNSUPPORTED_DTYPE
+
+
 def test_a_pending_error_is_neither_blamed_on_a_launch_nor_cleared(emu):
     psi = torch.randn(2, 3, 3, 2, dtype=torch.complex64)
     x = torch.zeros(2, 4, 3, 3)
@@ -516,7 +579,9 @@ def test_a_pending_error_is_neither_blamed_on_a_launch_nor_cleared(emu):
 
 
 def test_a_failed_device_query_fails_the_launch_that_made_it_and_is_cleared(emu):
-    x, weight, bias, groups, channels_last, stat_dtype = gn_inputs(GN_CASES[0], GN_DTYPES[0], 0)
+    # a shape of several chunks a pair: the launch asks the device's size (with one, it need not)
+    case = next(c for c in GN_CASES if c[:2] == SPLIT_CASE)
+    x, weight, bias, groups, channels_last, stat_dtype = gn_inputs(case, GN_DTYPES[0], 0)
     mean = torch.zeros(x.shape[0], groups)
     emu.lib.qca_emu_fail_device_queries(100)  # cudaErrorNoDevice
     try:
@@ -542,7 +607,7 @@ def test_results_do_not_depend_on_the_order_threads_run_in(emu, path):
     """The kernels with barriers and shared memory give the same bits whether the emulator runs
     a block's threads (and the blocks) forward, backward or shuffled: an order-dependent result
     would be a race its checks did not name."""
-    case, dtypes = ((1, 8, 64, 64), 2, True), (torch.float16, torch.float32)
+    case, dtypes = ((1, 4, 96, 96), 2, True), (torch.float16, torch.float32)
     x, weight, bias, groups, channels_last, stat_dtype = gn_inputs(case, dtypes, seed=3)
     grad_y = torch.randn(x.shape).to(x.dtype).contiguous(memory_format=torch.channels_last)
     tensors = make_list([70000, 5, 1000], torch.float32, nonfinite_at=None)

@@ -17,14 +17,6 @@ spec.loader.exec_module(cuda_resources)
 
 pytestmark = pytest.mark.skipif(cuda_resources.nvcc() is None, reason="nvcc not found")
 CU_FILES = sorted(p.name for p in cuda_resources.KERNELS.glob("*.cu"))
-# Known failures, to be fixed where they are; strict, so that the fix removes the entry.
-KNOWN = {"groupnorm_elu.cu": "the GroupNorm+ELU rewrite sets launch bounds for its "
-                             "double-statistics kernels (spills of 8-24 bytes today)"}
-
-
-def per_file(names):
-    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN[n])) if n in KNOWN else n
-            for n in names]
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +67,14 @@ def test_every_kernel_states_its_block_size(records):
     assert not missing, f"kernels without __launch_bounds__: {missing}"
 
 
-@pytest.mark.parametrize("source", per_file(CU_FILES))
+@pytest.mark.parametrize("source", CU_FILES)
 def test_no_kernel_spills(records, source):
     spills = [f"{r['kernel']} on {r['arch']}: {r['spill_stores']} bytes stored, {r['spill_loads']} loaded"
               for r in records if r["file"] == source and (r["spill_stores"] or r["spill_loads"])]
     assert not spills, "\n".join(spills)
 
 
-@pytest.mark.parametrize("source", per_file(CU_FILES))
+@pytest.mark.parametrize("source", CU_FILES)
 def test_registers_leave_a_256_thread_block_half_occupancy(records, source):
     text = (cuda_resources.KERNELS / source).read_text()
     low = [f"{r['kernel']} on {r['arch']}: {r['registers']} registers, "

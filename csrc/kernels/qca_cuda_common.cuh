@@ -21,6 +21,7 @@
 #endif
 
 #include <stdint.h>
+#include <string.h>
 
 #include <utility>
 
@@ -53,6 +54,38 @@ __device__ __forceinline__ void store_as(void* base, qca_dtype dtype, int64_t in
 // `a * b + c` by default, C11 does not): for maths that must give the C kernels' bits.
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
+// `v` moved `offset` lanes down the warp, word by word (any trivially copyable type of whole
+// 4-byte words, such as a struct of partial sums).
+template <typename T>
+__device__ __forceinline__ T shfl_down_words(const T& v, int offset) {
+  static_assert(sizeof(T) % 4 == 0, "shfl_down_words moves whole 4-byte words");
+  unsigned int words[sizeof(T) / 4];
+  memcpy(words, &v, sizeof(T));
+#pragma unroll
+  for (unsigned int i = 0; i < sizeof(T) / 4; ++i) words[i] = __shfl_down_sync(0xffffffffu, words[i], offset);
+  T result;
+  memcpy(&result, words, sizeof(T));
+  return result;
+}
+
+// Combines one value per thread over a block of kThreads threads (every thread must call it)
+// and returns the result to all of them. The order is fixed: a shuffle tree within each warp,
+// then the warps' results one after another, so the bits depend only on the inputs.
+template <int kThreads, typename T, typename Combine>
+__device__ T block_reduce(T v, Combine combine) {
+  static_assert(kThreads % 32 == 0, "block_reduce takes whole warps");
+  constexpr int kWarps = kThreads / 32;
+  QCA_SHARED(T, warp_results, kWarps);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = combine(v, shfl_down_words(v, offset));
+  if (threadIdx.x % 32 == 0) warp_results[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = warp_results[0];
+  for (int w = 1; w < kWarps; ++w) v = combine(v, warp_results[w]);
+  __syncthreads();  // the slots are free for the next call
+  return v;
+}
 
 // Grid for a grid-stride loop over `n` items: enough blocks to fill the device, capped so the
 // block count stays in range for any n (the loop covers the rest with 64-bit indices).

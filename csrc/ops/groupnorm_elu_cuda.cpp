@@ -11,7 +11,8 @@ namespace qca_lowmem {
 namespace {
 
 // Launches with the scratch the launchers' split-pair path needs, from the caching allocator on
-// x's device; `backward` picks the backward's workspace size.
+// x's device; `backward` picks the backward's workspace size. (The forward with given
+// statistics, groupnorm_elu_apply, needs none.)
 template <typename Params>
 void launch_with_workspace(cuda_launcher<Params> launcher, Params& p, const at::Tensor& x,
                            int backward, const char* op) {
@@ -37,7 +38,7 @@ at::Tensor groupnorm_elu_apply_cuda(const at::Tensor& x, const at::Tensor& weigh
                                     const at::Tensor& rstd) {
   GroupNormEluForward f = prepare_groupnorm_elu_apply(x, weight, bias, mean, rstd);
   const c10::cuda::CUDAGuard guard(x.device());  // after the checks: they name a device mix
-  launch_with_workspace(qca_groupnorm_elu_forward_cuda, f.params, f.x, 0, "groupnorm_elu_apply");
+  launch_cuda(qca_groupnorm_elu_forward_cuda, f.params, "groupnorm_elu_apply");
   return f.y;
 }
 

@@ -8,10 +8,12 @@
  * or QCA_F64 for float64 data.
  *
  * CPU kernels process the (sample, group) pairs [pair_begin, pair_end) of the N * G pairs, so
- * the caller can split the work across threads. CUDA launchers run one thread block per pair,
- * or, when there are too few pairs to fill the GPU, several blocks per pair that exchange
- * partial sums through `workspace` (device memory of at least
- * qca_groupnorm_elu_cuda_workspace_bytes(...) bytes, asked for on the device of the launch). */
+ * the caller can split the work across threads. CUDA launchers take stat_dtype QCA_F64 for
+ * QCA_F64 data and QCA_F32 for the others (QCA_ERR_UNSUPPORTED_DTYPE otherwise); they run one
+ * thread block per pair, or, when there are too few pairs to fill the GPU, several blocks per
+ * pair that exchange partial sums through `workspace` (device memory of at least
+ * qca_groupnorm_elu_cuda_workspace_bytes(...) bytes, asked for on the device of the launch).
+ * Either way a sample's results have the same bits whatever the batch size or GPU. */
 #ifndef QCA_LOWMEM_GROUPNORM_ELU_H
 #define QCA_LOWMEM_GROUPNORM_ELU_H
 
@@ -73,7 +75,8 @@ qca_status qca_groupnorm_elu_backward_cpu(const qca_groupnorm_elu_backward_param
                                           int64_t pair_begin, int64_t pair_end);
 
 /* Device workspace the CUDA launchers need for `shape` on the current device (0 when none):
- * for the forward (also with given statistics) when `backward` is 0, else for the backward. */
+ * for the forward that computes statistics when `backward` is 0, else for the backward. The
+ * forward with given statistics (mean_in) needs none. */
 int64_t qca_groupnorm_elu_cuda_workspace_bytes(const qca_groupnorm_elu_shape* shape,
                                                qca_dtype stat_dtype, int backward);
 
