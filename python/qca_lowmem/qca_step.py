@@ -5,6 +5,10 @@ from typing import Callable, Optional
 
 import torch
 
+from . import stock
+from ._checks import check_same_device
+from ._double_backward import no_context, not_differentiable, reference_backward, second_order_requested
+
 _lib = torch.ops.qca_lowmem
 
 
@@ -65,6 +69,7 @@ def _pack_backward_fake(grad_x, psi_dtype):
 
 @torch.library.register_fake("qca_lowmem::qca_update")
 def _update_fake(psi, delta, gamma=0.0, multiplicative=True, eps=1e-9):
+    check_same_device(psi, "psi", delta, "delta", "qca_update")
     torch._check(psi.dim() == 4 and delta.dim() == 4,
                  lambda: f"qca_update: psi (B, H, W, d) and delta (B, 2d, H, W) must have 4 dimensions, got psi "
                          f"{tuple(psi.shape)} and delta {tuple(delta.shape)}")
@@ -74,6 +79,8 @@ def _update_fake(psi, delta, gamma=0.0, multiplicative=True, eps=1e-9):
 
 @torch.library.register_fake("qca_lowmem::qca_update_backward")
 def _update_backward_fake(grad_out, psi, delta, gamma, multiplicative, eps):
+    check_same_device(psi, "psi", delta, "delta", "qca_update_backward")
+    check_same_device(psi, "psi", grad_out, "grad_out", "qca_update_backward")
     return (
         torch.empty_like(psi, memory_format=torch.contiguous_format),
         torch.empty_like(delta, memory_format=torch.contiguous_format),
@@ -89,6 +96,15 @@ def _pack_backward(ctx, grad_x):
     return _lib.qca_pack_backward(grad_x, ctx.psi_dtype), None, None
 
 
+def _pack_backward_setup_context(ctx, inputs, output):
+    ctx.grad_x_dtype = inputs[0].dtype
+
+
+def _pack_backward_backward(ctx, grad_psi):
+    # qca_pack_backward is linear and its adjoint is qca_pack itself.
+    return _lib.qca_pack(grad_psi, ctx.grad_x_dtype, False), None
+
+
 def _update_setup_context(ctx, inputs, output):
     psi, delta, gamma, multiplicative, eps = inputs
     ctx.save_for_backward(psi, delta)
@@ -97,6 +113,8 @@ def _update_setup_context(ctx, inputs, output):
 
 def _update_backward(ctx, grad_out):
     psi, delta = ctx.saved_tensors
+    if second_order_requested():
+        return reference_backward(ctx, stock.update, (psi, delta, ctx.gamma, ctx.multiplicative, ctx.eps), grad_out)
     grad_psi, grad_delta = _lib.qca_update_backward(grad_out, psi, delta, ctx.gamma, ctx.multiplicative, ctx.eps)
     return (
         grad_psi if ctx.needs_input_grad[0] else None,
@@ -108,4 +126,12 @@ def _update_backward(ctx, grad_out):
 
 
 torch.library.register_autograd("qca_lowmem::qca_pack", _pack_backward, setup_context=_pack_setup_context)
+def _update_backward_backward(ctx, *grads):
+    raise not_differentiable("qca_update_backward", "take them through qca_update, whose backward under "
+                             "create_graph=True runs as differentiable torch ops")
+
+
 torch.library.register_autograd("qca_lowmem::qca_update", _update_backward, setup_context=_update_setup_context)
+torch.library.register_autograd("qca_lowmem::qca_pack_backward", _pack_backward_backward,
+                                setup_context=_pack_backward_setup_context)
+torch.library.register_autograd("qca_lowmem::qca_update_backward", _update_backward_backward, setup_context=no_context)
