@@ -18,8 +18,9 @@ from ._checks import check_same_device
 from ._double_backward import reference_backward, second_order_requested
 from ._recompute import block_keeps_intermediates
 from .amp import autocast_dtype
-from . import groupnorm_elu, stock
+from . import stock
 from .groupnorm_elu import output_layout, stat_dtype
+from .groupnorm_elu import reference as groupnorm_elu_reference
 
 _lib = torch.ops.qca_lowmem
 
@@ -106,8 +107,8 @@ def _conv_block_keep_fake(*args):
 def _block_reference(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias,
                      groups1, groups2, eps1, eps2):
     """The block in torch ops, in the precision the custom ops compute it."""
-    a1 = groupnorm_elu.reference(_conv3x3(x, conv1_weight), norm1_weight, norm1_bias, groups1, eps1)
-    return groupnorm_elu.reference(_conv3x3(a1, conv2_weight), norm2_weight, norm2_bias, groups2, eps2)
+    a1 = groupnorm_elu_reference(_conv3x3(x, conv1_weight), norm1_weight, norm1_bias, groups1, eps1)
+    return groupnorm_elu_reference(_conv3x3(a1, conv2_weight), norm2_weight, norm2_bias, groups2, eps2)
 
 
 def _second_order_block_backward(ctx, grad_y, x, weights):

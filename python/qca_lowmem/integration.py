@@ -221,8 +221,7 @@ def enable(
     flags = dict(fused_blocks=fused_blocks, cuda_graph=cuda_graph, fused_step_ops=fused_step_ops,
                  lowmem_scaler=lowmem_scaler)
     for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"enable(): {name} must be True or False, got {type(value).__name__} {value!r}")
+        _checked_flag(value, name)
     _check_contract(trainer)
     if hasattr(trainer, _STATE_ATTR):
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
@@ -263,7 +262,7 @@ def _episode_options(trainer, *, checkpoint, slots, amp_dtype, grid_size, batch_
     return dict(
         checkpoint=checkpoint, slots=slots, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
         d_state=d_state or _infer_d_state(trainer, trainer.motor.operator), initial_state=initial_state,
-        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, cuda_graph=_checked_flag(cuda_graph, "cuda_graph"),
+        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, cuda_graph=cuda_graph,
     )
 
 
