@@ -6,7 +6,7 @@ from typing import Callable, Optional
 import torch
 
 from . import stock
-from ._checks import check_same_device
+from ._checks import check_same_device, describe
 from ._double_backward import no_context, not_differentiable, reference_backward, second_order_requested
 
 _lib = torch.ops.qca_lowmem
@@ -67,19 +67,30 @@ def _pack_backward_fake(grad_x, psi_dtype):
     return grad_x.new_empty((b, h, w, c // 2), dtype=psi_dtype)
 
 
+def _check_update_args(psi, delta, op):
+    """The glue's checks (csrc/ops/qca_step.cpp, update_params), so meta agrees with the CPU."""
+    check_same_device(psi, "psi", delta, "delta", op)
+    torch._check(psi.dim() == 4 and psi.is_complex() and psi.shape[3] >= 1,
+                 lambda: f"{op}: psi must be complex64 or complex128 with shape (B, H, W, d), d >= 1, got {describe(psi)}")
+    b, h, w, d = psi.shape
+    torch._check(delta.dim() == 4 and tuple(delta.shape) == (b, 2 * d, h, w),
+                 lambda: f"{op}: delta must have shape (B, 2d, H, W) = {(b, 2 * d, h, w)} for psi {tuple(psi.shape)}, "
+                         f"got {describe(delta)}")
+    allowed = (torch.float32, torch.float16, torch.bfloat16) if psi.dtype == torch.complex64 else (torch.float64,)
+    torch._check(delta.dtype in allowed,
+                 lambda: f"{op}: delta must be {' or '.join(str(t) for t in allowed)} for a {psi.dtype} psi, "
+                         f"got {describe(delta)}")
+
+
 @torch.library.register_fake("qca_lowmem::qca_update")
 def _update_fake(psi, delta, gamma=0.0, multiplicative=True, eps=1e-9):
-    check_same_device(psi, "psi", delta, "delta", "qca_update")
-    torch._check(psi.dim() == 4 and delta.dim() == 4,
-                 lambda: f"qca_update: psi (B, H, W, d) and delta (B, 2d, H, W) must have 4 dimensions, got psi "
-                         f"{tuple(psi.shape)} and delta {tuple(delta.shape)}")
-    torch._check(delta.shape[1] == 2 * psi.shape[3], lambda: f"qca_update: delta must have 2*d channels, got delta {tuple(delta.shape)} for psi {tuple(psi.shape)}")
+    _check_update_args(psi, delta, "qca_update")
     return torch.empty_like(psi, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("qca_lowmem::qca_update_backward")
 def _update_backward_fake(grad_out, psi, delta, gamma, multiplicative, eps):
-    check_same_device(psi, "psi", delta, "delta", "qca_update_backward")
+    _check_update_args(psi, delta, "qca_update_backward")
     check_same_device(psi, "psi", grad_out, "grad_out", "qca_update_backward")
     return (
         torch.empty_like(psi, memory_format=torch.contiguous_format),
