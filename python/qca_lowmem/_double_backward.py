@@ -3,7 +3,9 @@
 The fused backward kernels are not differentiable themselves. Under `create_graph=True` (autograd
 runs a backward with grad mode on exactly then) an op's backward is instead taken through its
 plain-torch reference, so gradient penalties and Hessian-vector products get the true second
-derivative; the kernels serve every first-order backward.
+derivative; the kernels serve every first-order backward. The ops that are backwards themselves
+(and groupnorm_elu_apply) have torch's not-implemented autograd kernel (csrc/ops/library.cpp):
+differentiating them raises, naming the op.
 """
 
 from typing import Callable, Sequence
@@ -40,6 +42,3 @@ def not_differentiable(op: str, instead: str) -> RuntimeError:
     return RuntimeError(f"{op}: no second-order gradients (a backward with create_graph=True, or a "
                         f"gradient of its output); {instead}")
 
-
-def no_context(ctx, inputs, output):
-    """setup_context of a backward that needs nothing from the forward."""

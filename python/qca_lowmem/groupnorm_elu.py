@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._checks import check_same_device
-from ._double_backward import no_context, not_differentiable, reference_backward, second_order_requested
+from ._double_backward import reference_backward, second_order_requested
 
 _lib = torch.ops.qca_lowmem
 
@@ -76,17 +76,6 @@ def reference(x: Tensor, weight: Tensor, bias: Tensor, groups: int, eps: float) 
     return F.elu(F.group_norm(x.to(stat), groups, weight.to(stat), bias.to(stat), eps)).to(x.dtype)
 
 
-def apply_reference(x: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, rstd: Tensor) -> Tensor:
-    """groupnorm_elu_apply in torch ops: the given statistics, constants for autograd."""
-    stat = stat_dtype(x)
-    n, channels = x.shape[:2]
-    groups = mean.shape[1]
-    grouped = x.to(stat).reshape(n, groups, -1)
-    normed = ((grouped - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).reshape(x.shape)
-    affine = normed * weight.to(stat).reshape(1, channels, 1, 1) + bias.to(stat).reshape(1, channels, 1, 1)
-    return F.elu(affine).to(x.dtype)
-
-
 def _groupnorm_elu_setup_context(ctx, inputs, output):
     x, weight, bias, groups, eps = inputs
     _, mean, rstd = output
@@ -109,22 +98,6 @@ def _groupnorm_elu_backward(ctx, grad_y, grad_mean, grad_rstd):
     )
 
 
-def _apply_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _apply_backward(ctx, grad_y):
-    # Not on any training path (blocks call it without grad): torch ops at every order.
-    return reference_backward(ctx, apply_reference, ctx.saved_tensors, grad_y)
-
-
-def _backward_backward(ctx, *grads):
-    raise not_differentiable("groupnorm_elu_backward", "take them through groupnorm_elu, whose backward under "
-                             "create_graph=True runs as differentiable torch ops")
-
-
 torch.library.register_autograd(
     "qca_lowmem::groupnorm_elu", _groupnorm_elu_backward, setup_context=_groupnorm_elu_setup_context
 )
-torch.library.register_autograd("qca_lowmem::groupnorm_elu_apply", _apply_backward, setup_context=_apply_setup_context)
-torch.library.register_autograd("qca_lowmem::groupnorm_elu_backward", _backward_backward, setup_context=no_context)

@@ -7,7 +7,7 @@ import torch
 
 from . import stock
 from ._checks import check_same_device, describe
-from ._double_backward import no_context, not_differentiable, reference_backward, second_order_requested
+from ._double_backward import reference_backward, second_order_requested
 
 _lib = torch.ops.qca_lowmem
 
@@ -104,16 +104,12 @@ def _pack_setup_context(ctx, inputs, output):
 
 
 def _pack_backward(ctx, grad_x):
+    if second_order_requested():
+        # The same linear map in torch ops, so the gradient stays differentiable in grad_x.
+        grad = grad_x.to(_real_dtype_of(ctx.psi_dtype))
+        d = grad.shape[1] // 2
+        return torch.complex(grad[:, :d], grad[:, d:]).permute(0, 2, 3, 1), None, None
     return _lib.qca_pack_backward(grad_x, ctx.psi_dtype), None, None
-
-
-def _pack_backward_setup_context(ctx, inputs, output):
-    ctx.grad_x_dtype = inputs[0].dtype
-
-
-def _pack_backward_backward(ctx, grad_psi):
-    # qca_pack_backward is linear and its adjoint is qca_pack itself.
-    return _lib.qca_pack(grad_psi, ctx.grad_x_dtype, False), None
 
 
 def _update_setup_context(ctx, inputs, output):
@@ -137,12 +133,4 @@ def _update_backward(ctx, grad_out):
 
 
 torch.library.register_autograd("qca_lowmem::qca_pack", _pack_backward, setup_context=_pack_setup_context)
-def _update_backward_backward(ctx, *grads):
-    raise not_differentiable("qca_update_backward", "take them through qca_update, whose backward under "
-                             "create_graph=True runs as differentiable torch ops")
-
-
 torch.library.register_autograd("qca_lowmem::qca_update", _update_backward, setup_context=_update_setup_context)
-torch.library.register_autograd("qca_lowmem::qca_pack_backward", _pack_backward_backward,
-                                setup_context=_pack_backward_setup_context)
-torch.library.register_autograd("qca_lowmem::qca_update_backward", _update_backward_backward, setup_context=no_context)
