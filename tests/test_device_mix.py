@@ -109,3 +109,15 @@ def test_all_meta_still_gives_shapes():
     assert out.device.type == "meta" and out.shape == psi.shape
     y, mean, _ = OPS.groupnorm_elu(*(t.to("meta") for t in gn_tensors().values()), 2, 1e-5)
     assert y.device.type == "meta" and mean.shape == (2, 2)
+
+
+@pytest.mark.parametrize("psi_dtype, delta_dtype", [(torch.complex128, torch.float32), (torch.complex64, torch.float64),
+                                                    (torch.float32, torch.float32)])
+def test_meta_refuses_what_the_kernels_refuse_with_their_message(psi_dtype, delta_dtype):
+    psi, delta = torch.ones(1, 3, 4, 2, dtype=psi_dtype), torch.ones(1, 4, 3, 4, dtype=delta_dtype)
+    messages = []
+    for device in ("cpu", "meta"):
+        with pytest.raises(RuntimeError) as error:
+            OPS.qca_update(psi.to(device), delta.to(device), 0.0, True, 1e-9)
+        messages.append(str(error.value).splitlines()[0].replace(f"device={device}", "device=D"))
+    assert messages[0] == messages[1]

@@ -36,9 +36,3 @@ def reference_backward(ctx, reference: Callable, inputs: Sequence, grad_outputs)
         grads[i] = grad
     return tuple(grads)
 
-
-def not_differentiable(op: str, instead: str) -> RuntimeError:
-    """The error for a backward asked to build a graph it cannot build."""
-    return RuntimeError(f"{op}: no second-order gradients (a backward with create_graph=True, or a "
-                        f"gradient of its output); {instead}")
-

@@ -364,8 +364,6 @@ def _get(section, key, default):
 LOWMEM_OPTIONS = ("checkpoint", "amp_dtype", "fused_blocks", "slots", "cuda_graph")
 _CONFIG_KEYS = ("enabled", *LOWMEM_OPTIONS)
 _FLAG_OPTIONS = ("fused_blocks", "cuda_graph")
-
-
 _TRUE_SPELLINGS = ("1", "true", "yes", "on")
 _FALSE_SPELLINGS = ("0", "false", "no", "off")
 

@@ -68,18 +68,23 @@ def _pack_backward_fake(grad_x, psi_dtype):
 
 
 def _check_update_args(psi, delta, op):
-    """The glue's checks (csrc/ops/qca_step.cpp, update_params), so meta agrees with the CPU."""
+    """The glue's checks and messages (glue.h check_state, qca_step.cpp update_params), so meta
+    refuses what the kernels refuse."""
+    torch._check(psi.is_complex(),
+                 lambda: f"{op}: psi must be complex64 or complex128 with shape (B, H, W, d), got {describe(psi)}")
+    torch._check(psi.dim() == 4, lambda: f"{op}: psi must have 4 dimensions (B, H, W, d), got {describe(psi)}")
+    torch._check(psi.shape[3] >= 1, lambda: f"{op}: psi's last dimension d must be at least 1, got {describe(psi)}")
     check_same_device(psi, "psi", delta, "delta", op)
-    torch._check(psi.dim() == 4 and psi.is_complex() and psi.shape[3] >= 1,
-                 lambda: f"{op}: psi must be complex64 or complex128 with shape (B, H, W, d), d >= 1, got {describe(psi)}")
     b, h, w, d = psi.shape
     torch._check(delta.dim() == 4 and tuple(delta.shape) == (b, 2 * d, h, w),
                  lambda: f"{op}: delta must have shape (B, 2d, H, W) = {(b, 2 * d, h, w)} for psi {tuple(psi.shape)}, "
                          f"got {describe(delta)}")
-    allowed = (torch.float32, torch.float16, torch.bfloat16) if psi.dtype == torch.complex64 else (torch.float64,)
-    torch._check(delta.dtype in allowed,
-                 lambda: f"{op}: delta must be {' or '.join(str(t) for t in allowed)} for a {psi.dtype} psi, "
-                         f"got {describe(delta)}")
+    if psi.dtype == torch.complex64:
+        torch._check(delta.dtype in (torch.float32, torch.float16, torch.bfloat16),
+                     lambda: f"{op}: delta must be float32, float16 or bfloat16 for a complex64 psi, got {describe(delta)}")
+    else:
+        torch._check(delta.dtype == torch.float64,
+                     lambda: f"{op}: delta must be float64 for a complex128 psi, got {describe(delta)}")
 
 
 @torch.library.register_fake("qca_lowmem::qca_update")
