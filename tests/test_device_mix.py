@@ -2,6 +2,8 @@
 
 A CPU tensor mixed with a meta tensor dispatches to the Meta kernel (the fake kernel), which
 must name the argument and both devices as the C glue does, not return uninitialised memory.
+qca_pack, qca_pack_backward, phase_flip and bit_flip take one tensor, noise_coin none: nothing
+to mix.
 """
 
 import re
