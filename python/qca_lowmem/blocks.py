@@ -113,7 +113,7 @@ def _block_reference(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, no
 
 def _second_order_block_backward(ctx, grad_y, x, weights):
     with torch.autocast(x.device.type, enabled=False):
-        return reference_backward(ctx, _block_reference, (x, *weights, *ctx.hyper), grad_y)
+        return reference_backward(ctx, _block_reference, (x, *weights, *ctx.norm_settings), grad_y)
 
 
 def _block_backward(ctx, grad_y, x, h1, a1, h2, weights, stats):
@@ -143,7 +143,7 @@ def _conv_block_setup_context(ctx, inputs, output):
     _, mean1, rstd1, mean2, rstd2 = output
     ctx.save_for_backward(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight,
                           norm2_bias, mean1, rstd1, mean2, rstd2)
-    ctx.hyper = inputs[7:]
+    ctx.norm_settings = inputs[7:]
 
 
 def _conv_block_backward(ctx, grad_y, *_grad_stats):
@@ -166,7 +166,7 @@ def _conv_block_keep_setup_context(ctx, inputs, output):
     _, h1, a1, h2, mean1, rstd1, mean2, rstd2 = output
     ctx.save_for_backward(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight,
                           norm2_bias, h1, a1, h2, mean1, rstd1, mean2, rstd2)
-    ctx.hyper = inputs[7:]
+    ctx.norm_settings = inputs[7:]
 
 
 def _conv_block_keep_backward(ctx, grad_y, *_grad_intermediates):
