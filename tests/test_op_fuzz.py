@@ -166,3 +166,53 @@ def test_amp_unscale_fuzz(data, device, shapes, poison):
     assert torch.equal(found_ours, found_theirs)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def reference_grads(fn, inputs, grad_out):
+    """torch.autograd.grad of the reference, on float64/complex128 copies, cast back."""
+    wide = [t.detach().to(torch.complex128 if t.is_complex() else torch.float64).requires_grad_() for t in inputs]
+    wide_grad = grad_out.to(torch.complex128 if grad_out.is_complex() else torch.float64)
+    grads = torch.autograd.grad(fn(*wide), wide, wide_grad, allow_unused=True)
+    return tuple(torch.zeros_like(t) if g is None else g.to(t.dtype) for g, t in zip(grads, inputs))
+
+
+@FUZZ
+@given(st.data(), DEVICES, st.tuples(SIZE, SIZE, SIZE, st.integers(1, 3)), st.booleans())
+def test_qca_update_backward_fuzz(data, device, shape, matching_grad):
+    b, h, w, d = shape
+    psi = data.draw(tensors(shape, COMPLEX, device))
+    delta = data.draw(tensors((b, 2 * d, h, w), [torch.float64 if psi.dtype == torch.complex128 else torch.float32],
+                              device))
+    grad_shape = shape if matching_grad else data.draw(st.tuples(SIZE, SIZE, SIZE, SIZE))
+    grad_out = data.draw(tensors(grad_shape, COMPLEX, device))
+    precise = psi.dtype == torch.complex128
+    run(lambda: torch.ops.qca_lowmem.qca_update_backward(grad_out, psi, delta, 0.1, True, 1e-9),
+        lambda: reference_grads(lambda p, dl: stock.update(p, dl, 0.1, True), (psi, delta), grad_out),
+        ["qca_update_backward", "grad_out", "psi", "delta"], 1e-8 if precise else 1e-3, 1e-8 if precise else 1e-4)
+
+
+@FUZZ
+@given(st.data(), DEVICES, st.tuples(SIZE, st.sampled_from([1, 2, 4]), SIZE, SIZE), st.sampled_from([1, 2]),
+       st.booleans())
+def test_groupnorm_elu_backward_fuzz(data, device, shape, groups, matching_grad):
+    x = data.draw(tensors(shape, [torch.float32, torch.float64], device))
+    channels = shape[1]
+    weight = (1 + 0.3 * torch.randn(channels)).to(device=device, dtype=x.dtype)
+    bias = (0.3 * torch.randn(channels)).to(device=device, dtype=x.dtype)
+    grad_y = data.draw(tensors(shape if matching_grad else data.draw(st.tuples(SIZE, SIZE, SIZE, SIZE)),
+                               [x.dtype], device))
+    ops = torch.ops.qca_lowmem
+    groups = groups if channels % groups == 0 else 1
+    precise = x.dtype == torch.float64
+
+    def ours():
+        _, mean, rstd = ops.groupnorm_elu(x, weight, bias, groups, 1e-5)
+        return ops.groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd)
+
+    def reference():
+        if x.numel() == 0:  # sums over no element; torch gives NaN (CPU) or divides by zero (meta)
+            return torch.zeros_like(x), torch.zeros_like(weight), torch.zeros_like(bias)
+        return reference_grads(lambda t, wt, bs: F.elu(F.group_norm(t, groups, wt, bs, 1e-5)), (x, weight, bias), grad_y)
+
+    run(ours, reference,
+        ["groupnorm_elu_backward", "grad_y", "x"], 1e-8 if precise else 1e-3, 1e-8 if precise else 1e-4)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_same_device
+from ._checks import check_same_device, describe
 from ._double_backward import reference_backward, second_order_requested
 
 _lib = torch.ops.qca_lowmem
@@ -66,7 +66,10 @@ def _groupnorm_elu_apply_fake(x, weight, bias, mean, rstd):
 
 @torch.library.register_fake("qca_lowmem::groupnorm_elu_backward")
 def _groupnorm_elu_backward_fake(grad_y, x, weight, bias, mean, rstd):
-    _check_gn_args(x, weight, bias, mean.shape[1], "groupnorm_elu_backward", mean=mean, rstd=rstd, grad_y=grad_y)
+    op = "groupnorm_elu_backward"
+    _check_gn_args(x, weight, bias, mean.shape[1], op, mean=mean, rstd=rstd, grad_y=grad_y)
+    torch._check(grad_y.shape == x.shape and grad_y.dtype == x.dtype,
+                 lambda: f"{op}: grad_y must have the shape and dtype of x ({describe(x)}), got {describe(grad_y)}")
     return torch.empty_like(x, memory_format=output_layout(x)), torch.empty_like(weight), torch.empty_like(bias)
 
 

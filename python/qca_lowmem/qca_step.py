@@ -95,7 +95,11 @@ def _update_fake(psi, delta, gamma=0.0, multiplicative=True, eps=1e-9):
 
 @torch.library.register_fake("qca_lowmem::qca_update_backward")
 def _update_backward_fake(grad_out, psi, delta, gamma, multiplicative, eps):
-    _check_update_args(psi, delta, "qca_update_backward")
+    op = "qca_update_backward"
+    _check_update_args(psi, delta, op)
+    torch._check(grad_out.dtype == psi.dtype and grad_out.shape == psi.shape,
+                 lambda: f"{op}: grad_out must match psi ({describe(psi)}), got {describe(grad_out)}")
+    check_same_device(psi, "psi", grad_out, "grad_out", op)
     check_same_device(psi, "psi", grad_out, "grad_out", "qca_update_backward")
     return (
         torch.empty_like(psi, memory_format=torch.contiguous_format),
