@@ -1,6 +1,7 @@
 """qca_lowmem.enable() on a QC_Trainer_v4-style trainer: same results as stock, and undoable."""
 
 import copy
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -207,6 +208,63 @@ def test_unknown_config_key_is_an_error(monkeypatch):
     monkeypatch.delenv("QCA_LOWMEM", raising=False)
     with pytest.raises(ValueError, match=r"unknown keys \['chekpoint'\]"):
         qca_lowmem.enable_from_config(object(), {"LOWMEM": {"enabled": True, "chekpoint": "step"}})
+
+
+@pytest.mark.parametrize("spelling, expected", [
+    (True, True), (False, False), (1, True), (0, False), ("true", True), ("False", False), ("YES", True),
+    ("no", False), ("On", True), ("off", False), ("1", True), ("0", False), (" true ", True)])
+def test_enabled_takes_the_usual_boolean_spellings(monkeypatch, spelling, expected):
+    monkeypatch.delenv("QCA_LOWMEM", raising=False)
+    calls = _record_enable(monkeypatch)
+    assert qca_lowmem.enable_from_config(object(), {"LOWMEM": {"enabled": spelling}}) is expected
+    assert qca_lowmem.enable_from_config(object(), {"LOWMEM": spelling}) is expected  # the bare section
+    assert calls == [{}, {}] if expected else calls == []
+
+
+@pytest.mark.parametrize("value", ["maybe", "", 2, -1, 0.0, 1.5, None, [True], {"on": True}])
+def test_enabled_refuses_anything_else_by_name(monkeypatch, value):
+    monkeypatch.delenv("QCA_LOWMEM", raising=False)
+    calls = _record_enable(monkeypatch)
+    with pytest.raises(ValueError, match=r"LOWMEM\.enabled must be a boolean .*got " + re.escape(repr(value))):
+        qca_lowmem.enable_from_config(object(), {"LOWMEM": {"enabled": value}})
+    assert calls == []
+
+
+@pytest.mark.parametrize("section", ["maybe", 2, 1.0, [True]])
+def test_a_bare_section_must_be_a_boolean(monkeypatch, section):
+    monkeypatch.delenv("QCA_LOWMEM", raising=False)
+    with pytest.raises(ValueError, match=r"LOWMEM must be .*got " + re.escape(repr(section))):
+        qca_lowmem.enable_from_config(object(), {"LOWMEM": section})
+
+
+def test_boolean_options_in_the_section_are_parsed_by_name(monkeypatch):
+    monkeypatch.delenv("QCA_LOWMEM", raising=False)
+    calls = _record_enable(monkeypatch)
+    section = {"enabled": "yes", "fused_blocks": "off", "cuda_graph": "false"}
+    assert qca_lowmem.enable_from_config(object(), {"LOWMEM": section}) is True
+    assert calls == [{"fused_blocks": False, "cuda_graph": False}]
+    with pytest.raises(ValueError, match=r"LOWMEM\.cuda_graph must be a boolean .*got 'sometimes'"):
+        qca_lowmem.enable_from_config(object(), {"LOWMEM": {"enabled": True, "cuda_graph": "sometimes"}})
+
+
+@pytest.mark.parametrize("value, expected", [("TRUE", True), ("on", True), ("Off", False), ("no", False)])
+def test_environment_flag_spellings(monkeypatch, value, expected):
+    _record_enable(monkeypatch)
+    monkeypatch.setenv("QCA_LOWMEM", value)
+    assert qca_lowmem.enable_from_config(object(), {"LOWMEM": {"enabled": not expected}}) is expected
+    monkeypatch.setenv("QCA_LOWMEM", "2")
+    with pytest.raises(ValueError, match=r"QCA_LOWMEM must be a boolean .*got '2'"):
+        qca_lowmem.enable_from_config(object(), None)
+
+
+@pytest.mark.parametrize("flag", ["fused_blocks", "cuda_graph", "fused_step_ops", "lowmem_scaler"])
+@pytest.mark.parametrize("value", ["false", 0, None])
+def test_enable_refuses_a_non_bool_flag_by_name(flag, value):
+    trainer = make_trainer()
+    before = copy.copy(vars(trainer))
+    with pytest.raises(ValueError, match=rf"enable\(\): {flag} must be True or False, got {re.escape(repr(value))}"):
+        qca_lowmem.enable(trainer, **{flag: value})
+    assert vars(trainer) == before
 
 
 def test_noise_curriculum_runs_through_the_rollout():

@@ -3,6 +3,7 @@
 // in Python, in the module named like the family (python/qca_lowmem/qca_step.py, groupnorm_elu.py,
 // noise.py, scaler.py).
 #include <Python.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 // Importing qca_lowmem._C loads this library and so registers the operators; the module itself
@@ -57,4 +58,14 @@ TORCH_LIBRARY(qca_lowmem, m) {
       "amp_update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor found_inf, "
       "float growth_factor, float backoff_factor, int growth_interval) -> ()",
       pt2);
+}
+
+// Ops with no derivative of their own: differentiating their output raises "the derivative for
+// 'qca_lowmem::<op>' is not implemented" instead of torch's silent zero for ops without autograd.
+// Their forward ops build second-order graphs from torch ops (python/qca_lowmem/_double_backward.py).
+TORCH_LIBRARY_IMPL(qca_lowmem, Autograd, m) {
+  for (const char* op : {"qca_pack_backward", "qca_update_backward", "groupnorm_elu_apply",
+                         "groupnorm_elu_backward"}) {
+    m.impl(op, torch::autograd::autogradNotImplementedFallback());
+  }
 }

@@ -21,6 +21,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from ._double_backward import second_order_requested
 from ._recompute import keep_block_intermediates
 from ._step_graph import StepGraph
 
@@ -320,9 +321,12 @@ class _EpisodeFunction(torch.autograd.Function):
         return tuple(outputs)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_psi_T, *grad_history):
         plan: _Episode = ctx.plan
+        if second_order_requested():
+            # Each step's graph lives only while its reverse step runs: no graph can span them.
+            raise RuntimeError(f"rollout(checkpoint={plan.mode!r}): no second-order gradients (create_graph=True): "
+                               "this mode keeps no graph across steps; use checkpoint='none' (plain autograd)")
         states = dict(zip(plan.stored_steps, ctx.saved_tensors))
         params = plan.params
         for p, version in zip(params, plan.param_versions):

@@ -56,8 +56,9 @@ def autocast(device_type: str, amp_dtype: Optional[torch.dtype]):
 
 
 def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-    """The dtype autocast computes in on `device_type` right now; None when autocast is off."""
-    if torch.is_autocast_enabled(device_type):
+    """The dtype autocast computes in on `device_type` right now; None when autocast is off or
+    the device has none (meta)."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
 

@@ -14,10 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._checks import check_same_device
+from ._double_backward import reference_backward, second_order_requested
 from ._recompute import block_keeps_intermediates
 from .amp import autocast_dtype
 from . import stock
 from .groupnorm_elu import output_layout, stat_dtype
+from .groupnorm_elu import reference as groupnorm_elu_reference
 
 _lib = torch.ops.qca_lowmem
 
@@ -74,6 +77,9 @@ def conv_block_keep(
 
 def _block_fake(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias,
                 groups1, groups2, eps1, eps2):
+    for name, t in dict(conv1_weight=conv1_weight, norm1_weight=norm1_weight, norm1_bias=norm1_bias,
+                        conv2_weight=conv2_weight, norm2_weight=norm2_weight, norm2_bias=norm2_bias).items():
+        check_same_device(x, "x", t, name, "conv_block")
     torch._check(x.dim() == 4, lambda: f"conv_block: x must have 4 dimensions (N, C, H, W), got shape {tuple(x.shape)}")
     torch._check(conv1_weight.shape[1] == x.shape[1],
                  lambda: f"conv_block: conv1_weight expects {conv1_weight.shape[1]} input channels, x has {x.shape[1]}")
@@ -96,6 +102,18 @@ def _conv_block_fake(*args):
 @conv_block_keep.register_fake
 def _conv_block_keep_fake(*args):
     return _block_fake(*args)
+
+
+def _block_reference(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias,
+                     groups1, groups2, eps1, eps2):
+    """The block in torch ops, in the precision the custom ops compute it."""
+    a1 = groupnorm_elu_reference(_conv3x3(x, conv1_weight), norm1_weight, norm1_bias, groups1, eps1)
+    return groupnorm_elu_reference(_conv3x3(a1, conv2_weight), norm2_weight, norm2_bias, groups2, eps2)
+
+
+def _second_order_block_backward(ctx, grad_y, x, weights):
+    with torch.autocast(x.device.type, enabled=False):
+        return reference_backward(ctx, _block_reference, (x, *weights, *ctx.norm_settings), grad_y)
 
 
 def _block_backward(ctx, grad_y, x, h1, a1, h2, weights, stats):
@@ -125,10 +143,14 @@ def _conv_block_setup_context(ctx, inputs, output):
     _, mean1, rstd1, mean2, rstd2 = output
     ctx.save_for_backward(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight,
                           norm2_bias, mean1, rstd1, mean2, rstd2)
+    ctx.norm_settings = inputs[7:]
 
 
 def _conv_block_backward(ctx, grad_y, *_grad_stats):
     x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias, *stats = ctx.saved_tensors
+    weights = (conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias)
+    if second_order_requested():
+        return _second_order_block_backward(ctx, grad_y, x, weights)
     mean1, rstd1, mean2, rstd2 = stats
     # Recompute with the statistics of the forward: the same activations, one pass less.
     with torch.autocast(x.device.type, enabled=False):
@@ -136,7 +158,6 @@ def _conv_block_backward(ctx, grad_y, *_grad_stats):
         h1 = _conv3x3(x, conv1_weight).contiguous(memory_format=layout)
         a1 = _lib.groupnorm_elu_apply(h1, norm1_weight, norm1_bias, mean1, rstd1)
         h2 = _conv3x3(a1, conv2_weight).contiguous(memory_format=layout)
-    weights = (conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias)
     return _block_backward(ctx, grad_y, x, h1, a1, h2, weights, stats)
 
 
@@ -145,11 +166,14 @@ def _conv_block_keep_setup_context(ctx, inputs, output):
     _, h1, a1, h2, mean1, rstd1, mean2, rstd2 = output
     ctx.save_for_backward(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight,
                           norm2_bias, h1, a1, h2, mean1, rstd1, mean2, rstd2)
+    ctx.norm_settings = inputs[7:]
 
 
 def _conv_block_keep_backward(ctx, grad_y, *_grad_intermediates):
     saved = ctx.saved_tensors
     x, weights, (h1, a1, h2), stats = saved[0], saved[1:7], saved[7:10], saved[10:]
+    if second_order_requested():
+        return _second_order_block_backward(ctx, grad_y, x, weights)
     return _block_backward(ctx, grad_y, x, h1, a1, h2, weights, stats)
 
 

@@ -2,7 +2,11 @@
 of torch.ops.qca_lowmem.groupnorm_elu, groupnorm_elu_apply and groupnorm_elu_backward."""
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+from ._checks import check_same_device, describe
+from ._double_backward import reference_backward, second_order_requested
 
 _lib = torch.ops.qca_lowmem
 
@@ -33,7 +37,9 @@ def stat_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _check_gn_args(x, weight, bias, groups, op):
+def _check_gn_args(x, weight, bias, groups, op, **others):
+    for name, t in dict(weight=weight, bias=bias, **others).items():
+        check_same_device(x, "x", t, name, op)
     torch._check(x.dim() == 4, lambda: f"{op}: x must have 4 dimensions (N, C, H, W), got shape {tuple(x.shape)}")
     torch._check(x.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16),
                  lambda: f"{op}: x must be float32, float64, float16 or bfloat16, got {x.dtype}")
@@ -54,25 +60,37 @@ def _groupnorm_elu_fake(x, weight, bias, groups, eps=1e-5):
 
 @torch.library.register_fake("qca_lowmem::groupnorm_elu_apply")
 def _groupnorm_elu_apply_fake(x, weight, bias, mean, rstd):
-    _check_gn_args(x, weight, bias, mean.shape[1], "groupnorm_elu_apply")
+    _check_gn_args(x, weight, bias, mean.shape[1], "groupnorm_elu_apply", mean=mean, rstd=rstd)
     return torch.empty_like(x, memory_format=output_layout(x))
 
 
 @torch.library.register_fake("qca_lowmem::groupnorm_elu_backward")
 def _groupnorm_elu_backward_fake(grad_y, x, weight, bias, mean, rstd):
-    _check_gn_args(x, weight, bias, mean.shape[1], "groupnorm_elu_backward")
+    op = "groupnorm_elu_backward"
+    _check_gn_args(x, weight, bias, mean.shape[1], op, mean=mean, rstd=rstd, grad_y=grad_y)
+    torch._check(grad_y.shape == x.shape and grad_y.dtype == x.dtype,
+                 lambda: f"{op}: grad_y must have the shape and dtype of x ({describe(x)}), got {describe(grad_y)}")
     return torch.empty_like(x, memory_format=output_layout(x)), torch.empty_like(weight), torch.empty_like(bias)
+
+
+def reference(x: Tensor, weight: Tensor, bias: Tensor, groups: int, eps: float) -> Tensor:
+    """groupnorm_elu in torch ops (the kernels' precision: statistics dtype, output in x's)."""
+    stat = stat_dtype(x)
+    return F.elu(F.group_norm(x.to(stat), groups, weight.to(stat), bias.to(stat), eps)).to(x.dtype)
 
 
 def _groupnorm_elu_setup_context(ctx, inputs, output):
     x, weight, bias, groups, eps = inputs
     _, mean, rstd = output
     ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.groups, ctx.eps = groups, eps
     ctx.mark_non_differentiable(mean, rstd)
 
 
 def _groupnorm_elu_backward(ctx, grad_y, grad_mean, grad_rstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
+    if second_order_requested():
+        return reference_backward(ctx, reference, (x, weight, bias, ctx.groups, ctx.eps), grad_y)
     grad_x, grad_weight, grad_bias = _lib.groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd)
     return (
         grad_x if ctx.needs_input_grad[0] else None,

@@ -218,6 +218,10 @@ def enable(
       trainer.grid_size or motor.cfg.GRID_SIZE_TRAINING. `initial_state(trainer) -> psi0`
       overrides both for trainers that draw psi0 differently.
     """
+    flags = dict(fused_blocks=fused_blocks, cuda_graph=cuda_graph, fused_step_ops=fused_step_ops,
+                 lowmem_scaler=lowmem_scaler)
+    for name, value in flags.items():
+        _checked_flag(value, name)
     _check_contract(trainer)
     if hasattr(trainer, _STATE_ATTR):
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
@@ -258,7 +262,7 @@ def _episode_options(trainer, *, checkpoint, slots, amp_dtype, grid_size, batch_
     return dict(
         checkpoint=checkpoint, slots=slots, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
         d_state=d_state or _infer_d_state(trainer, trainer.motor.operator), initial_state=initial_state,
-        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, cuda_graph=_checked_flag(cuda_graph, "cuda_graph"),
+        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, cuda_graph=cuda_graph,
     )
 
 
@@ -359,33 +363,54 @@ def _get(section, key, default):
 # The LOWMEM section's settings (enable()'s keyword arguments); the trainer's config shares them.
 LOWMEM_OPTIONS = ("checkpoint", "amp_dtype", "fused_blocks", "slots", "cuda_graph")
 _CONFIG_KEYS = ("enabled", *LOWMEM_OPTIONS)
+_FLAG_OPTIONS = ("fused_blocks", "cuda_graph")
+_TRUE_SPELLINGS = ("1", "true", "yes", "on")
+_FALSE_SPELLINGS = ("0", "false", "no", "off")
+
+
+def parse_flag(value, name: str) -> bool:
+    """A boolean setting as YAML or the environment may spell it: a bool, 0/1, or (any case)
+    true/false, yes/no, on/off, 1/0. Anything else is refused, naming the setting."""
+    if isinstance(value, bool):
+        return value
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        flag = value.strip().lower()
+        if flag in _TRUE_SPELLINGS:
+            return True
+        if flag in _FALSE_SPELLINGS:
+            return False
+    raise ValueError(f"{name} must be a boolean (true/false, yes/no, on/off or 1/0), got {value!r}")
 
 
 def _env_enabled() -> Optional[bool]:
     value = os.environ.get(_ENV_FLAG)
     if value is None or value.strip() == "":
         return None
-    flag = value.strip().lower()
-    if flag in ("1", "true", "yes", "on"):
-        return True
-    if flag in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{_ENV_FLAG} must be 1/0 (or true/false), got {value!r}")
+    return parse_flag(value, _ENV_FLAG)
 
 
 def enable_from_config(trainer, cfg=None, **overrides):
     """enable(trainer, ...) as the config's `LOWMEM` section (dict or attributes) says.
 
     `LOWMEM: {enabled: true, checkpoint: step, amp_dtype: bf16, fused_blocks: true, slots: null}`.
-    `QCA_LOWMEM=1` in the environment switches it on (with the section's other settings, or the
-    defaults) and `QCA_LOWMEM=0` off, whatever the config says. Returns True when enabled.
+    `LOWMEM: true` alone means enabled with the defaults. Boolean settings take the spellings of
+    `parse_flag`. `QCA_LOWMEM=1` in the environment switches it on (with the section's other
+    settings, or the defaults) and `QCA_LOWMEM=0` off, whatever the config says. Returns True
+    when enabled.
     """
     section = _section(cfg, "LOWMEM")
-    if isinstance(section, dict):
-        unknown = sorted(set(section) - set(_CONFIG_KEYS))
-        if unknown:
-            raise ValueError(f"LOWMEM section: unknown keys {unknown}; known keys are {list(_CONFIG_KEYS)}")
-    enabled = bool(_get(section, "enabled", False)) if section is not None else False
+    if isinstance(section, (bool, int, str)):
+        enabled, section = parse_flag(section, "LOWMEM"), None
+    elif isinstance(section, (list, tuple, float)):
+        raise ValueError(f"LOWMEM must be a mapping of settings or a boolean, got {section!r}")
+    else:
+        if isinstance(section, dict):
+            unknown = sorted(set(section) - set(_CONFIG_KEYS))
+            if unknown:
+                raise ValueError(f"LOWMEM section: unknown keys {unknown}; known keys are {list(_CONFIG_KEYS)}")
+        enabled = parse_flag(_get(section, "enabled", False), "LOWMEM.enabled") if section is not None else False
     env = _env_enabled()
     if env is not None:
         enabled = env
@@ -396,7 +421,7 @@ def enable_from_config(trainer, cfg=None, **overrides):
         for key in LOWMEM_OPTIONS:
             value = _get(section, key, None)
             if value is not None:
-                options[key] = value
+                options[key] = parse_flag(value, f"LOWMEM.{key}") if key in _FLAG_OPTIONS else value
     options.update(overrides)
     enable(trainer, **options)
     return True

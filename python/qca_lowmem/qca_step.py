@@ -5,6 +5,10 @@ from typing import Callable, Optional
 
 import torch
 
+from . import stock
+from ._checks import check_same_device, describe
+from ._double_backward import reference_backward, second_order_requested
+
 _lib = torch.ops.qca_lowmem
 
 
@@ -63,17 +67,40 @@ def _pack_backward_fake(grad_x, psi_dtype):
     return grad_x.new_empty((b, h, w, c // 2), dtype=psi_dtype)
 
 
+def _check_update_args(psi, delta, op):
+    """The glue's checks and messages (glue.h check_state, qca_step.cpp update_params), so meta
+    refuses what the kernels refuse."""
+    torch._check(psi.is_complex(),
+                 lambda: f"{op}: psi must be complex64 or complex128 with shape (B, H, W, d), got {describe(psi)}")
+    torch._check(psi.dim() == 4, lambda: f"{op}: psi must have 4 dimensions (B, H, W, d), got {describe(psi)}")
+    torch._check(psi.shape[3] >= 1, lambda: f"{op}: psi's last dimension d must be at least 1, got {describe(psi)}")
+    check_same_device(psi, "psi", delta, "delta", op)
+    b, h, w, d = psi.shape
+    torch._check(delta.dim() == 4 and tuple(delta.shape) == (b, 2 * d, h, w),
+                 lambda: f"{op}: delta must have shape (B, 2d, H, W) = {(b, 2 * d, h, w)} for psi {tuple(psi.shape)}, "
+                         f"got {describe(delta)}")
+    if psi.dtype == torch.complex64:
+        torch._check(delta.dtype in (torch.float32, torch.float16, torch.bfloat16),
+                     lambda: f"{op}: delta must be float32, float16 or bfloat16 for a complex64 psi, got {describe(delta)}")
+    else:
+        torch._check(delta.dtype == torch.float64,
+                     lambda: f"{op}: delta must be float64 for a complex128 psi, got {describe(delta)}")
+
+
 @torch.library.register_fake("qca_lowmem::qca_update")
 def _update_fake(psi, delta, gamma=0.0, multiplicative=True, eps=1e-9):
-    torch._check(psi.dim() == 4 and delta.dim() == 4,
-                 lambda: f"qca_update: psi (B, H, W, d) and delta (B, 2d, H, W) must have 4 dimensions, got psi "
-                         f"{tuple(psi.shape)} and delta {tuple(delta.shape)}")
-    torch._check(delta.shape[1] == 2 * psi.shape[3], lambda: f"qca_update: delta must have 2*d channels, got delta {tuple(delta.shape)} for psi {tuple(psi.shape)}")
+    _check_update_args(psi, delta, "qca_update")
     return torch.empty_like(psi, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("qca_lowmem::qca_update_backward")
 def _update_backward_fake(grad_out, psi, delta, gamma, multiplicative, eps):
+    op = "qca_update_backward"
+    _check_update_args(psi, delta, op)
+    torch._check(grad_out.dtype == psi.dtype and grad_out.shape == psi.shape,
+                 lambda: f"{op}: grad_out must match psi ({describe(psi)}), got {describe(grad_out)}")
+    check_same_device(psi, "psi", grad_out, "grad_out", op)
+    check_same_device(psi, "psi", grad_out, "grad_out", "qca_update_backward")
     return (
         torch.empty_like(psi, memory_format=torch.contiguous_format),
         torch.empty_like(delta, memory_format=torch.contiguous_format),
@@ -86,6 +113,11 @@ def _pack_setup_context(ctx, inputs, output):
 
 
 def _pack_backward(ctx, grad_x):
+    if second_order_requested():
+        # The same linear map in torch ops, so the gradient stays differentiable in grad_x.
+        grad = grad_x.to(_real_dtype_of(ctx.psi_dtype))
+        d = grad.shape[1] // 2
+        return torch.complex(grad[:, :d], grad[:, d:]).permute(0, 2, 3, 1), None, None
     return _lib.qca_pack_backward(grad_x, ctx.psi_dtype), None, None
 
 
@@ -97,6 +129,8 @@ def _update_setup_context(ctx, inputs, output):
 
 def _update_backward(ctx, grad_out):
     psi, delta = ctx.saved_tensors
+    if second_order_requested():
+        return reference_backward(ctx, stock.update, (psi, delta, ctx.gamma, ctx.multiplicative, ctx.eps), grad_out)
     grad_psi, grad_delta = _lib.qca_update_backward(grad_out, psi, delta, ctx.gamma, ctx.multiplicative, ctx.eps)
     return (
         grad_psi if ctx.needs_input_grad[0] else None,

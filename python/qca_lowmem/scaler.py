@@ -6,21 +6,35 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import check_one_device, check_same_device
+
 _lib = torch.ops.qca_lowmem
+
+
+def _check_list_devices(tensors, list_name, scalars, op):
+    """The scaler glue's device rule: the list on one device, the scalars on the list's."""
+    check_one_device(tensors, list_name, op)
+    ref_name, ref = ("the first tensor of the list", tensors[0]) if tensors else scalars[0]
+    for name, t in scalars:
+        check_same_device(ref, ref_name, t, name, op)
 
 
 @torch.library.register_fake("qca_lowmem::amp_unscale_")
 def _unscale_fake(grads, found_inf, inv_scale, compute_sumsq=False):
+    _check_list_devices(grads, "grads", [("inv_scale", inv_scale), ("found_inf", found_inf)], "amp_unscale_")
     return inv_scale.new_empty((len(grads) if compute_sumsq else 0,), dtype=torch.float64)
 
 
 @torch.library.register_fake("qca_lowmem::amp_mul_")
 def _mul_fake(tensors, factor):
+    _check_list_devices(tensors, "tensors", [("factor", factor)], "amp_mul_")
     return None
 
 
 @torch.library.register_fake("qca_lowmem::amp_update_scale_")
 def _update_scale_fake(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval):
+    for name, t in (("growth_tracker", growth_tracker), ("found_inf", found_inf)):
+        check_same_device(scale, "scale", t, name, "amp_update_scale_")
     return None
 
 

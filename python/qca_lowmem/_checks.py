@@ -1,0 +1,34 @@
+"""Argument checks the fake kernels share with the C glue (csrc/ops/glue.h), with its messages.
+
+A CPU or CUDA tensor mixed with a meta tensor dispatches to the Meta kernel, which is the fake
+kernel: without these checks it would hand back uninitialised memory on the other device.
+"""
+
+import torch
+
+# ATen's ScalarType names, as the C glue's `describe` prints them.
+_SCALAR_TYPE_NAMES = {
+    torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+    torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble", torch.int32: "Int",
+    torch.int64: "Long", torch.bool: "Bool",
+}
+
+
+def describe(t: torch.Tensor) -> str:
+    """What was received, as glue.h's describe(): dtype, shape, device, strides."""
+    dtype = _SCALAR_TYPE_NAMES.get(t.dtype, str(t.dtype))
+    strides = list(t.stride()) if t.layout == torch.strided else "n/a"
+    return f"Tensor(dtype={dtype}, shape={list(t.shape)}, device={t.device}, strides={strides})"
+
+
+def check_same_device(ref: torch.Tensor, ref_name: str, t: torch.Tensor, name: str, op: str) -> None:
+    torch._check(t.device == ref.device,
+                 lambda: f"{op}: {name} must be on the same device as {ref_name} ({ref.device}), got {describe(t)}")
+
+
+def check_one_device(tensors, list_name: str, op: str) -> None:
+    """Every tensor of a list on the device of its first, as the scaler's glue checks."""
+    for i, t in enumerate(tensors):
+        torch._check(t.device == tensors[0].device,
+                     lambda: f"{op}: every tensor of {list_name} must be on one device ({tensors[0].device}, "
+                             f"from {list_name}[0]); {list_name}[{i}] is {describe(t)}")
