@@ -97,7 +97,7 @@ def test_resume_refuses_a_different_model(tiny_config, tmp_path, capsys):
     out = tmp_path / "run"
     assert run_cli("train", "--config", tiny_config, "--out", out, "--episodes", 1, "--no-progress") == 0
     assert run_cli("train", "--config", tiny_config, "--out", out, "--hidden", 16, "--resume", "--no-progress") == 2
-    assert "the checkpoint has hidden=8 but this run has hidden=16" in capsys.readouterr().err
+    assert "a resume cannot change hidden (checkpoint 8, now 16)" in capsys.readouterr().err
 
 
 def _inject_oom(monkeypatch, when):
@@ -283,7 +283,7 @@ def test_bad_config_is_a_clear_error(tmp_path, capsys):
     assert run_cli("train", "--grid", 10) == 2
     assert "multiple of 4" in capsys.readouterr().err
     assert run_cli("train", "--max-noise", -0.1) == 2
-    assert "max_noise must be a probability in [0, 1], got -0.1" in capsys.readouterr().err
+    assert "--max-noise must be a probability in [0, 1], got -0.1" in capsys.readouterr().err
     assert run_cli("plan", "--gpu-mem", "lots") == 2
     assert "3.68GiB" in capsys.readouterr().err
     path.write_text(yaml.safe_dump({"lowmem": {"cuda_graph": "yes"}}))

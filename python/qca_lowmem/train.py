@@ -492,8 +492,9 @@ class Trainer:
                                 callback(record)
                         if config.save_every and (self.next_episode // config.save_every) > (first // config.save_every):
                             self.save_checkpoint()
-                with train_state.interrupts_deferred():
-                    self.save_checkpoint()
+                if self.saved_episode != self.next_episode:
+                    with train_state.interrupts_deferred():
+                        self.save_checkpoint()
             except KeyboardInterrupt:
                 raise self._interrupted() from None
         return results

@@ -207,8 +207,8 @@ def check_resumable(state: dict, path, config, episodes_per_step: int):
         changed.append(f"episodes, which sets the cosine schedule (checkpoint {saved['episodes']}, "
                        f"now {config.episodes})")
     if changed:
-        raise UsageError(f"--resume {path}: a resume cannot change {'; '.join(changed)}: the run would not "
-                         f"continue the same run (start a new one in another --out); it can change "
+        raise UsageError(f"--resume {path}: a resume cannot change {'; '.join(changed)}: they change what the "
+                         f"run computes (start a new run in another --out); it can change "
                          f"{', '.join(RESUME_MAY_CHANGE)}")
 
 
