@@ -181,3 +181,111 @@ def test_ctrl_c_saves_and_exits_130(tmp_path):
     assert f"interrupted at episode {episode}; progress up to episode {episode} is in" in stderr
     rows = (out / "metrics.csv").read_text().splitlines()[1:]
     assert len(rows) == episode  # the checkpoint holds every episode metrics.csv reports
+
+
+def read_rows(path):
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_resume_honours_a_new_recompute_policy(tmp_path, capsys):
+    """--checkpoint changes memory, not results: a resume takes it, and continues the same run."""
+    config = write_config(tmp_path / "tiny.yaml", {**TINY, "training": {**TINY["training"], "episodes": 3}})
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert cli.main(["train", "--config", config, "--out", str(full), "--no-progress"]) == 0
+    assert cli.main(["train", "--config", config, "--out", str(split), "--episodes", "1", "--no-progress"]) == 0
+    for policy in (["--checkpoint", "none"], ["--slots", "2"]):
+        assert cli.main(["train", "--config", config, "--out", str(split), "--resume", "--no-progress",
+                         "--episodes", str(1 + len(read_rows(split / "metrics.csv"))), *policy]) == 0
+    rows = read_rows(split / "metrics.csv")
+    assert [r["policy"] for r in rows] == ["checkpoint=step batch=1", "checkpoint=none batch=1",
+                                           "checkpoint=revolve slots=2 batch=1"]
+    assert [float(r["loss"]) for r in rows] == pytest.approx([float(r["loss"]) for r in read_rows(full / "metrics.csv")],
+                                                             rel=1e-6)
+
+
+def test_a_failure_while_training_is_one_line_with_status_1(run_dir, monkeypatch, capsys):
+    from qca_lowmem import train as train_mod
+
+    def forward_episode(self, episode, policy):
+        raise RuntimeError("injected failure\nwith a second line")
+
+    monkeypatch.setattr(train_mod.Trainer, "forward_episode", forward_episode)
+    before = (run_dir / CHECKPOINT_NAME).read_bytes()
+    capsys.readouterr()
+    status = cli.main(["train", "--config", str(run_dir.parent / "tiny.yaml"), "--out", str(run_dir), "--resume",
+                       "--episodes", "4", "--no-progress"])
+    err = capsys.readouterr().err
+    assert status == 1 and err.count("\n") == 1
+    assert "failed: RuntimeError: injected failure with a second line" in err
+    assert (run_dir / CHECKPOINT_NAME).read_bytes() == before
+
+
+def _fuzz_strategies():
+    """(YAML documents, argument lists): mostly well-formed, so that most examples get past the
+    parsers to the checks behind them."""
+    from hypothesis import strategies as st
+
+    from qca_lowmem.train import _FIELDS, _SECTIONS
+
+    fields = sorted(_FIELDS)
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-8, 64), st.floats(),
+                        st.text(max_size=8), st.sampled_from(["step", "revolve", "none", "cpu", "cuda", "tpu", "bf16",
+                                                              "cosine", "1e-4", "5", "auto", "cuda:3"]))
+    keys = st.one_of(st.sampled_from(fields + list(_SECTIONS)), st.text(max_size=6), st.integers(), st.none())
+    trees = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                          st.dictionaries(keys, inner, max_size=5)), max_leaves=12)
+    sections = st.dictionaries(st.sampled_from(fields + list(_SECTIONS)),
+                               st.one_of(scalars, st.dictionaries(st.sampled_from(fields + ["enabled"]), scalars,
+                                                                  max_size=4)), max_size=5)
+    documents = st.one_of(sections.map(yaml.safe_dump), trees.map(lambda tree: yaml.safe_dump(tree, allow_unicode=True)),
+                          st.text(max_size=40))
+    train = cli.build_parser()._subparsers._group_actions[0].choices["train"]
+    flags = sorted(option for action in train._actions for option in action.option_strings
+                   if option not in ("-h", "--help"))
+    values = st.one_of(st.integers(1, 64).map(str), st.integers(-3, 10**6).map(str), st.floats().map(str),
+                       st.text(max_size=6),
+                       st.sampled_from(["cuda", "tpu", "revolve", "none", "bf16", "-1", "0", ".", "default", "4"]))
+    pairs = st.tuples(st.sampled_from(flags), values).map(list)
+    arguments = st.lists(st.one_of(pairs, pairs, st.sampled_from(flags).map(lambda flag: [flag]), values.map(
+        lambda value: [value])), max_size=5).map(lambda groups: [token for group in groups for token in group])
+    return documents, arguments
+
+
+def test_fuzz_config_and_arguments_give_a_config_or_one_line(tmp_path_factory):
+    """Random YAML documents, and random argument lists on a valid config, through `train --check`:
+    a valid run, or one line and status 2 (3: far over this machine's memory); never a traceback."""
+    import contextlib
+    import io
+
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    documents, arguments = _fuzz_strategies()
+    folder = tmp_path_factory.mktemp("fuzz")
+
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(document=documents, argv=arguments, fuzz_arguments=st.booleans())
+    def check(document, argv, fuzz_arguments):
+        config = folder / "fuzz.yaml"
+        if fuzz_arguments:
+            write_config(config)
+        else:
+            config.write_text(document)
+            argv = []
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = cli.main(["train", "--check", "--config", str(config), "--out", str(folder / "run"),
+                                   *argv])
+            except SystemExit as stop:  # argparse: --help, or a bad argument
+                status = stop.code
+        lines = err.getvalue().splitlines()
+        assert "Traceback" not in err.getvalue()
+        assert status in (0, 2, 3), (status, err.getvalue())
+        assert len(lines) == (0 if status == 0 else 1), err.getvalue()
+        if status == 0 and "--help" not in argv and "-h" not in argv:
+            assert out.getvalue().startswith("qca-lowmem train: ok:")
+
+    check()

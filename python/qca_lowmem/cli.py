@@ -45,7 +45,13 @@ class _Parser(argparse.ArgumentParser):
     """argparse with its error as one line (the usage is in --help)."""
 
     def error(self, message):
-        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+        self.exit(EXIT_USAGE, one_line(f"{self.prog}: {message} (see {self.prog} --help)") + "\n")
+
+
+def one_line(text: str) -> str:
+    """`text` as one printable line: whitespace runs collapsed, other unprintables escaped (an
+    argument or a file's contents may hold anything)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(str(text).split()))
 
 
 def _flag(name: str) -> str:
@@ -108,7 +114,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         status, text = _failure(args.command, error)
         if status == EXIT_FAILED and os.environ.get("QCA_LOWMEM_TRACEBACK"):
             raise
-        print(text, file=sys.stderr, flush=True)
+        print(one_line(text), file=sys.stderr, flush=True)
         return status
 
 
@@ -122,8 +128,8 @@ def _failure(command: str, error: BaseException):
     if isinstance(error, KeyboardInterrupt):
         return EXIT_INTERRUPTED, f"qca-lowmem {command}: {error if isinstance(error, Interrupted) else 'interrupted'}"
     if isinstance(error, OutOfMemoryStop):
-        return EXIT_OOM, " ".join(str(error).split())
-    reason = " ".join(str(error).split())
+        return EXIT_OOM, str(error)
+    reason = str(error)
     # The train command checks before its first episode: a ValueError later is a failure, not bad input.
     if isinstance(error, UsageError) or (command != "train" and isinstance(error, ValueError)):
         return EXIT_USAGE, f"qca-lowmem {command}: {reason}"

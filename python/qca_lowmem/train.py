@@ -114,8 +114,8 @@ class TrainConfig:
             raise UsageError(str(error)) from None
         try:
             parse_amp_dtype(self.amp_dtype)
-        except ValueError as error:
-            raise UsageError(f"{label('amp_dtype')}: {error}") from None
+        except ValueError:
+            refuse("amp_dtype", "fp32, bf16, fp16 or null")
         return self
 
 
