@@ -289,3 +289,20 @@ def test_fuzz_config_and_arguments_give_a_config_or_one_line(tmp_path_factory):
             assert out.getvalue().startswith("qca-lowmem train: ok:")
 
     check()
+
+
+@pytest.mark.parametrize("training, flags, refused", [
+    ({}, ["--accumulate", "2"], "episodes per optimizer step, accumulate x processes (checkpoint 1, now 2)"),
+    ({"scheduler": "cosine"}, ["--episodes", "3"], "episodes, which sets the cosine schedule (checkpoint 2, now 3)"),
+    ({}, ["--amp-dtype", "bf16"], "amp_dtype (checkpoint None, now 'bf16')"),
+])
+def test_resume_refuses_what_changes_the_results(tmp_path, capsys, training, flags, refused):
+    config = write_config(tmp_path / "tiny.yaml", {**TINY, "training": {**TINY["training"], **training}})
+    out = tmp_path / "run"
+    assert cli.main(["train", "--config", config, "--out", str(out), "--stop-after", "1", "--no-progress"]) == 0
+    before = (out / CHECKPOINT_NAME).read_bytes()
+    capsys.readouterr()
+    assert cli.main(["train", "--config", config, "--out", str(out), "--resume", "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a resume cannot change" in err and refused in err, err
+    assert (out / CHECKPOINT_NAME).read_bytes() == before

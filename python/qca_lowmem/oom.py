@@ -1,6 +1,7 @@
-"""The reference trainer's answer to CUDA running out of memory: retry the episode with the next
-lower-memory policy (revolve, then fewer slots, then half the batch); when none is left, save
-progress and stop with advice (exit status EXIT_OOM from the CLI)."""
+"""The reference trainer's answer to running out of memory (CUDA, or the CPU allocator): retry
+the episode with the next lower-memory policy (revolve, then fewer slots, then half the batch);
+when none is left, save progress and stop with advice (exit status EXIT_OOM from the CLI). And
+before a CPU run, the refusal of a config that cannot fit at all."""
 
 import gc
 from dataclasses import dataclass

@@ -521,7 +521,8 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C stopped training; the message says where the progress is."""
 
 
-def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = True, rank: int = 0):
+def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = True, rank: int = 0,
+              world_size: int = 1):
     """Everything that can be refused before the first episode (UsageError, or OutOfMemoryStop for
     a config far over this machine's memory): the device, the output folder (made and stale
     temporaries removed when `create`), the checkpoint to resume from and whether it is of the
@@ -536,7 +537,7 @@ def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = 
         train_state.check_out_dir(config.out_dir, create)
     state = train_state.read_checkpoint(resume) if resume else None
     if state is not None:
-        train_state.check_resumable(state, resume, config, config.accumulate * state["world_size"])
+        train_state.check_resumable(state, resume, config, config.accumulate * world_size)
     elif device.type == "cpu":  # (a resumed run has fit already)
         oom.check_cpu_memory(config, _parameter_count(config))
     return state
@@ -562,7 +563,7 @@ def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, 
         torch.set_num_threads(config.threads)
     distributed = Distributed(ddp, config.device)
     try:
-        state = check_run(config, resume, rank=distributed.rank)
+        state = check_run(config, resume, rank=distributed.rank, world_size=distributed.world_size)
         if state is not None and state["episode"] >= config.episodes:
             message(f"{resume} is at episode {state['episode']}, --episodes is {config.episodes}: nothing to do",
                     distributed.rank)

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import shutil
 import signal
 import tempfile
 import threading
@@ -48,7 +49,10 @@ def atomic_save(obj, path, keep_previous: bool = False):
             # A hard link, renamed into place: both names are valid files at every moment.
             link = _temporary_path(previous_path(path), os.getpid())
             link.unlink(missing_ok=True)
-            os.link(path, link)
+            try:
+                os.link(path, link)
+            except OSError:  # a filesystem without hard links
+                shutil.copyfile(path, link)
             os.replace(link, previous_path(path))
         os.replace(tmp, path)
     except BaseException:
