@@ -245,7 +245,7 @@ def _fuzz_strategies():
     train = cli.build_parser()._subparsers._group_actions[0].choices["train"]
     flags = sorted(option for action in train._actions for option in action.option_strings
                    if option not in ("-h", "--help"))
-    values = st.one_of(st.integers(1, 64).map(str), st.integers(-3, 10**6).map(str), st.floats().map(str),
+    values = st.one_of(st.integers(1, 64).map(str), st.integers().map(str), st.floats().map(str),
                        st.text(max_size=6),
                        st.sampled_from(["cuda", "tpu", "revolve", "none", "bf16", "-1", "0", ".", "default", "4"]))
     pairs = st.tuples(st.sampled_from(flags), values).map(list)

@@ -121,7 +121,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _failure(command: str, error: BaseException):
     """(exit status, one line) for an exception that ended `command`."""
     from .oom import EXIT_OOM, OutOfMemoryStop
-    from .train import Interrupted, UsageError
+    from .train import Interrupted, UsageError, error_text
 
     if isinstance(error, SystemExit):
         raise error
@@ -129,7 +129,7 @@ def _failure(command: str, error: BaseException):
         return EXIT_INTERRUPTED, f"qca-lowmem {command}: {error if isinstance(error, Interrupted) else 'interrupted'}"
     if isinstance(error, OutOfMemoryStop):
         return EXIT_OOM, str(error)
-    reason = str(error)
+    reason = error_text(error)
     # The train command checks before its first episode: a ValueError later is a failure, not bad input.
     if isinstance(error, UsageError) or (command != "train" and isinstance(error, ValueError)):
         return EXIT_USAGE, f"qca-lowmem {command}: {reason}"

@@ -124,6 +124,11 @@ class UsageError(ValueError):
     CLI exits with status 2."""
 
 
+def error_text(error: BaseException) -> str:
+    """An exception's message on one line, without the C++ stack torch appends to some."""
+    return " ".join(str(error).split("Exception raised from ")[0].split()) or type(error).__name__
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -164,6 +169,8 @@ def config_from_dict(data: dict, base: Optional[TrainConfig] = None, where: str 
     values = dataclasses.asdict(base or TrainConfig())
     for key, value in data.items():
         section = key.lower() if isinstance(key, str) else key
+        if section in _SECTIONS and value is None:
+            continue  # a section with nothing but comments under it
         if section in _SECTIONS:
             if not isinstance(value, dict):
                 raise UsageError(f"{where}: section {key!r} must be a mapping of {list(_SECTIONS[section])}, "
@@ -187,7 +194,10 @@ def config_from_dict(data: dict, base: Optional[TrainConfig] = None, where: str 
 def _as_float(value):
     """Integers as floats, and numeric strings: YAML 1.1 reads `1e-4` (no dot) as a string."""
     if _is_int(value):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            return math.inf  # refused as not finite
     if isinstance(value, str):
         try:
             return float(value)
@@ -536,10 +546,11 @@ def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = 
     if rank == 0:
         train_state.check_out_dir(config.out_dir, create)
     state = train_state.read_checkpoint(resume) if resume else None
+    parameters = _parameter_count(config)
     if state is not None:
         train_state.check_resumable(state, resume, config, config.accumulate * world_size)
     elif device.type == "cpu":  # (a resumed run has fit already)
-        oom.check_cpu_memory(config, _parameter_count(config))
+        oom.check_cpu_memory(config, parameters)
     return state
 
 
@@ -547,9 +558,9 @@ def _parameter_count(config: TrainConfig) -> int:
     try:
         with torch.device("meta"):
             model = UNetUnitary(config.d_state, config.hidden)
-    except (RuntimeError, OverflowError, MemoryError) as error:
+    except (RuntimeError, TypeError, OverflowError, MemoryError) as error:
         raise UsageError(f"config: a model with d_state {config.d_state}, hidden {config.hidden} cannot be "
-                         f"built: {' '.join(str(error).split())}") from None
+                         f"built: {error_text(error)}") from None
     return sum(p.numel() for p in model.parameters())
 
 

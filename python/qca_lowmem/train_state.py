@@ -165,7 +165,7 @@ def state_of(trainer) -> dict:
 def read_checkpoint(path) -> dict:
     """The checkpoint at `path`; a UsageError saying what is wrong with it, and whether the
     previous one can be used instead."""
-    from .train import UsageError
+    from .train import UsageError, error_text
 
     path = Path(path)
     if path.is_dir():
@@ -176,8 +176,8 @@ def read_checkpoint(path) -> dict:
         # On the CPU: RNG states must stay CPU tensors; load_state_dict moves the rest to the device.
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:  # torch.load raises whatever the damaged bytes lead its unpickler to
-        reason = " ".join(str(error).split()) or type(error).__name__
-        raise UsageError(f"checkpoint {path} is unreadable (truncated?): {reason}; {_fallback(path)}") from None
+        raise UsageError(f"checkpoint {path} is unreadable (truncated?): {error_text(error)}; "
+                         f"{_fallback(path)}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise UsageError(f"--resume {path}: not a qca-lowmem train checkpoint (format {found!r})")
