@@ -110,7 +110,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except BaseException as error:  # one line for every way out but success
+    except SystemExit:
+        raise
+    except BaseException as error:  # one line for every other way out but success
         status, text = _failure(args.command, error)
         if status == EXIT_FAILED and os.environ.get("QCA_LOWMEM_TRACEBACK"):
             raise
@@ -123,8 +125,6 @@ def _failure(command: str, error: BaseException):
     from .oom import EXIT_OOM, OutOfMemoryStop
     from .train import Interrupted, UsageError, error_text
 
-    if isinstance(error, SystemExit):
-        raise error
     if isinstance(error, KeyboardInterrupt):
         return EXIT_INTERRUPTED, f"qca-lowmem {command}: {error if isinstance(error, Interrupted) else 'interrupted'}"
     if isinstance(error, OutOfMemoryStop):

@@ -61,17 +61,19 @@ def atomic_save(obj, path, keep_previous: bool = False):
 
 
 def remove_stale_temporaries(folder: Path):
-    """Temporary files of saves killed mid-way (their process is gone)."""
-    for tmp in folder.glob(".*.tmp-*"):
-        pid = tmp.name.rsplit("-", 1)[1]
-        if pid.isdigit() and not _process_alive(int(pid)):
-            tmp.unlink(missing_ok=True)
+    """Temporary files of checkpoint saves killed mid-way (their process is gone)."""
+    checkpoint = folder / CHECKPOINT_NAME
+    for name in (checkpoint, previous_path(checkpoint)):
+        for tmp in folder.glob(_temporary_path(name, 0).name[:-1] + "*"):
+            pid = tmp.name.rsplit("-", 1)[1]
+            if pid.isdigit() and not _process_alive(int(pid)):
+                tmp.unlink(missing_ok=True)
 
 
 def _process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # (OverflowError: no pid is that large)
         return False
     except PermissionError:
         return True  # another user's process
