@@ -1,6 +1,7 @@
 """Every bad input to `qca-lowmem train` through the real command: one line on stderr naming
 what is wrong, the documented exit status, no traceback, and the previous checkpoint untouched."""
 
+import csv
 import os
 import shutil
 import signal
@@ -184,8 +185,6 @@ def test_ctrl_c_saves_and_exits_130(tmp_path):
 
 
 def read_rows(path):
-    import csv
-
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
 
