@@ -97,10 +97,18 @@ def test_resume_refuses_a_different_model(tiny_config, tmp_path, capsys):
     out = tmp_path / "run"
     assert run_cli("train", "--config", tiny_config, "--out", out, "--episodes", 1, "--no-progress") == 0
     assert run_cli("train", "--config", tiny_config, "--out", out, "--hidden", 16, "--resume", "--no-progress") == 2
-    assert "the checkpoint has hidden=8 but this run has hidden=16" in capsys.readouterr().err
+    assert "a resume cannot change hidden (checkpoint 8, now 16)" in capsys.readouterr().err
 
 
-def _inject_oom(monkeypatch, when):
+# What CUDA raises, and what the CPU allocator raises (a plain RuntimeError).
+OUT_OF_MEMORY = {
+    "cuda": lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (injected)"),
+    "cpu": lambda: RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                                "memory: you tried to allocate 140737488355328 bytes. Error code 12 (injected)"),
+}
+
+
+def _inject_oom(monkeypatch, when, kind="cuda"):
     original = train_mod.Trainer.forward_episode
     calls = []
 
@@ -108,7 +116,7 @@ def _inject_oom(monkeypatch, when):
         if (episode, policy.describe()) not in calls:  # the CPU memory measure runs a forward too
             calls.append((episode, policy.describe()))
         if when(episode, policy):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (injected)")
+            raise OUT_OF_MEMORY[kind]()
         return original(self, episode, policy)
 
     monkeypatch.setattr(train_mod.Trainer, "forward_episode", forward_episode)
@@ -132,8 +140,9 @@ def test_oom_guard_lowers_the_policy_and_continues(tiny_config, tmp_path, monkey
     assert torch.load(out / "checkpoint.pt", weights_only=False)["policy"]["checkpoint"] == "revolve"
 
 
-def test_oom_guard_saves_and_explains_when_nothing_fits(tiny_config, tmp_path, monkeypatch, capsys):
-    calls = _inject_oom(monkeypatch, lambda episode, policy: episode >= 2)
+@pytest.mark.parametrize("kind", OUT_OF_MEMORY)
+def test_oom_guard_saves_and_explains_when_nothing_fits(tiny_config, tmp_path, monkeypatch, capsys, kind):
+    calls = _inject_oom(monkeypatch, lambda episode, policy: episode >= 2, kind)
     out = tmp_path / "run"
     status = run_cli("train", "--config", tiny_config, "--out", out, "--batch", 2, "--no-progress")
     assert status == EXIT_OOM
@@ -283,7 +292,7 @@ def test_bad_config_is_a_clear_error(tmp_path, capsys):
     assert run_cli("train", "--grid", 10) == 2
     assert "multiple of 4" in capsys.readouterr().err
     assert run_cli("train", "--max-noise", -0.1) == 2
-    assert "max_noise must be a probability in [0, 1], got -0.1" in capsys.readouterr().err
+    assert "--max-noise must be a probability in [0, 1], got -0.1" in capsys.readouterr().err
     assert run_cli("plan", "--gpu-mem", "lots") == 2
     assert "3.68GiB" in capsys.readouterr().err
     path.write_text(yaml.safe_dump({"lowmem": {"cuda_graph": "yes"}}))

@@ -1,4 +1,10 @@
-"""The `qca-lowmem` command (also `python -m qca_lowmem`): train, bench, plan, doctor."""
+"""The `qca-lowmem` command (also `python -m qca_lowmem`): train, bench, plan, doctor.
+
+Exit status: 0 done (or nothing to do), 1 a failure while running, 2 a bad argument, config,
+output folder or checkpoint (found before the first episode), 3 out of memory (progress saved),
+130 Ctrl-C (progress saved). Every failure is one line on stderr; QCA_LOWMEM_TRACEBACK=1 adds
+the traceback of an unexpected one.
+"""
 
 import argparse
 import os
@@ -32,6 +38,26 @@ def _add_config_options(parser, training: bool):
         parser.add_argument("--save-every", type=int, help="checkpoint every N episodes (0: only at the end)")
 
 
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its error as one line (the usage is in --help)."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, one_line(f"{self.prog}: {message} (see {self.prog} --help)") + "\n")
+
+
+def one_line(text: str) -> str:
+    """`text` as one printable line: whitespace runs collapsed, other unprintables escaped (an
+    argument or a file's contents may hold anything)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(str(text).split()))
+
+
+def _flag(name: str) -> str:
+    return "--out" if name == "out_dir" else "--" + name.replace("_", "-")
+
+
 def _config(args):
     from .train import load_config
 
@@ -42,11 +68,11 @@ def _config(args):
         overrides["checkpoint"] = "revolve"
     if overrides.get("checkpoint") not in (None, "revolve"):
         overrides["slots"] = None
-    return load_config(args.config, **overrides)
+    return load_config(args.config, flags={name: _flag(name) for name in overrides}, **overrides)
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="qca-lowmem", description=__doc__)
+    parser = _Parser(prog="qca-lowmem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="train the QCA U-Net with the low-memory path")
@@ -58,6 +84,8 @@ def build_parser():
     train.add_argument("--ddp", action="store_true", help="under torchrun: split episodes across ranks "
                                                           "(gloo on CPU, NCCL on GPU)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--check", action="store_true", help="check the config, device, output folder, checkpoint "
+                                                            "and memory as a run would, then exit without training")
 
     bench = commands.add_parser("bench", help="stock vs lowmem memory (and time) on the same config")
     _add_config_options(bench, training=False)
@@ -80,50 +108,82 @@ def build_parser():
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except SystemExit:
+        raise
+    except BaseException as error:  # one line for every other way out but success
+        status, text = _failure(args.command, error)
+        if status == EXIT_FAILED and os.environ.get("QCA_LOWMEM_TRACEBACK"):
+            raise
+        print(one_line(text), file=sys.stderr, flush=True)
+        return status
+
+
+def _failure(command: str, error: BaseException):
+    """(exit status, one line) for an exception that ended `command`."""
+    from .oom import EXIT_OOM, OutOfMemoryStop
+    from .train import Interrupted, UsageError, error_text
+
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, f"qca-lowmem {command}: {error if isinstance(error, Interrupted) else 'interrupted'}"
+    if isinstance(error, OutOfMemoryStop):
+        return EXIT_OOM, str(error)
+    reason = error_text(error)
+    # The train command checks before its first episode: a ValueError later is a failure, not bad input.
+    if isinstance(error, UsageError) or (command != "train" and isinstance(error, ValueError)):
+        return EXIT_USAGE, f"qca-lowmem {command}: {reason}"
+    return EXIT_FAILED, (f"qca-lowmem {command}: failed: {type(error).__name__}: {reason} "
+                         "(QCA_LOWMEM_TRACEBACK=1 shows where)")
+
+
+def _run(args) -> int:
     from .train import set_allocator_defaults
 
     if args.command != "doctor":  # doctor reports the environment as the user set it
         set_allocator_defaults()  # before anything can initialise CUDA
-    if getattr(args, "threads", None) and args.command != "train":  # train takes it from its config
-        import torch
-
-        torch.set_num_threads(args.threads)
-    try:
-        if args.command == "train":
-            return _train(args)
-        if args.command == "bench":
-            from .bench import main_bench
-
-            steps = [int(s) for s in args.steps.split(",")] if args.steps else None
-            return main_bench(_config(args), steps, args.out, args.repeats)
-        if args.command == "plan":
-            from .plan import main_plan
-
-            return main_plan(_config(args), args.gpu_mem, args.reserve, args.json, args.half)
+    if args.command == "train":
+        return _train(args)
+    if args.command == "doctor":
         from .doctor import main_doctor
 
         return main_doctor()
-    except (ValueError, FileNotFoundError) as error:
-        print(f"qca-lowmem {args.command}: {error}", file=sys.stderr)
-        return 2
+    config = _config(args)
+    if args.threads:  # train takes it from its config
+        import torch
+
+        torch.set_num_threads(config.threads)
+    if args.command == "bench":
+        from .bench import main_bench
+
+        try:
+            steps = [int(s) for s in args.steps.split(",")] if args.steps else None
+        except ValueError:
+            raise ValueError(f"--steps {args.steps}: expected comma-separated integers, e.g. 1,2,4,8") from None
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+        return main_bench(config, steps, args.out, args.repeats)
+    from .plan import main_plan
+
+    return main_plan(config, args.gpu_mem, args.reserve, args.json, args.half)
 
 
 def _train(args) -> int:
-    from .oom import EXIT_OOM, OutOfMemoryStop
-    from .train import train
+    from .train import UsageError, check_run, train
     from .train_state import CHECKPOINT_NAME
 
     config = _config(args)
     resume = args.resume
     if resume == "auto":
         resume = os.path.join(config.out_dir, CHECKPOINT_NAME)
-    if resume and not os.path.exists(resume):
-        raise FileNotFoundError(f"--resume: no checkpoint at {resume}")
-    try:
-        results = train(config, resume=resume, ddp=args.ddp, progress=not args.no_progress, stop_after=args.stop_after)
-    except OutOfMemoryStop as stop:
-        print(stop, file=sys.stderr)
-        return EXIT_OOM
+    if args.stop_after is not None and args.stop_after < 1:
+        raise UsageError(f"--stop-after must be a positive number of episodes, got {args.stop_after}")
+    if args.check:
+        check_run(config, resume, create=False)
+        print(f"qca-lowmem train: ok: {config.episodes} episodes of {config.qca_steps} steps, grid {config.grid}, "
+              f"hidden {config.hidden}, checkpoint={config.checkpoint}, out {config.out_dir}")
+        return 0
+    results = train(config, resume=resume, ddp=args.ddp, progress=not args.no_progress, stop_after=args.stop_after)
     if results and int(os.environ.get("RANK", "0")) == 0:
         last = results[-1]
         print(f"qca-lowmem train: {len(results)} episodes, last loss {last['loss']:.4f} "

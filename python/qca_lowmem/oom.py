@@ -1,6 +1,7 @@
-"""The reference trainer's answer to CUDA running out of memory: retry the episode with the next
-lower-memory policy (revolve, then fewer slots, then half the batch); when none is left, save
-progress and stop with advice (exit status EXIT_OOM from the CLI)."""
+"""The reference trainer's answer to running out of memory (CUDA, or the CPU allocator): retry
+the episode with the next lower-memory policy (revolve, then fewer slots, then half the batch);
+when none is left, save progress and stop with advice (exit status EXIT_OOM from the CLI). And
+before a CPU run, the refusal of a config that cannot fit at all."""
 
 import gc
 from dataclasses import dataclass
@@ -38,6 +39,49 @@ class Policy:
 
 class OutOfMemoryStop(RuntimeError):
     """Raised after the OOM guard ran out of policies; progress is saved."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's torch.OutOfMemoryError, or the CPU allocator's failure (a plain RuntimeError)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(error))
+
+
+def available_cpu_memory() -> Optional[int]:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_cpu_memory(config, parameters: int, available: Optional[int] = None):
+    """Refuse a CPU run whose lower bound (model state and the states its policy keeps: what
+    `qca-lowmem plan` counts, without a step's working set) exceeds the memory available."""
+    from .plan import LOSS_STATES
+
+    available = available_cpu_memory() if available is None else available
+    if available is None:
+        return
+    psi_bytes = config.batch * config.grid**2 * config.d_state * 8
+    kept_states = (config.slots if config.checkpoint == "revolve" else config.qca_steps) + LOSS_STATES
+    state_bytes, kept_bytes = 16 * parameters, kept_states * psi_bytes
+    if state_bytes + kept_bytes <= available:
+        return
+    advice = [f"--checkpoint revolve --slots {max(1, min(32, config.qca_steps // 4))}"] if kept_bytes > state_bytes \
+        and config.checkpoint != "revolve" else []
+    advice += [f"a smaller --batch (now {config.batch})"] * (config.batch > 1)
+    advice.append(f"a smaller --grid (now {config.grid}), --qca-steps (now {config.qca_steps}) or --hidden "
+                  f"(now {config.hidden})")
+    raise OutOfMemoryStop(
+        f"qca-lowmem: this config needs at least {format_bytes(state_bytes + kept_bytes)} of CPU memory "
+        f"(model state {format_bytes(state_bytes)}, kept states {format_bytes(kept_bytes)} with "
+        f"checkpoint={config.checkpoint}) but {format_bytes(available)} is available: lower it with "
+        + "; ".join(advice) + " (`qca-lowmem plan` shows the peak)")
 
 
 def release_cached_memory():

@@ -16,6 +16,7 @@ import importlib.resources
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -73,28 +74,78 @@ class TrainConfig:
     out_dir: str = "runs/qca"
     save_every: int = 10
 
-    def validate(self):
-        for name in ("d_state", "hidden", "grid", "qca_steps", "batch", "episodes", "accumulate"):
+    def validate(self, label: Optional[Callable[[str], str]] = None):
+        """Check every field's type and range; `label(field)` names it in the message (the
+        config file's key, or the CLI flag that set it)."""
+        label = label or (lambda name: f"config {name}")
+
+        def refuse(name, expected):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"config {name} must be a positive integer, got {value!r}")
+            kind = f" (a {type(value).__name__})" if isinstance(value, (str, bool, list, dict)) else ""
+            raise UsageError(f"{label(name)} must be {expected}, got {value!r}{kind}")
+
+        for name in ("d_state", "hidden", "grid", "qca_steps", "batch", "episodes", "accumulate"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                refuse(name, "a positive integer")
         if self.grid % 4:
-            raise ValueError(f"config grid must be a multiple of 4 (the U-Net pools twice), got {self.grid}")
-        if not 0.0 <= self.max_noise <= 1.0:
-            raise ValueError(f"config max_noise must be a probability in [0, 1], got {self.max_noise!r}")
+            refuse("grid", "a multiple of 4 (the U-Net pools twice)")
+        if not _is_int(self.seed) or not -2**63 <= self.seed < 2**64:  # what torch.manual_seed takes
+            refuse("seed", "an integer in [-2**63, 2**64)")
+        if not _is_int(self.save_every) or self.save_every < 0:
+            refuse("save_every", "an integer >= 0 (0: only at the end)")
+        if self.threads is not None and (not _is_int(self.threads) or self.threads < 1):
+            refuse("threads", "a positive integer or null")
+        for name, low, high, expected in _FLOAT_RANGES:
+            value = getattr(self, name)
+            if not _is_real(value) or not low <= value <= high:
+                refuse(name, expected)
         if self.scheduler not in ("none", "cosine"):
-            raise ValueError(f"config scheduler must be 'none' or 'cosine', got {self.scheduler!r}")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise ValueError(f"config threads must be a positive integer or null, got {self.threads!r}")
-        if self.save_every < 0:
-            raise ValueError(f"config save_every must be >= 0 (0: only at the end), got {self.save_every}")
+            refuse("scheduler", "'none' or 'cosine'")
         for name in ("fused_blocks", "cuda_graph"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"config {name} must be true or false, got {getattr(self, name)!r}")
-        check_checkpoint(self.checkpoint, self.slots, "config")
-        parse_amp_dtype(self.amp_dtype)
+                refuse(name, "true or false")
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            refuse("device", "auto, cpu, cuda or cuda:N")
+        if not isinstance(self.out_dir, str) or not self.out_dir:
+            refuse("out_dir", "a folder name")
+        try:
+            check_checkpoint(self.checkpoint, self.slots, label("checkpoint"))
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        try:
+            parse_amp_dtype(self.amp_dtype)
+        except ValueError:
+            refuse("amp_dtype", "fp32, bf16, fp16 or null")
         return self
 
+
+class UsageError(ValueError):
+    """A bad config, argument, output folder or checkpoint: found before training starts; the
+    CLI exits with status 2."""
+
+
+def error_text(error: BaseException) -> str:
+    """An exception's message on one line, without the C++ stack torch appends to some."""
+    return " ".join(str(error).split("Exception raised from ")[0].split()) or type(error).__name__
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+# (field, lowest, highest, what the message asks for)
+_FLOAT_RANGES = (
+    ("gamma", -math.inf, math.inf, "a finite number"),
+    ("max_noise", 0.0, 1.0, "a probability in [0, 1]"),
+    ("lr", 0.0, math.inf, "a finite number >= 0"),
+    ("weight_decay", 0.0, math.inf, "a finite number >= 0"),
+    ("max_grad_norm", 0.0, math.inf, "a finite number >= 0"),
+)
 
 # YAML layout: sections of TrainConfig fields; a flat mapping of fields is accepted too.
 _SECTIONS = {
@@ -107,24 +158,57 @@ _SECTIONS = {
 _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 
 
-def config_from_dict(data: dict, base: Optional[TrainConfig] = None) -> TrainConfig:
+def config_from_dict(data: dict, base: Optional[TrainConfig] = None, where: str = "config",
+                     label: Optional[Callable[[str], str]] = None) -> TrainConfig:
+    """`base` with the fields of `data` (sections or flat); `where` names the source in messages,
+    `label(field)` a field (default: "<where> <field>")."""
+    label = label or (lambda name: f"{where}: {name}")
+    if not isinstance(data, dict):
+        raise UsageError(f"{where}: expected a mapping of sections ({', '.join(_SECTIONS)}) or fields, "
+                         f"got {_kind(data)}")
     values = dataclasses.asdict(base or TrainConfig())
-    for key, value in (data or {}).items():
-        section = key.lower()
-        if isinstance(value, dict) and section in _SECTIONS:
+    for key, value in data.items():
+        section = key.lower() if isinstance(key, str) else key
+        if section in _SECTIONS and value is None:
+            continue  # a section with nothing but comments under it
+        if section in _SECTIONS:
+            if not isinstance(value, dict):
+                raise UsageError(f"{where}: section {key!r} must be a mapping of {list(_SECTIONS[section])}, "
+                                 f"got {_kind(value)}")
             for inner, inner_value in value.items():
                 if section == "lowmem" and inner == "enabled":
                     continue  # the reference trainer is always low-memory; the flag is for enable_from_config
                 if inner not in _SECTIONS[section]:
-                    raise ValueError(f"config [{key}]: unknown key {inner!r}; known: {list(_SECTIONS[section])}")
+                    raise UsageError(f"{where} [{key}]: unknown key {inner!r}; known: {list(_SECTIONS[section])}")
                 values[inner] = inner_value
         elif key in _FIELDS:
             values[key] = value
         else:
-            raise ValueError(f"config: unknown key {key!r}; sections are {list(_SECTIONS)} (or top-level fields {sorted(_FIELDS)})")
-    for name in ("lr", "weight_decay", "max_noise", "max_grad_norm", "gamma"):
-        values[name] = float(values[name])
-    return TrainConfig(**values).validate()
+            raise UsageError(f"{where}: unknown key {key!r}; sections are {list(_SECTIONS)} "
+                             f"(or top-level fields {sorted(_FIELDS)})")
+    for name, *_ in _FLOAT_RANGES:
+        values[name] = _as_float(values[name])
+    return TrainConfig(**values).validate(label)
+
+
+def _as_float(value):
+    """Integers as floats, and numeric strings: YAML 1.1 reads `1e-4` (no dot) as a string."""
+    if _is_int(value):
+        try:
+            return float(value)
+        except OverflowError:
+            return math.inf  # refused as not finite
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value  # refused by name in validate
+    return value
+
+
+def _kind(value) -> str:
+    return {list: "a list", str: "a string", type(None): "nothing (an empty document)"}.get(
+        type(value), f"{type(value).__name__} {value!r}")
 
 
 def bundled_configs() -> List[str]:
@@ -133,23 +217,49 @@ def bundled_configs() -> List[str]:
     return sorted(f.name.removesuffix(".yaml") for f in configs.iterdir() if f.name.endswith(".yaml"))
 
 
-def load_config(path: Optional[str] = None, **overrides) -> TrainConfig:
+def read_config_file(path: str):
+    """The YAML document at `path` (a file, or a bundled config by name); every failure is a
+    UsageError naming the file (and the line and column of a syntax error)."""
+    import yaml
+
+    if os.sep in path or path.endswith((".yaml", ".yml")) or os.path.exists(path):
+        if os.path.isdir(path):
+            raise UsageError(f"--config {path}: is a folder, not a YAML file")
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise UsageError(f"--config {path}: no such file") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise UsageError(f"--config {path}: cannot be read as text: {error}") from None
+    elif path in bundled_configs():
+        text = (importlib.resources.files(f"{__package__}.configs") / f"{path}.yaml").read_text()
+    else:
+        raise UsageError(f"--config {path!r} is neither a YAML file nor a bundled config ({', '.join(bundled_configs())})")
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error)
+        raise UsageError(f"--config {path}: YAML syntax error{where}: {' '.join(str(problem).split())}") from None
+    except RecursionError:
+        raise UsageError(f"--config {path}: nested too deeply to read") from None
+    return {} if document is None else document
+
+
+def load_config(path: Optional[str] = None, *, flags: Optional[dict] = None, **overrides) -> TrainConfig:
     """The embedded default, a YAML file, or a bundled config by name (`small_gpu`), with keyword
-    overrides (None values ignored)."""
+    overrides (None values ignored). `flags` maps an override to the CLI flag that set it, for
+    messages."""
     config = TrainConfig()
     if path is not None:
-        import yaml
-
-        if os.sep in path or path.endswith((".yaml", ".yml")):
-            with open(path) as f:
-                text = f.read()
-        elif path in bundled_configs():
-            text = (importlib.resources.files(f"{__package__}.configs") / f"{path}.yaml").read_text()
-        else:
-            raise ValueError(f"config: {path!r} is neither a YAML file nor a bundled config ({', '.join(bundled_configs())})")
-        config = config_from_dict(yaml.safe_load(text) or {}, base=TrainConfig(threads=None))
+        config = config_from_dict(read_config_file(path), base=TrainConfig(threads=None), where=f"config {path}")
     changes = {k: v for k, v in overrides.items() if v is not None}
-    return config_from_dict(changes, base=config) if changes else config.validate()
+    if not changes:
+        return config.validate()
+    names = flags or {}
+    return config_from_dict(changes, base=config, where="options", label=lambda name: names.get(name, f"config {name}"))
 
 
 def set_allocator_defaults():
@@ -202,6 +312,7 @@ class Trainer:
             self.scaler = amp.GradScaler(self.device.type)
         self.policy = Policy(config.checkpoint, config.slots, config.batch)
         self.next_episode = 0
+        self.saved_episode = None  # the episode of the last checkpoint written or read
         self.progress = progress and self.dist.rank == 0
         self.out_dir = Path(config.out_dir)
         self._saved_bytes_cache = {}
@@ -280,13 +391,19 @@ class Trainer:
 
         Returns the rows of all episodes in the group (every rank gets them all).
         """
+        return self._finish_step(first, count, self._run_episodes(first, count))
+
+    def _run_episodes(self, first: int, count: int):
+        """This rank's share of episodes first..first+count-1, gradients accumulated."""
         per_rank = self.config.accumulate
         mine = [first + i for i in range(self.dist.rank * per_rank, min(count, (self.dist.rank + 1) * per_rank))]
-        rows = self._run_lowering_on_oom(first, mine)
+        return self._run_lowering_on_oom(first, mine)
+
+    def _finish_step(self, first: int, count: int, rows):
         self._optimizer_step(first + count - 1, count)
         if self.scheduler is not None:
             self.scheduler.step()
-        return self._gather_rows(rows, per_rank)
+        return self._gather_rows(rows, self.config.accumulate)
 
     def _run_lowering_on_oom(self, first: int, episodes: List[int]):
         """This rank's episodes; when any rank runs out of memory, all retry them with the next
@@ -296,8 +413,10 @@ class Trainer:
             rows = None
             try:
                 rows = self._run_local_episodes(episodes, self.policy)
-            except torch.OutOfMemoryError:
-                pass  # handled below, together with the other ranks
+            except RuntimeError as error:  # torch.OutOfMemoryError is one
+                if not oom.is_out_of_memory(error):
+                    raise
+                # handled below, together with the other ranks
             failed = torch.tensor([0.0 if rows is not None else 1.0], device=self._gather_device())
             if self.dist.all_reduce_(failed, op="max").item() == 0:
                 return rows
@@ -322,7 +441,9 @@ class Trainer:
             else:
                 torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
                 self.optimizer.step()
-        except torch.OutOfMemoryError:
+        except RuntimeError as error:
+            if not oom.is_out_of_memory(error):
+                raise
             parameters = sum(p.numel() for p in self.model.parameters())
             raise oom.optimizer_step_failed(last_episode, self.device, parameters, self.out_dir) from None
 
@@ -343,11 +464,12 @@ class Trainer:
         path = Path(path) if path is not None else self.out_dir / train_state.CHECKPOINT_NAME
         if self.dist.rank == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
-            train_state.atomic_save(train_state.state_of(self), path)
+            train_state.atomic_save(train_state.state_of(self), path, keep_previous=True)
+        self.saved_episode = self.next_episode
         return path
 
     def load_checkpoint(self, path):
-        return train_state.restore(self, path, warn=self._log)
+        return train_state.restore(self, path)
 
     def _log(self, text):
         message(text, self.dist.rank)
@@ -358,27 +480,44 @@ class Trainer:
         optimizer steps, then checkpoint: a long run split into jobs); one dict per episode run."""
         config = self.config
         if stop_after is not None and stop_after < 1:
-            raise ValueError(f"stop_after must be a positive number of episodes, got {stop_after}")
+            raise UsageError(f"--stop-after must be a positive number of episodes, got {stop_after}")
         total = config.episodes if stop_after is None else min(config.episodes, self.next_episode + stop_after)
         results = []
         group = self.episodes_per_step()
         with EpisodeLog(self.out_dir, self.device, self.next_episode, config.episodes, self.dist.rank,
                         self.progress) as log:
-            while self.next_episode < total:
-                first = self.next_episode
-                count = min(group, config.episodes - first)
-                rows = self.train_step(first, count)
-                self.next_episode = first + count
-                for row in rows:
-                    record = record_of(row, self.device, self.policy.describe())
-                    results.append(record)
-                    log.write(record)
-                    if callback is not None:
-                        callback(record)
-                if config.save_every and (self.next_episode // config.save_every) > (first // config.save_every):
-                    self.save_checkpoint()
-            self.save_checkpoint()
+            try:
+                while self.next_episode < total:
+                    first = self.next_episode
+                    count = min(group, config.episodes - first)
+                    local_rows = self._run_episodes(first, count)
+                    with train_state.interrupts_deferred():  # the step and its bookkeeping: all or nothing
+                        rows = self._finish_step(first, count, local_rows)
+                        self.next_episode = first + count
+                        for row in rows:
+                            record = record_of(row, self.device, self.policy.describe())
+                            results.append(record)
+                            log.write(record)
+                            if callback is not None:
+                                callback(record)
+                        if config.save_every and (self.next_episode // config.save_every) > (first // config.save_every):
+                            self.save_checkpoint()
+                if self.saved_episode != self.next_episode:
+                    with train_state.interrupts_deferred():
+                        self.save_checkpoint()
+            except KeyboardInterrupt:
+                raise self._interrupted() from None
         return results
+
+    def _interrupted(self) -> "Interrupted":
+        """Ctrl-C between optimizer steps: the progress since the last checkpoint saved, then stop."""
+        if self.saved_episode != self.next_episode:
+            with train_state.interrupts_deferred():
+                self.save_checkpoint()
+        path = self.out_dir / train_state.CHECKPOINT_NAME
+        done = (f"progress up to episode {self.next_episode} is in {path}; continue with --resume {path}"
+                if self.next_episode else "no episode finished, nothing saved")
+        return Interrupted(f"interrupted at episode {self.next_episode}; {done}")
 
     def replica_difference(self) -> float:
         """Largest |parameter difference| between this rank and rank 0 over all ranks (DDP check)."""
@@ -388,18 +527,61 @@ class Trainer:
         return self.dist.all_reduce_(diff, op="max").item()
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C stopped training; the message says where the progress is."""
+
+
+def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = True, rank: int = 0,
+              world_size: int = 1):
+    """Everything that can be refused before the first episode (UsageError, or OutOfMemoryStop for
+    a config far over this machine's memory): the device, the output folder (made and stale
+    temporaries removed when `create`), the checkpoint to resume from and whether it is of the
+    same run. Returns the checkpoint's state, or None."""
+    try:
+        device = resolve_device(config.device)
+    except RuntimeError as error:
+        raise UsageError(f"--device {config.device}: {error}") from None
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UsageError(f"--device {config.device}: only {torch.cuda.device_count()} CUDA devices are visible")
+    if rank == 0:
+        train_state.check_out_dir(config.out_dir, create)
+    state = train_state.read_checkpoint(resume) if resume else None
+    parameters = _parameter_count(config)
+    if state is not None:
+        train_state.check_resumable(state, resume, config, config.accumulate * world_size)
+    elif device.type == "cpu":  # (a resumed run has fit already)
+        oom.check_cpu_memory(config, parameters)
+    return state
+
+
+def _parameter_count(config: TrainConfig) -> int:
+    try:
+        with torch.device("meta"):
+            model = UNetUnitary(config.d_state, config.hidden)
+    except (RuntimeError, TypeError, OverflowError, MemoryError) as error:
+        raise UsageError(f"config: a model with d_state {config.d_state}, hidden {config.hidden} cannot be "
+                         f"built: {error_text(error)}") from None
+    return sum(p.numel() for p in model.parameters())
+
+
 def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, progress: bool = True,
           stop_after: Optional[int] = None) -> List[dict]:
-    """Run the reference trainer as `qca-lowmem train` does."""
+    """Run the reference trainer as `qca-lowmem train` does: check_run's checks, then episodes
+    up to config.episodes (nothing when a resumed checkpoint is there already)."""
     set_allocator_defaults()
     threads = torch.get_num_threads()
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     distributed = Distributed(ddp, config.device)
     try:
+        state = check_run(config, resume, rank=distributed.rank, world_size=distributed.world_size)
+        if state is not None and state["episode"] >= config.episodes:
+            message(f"{resume} is at episode {state['episode']}, --episodes is {config.episodes}: nothing to do",
+                    distributed.rank)
+            return []
         trainer = Trainer(config, distributed, progress=progress)
-        if resume:
-            trainer.load_checkpoint(resume)
+        if state is not None:
+            train_state.restore(trainer, resume, state)
         results = trainer.fit(stop_after=stop_after)
         if distributed.world_size > 1:
             difference = trainer.replica_difference()

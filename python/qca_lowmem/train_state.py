@@ -2,10 +2,16 @@
 states, policy, config, episode), written atomically, and read back with the checks that a
 resumed run continues the same run."""
 
+import contextlib
 import dataclasses
 import os
 import random
+import shutil
+import signal
+import tempfile
+import threading
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -13,24 +19,109 @@ from .oom import Policy
 
 CHECKPOINT_NAME = "checkpoint.pt"
 FORMAT = "qca_lowmem.train/1"
-# Settings that define the run: a checkpoint resumes only under the same ones.
-SAME_RUN_SETTINGS = ("d_state", "hidden", "grid", "qca_steps", "seed", "gamma", "max_noise", "scheduler")
+# How a run is computed, not what it computes: a resume may change these. Every other setting
+# (the model, the episodes, the optimiser, amp_dtype, batch) must be the checkpoint's.
+RESUME_MAY_CHANGE = ("checkpoint", "slots", "fused_blocks", "cuda_graph", "device", "threads", "out_dir",
+                     "save_every", "episodes")
 
 
-def atomic_save(obj, path):
-    """torch.save to a temporary file in the same folder, then os.replace: a crash mid-save
-    leaves the previous file intact."""
+def previous_path(path) -> Path:
+    """Where atomic_save keeps the checkpoint it replaced: a fallback when the newest is damaged."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
+
+
+def _temporary_path(path: Path, pid: int) -> Path:
+    return path.with_name(f".{path.name}.tmp-{pid}")
+
+
+def atomic_save(obj, path, keep_previous: bool = False):
+    """torch.save to a temporary file in the same folder, then os.replace: a crash mid-save
+    leaves the previous file intact. `keep_previous`: the file replaced stays as previous_path."""
+    path = Path(path)
+    tmp = _temporary_path(path, os.getpid())
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        if keep_previous and path.is_file():
+            # A hard link, renamed into place: both names are valid files at every moment.
+            link = _temporary_path(previous_path(path), os.getpid())
+            link.unlink(missing_ok=True)
+            try:
+                os.link(path, link)
+            except OSError:  # a filesystem without hard links
+                shutil.copyfile(path, link)
+            os.replace(link, previous_path(path))
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def remove_stale_temporaries(folder: Path):
+    """Temporary files of checkpoint saves killed mid-way (their process is gone)."""
+    checkpoint = folder / CHECKPOINT_NAME
+    for name in (checkpoint, previous_path(checkpoint)):
+        for tmp in folder.glob(_temporary_path(name, 0).name[:-1] + "*"):
+            pid = tmp.name.rsplit("-", 1)[1]
+            if pid.isdigit() and not _process_alive(int(pid)):
+                tmp.unlink(missing_ok=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # (OverflowError: no pid is that large)
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def check_out_dir(out_dir, create: bool = True):
+    """Refuse, before the first episode, an output folder the run could not write its files to;
+    `create`: make it (else check that it could be made)."""
+    from .train import UsageError
+    from .train_log import METRICS_NAME
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: a file is in the way (the run needs a folder there)")
+    for name in (CHECKPOINT_NAME, METRICS_NAME):
+        if (out / name).is_dir():
+            raise UsageError(f"--out {out}: {out / name} is a folder; the run writes a file there")
+    if not create:
+        existing = next(p for p in (out, *out.parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise UsageError(f"--out {out}: cannot be created ({existing} is not a writable folder)")
+        return
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        raise UsageError(f"--out {out}: not writable ({error.strerror or error})") from None
+    remove_stale_temporaries(out)
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Ctrl-C during the block takes effect at its end: an optimizer step or a save half done
+    would leave the run inconsistent."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield  # someone else handles SIGINT (or ignores it)
+        return
+    pending = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pending:
+        raise KeyboardInterrupt
 
 
 def rng_state():
@@ -73,22 +164,68 @@ def state_of(trainer) -> dict:
     }
 
 
-def restore(trainer, path, warn) -> int:
-    """Load the checkpoint at `path` into `trainer` after checking it is of the same run; `warn`
-    reports a continuation that will differ (another number of episodes per optimizer step).
-    Returns the next episode."""
-    # On the CPU: RNG states must stay CPU tensors; load_state_dict moves the rest to the device.
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    if state.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a qca-lowmem train checkpoint (format {state.get('format')!r})")
+def read_checkpoint(path) -> dict:
+    """The checkpoint at `path`; a UsageError saying what is wrong with it, and whether the
+    previous one can be used instead."""
+    from .train import UsageError, error_text
+
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"--resume {path}: is a folder, not a checkpoint file")
+    if not path.exists():
+        raise UsageError(f"--resume {path}: no checkpoint there")
+    try:
+        # On the CPU: RNG states must stay CPU tensors; load_state_dict moves the rest to the device.
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # torch.load raises whatever the damaged bytes lead its unpickler to
+        raise UsageError(f"checkpoint {path} is unreadable (truncated?): {error_text(error)}; "
+                         f"{_fallback(path)}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise UsageError(f"--resume {path}: not a qca-lowmem train checkpoint (format {found!r})")
+    return state
+
+
+def _fallback(path: Path) -> str:
+    previous = previous_path(path)
+    if previous == path or not previous.is_file():
+        return "no older checkpoint exists"
+    try:
+        episode = torch.load(previous, map_location="cpu", weights_only=False)["episode"]
+    except Exception:
+        return f"the older {previous} is unreadable too"
+    return f"the older {previous} (episode {episode}) is readable: --resume {previous}"
+
+
+def check_resumable(state: dict, path, config, episodes_per_step: int):
+    """Refuse (UsageError) a resume under settings that change what the run computes."""
+    from .train import UsageError
+
+    saved = state["config"]
+    fixed = [f.name for f in dataclasses.fields(config) if f.name not in RESUME_MAY_CHANGE + ("accumulate",)]
+    changed = [f"{name} (checkpoint {saved.get(name)!r}, now {getattr(config, name)!r})"
+               for name in fixed if saved.get(name) != getattr(config, name)]
+    saved_per_step = state["world_size"] * saved["accumulate"]
+    if saved_per_step != episodes_per_step:
+        changed.append(f"episodes per optimizer step, accumulate x processes (checkpoint {saved_per_step}, "
+                       f"now {episodes_per_step})")
+    if saved["scheduler"] == "cosine" and saved["episodes"] != config.episodes:
+        changed.append(f"episodes, which sets the cosine schedule (checkpoint {saved['episodes']}, "
+                       f"now {config.episodes})")
+    if changed:
+        raise UsageError(f"--resume {path}: a resume cannot change {'; '.join(changed)}: they change what the "
+                         f"run computes (start a new run in another --out); it can change "
+                         f"{', '.join(RESUME_MAY_CHANGE)}")
+
+
+def restore(trainer, path, state: Optional[dict] = None) -> int:
+    """Load the checkpoint at `path` into `trainer` after checking it is of the same run. A
+    policy set anew (checkpoint, slots) replaces the checkpoint's (which the OOM guard may have
+    lowered); the batch stays the checkpoint's. `state`: the checkpoint already read. Returns the
+    next episode."""
+    state = state if state is not None else read_checkpoint(path)
     saved, config = state["config"], trainer.config
-    for name in SAME_RUN_SETTINGS:
-        if saved[name] != getattr(config, name):
-            raise ValueError(f"--resume {path}: the checkpoint has {name}={saved[name]!r} but this run has "
-                             f"{name}={getattr(config, name)!r}; resuming would not continue the same run")
-    if state["world_size"] * saved["accumulate"] != trainer.episodes_per_step():
-        warn(f"warning: the checkpoint ran {state['world_size'] * saved['accumulate']} episodes per optimizer "
-             f"step, this run {trainer.episodes_per_step()}; the continuation differs from the original run")
+    check_resumable(state, path, config, trainer.episodes_per_step())
     trainer.model.load_state_dict(state["model_state_dict"])
     trainer.optimizer.load_state_dict(state["optimizer_state_dict"])
     if trainer.scheduler is not None and state["scheduler_state_dict"] is not None:
@@ -96,6 +233,9 @@ def restore(trainer, path, warn) -> int:
     if trainer.scaler is not None and state["scaler_state_dict"] is not None:
         trainer.scaler.load_state_dict(state["scaler_state_dict"])
     set_rng_state(state["rng_state"])
-    trainer.policy = Policy(**state["policy"])
-    trainer.next_episode = state["episode"]
+    policy = Policy(**state["policy"])
+    if (config.checkpoint, config.slots) != (saved["checkpoint"], saved["slots"]):
+        policy = Policy(config.checkpoint, config.slots, policy.batch)
+    trainer.policy = policy
+    trainer.next_episode = trainer.saved_episode = state["episode"]
     return trainer.next_episode
