@@ -24,6 +24,7 @@ typedef struct gn_group {
   int64_t sample, first_channel, channels, all_channels, pixels;
   int64_t base, channel_stride, pixel_stride;
   int64_t segments;
+  int channels_last;
 } gn_group;
 
 /* `width` channels of a group over all its pixels, as a matrix of `cols` = width * m columns
@@ -46,6 +47,7 @@ static gn_group group_of(const qca_groupnorm_elu_shape* s, int64_t pair) {
   g.first_channel = (pair % s->groups) * g.channels;
   g.all_channels = s->channels;
   g.pixels = s->height * s->width;
+  g.channels_last = s->channels_last;
   if (s->channels_last) {
     g.base = g.sample * g.pixels * s->channels + g.first_channel;
     g.channel_stride = 1;
@@ -62,9 +64,8 @@ static gn_group group_of(const qca_groupnorm_elu_shape* s, int64_t pair) {
 
 static gn_segment segment_of(const gn_group* g, int64_t index) {
   gn_segment s;
-  const int channels_last = g->channel_stride == 1;
-  s.channel = channels_last ? index * GN_MAX_WIDTH : index;
-  s.width = channels_last ? g->channels - s.channel : 1;
+  s.channel = g->channels_last ? index * GN_MAX_WIDTH : index;
+  s.width = g->channels_last ? g->channels - s.channel : 1;
   if (s.width > GN_MAX_WIDTH) s.width = GN_MAX_WIDTH;
   const int64_t repeats = s.width < GN_LANES ? GN_LANES / s.width : 1;
   s.cols = s.width * repeats;
@@ -95,6 +96,19 @@ static gn_tile tile_of(const gn_group* g, const gn_segment* s, int64_t index) {
 static inline int64_t row_length(const gn_segment* s, const gn_tile* t, int64_t start) {
   return t->count - start < s->cols ? t->count - start : s->cols;
 }
+
+/* A compensated (Neumaier) double sum. */
+typedef struct gn_sum {
+  double sum, compensation;
+} gn_sum;
+
+static inline void gn_add(gn_sum* s, double value) {
+  const double t = s->sum + value;
+  s->compensation += fabs(s->sum) >= fabs(value) ? (s->sum - t) + value : (value - t) + s->sum;
+  s->sum = t;
+}
+
+static inline double gn_total(const gn_sum* s) { return s->sum + s->compensation; }
 
 /* exp(z) - 1 and exp(z) for z <= 0 from one range reduction, in float and branch-free so that
  * loops over them vectorise: z = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite split of ln2),
