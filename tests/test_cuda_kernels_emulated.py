@@ -7,8 +7,9 @@ divergent barrier or shuffle, valid launch configuration).
 Bit-identical where CUDA and C run the same maths: the QCA step and the noise (their shared
 .inc files; CUDA rounds each product on its own, as C does, see docs/cuda_emulation.md), the
 scaler's multiply, non-finite check and scale update. GroupNorm+ELU and the scaler's sums of
-squares add in a different order (and GroupNorm+ELU accumulates float data in float where C
-uses double), so they compare within the tolerances stated at each comparison."""
+squares add in a different order (and GroupNorm+ELU's CUDA kernels accumulate float data in float
+throughout, where C adds float lanes of at most 32 terms into double), so they compare within
+the tolerances stated at each comparison."""
 
 import ctypes
 import math
@@ -261,12 +262,15 @@ def gn_tolerance(dtype, stat_dtype, magnitude):
     """Allowed |C - CUDA| for a GroupNorm+ELU output of `dtype` whose values (or, for a sum, the
     sum of the absolute values of its terms) are of size `magnitude`.
 
-    C adds the up to n = 2^14 terms of a group (or channel) one after another in double: in
-    practice within sqrt(n) = 2^7 roundings, 2^-46. CUDA adds at most 32 terms per thread, then
+    C adds the terms of a group (or channel) in lanes of at most 32 terms (float lanes for float
+    statistics, double for double ones), added into double once per 512-element tile, the tiles'
+    sums with compensation: in practice within sqrt(32) roundings of the lane type, about 2^-21
+    with float statistics and 2^-50 with double ones. CUDA adds at most 32 terms per thread, then
     merges the 512 threads in a tree of depth 9, in the statistics dtype: within about 2^6
     roundings, 2^-47 in double and 2^-18 in float (all but float64 data). The tolerance is twice
-    the sum of the two: 2^-44 with double statistics, 2^-17 with float ones. The result is then
-    rounded to `dtype`, so a value near a rounding boundary may land one ulp of `dtype` away."""
+    CUDA's part, which C's part fits under: 2^-44 with double statistics, 2^-17 with float ones
+    (C's 2^-21 is an eighth of the margin). The result is then rounded to `dtype`, so a value
+    near a rounding boundary may land one ulp of `dtype` away."""
     accumulation = 2.0 ** -44 if stat_dtype == torch.float64 else 2.0 ** -17
     ulp = {torch.float64: 2.0 ** -52, torch.float32: 2.0 ** -23,
            torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
