@@ -259,6 +259,7 @@ def plot_cpu(rows, path):
         ax.plot(positions, [3 * r["x_bytes"] / r["stock_backward_ms"] / 1e6 for r in cases], "+",
                 label="torch group_norm + elu backward (same bytes)")
         ax.set_xticks(list(positions), labels, rotation=60, ha="right", fontsize=7)
+        ax.set_yscale("log")
         ax.set_ylabel("GB/s (bytes a kernel must move / time)")
         ax.set_title(f"GroupNorm+ELU on {common.device_name(torch.device('cpu'))}, {threads} thread(s)")
         ax.legend(fontsize=8)

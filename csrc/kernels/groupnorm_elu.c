@@ -23,15 +23,16 @@ enum {
 typedef struct gn_group {
   int64_t sample, first_channel, channels, all_channels, pixels;
   int64_t base, channel_stride, pixel_stride;
-  int64_t segments;
+  int64_t segments, planes; /* NCHW: `planes` whole channel planes a segment, when they are small */
   int channels_last;
 } gn_group;
 
-/* `width` channels of a group over all its pixels, as a matrix of `cols` = width * m columns
- * (column j is channel `channel + j % width`): NCHW one channel (contiguous), channels_last up
- * to GN_MAX_WIDTH side by side. */
+/* Channels of a group over all its pixels: NCHW `planes` consecutive channel planes (one, or
+ * several small ones: a tile then holds them all), channels_last `width` channels side by side
+ * (up to GN_MAX_WIDTH). A tile is `planes` blocks of contiguous elements, each a matrix of `cols`
+ * = width * m columns: column j of block b is channel `channel + b + j % width`. */
 typedef struct gn_segment {
-  int64_t channel, width, cols, tile_pixels, tiles;
+  int64_t channel, width, planes, cols, tile_pixels, tiles;
 } gn_segment;
 
 /* `count` elements of a segment (pixel-major), read from memory as `runs` runs of `run_length`
@@ -52,21 +53,25 @@ static gn_group group_of(const qca_groupnorm_elu_shape* s, int64_t pair) {
     g.base = g.sample * g.pixels * s->channels + g.first_channel;
     g.channel_stride = 1;
     g.pixel_stride = s->channels;
-    g.segments = (g.channels + GN_MAX_WIDTH - 1) / GN_MAX_WIDTH;
+    g.planes = 1;
   } else {
     g.base = (g.sample * s->channels + g.first_channel) * g.pixels;
     g.channel_stride = g.pixels;
     g.pixel_stride = 1;
-    g.segments = g.channels;
+    g.planes = g.pixels > 0 && g.pixels <= GN_TILE / 2 ? GN_TILE / g.pixels : 1;
+    if (g.planes > GN_MAX_WIDTH) g.planes = GN_MAX_WIDTH;
   }
+  const int64_t per_segment = s->channels_last ? GN_MAX_WIDTH : g.planes;
+  g.segments = (g.channels + per_segment - 1) / per_segment;
   return g;
 }
 
 static gn_segment segment_of(const gn_group* g, int64_t index) {
   gn_segment s;
-  s.channel = g->channels_last ? index * GN_MAX_WIDTH : index;
-  s.width = g->channels_last ? g->channels - s.channel : 1;
-  if (s.width > GN_MAX_WIDTH) s.width = GN_MAX_WIDTH;
+  s.channel = index * (g->channels_last ? GN_MAX_WIDTH : g->planes);
+  const int64_t rest = g->channels - s.channel;
+  s.width = g->channels_last ? (rest < GN_MAX_WIDTH ? rest : GN_MAX_WIDTH) : 1;
+  s.planes = g->channels_last ? 1 : (rest < g->planes ? rest : g->planes);
   const int64_t repeats = s.width < GN_LANES ? GN_LANES / s.width : 1;
   s.cols = s.width * repeats;
   s.tile_pixels = GN_TILE / s.cols * repeats;
@@ -80,7 +85,7 @@ static gn_tile tile_of(const gn_group* g, const gn_segment* s, int64_t index) {
   const int64_t pixels =
       g->pixels - first_pixel < s->tile_pixels ? g->pixels - first_pixel : s->tile_pixels;
   t.offset = g->base + s->channel * g->channel_stride + first_pixel * g->pixel_stride;
-  t.count = pixels * s->width;
+  t.count = pixels * s->width * s->planes; /* planes > 1: one tile of whole planes */
   if (g->pixel_stride == s->width) { /* the tile is one contiguous run */
     t.runs = 1;
     t.run_length = t.count;
