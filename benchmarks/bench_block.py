@@ -1,5 +1,6 @@
-"""Benchmark of the fused U-Net blocks on a CUDA GPU.
+"""Benchmark of the fused U-Net blocks and their GroupNorm+ELU kernels.
 
+On a CUDA GPU:
 1. Per-step forward + backward of UNetUnitary (default: grid 64, d_state 14, hidden 128) at each
    batch size, stock vs fused (each recompute mode), fp32 and bf16 autocast: peak memory
    (max_memory_allocated, also above what the model and input hold) and median time over CUDA
@@ -8,12 +9,20 @@
    a kernel must move / time) next to a measured device-to-device copy, and time next to
    nn.GroupNorm + nn.ELU.
 
-Writes benchmarks/results/block_<device>.json with the device, torch and CUDA versions, commit
-and date. Run after building, with qca_lowmem importable: `python benchmarks/bench_block.py`.
+On the CPU (`--device cpu`), part 2 only, at one torch thread and at all of them in the same run:
+the fused forward and backward, torch's unfused group_norm + elu (forward, and its autograd
+backward) on the same tensors and a `copy_` of x, timed interleaved (one of each per round),
+medians. Also writes a PNG of the kernels' bandwidth against the copy's.
+
+Writes benchmarks/results/block_<device>.json (block_cpu.json on the CPU) with the device, torch
+and CUDA versions, thread counts, commit and date. Run after building, with qca_lowmem
+importable: `python benchmarks/bench_block.py [--device cpu]`.
 """
 
 import argparse
+import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +34,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--grid", type=int, default=64)
     parser.add_argument("--d-state", type=int, default=14)
     parser.add_argument("--hidden", type=int, default=128)
@@ -36,6 +46,8 @@ def parse_args(argv=None):
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--skip-model", action="store_true", help="only the kernel benchmark")
     parser.add_argument("--skip-kernels", action="store_true", help="only the model benchmark")
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="CPU: torch thread counts to measure (default: 1 and all)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/block_<device>.json)")
     return parser.parse_args(argv)
 
@@ -156,19 +168,128 @@ def bench_kernels(args):
     return {"copy_GBps": copy_gbs, "groupnorm_elu": rows}
 
 
+def interleaved_medians(fns, warmup, reps):
+    """Median wall time of each of `fns` (name -> callable), run one after another in each round
+    so that a machine's changing load falls on all of them alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def bench_kernels_cpu(args):
+    """Fused vs torch's unfused ops vs copy_, per thread count (interleaved, medians)."""
+    ops = torch.ops.qca_lowmem
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for batch in args.batches:
+            for dtype_name in args.dtypes:
+                dtype = DTYPES[dtype_name]
+                for channels, height, width, groups in gn_shapes(args):
+                    for layout in ("nchw", "channels_last"):
+                        x = torch.randn(batch, channels, height, width, dtype=dtype)
+                        if layout == "channels_last":
+                            x = x.contiguous(memory_format=torch.channels_last)
+                        weight = torch.randn(channels, dtype=dtype) * 0.3 + 1
+                        bias = torch.randn(channels, dtype=dtype) * 0.3
+                        grad_y = torch.randn_like(x)
+                        _, mean, rstd = ops.groupnorm_elu(x, weight, bias, groups, 1e-5)
+                        xs = x.detach().requires_grad_(True)
+                        ws, bs = weight.detach().requires_grad_(True), bias.detach().requires_grad_(True)
+                        ys = F.elu(F.group_norm(xs, groups, ws, bs, 1e-5))
+                        copy_out = torch.empty_like(x)
+                        seconds = interleaved_medians({
+                            "forward": lambda: ops.groupnorm_elu(x, weight, bias, groups, 1e-5),
+                            "backward": lambda: ops.groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd),
+                            "stock_forward": lambda: F.elu(F.group_norm(xs, groups, ws, bs, 1e-5)),
+                            "stock_backward": lambda: torch.autograd.grad(ys, (xs, ws, bs), grad_y, retain_graph=True),
+                            "copy": lambda: copy_out.copy_(x),
+                        }, args.warmup, args.iters)
+                        nbytes = x.numel() * x.element_size()
+                        copy_gbs = 2 * nbytes / seconds["copy"] / 1e9
+                        fwd_gbs = 2 * nbytes / seconds["forward"] / 1e9  # read x, write y
+                        bwd_gbs = 3 * nbytes / seconds["backward"] / 1e9  # read x and grad_y, write grad_x
+                        row = {
+                            "threads": threads, "batch": batch, "dtype": dtype_name, "layout": layout,
+                            "shape": [batch, channels, height, width], "groups": groups, "x_bytes": nbytes,
+                            "forward_ms": seconds["forward"] * 1e3, "backward_ms": seconds["backward"] * 1e3,
+                            "stock_forward_ms": seconds["stock_forward"] * 1e3,
+                            "stock_backward_ms": seconds["stock_backward"] * 1e3,
+                            "copy_ms": seconds["copy"] * 1e3, "copy_GBps": copy_gbs,
+                            "forward_GBps": fwd_gbs, "backward_GBps": bwd_gbs,
+                            "forward_fraction_of_copy": fwd_gbs / copy_gbs, "backward_fraction_of_copy": bwd_gbs / copy_gbs,
+                            "forward_speedup_vs_stock": seconds["stock_forward"] / seconds["forward"],
+                            "backward_speedup_vs_stock": seconds["stock_backward"] / seconds["backward"],
+                        }
+                        rows.append(row)
+                        print(f"{threads}t B={batch} {dtype_name} {layout:13s} C={channels:4d} {height}x{width} G={groups:3d}: "
+                              f"fwd {row['forward_ms'] * 1e3:7.0f} us {row['forward_speedup_vs_stock']:4.2f}x stock "
+                              f"{fwd_gbs / copy_gbs:4.0%} of copy | bwd {row['backward_ms'] * 1e3:7.0f} us "
+                              f"{row['backward_speedup_vs_stock']:4.2f}x stock {bwd_gbs / copy_gbs:4.0%} of copy "
+                              f"| copy {copy_gbs:5.1f} GB/s", flush=True)
+    return {"groupnorm_elu": rows}
+
+
+def plot_cpu(rows, path):
+    """Kernel bandwidth against the copy's, one panel per thread count, one point per case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    thread_counts = sorted({r["threads"] for r in rows})
+    fig, axes = plt.subplots(len(thread_counts), 1, figsize=(12, 4 * len(thread_counts)), squeeze=False)
+    for ax, threads in zip(axes[:, 0], thread_counts):
+        cases = [r for r in rows if r["threads"] == threads]
+        labels = [f"B{r['batch']} {r['dtype']} {'CL' if r['layout'] == 'channels_last' else 'NCHW'} "
+                  f"C{r['shape'][1]} {r['shape'][2]}x{r['shape'][3]}" for r in cases]
+        positions = range(len(cases))
+        ax.plot(positions, [r["copy_GBps"] for r in cases], "k-", label="copy_ of x")
+        ax.plot(positions, [r["forward_GBps"] for r in cases], "o", label="fused forward")
+        ax.plot(positions, [r["backward_GBps"] for r in cases], "s", label="fused backward")
+        ax.plot(positions, [2 * r["x_bytes"] / r["stock_forward_ms"] / 1e6 for r in cases], "x",
+                label="torch group_norm + elu forward (same bytes)")
+        ax.plot(positions, [3 * r["x_bytes"] / r["stock_backward_ms"] / 1e6 for r in cases], "+",
+                label="torch group_norm + elu backward (same bytes)")
+        ax.set_xticks(list(positions), labels, rotation=60, ha="right", fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("GB/s (bytes a kernel must move / time)")
+        ax.set_title(f"GroupNorm+ELU on {common.device_name(torch.device('cpu'))}, {threads} thread(s)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench_block.py measures CUDA peak memory and CUDA-event times: it needs a CUDA GPU")
     import qca_lowmem
     from qca_lowmem import stock as reference
 
-    if not qca_lowmem._loader.has_cuda_kernels():
-        sys.exit("qca_lowmem was built without CUDA kernels; rebuild with QCA_LOWMEM_CUDA=1")
-    device = torch.device("cuda")
-    print(f"{common.device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    device = torch.device(args.device)
     payload = {"config": {"grid": args.grid, "d_state": args.d_state, "hidden": args.hidden, "batches": args.batches,
                           "dtypes": args.dtypes, "modes": args.modes, "warmup": args.warmup, "iters": args.iters}}
+    if device.type == "cpu":
+        args.threads = args.threads or sorted({1, torch.get_num_threads()})
+        print(f"{common.device_name(device)}, torch {torch.__version__}, threads {args.threads}")
+        payload["config"]["threads"] = args.threads
+        payload["kernels"] = bench_kernels_cpu(args)
+        out = args.out or str(common.RESULTS / "block_cpu.json")
+        plot_cpu(payload["kernels"]["groupnorm_elu"], out.removesuffix(".json") + ".png")
+        print(f"wrote {common.write_result('block', device, payload, out)} and its .png")
+        return
+    if not torch.cuda.is_available():
+        sys.exit("bench_block.py on CUDA measures peak memory and CUDA-event times: it needs a CUDA GPU (or --device cpu)")
+    if not qca_lowmem._loader.has_cuda_kernels():
+        sys.exit("qca_lowmem was built without CUDA kernels; rebuild with QCA_LOWMEM_CUDA=1")
+    print(f"{common.device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     if not args.skip_model:
         payload["unet_step"] = bench_models(args, reference, qca_lowmem)
     if not args.skip_kernels:

@@ -7,9 +7,11 @@ divergent barrier or shuffle, valid launch configuration).
 Bit-identical where CUDA and C run the same maths: the QCA step and the noise (their shared
 .inc files; CUDA rounds each product on its own, as C does, see docs/cuda_emulation.md), the
 scaler's multiply, non-finite check and scale update. GroupNorm+ELU and the scaler's sums of
-squares add in a different order than C, so they compare within the tolerances stated at each
-comparison. GroupNorm+ELU's CUDA results are compared with themselves bit for bit instead: a
-sample's bits must not depend on the batch it is in or on the GPU's size."""
+squares add in a different order than C (and GroupNorm+ELU's CUDA kernels accumulate float data
+in float throughout, where C adds float lanes of at most 32 terms into double), so they compare
+within the tolerances stated at each comparison. GroupNorm+ELU's CUDA results are compared with
+themselves bit for bit instead: a sample's bits must not depend on the batch it is in or on the
+GPU's size."""
 
 import ctypes
 import math
@@ -263,15 +265,15 @@ def gn_tolerance(dtype, stat_dtype, magnitude):
     sum of the absolute values of its terms) are of size `magnitude`.
 
     C and CUDA add the up to n = 2^14 terms of a group (or channel) in different orders, so they
-    round differently; a sum of n terms is within about sqrt(n) = 2^7 roundings of the exact one
-    in practice. CUDA adds at most 16 terms per channel per thread in each chunk (of 8192
+    round differently. CUDA adds at most 16 terms per channel per thread in each chunk (of 8192
     elements or so), combines the 512 threads in a shuffle tree of depth 5 then the 16 warps one
     after another, then the chunks one after another, in the statistics dtype: about 2^6
-    roundings, 2^-47 in double and 2^-18 in float (all but float64 data). C stays within 2^7
-    roundings of its own accumulator (double, or float lanes combined in double): 2^-46 at
-    worst in double, 2^-17 in float. The tolerance is twice the sum: 2^-44 with double
-    statistics, 2^-15 with float ones. The result is then rounded to `dtype`, so a value near a
-    rounding boundary may land one ulp of `dtype` away."""
+    roundings, 2^-47 in double and 2^-18 in float (all but float64 data). C adds lanes of at most
+    32 terms (float lanes for float statistics, double for double ones) into double once per
+    512-element tile, the tiles' sums with compensation: within about sqrt(32) roundings of the
+    lane type, 2^-50 in double and 2^-21 in float. The tolerance is more than twice the sum:
+    2^-44 with double statistics, 2^-15 with float ones. The result is then rounded to `dtype`,
+    so a value near a rounding boundary may land one ulp of `dtype` away."""
     accumulation = 2.0 ** -44 if stat_dtype == torch.float64 else 2.0 ** -15
     ulp = {torch.float64: 2.0 ** -52, torch.float32: 2.0 ** -23,
            torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
