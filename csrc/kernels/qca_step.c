@@ -22,6 +22,15 @@
 #define QCA_ALWAYS_INLINE inline
 #endif
 
+/* The tiles' maths is compiled twice on x86-64 Linux, for AVX2 (8 floats a vector) and for the
+ * baseline (SSE2), and the loader picks the one the CPU runs: no -march flag, one binary. AVX2
+ * without FMA: the same roundings, so the same bits, either way. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define QCA_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define QCA_SIMD_CLONES
+#endif
+
 /* Components per tile: its planes stay in L1/L2. */
 #define QCA_TILE_COMPONENTS 512
 
