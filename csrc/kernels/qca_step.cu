@@ -137,6 +137,8 @@ __device__ void update_backward_cell(const qca_update_backward_params* bp, int64
 
 constexpr int kThreads = 256;
 
+// occupancy: the complex128 update backward (gradcheck's precision, not a training path) holds
+// 73-78 registers, 38% of an sm_80/sm_90 at 256 threads; the complex64 kernels stay at 50-100%.
 template <typename Params, void (*cell_fn)(const Params*, int64_t)>
 __global__ void __launch_bounds__(kThreads) per_cell_kernel(const Params params, int64_t n_cells) {
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
