@@ -12,9 +12,15 @@ episodes (after a warm-up episode, so AdamW's state exists) and the median episo
 The fp32 gradients of stock and lowmem_fp32_step are compared on the same weights, psi0 and
 noise. A run that runs out of memory is reported with an "error" and no numbers.
 
+On the CPU the runs are set up side by side and their episodes timed in turn (there is no peak
+to keep apart), so that other processes' load falls on all of them alike.
+
 Writes benchmarks/results/episode_<device>.json. Usage (on a CUDA machine):
     python benchmarks/bench_episode.py                  # default config: grid 64, d 14, hidden 128, 500 steps
     python benchmarks/bench_episode.py --steps 50 --runs lowmem_fp32_step stock_fp32
+On the CPU, the embedded `qca-lowmem train` config at one thread:
+    python benchmarks/bench_episode.py --device cpu --threads 1 --grid 32 --d-state 4 --hidden 16 --steps 48 \
+        --runs stock_fp32 lowmem_fp32_step
 """
 
 import argparse
@@ -50,6 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--episodes", type=int, default=3, help="measured episodes per run (after one warm-up)")
     p.add_argument("--runs", nargs="+", default=RUNS, choices=RUNS)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--skip-grad-check", action="store_true")
     p.add_argument("--out", default=None, help="output JSON (default benchmarks/results/episode_<device>.json)")
     return p.parse_args(argv)
@@ -146,37 +153,79 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
+class Run:
+    """One run's model, optimizer, scaler and step, warmed up by one episode (and, for a
+    StepGraph, its capture)."""
+
+    def __init__(self, name, stock_model, args, device):
+        self.name, self.args, self.device = name, args, device
+        self.model = (lowmem_model(stock_model, args) if name.startswith("lowmem") else copy.deepcopy(stock_model)).to(device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=1e-5)
+        self.scaler = None
+        if "fp16" in name:
+            self.scaler = (qca_lowmem.amp.GradScaler if name.startswith("lowmem") else torch.amp.GradScaler)(device.type)
+        self.step = None
+        if name.endswith("_step_graph"):
+            self.step = qca_lowmem.StepGraph(lowmem_step_fn(self.model, args.gamma, AMP[name.split("_")[1]]))
+        self.times = []
+        self.episode(seed=0)
+
+    def episode(self, seed):
+        synchronize(self.device)
+        start = time.perf_counter()
+        train_episode(self.name, self.model, self.optimizer, self.scaler, self.args, self.device,
+                      episode_seed=seed, step=self.step)
+        synchronize(self.device)
+        return time.perf_counter() - start
+
+    def release(self):
+        del self.model, self.optimizer, self.step
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def failed(name, e):
+    if isinstance(e, torch.OutOfMemoryError):
+        return {"name": name, "peak_bytes": None, "episode_s": None, "error": f"out of memory: {str(e).splitlines()[0]}"}
+    # e.g. a StepGraph that could not capture: reported, the other runs go on
+    return {"name": name, "peak_bytes": None, "episode_s": None, "error": str(e).splitlines()[0]}
+
+
 def measure_run(name, stock_model, args, device):
-    model = (lowmem_model(stock_model, args) if name.startswith("lowmem") else copy.deepcopy(stock_model)).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-5)
-    scaler = None
-    if "fp16" in name:
-        scaler = (qca_lowmem.amp.GradScaler if name.startswith("lowmem") else torch.amp.GradScaler)(device.type)
-    step = None
-    if name.endswith("_step_graph"):
-        step = qca_lowmem.StepGraph(lowmem_step_fn(model, args.gamma, AMP[name.split("_")[1]]))
+    """A run on its own: on CUDA each run's peak memory needs the device to itself."""
+    run = None
     try:
-        train_episode(name, model, optimizer, scaler, args, device, episode_seed=0, step=step)  # warm-up (and capture)
-        synchronize(device)
+        run = Run(name, stock_model, args, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for episode in range(args.episodes):
-            synchronize(device)
-            start = time.perf_counter()
-            train_episode(name, model, optimizer, scaler, args, device, episode_seed=1 + episode, step=step)
-            synchronize(device)
-            times.append(time.perf_counter() - start)
+        times = [run.episode(seed=1 + episode) for episode in range(args.episodes)]
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         return {"name": name, "peak_bytes": peak, "episode_s": statistics.median(times)}
-    except torch.OutOfMemoryError as e:
-        return {"name": name, "peak_bytes": None, "episode_s": None, "error": f"out of memory: {str(e).splitlines()[0]}"}
-    except RuntimeError as e:  # e.g. a StepGraph that could not capture: reported, the other runs go on
-        return {"name": name, "peak_bytes": None, "episode_s": None, "error": str(e).splitlines()[0]}
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        return failed(name, e)
     finally:
-        del model, optimizer
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        if run is not None:
+            run.release()
+
+
+def measure_interleaved(names, stock_model, args, device):
+    """Runs set up side by side, their episodes timed in turn (CPU: no peak to keep apart), so
+    that load from other processes falls on every run alike and the ratios stay fair."""
+    runs, results = {}, {}
+    for name in names:
+        try:
+            runs[name] = Run(name, stock_model, args, device)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            results[name] = failed(name, e)
+    times = {name: [] for name in runs}
+    for episode in range(args.episodes):
+        for name, run in runs.items():
+            times[name].append(run.episode(seed=1 + episode))
+    for name, run in runs.items():
+        results[name] = {"name": name, "peak_bytes": None, "episode_s": statistics.median(times[name]),
+                         "episodes_s": times[name]}
+        run.release()
+    return [results[name] for name in names]
 
 
 def fp32_gradient_errors(stock_model, args, device):
@@ -218,18 +267,26 @@ def _gradient_errors(stock_model, args, device, kinds):
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     stock_model = reference.UNetUnitary(args.d_state, args.hidden)
     print(f"device {common.device_name(device)}, torch {torch.__version__}")
-    runs = []
-    for name in args.runs:
-        result = measure_run(name, stock_model, args, device)
-        runs.append(result)
+    if device.type == "cuda":
+        runs = [measure_run(name, stock_model, args, device) for name in args.runs]
+    else:
+        runs = measure_interleaved(args.runs, stock_model, args, device)
+    stock_s = next((r["episode_s"] for r in runs if r["name"] == "stock_fp32" and r["episode_s"]), None)
+    for result in runs:
+        name = result["name"]
+        if stock_s and result["episode_s"]:
+            result["vs_stock_fp32"] = result["episode_s"] / stock_s
         if "error" in result:
             print(f"{name:24s} {result['error']}")
         else:
             peak = "n/a" if result["peak_bytes"] is None else f"{result['peak_bytes'] / 2**30:.3f} GiB"
-            print(f"{name:24s} peak {peak:>12s}   episode {result['episode_s']:.3f} s")
+            ratio = f"   {result['vs_stock_fp32']:.2f}x stock fp32" if "vs_stock_fp32" in result else ""
+            print(f"{name:24s} peak {peak:>12s}   episode {result['episode_s']:.3f} s{ratio}")
     grad_errors = {}
     if not args.skip_grad_check:
         try:
@@ -241,6 +298,8 @@ def main(argv=None):
     grad_error = grad_errors.get("lowmem")
     payload = {
         "config": {"grid": args.grid, "d_state": args.d_state, "hidden": args.hidden, "qca_steps": args.steps, "batch": args.batch},
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "timing": "medians of episodes timed in turn across runs" if device.type == "cpu" else "medians, one run at a time",
         "runs": runs,
         "max_grad_rel_err_fp32": grad_error,
         "max_grad_rel_err_fp32_graph": grad_errors.get("lowmem_graph"),

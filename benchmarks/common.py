@@ -61,3 +61,35 @@ def write_result(kind, device, payload, out=None):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"kind": kind, **environment(device, repo=ROOT), **payload}, indent=2) + "\n")
     return path
+
+
+def interleaved_medians(candidates, device, warmup=3, reps=20):
+    """{name: median seconds} of candidates {name: fn}, timed in turn within each repetition, so
+    that load from other processes falls on all of them alike and their ratios stay fair. CUDA
+    events on a GPU, perf_counter elsewhere."""
+    cuda = device.type == "cuda"
+    for _ in range(warmup):
+        for fn in candidates.values():
+            fn()
+    times = {name: [] for name in candidates}
+    for _ in range(reps):
+        for name, fn in candidates.items():
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def copy_of(nbytes, device):
+    """A `copy_` that moves `nbytes` bytes (half read, half written), as a timing candidate."""
+    src = torch.empty(max(1, nbytes // 8), dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)

@@ -192,6 +192,26 @@ def test_compile_fullgraph_matches_eager():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("d", [513, 1031])
+def test_states_wider_than_a_cpu_tile_match_stock(d):
+    # d above the C kernels' tile (512 components): one cell per tile, a larger scratch; odd d
+    # leaves a component outside the transposes' 2-component blocks.
+    psi = reference.initial_state(2, (3, 5), d, dtype=torch.complex128).requires_grad_(True)
+    delta = random_delta(psi, torch.float64).requires_grad_(True)
+    torch.testing.assert_close(qca_lowmem.qca_pack(psi), reference.pack(psi), rtol=0, atol=0)
+    out = qca_lowmem.qca_update(psi, delta, 0.1, True)
+    expected = reference.update(psi, delta, 0.1, True)
+    torch.testing.assert_close(out, expected)
+    upstream = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (psi, delta), upstream)
+    for got, want in zip(grads, torch.autograd.grad(expected, (psi, delta), upstream)):
+        torch.testing.assert_close(got, want)
+    x_grad = torch.randn(2, 2 * d, 3, 5, dtype=torch.float64)
+    (pack_grad,) = torch.autograd.grad(qca_lowmem.qca_pack(psi), psi, x_grad)
+    (stock_pack_grad,) = torch.autograd.grad(reference.pack(psi), psi, x_grad)
+    torch.testing.assert_close(pack_grad, stock_pack_grad, rtol=0, atol=0)
+
+
 def test_empty_batch():
     psi = torch.randn(0, 4, 4, 3, dtype=torch.complex64, requires_grad=True)
     delta = torch.randn(0, 6, 4, 4, requires_grad=True)

@@ -45,6 +45,7 @@ inline qca_dtype to_qca_dtype(at::ScalarType t) {
 inline void check_status(qca_status status, const char* op) {
   TORCH_CHECK(status != QCA_ERR_INVALID_ARGUMENT, op, ": the kernel rejected its arguments");
   TORCH_CHECK(status != QCA_ERR_UNSUPPORTED_DTYPE, op, ": the kernel has no variant for this dtype");
+  TORCH_CHECK(status != QCA_ERR_OUT_OF_MEMORY, op, ": out of host memory for the kernel's scratch");
   TORCH_CHECK(status == QCA_OK, op, ": kernel failed with status ", static_cast<int>(status));
 }
 

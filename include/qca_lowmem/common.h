@@ -22,7 +22,8 @@ typedef enum qca_status {
   QCA_OK = 0,
   QCA_ERR_INVALID_ARGUMENT = 1,
   QCA_ERR_UNSUPPORTED_DTYPE = 2,
-  QCA_ERR_CUDA = 3
+  QCA_ERR_CUDA = 3,
+  QCA_ERR_OUT_OF_MEMORY = 4 /* a CPU kernel could not allocate its scratch */
 } qca_status;
 
 /* A CUDA launcher that returns QCA_ERR_CUDA leaves the cudaError_t here for the glue to report. */

@@ -419,7 +419,7 @@ class _ParamGradSink:
         self.params = params
         self.buffers: List[Optional[torch.Tensor]] = [None] * len(params)
         self._set_aside = []
-        self._zeros = {}  # one scalar zero per (dtype, device), broadcast to each gradient's shape
+        self._zeros = {}  # a scalar zero broadcast to each (dtype, device, shape), made once
 
     def __enter__(self):
         for i, p in enumerate(self.params):
@@ -448,10 +448,11 @@ class _ParamGradSink:
             self.buffers[i] = buffer
         else:
             buffer.add_(grad)
-        zero = self._zeros.get((grad.dtype, grad.device))
+        key = (grad.dtype, grad.device, grad.shape)
+        zero = self._zeros.get(key)
         if zero is None:
-            zero = self._zeros[grad.dtype, grad.device] = torch.zeros((), dtype=grad.dtype, device=grad.device)
-        return zero.expand(grad.shape)
+            zero = self._zeros[key] = torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+        return zero
 
     def take(self):
         buffers, self.buffers = self.buffers, None
