@@ -3,6 +3,7 @@ what is wrong, the documented exit status, no traceback, and the previous checkp
 
 import csv
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -69,7 +70,7 @@ def assert_one_line(done, status, *expected):
 
 
 def _corrupt(run):
-    (run / CHECKPOINT_NAME).write_bytes(os.urandom(4096))
+    (run / CHECKPOINT_NAME).write_bytes(random.Random(0).randbytes(4096))
 
 
 def _truncate(run):

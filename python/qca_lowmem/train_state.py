@@ -10,6 +10,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -175,8 +176,7 @@ def read_checkpoint(path) -> dict:
     if not path.exists():
         raise UsageError(f"--resume {path}: no checkpoint there")
     try:
-        # On the CPU: RNG states must stay CPU tensors; load_state_dict moves the rest to the device.
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = _load(path)
     except Exception as error:  # torch.load raises whatever the damaged bytes lead its unpickler to
         raise UsageError(f"checkpoint {path} is unreadable (truncated?): {error_text(error)}; "
                          f"{_fallback(path)}") from None
@@ -186,12 +186,21 @@ def read_checkpoint(path) -> dict:
     return state
 
 
+def _load(path: Path):
+    # Checkpoints are torch's zip archives: anything else is refused before the legacy unpickler
+    # reads it, whose errors on random bytes include MemoryError and interpreter-level noise.
+    if not zipfile.is_zipfile(path):
+        raise ValueError("not a zip archive of torch.save")
+    # On the CPU: RNG states must stay CPU tensors; load_state_dict moves the rest to the device.
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
 def _fallback(path: Path) -> str:
     previous = previous_path(path)
     if previous == path or not previous.is_file():
         return "no older checkpoint exists"
     try:
-        episode = torch.load(previous, map_location="cpu", weights_only=False)["episode"]
+        episode = _load(previous)["episode"]
     except Exception:
         return f"the older {previous} is unreadable too"
     return f"the older {previous} (episode {episode}) is readable: --resume {previous}"
