@@ -20,9 +20,7 @@ importable: `python benchmarks/bench_block.py [--device cpu]`.
 """
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -117,12 +115,9 @@ def gn_shapes(args):
     return shapes
 
 
-def bench_kernels(args):
-    ops = torch.ops.qca_lowmem
-    device = torch.device("cuda")
-    copy_gbs = common.copy_bandwidth(device) / 1e9
-    print(f"device-to-device copy: {copy_gbs:.0f} GB/s")
-    rows = []
+def gn_cases(args, device, affine_dtype=None):
+    """(batch, dtype name, (C, H, W, groups), layout, x, weight, bias, grad_y) for every
+    benchmarked GroupNorm; the affine parameters in `affine_dtype` (x's dtype when None)."""
     for batch in args.batches:
         for dtype_name in args.dtypes:
             dtype = DTYPES[dtype_name]
@@ -131,56 +126,53 @@ def bench_kernels(args):
                     x = torch.randn(batch, channels, height, width, device=device, dtype=dtype)
                     if layout == "channels_last":
                         x = x.contiguous(memory_format=torch.channels_last)
-                    weight = torch.randn(channels, device=device) * 0.3 + 1
-                    bias = torch.randn(channels, device=device) * 0.3
-                    grad_y = torch.randn_like(x)
-                    y, mean, rstd = ops.groupnorm_elu(x, weight, bias, groups, 1e-5)
-                    fwd_ms = median_ms(lambda: ops.groupnorm_elu(x, weight, bias, groups, 1e-5), args)
-                    bwd_ms = median_ms(lambda: ops.groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd), args)
-                    # Stock: nn.GroupNorm then nn.ELU (fp32 affine, as autocast runs it).
-                    xs = x.detach().requires_grad_(True)
-                    ws, bs = weight.detach().requires_grad_(True), bias.detach().requires_grad_(True)
+                    params = dict(device=device, dtype=affine_dtype or dtype)
+                    weight = torch.randn(channels, **params) * 0.3 + 1
+                    bias = torch.randn(channels, **params) * 0.3
+                    yield batch, dtype_name, (channels, height, width, groups), layout, x, weight, bias, torch.randn_like(x)
 
-                    def stock_forward():
-                        return F.elu(F.group_norm(xs, groups, ws.to(dtype), bs.to(dtype), 1e-5))
 
-                    stock_fwd_ms = median_ms(stock_forward, args)
-                    ys = stock_forward()
-                    stock_bwd_ms = median_ms(lambda: torch.autograd.grad(ys, (xs, ws, bs), grad_y, retain_graph=True), args)
-                    element = x.element_size()
-                    fwd_bytes = 2 * x.numel() * element  # read x, write y
-                    bwd_bytes = 3 * x.numel() * element  # read x and grad_y, write grad_x
-                    fwd_gbs, bwd_gbs = fwd_bytes / fwd_ms / 1e6, bwd_bytes / bwd_ms / 1e6
-                    row = {
-                        "batch": batch, "dtype": dtype_name, "layout": layout,
-                        "shape": [batch, channels, height, width], "groups": groups,
-                        "forward_ms": fwd_ms, "backward_ms": bwd_ms,
-                        "forward_GBps": fwd_gbs, "backward_GBps": bwd_gbs,
-                        "forward_fraction_of_copy": fwd_gbs / copy_gbs, "backward_fraction_of_copy": bwd_gbs / copy_gbs,
-                        "stock_forward_ms": stock_fwd_ms, "stock_backward_ms": stock_bwd_ms,
-                        "forward_speedup_vs_stock": stock_fwd_ms / fwd_ms, "backward_speedup_vs_stock": stock_bwd_ms / bwd_ms,
-                    }
-                    rows.append(row)
-                    print(f"B={batch} {dtype_name} {layout:13s} C={channels:4d} {height}x{width} G={groups:3d}: "
-                          f"fwd {fwd_ms * 1e3:7.1f} us {fwd_gbs:6.0f} GB/s ({fwd_gbs / copy_gbs:4.0%} of copy, "
-                          f"{stock_fwd_ms / fwd_ms:4.2f}x stock)  bwd {bwd_ms * 1e3:7.1f} us {bwd_gbs:6.0f} GB/s "
-                          f"({bwd_gbs / copy_gbs:4.0%}, {stock_bwd_ms / bwd_ms:4.2f}x stock)")
+def bench_kernels(args):
+    ops = torch.ops.qca_lowmem
+    device = torch.device("cuda")
+    copy_gbs = common.copy_bandwidth(device) / 1e9
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s")
+    rows = []
+    for batch, dtype_name, shape, layout, x, weight, bias, grad_y in gn_cases(args, device, torch.float32):
+        dtype = DTYPES[dtype_name]
+        channels, height, width, groups = shape
+        y, mean, rstd = ops.groupnorm_elu(x, weight, bias, groups, 1e-5)
+        fwd_ms = median_ms(lambda: ops.groupnorm_elu(x, weight, bias, groups, 1e-5), args)
+        bwd_ms = median_ms(lambda: ops.groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd), args)
+        # Stock: nn.GroupNorm then nn.ELU (fp32 affine, as autocast runs it).
+        xs = x.detach().requires_grad_(True)
+        ws, bs = weight.detach().requires_grad_(True), bias.detach().requires_grad_(True)
+
+        def stock_forward():
+            return F.elu(F.group_norm(xs, groups, ws.to(dtype), bs.to(dtype), 1e-5))
+
+        stock_fwd_ms = median_ms(stock_forward, args)
+        ys = stock_forward()
+        stock_bwd_ms = median_ms(lambda: torch.autograd.grad(ys, (xs, ws, bs), grad_y, retain_graph=True), args)
+        element = x.element_size()
+        fwd_bytes = 2 * x.numel() * element  # read x, write y
+        bwd_bytes = 3 * x.numel() * element  # read x and grad_y, write grad_x
+        fwd_gbs, bwd_gbs = fwd_bytes / fwd_ms / 1e6, bwd_bytes / bwd_ms / 1e6
+        row = {
+            "batch": batch, "dtype": dtype_name, "layout": layout,
+            "shape": [batch, channels, height, width], "groups": groups,
+            "forward_ms": fwd_ms, "backward_ms": bwd_ms,
+            "forward_GBps": fwd_gbs, "backward_GBps": bwd_gbs,
+            "forward_fraction_of_copy": fwd_gbs / copy_gbs, "backward_fraction_of_copy": bwd_gbs / copy_gbs,
+            "stock_forward_ms": stock_fwd_ms, "stock_backward_ms": stock_bwd_ms,
+            "forward_speedup_vs_stock": stock_fwd_ms / fwd_ms, "backward_speedup_vs_stock": stock_bwd_ms / bwd_ms,
+        }
+        rows.append(row)
+        print(f"B={batch} {dtype_name} {layout:13s} C={channels:4d} {height}x{width} G={groups:3d}: "
+              f"fwd {fwd_ms * 1e3:7.1f} us {fwd_gbs:6.0f} GB/s ({fwd_gbs / copy_gbs:4.0%} of copy, "
+              f"{stock_fwd_ms / fwd_ms:4.2f}x stock)  bwd {bwd_ms * 1e3:7.1f} us {bwd_gbs:6.0f} GB/s "
+              f"({bwd_gbs / copy_gbs:4.0%}, {stock_bwd_ms / bwd_ms:4.2f}x stock)")
     return {"copy_GBps": copy_gbs, "groupnorm_elu": rows}
-
-
-def interleaved_medians(fns, warmup, reps):
-    """Median wall time of each of `fns` (name -> callable), run one after another in each round
-    so that a machine's changing load falls on all of them alike."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def bench_kernels_cpu(args):
@@ -189,51 +181,42 @@ def bench_kernels_cpu(args):
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for batch in args.batches:
-            for dtype_name in args.dtypes:
-                dtype = DTYPES[dtype_name]
-                for channels, height, width, groups in gn_shapes(args):
-                    for layout in ("nchw", "channels_last"):
-                        x = torch.randn(batch, channels, height, width, dtype=dtype)
-                        if layout == "channels_last":
-                            x = x.contiguous(memory_format=torch.channels_last)
-                        weight = torch.randn(channels, dtype=dtype) * 0.3 + 1
-                        bias = torch.randn(channels, dtype=dtype) * 0.3
-                        grad_y = torch.randn_like(x)
-                        _, mean, rstd = ops.groupnorm_elu(x, weight, bias, groups, 1e-5)
-                        xs = x.detach().requires_grad_(True)
-                        ws, bs = weight.detach().requires_grad_(True), bias.detach().requires_grad_(True)
-                        ys = F.elu(F.group_norm(xs, groups, ws, bs, 1e-5))
-                        copy_out = torch.empty_like(x)
-                        seconds = interleaved_medians({
-                            "forward": lambda: ops.groupnorm_elu(x, weight, bias, groups, 1e-5),
-                            "backward": lambda: ops.groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd),
-                            "stock_forward": lambda: F.elu(F.group_norm(xs, groups, ws, bs, 1e-5)),
-                            "stock_backward": lambda: torch.autograd.grad(ys, (xs, ws, bs), grad_y, retain_graph=True),
-                            "copy": lambda: copy_out.copy_(x),
-                        }, args.warmup, args.iters)
-                        nbytes = x.numel() * x.element_size()
-                        copy_gbs = 2 * nbytes / seconds["copy"] / 1e9
-                        fwd_gbs = 2 * nbytes / seconds["forward"] / 1e9  # read x, write y
-                        bwd_gbs = 3 * nbytes / seconds["backward"] / 1e9  # read x and grad_y, write grad_x
-                        row = {
-                            "threads": threads, "batch": batch, "dtype": dtype_name, "layout": layout,
-                            "shape": [batch, channels, height, width], "groups": groups, "x_bytes": nbytes,
-                            "forward_ms": seconds["forward"] * 1e3, "backward_ms": seconds["backward"] * 1e3,
-                            "stock_forward_ms": seconds["stock_forward"] * 1e3,
-                            "stock_backward_ms": seconds["stock_backward"] * 1e3,
-                            "copy_ms": seconds["copy"] * 1e3, "copy_GBps": copy_gbs,
-                            "forward_GBps": fwd_gbs, "backward_GBps": bwd_gbs,
-                            "forward_fraction_of_copy": fwd_gbs / copy_gbs, "backward_fraction_of_copy": bwd_gbs / copy_gbs,
-                            "forward_speedup_vs_stock": seconds["stock_forward"] / seconds["forward"],
-                            "backward_speedup_vs_stock": seconds["stock_backward"] / seconds["backward"],
-                        }
-                        rows.append(row)
-                        print(f"{threads}t B={batch} {dtype_name} {layout:13s} C={channels:4d} {height}x{width} G={groups:3d}: "
-                              f"fwd {row['forward_ms'] * 1e3:7.0f} us {row['forward_speedup_vs_stock']:4.2f}x stock "
-                              f"{fwd_gbs / copy_gbs:4.0%} of copy | bwd {row['backward_ms'] * 1e3:7.0f} us "
-                              f"{row['backward_speedup_vs_stock']:4.2f}x stock {bwd_gbs / copy_gbs:4.0%} of copy "
-                              f"| copy {copy_gbs:5.1f} GB/s", flush=True)
+        for batch, dtype_name, shape, layout, x, weight, bias, grad_y in gn_cases(args, torch.device("cpu")):
+            channels, height, width, groups = shape
+            _, mean, rstd = ops.groupnorm_elu(x, weight, bias, groups, 1e-5)
+            xs = x.detach().requires_grad_(True)
+            ws, bs = weight.detach().requires_grad_(True), bias.detach().requires_grad_(True)
+            ys = F.elu(F.group_norm(xs, groups, ws, bs, 1e-5))
+            copy_out = torch.empty_like(x)
+            seconds = common.interleaved_medians({
+                "forward": lambda: ops.groupnorm_elu(x, weight, bias, groups, 1e-5),
+                "backward": lambda: ops.groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd),
+                "stock_forward": lambda: F.elu(F.group_norm(xs, groups, ws, bs, 1e-5)),
+                "stock_backward": lambda: torch.autograd.grad(ys, (xs, ws, bs), grad_y, retain_graph=True),
+                "copy": lambda: copy_out.copy_(x),
+            }, torch.device("cpu"), args.warmup, args.iters)
+            nbytes = x.numel() * x.element_size()
+            copy_gbs = 2 * nbytes / seconds["copy"] / 1e9
+            fwd_gbs = 2 * nbytes / seconds["forward"] / 1e9  # read x, write y
+            bwd_gbs = 3 * nbytes / seconds["backward"] / 1e9  # read x and grad_y, write grad_x
+            row = {
+                "threads": threads, "batch": batch, "dtype": dtype_name, "layout": layout,
+                "shape": [batch, channels, height, width], "groups": groups, "x_bytes": nbytes,
+                "forward_ms": seconds["forward"] * 1e3, "backward_ms": seconds["backward"] * 1e3,
+                "stock_forward_ms": seconds["stock_forward"] * 1e3,
+                "stock_backward_ms": seconds["stock_backward"] * 1e3,
+                "copy_ms": seconds["copy"] * 1e3, "copy_GBps": copy_gbs,
+                "forward_GBps": fwd_gbs, "backward_GBps": bwd_gbs,
+                "forward_fraction_of_copy": fwd_gbs / copy_gbs, "backward_fraction_of_copy": bwd_gbs / copy_gbs,
+                "forward_speedup_vs_stock": seconds["stock_forward"] / seconds["forward"],
+                "backward_speedup_vs_stock": seconds["stock_backward"] / seconds["backward"],
+            }
+            rows.append(row)
+            print(f"{threads}t B={batch} {dtype_name} {layout:13s} C={channels:4d} {height}x{width} G={groups:3d}: "
+                  f"fwd {row['forward_ms'] * 1e3:7.0f} us {row['forward_speedup_vs_stock']:4.2f}x stock "
+                  f"{fwd_gbs / copy_gbs:4.0%} of copy | bwd {row['backward_ms'] * 1e3:7.0f} us "
+                  f"{row['backward_speedup_vs_stock']:4.2f}x stock {bwd_gbs / copy_gbs:4.0%} of copy "
+                  f"| copy {copy_gbs:5.1f} GB/s", flush=True)
     return {"groupnorm_elu": rows}
 
 

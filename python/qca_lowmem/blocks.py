@@ -199,11 +199,13 @@ _ConvBlockKeepFunction = _eager_function("_ConvBlockKeepFunction", _conv_block_k
 
 
 def _plain_eager(tensors) -> bool:
-    """Plain eager execution: no torch.compile, dispatch mode or functorch transform, and no
-    tensor with its own __torch_function__; there the Function above is the op's autograd
-    exactly, and everything else sees the op itself."""
+    """Plain eager execution on one device: no torch.compile, dispatch mode or functorch
+    transform, and no tensor with its own __torch_function__; there the Function above is the
+    op's autograd exactly, and everything else sees the op itself (a device mix, its checks)."""
+    device = tensors[0].device
     return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-                or torch._C._are_functorch_transforms_active() or torch.overrides.has_torch_function(tensors))
+                or torch._C._are_functorch_transforms_active() or torch.overrides.has_torch_function(tensors)
+                or any(t.device != device for t in tensors))
 
 
 class FusedConvBlock(nn.Module):
