@@ -165,8 +165,11 @@ def test_ctrl_c_saves_and_exits_130(tmp_path):
                                                    "output": {"save_every": 0}})
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    # A shell without job control starts background jobs with SIGINT ignored, and the trainer
+    # honours an ignored SIGINT (nohup): the child gets the default back, as a terminal's would.
     proc = subprocess.Popen([sys.executable, "-m", "qca_lowmem", "train", "--no-progress", "--config", config,
-                             "--out", str(out)], stderr=subprocess.PIPE, text=True, env=env)
+                             "--out", str(out)], stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         while not ((out / "metrics.csv").exists() and len((out / "metrics.csv").read_text().splitlines()) >= 3):
