@@ -268,7 +268,7 @@ def test_fuzz_config_and_arguments_give_a_config_or_one_line(tmp_path_factory):
     documents, arguments = _fuzz_strategies()
     folder = tmp_path_factory.mktemp("fuzz")
 
-    @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None)
     @given(document=documents, argv=arguments, fuzz_arguments=st.booleans())
     def check(document, argv, fuzz_arguments):
         config = folder / "fuzz.yaml"

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import qca_lowmem
 from qca_lowmem import stock
 
-FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 DEVICES = st.sampled_from(["cpu", "meta"])
 REAL = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32]
 COMPLEX = [torch.complex64, torch.complex128]
@@ -106,6 +106,8 @@ def test_groupnorm_elu_fuzz(data, device, shape, groups, matching_affine):
     low = x.dtype in (torch.float16, torch.bfloat16)
 
     def reference():
+        if shape[2] * shape[3] == 0 and channels == shape[1]:
+            return torch.empty_like(x)  # nothing to normalise (torch >= 2.14 refuses an empty plane)
         # torch.group_norm: F.group_norm's training-mode refusal of one value per group aside.
         y = F.elu(torch.group_norm(x.to(stat), groups, weight.to(stat), bias.to(stat), 1e-5))
         return y.to(x.dtype)
