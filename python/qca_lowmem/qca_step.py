@@ -100,7 +100,6 @@ def _update_backward_fake(grad_out, psi, delta, gamma, multiplicative, eps):
     torch._check(grad_out.dtype == psi.dtype and grad_out.shape == psi.shape,
                  lambda: f"{op}: grad_out must match psi ({describe(psi)}), got {describe(grad_out)}")
     check_same_device(psi, "psi", grad_out, "grad_out", op)
-    check_same_device(psi, "psi", grad_out, "grad_out", "qca_update_backward")
     return (
         torch.empty_like(psi, memory_format=torch.contiguous_format),
         torch.empty_like(delta, memory_format=torch.contiguous_format),
