@@ -1,156 +1,129 @@
 /* CPU kernels of the fused GroupNorm + ELU (see include/qca_lowmem/groupnorm_elu.h).
- * Each (sample, group) pair is independent. Elements are converted a tile at a time to float
- * (double for float64 statistics) and processed in loops the compiler vectorises; sums go into
- * per-lane accumulators of the compute type that are added to double once per tile (at most
- * GN_TILE / 16 terms each), and the statistics are shifted by an early estimate of the mean,
- * so they stay accurate when the mean is large next to the spread. */
+ *
+ * Memory is read in the order it lies, in loops the compiler vectorises. NCHW, a group is
+ * contiguous and a channel's parameters are scalars over its plane: runs of contiguous
+ * elements, sums in a few float accumulators. Channels_last, the groups of one sample that a
+ * call covers are processed side by side as a matrix (gn_matrix) whose row is one pixel's
+ * channels of those groups, with each column's parameters in arrays and one float accumulator
+ * per column for up to GN_FLUSH_ROWS rows. Float accumulators go into double after at most 32
+ * terms. Data of another type than the compute type is converted a block at a time; float32
+ * (float64) data is read and written in place. The statistics are taken about an early estimate
+ * of the group mean, so they stay accurate when the mean is large next to the spread. */
 #include "qca_lowmem/groupnorm_elu.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "qca_scalar.h"
 
 enum {
-  GN_TILE = 512,      /* elements converted and processed at a time */
-  GN_LANES = 16,      /* accumulators of a contiguous (one-channel) run */
-  GN_MAX_WIDTH = 256, /* channels of a channels_last group processed side by side */
-  GN_MAX_COLS = GN_MAX_WIDTH > GN_LANES ? GN_MAX_WIDTH : GN_LANES
+  /* NCHW: accumulators of a contiguous run, and the run's length (32 terms a lane). The
+   * light statistics loop needs many independent sums to keep the pipeline full; the backward's
+   * fewer, so that small planes flush few. */
+  GN_STAT_LANES = 32,
+  GN_STAT_RUN = 1024,
+  GN_GRAD_LANES = 8,
+  GN_GRAD_RUN = 256,
+  GN_MAX_COLS = 512,  /* channels_last: channels processed side by side */
+  GN_FLUSH_ROWS = 32, /* channels_last: rows added in the compute type before going to double */
+  GN_BLOCK = 2048     /* elements converted at a time */
 };
 
-/* One (sample, group) pair. Element (channel c of the group, pixel p) is at
- * base + c * channel_stride + p * pixel_stride. */
-typedef struct gn_group {
-  int64_t sample, first_channel, channels, all_channels, pixels;
-  int64_t base, channel_stride, pixel_stride;
-  int64_t segments, planes; /* NCHW: `planes` whole channel planes a segment, when they are small */
-  int channels_last;
-} gn_group;
+/* rows x cols elements: (r, j) at offset + r * row_stride + j. */
+typedef struct gn_matrix {
+  int64_t offset, rows, cols, row_stride;
+} gn_matrix;
 
-/* Channels of a group over all its pixels: NCHW `planes` consecutive channel planes (one, or
- * several small ones: a tile then holds them all), channels_last `width` channels side by side
- * (up to GN_MAX_WIDTH). A tile is `planes` blocks of contiguous elements, each a matrix of `cols`
- * = width * m columns: column j of block b is channel `channel + b + j % width`. */
-typedef struct gn_segment {
-  int64_t channel, width, planes, cols, tile_pixels, tiles;
-} gn_segment;
+/* The groups [first_group, first_group + groups) of one sample, channels_last: channel
+ * first_channel + j of pixel r at base + r * row_stride + j. One group wider than GN_MAX_COLS
+ * channels is a run of its own and is walked in column segments. */
+typedef struct gn_run {
+  int64_t sample, first_group, groups, group_channels, first_channel, channels, pixels;
+  int64_t base, row_stride;
+} gn_run;
 
-/* `count` elements of a segment (pixel-major), read from memory as `runs` runs of `run_length`
- * elements `run_stride` apart from `offset`. */
-typedef struct gn_tile {
-  int64_t offset, runs, run_length, run_stride, count;
-} gn_tile;
-
-static gn_group group_of(const qca_groupnorm_elu_shape* s, int64_t pair) {
-  gn_group g;
-  g.sample = pair / s->groups;
-  g.channels = s->channels / s->groups;
-  g.first_channel = (pair % s->groups) * g.channels;
-  g.all_channels = s->channels;
-  g.pixels = s->height * s->width;
-  g.channels_last = s->channels_last;
-  if (s->channels_last) {
-    g.base = g.sample * g.pixels * s->channels + g.first_channel;
-    g.channel_stride = 1;
-    g.pixel_stride = s->channels;
-    g.planes = 1;
-  } else {
-    g.base = (g.sample * s->channels + g.first_channel) * g.pixels;
-    g.channel_stride = g.pixels;
-    g.pixel_stride = 1;
-    g.planes = g.pixels > 0 && g.pixels <= GN_TILE / 2 ? GN_TILE / g.pixels : 1;
-    if (g.planes > GN_MAX_WIDTH) g.planes = GN_MAX_WIDTH;
-  }
-  const int64_t per_segment = s->channels_last ? GN_MAX_WIDTH : g.planes;
-  g.segments = (g.channels + per_segment - 1) / per_segment;
-  return g;
+static gn_run run_of(const qca_groupnorm_elu_shape* s, int64_t pair, int64_t pair_end) {
+  gn_run r;
+  r.sample = pair / s->groups;
+  r.first_group = pair % s->groups;
+  r.group_channels = s->channels / s->groups;
+  int64_t groups = s->groups - r.first_group;
+  if (groups > pair_end - pair) groups = pair_end - pair;
+  const int64_t fit = GN_MAX_COLS / r.group_channels;
+  r.groups = groups < fit ? groups : (fit > 0 ? fit : 1);
+  r.first_channel = r.first_group * r.group_channels;
+  r.channels = r.groups * r.group_channels;
+  r.pixels = s->height * s->width;
+  r.row_stride = s->channels;
+  r.base = r.sample * r.pixels * s->channels + r.first_channel;
+  return r;
 }
 
-static gn_segment segment_of(const gn_group* g, int64_t index) {
-  gn_segment s;
-  s.channel = index * (g->channels_last ? GN_MAX_WIDTH : g->planes);
-  const int64_t rest = g->channels - s.channel;
-  s.width = g->channels_last ? (rest < GN_MAX_WIDTH ? rest : GN_MAX_WIDTH) : 1;
-  s.planes = g->channels_last ? 1 : (rest < g->planes ? rest : g->planes);
-  const int64_t repeats = s.width < GN_LANES ? GN_LANES / s.width : 1;
-  s.cols = s.width * repeats;
-  s.tile_pixels = GN_TILE / s.cols * repeats;
-  s.tiles = (g->pixels + s.tile_pixels - 1) / s.tile_pixels;
-  return s;
+/* Columns [first, first + count) of a run, every pixel. */
+static gn_matrix run_segment(const gn_run* r, int64_t first, int64_t count) {
+  gn_matrix m = {r->base + first, r->pixels, count, r->row_stride};
+  return m;
 }
-
-static gn_tile tile_of(const gn_group* g, const gn_segment* s, int64_t index) {
-  gn_tile t;
-  const int64_t first_pixel = index * s->tile_pixels;
-  const int64_t pixels =
-      g->pixels - first_pixel < s->tile_pixels ? g->pixels - first_pixel : s->tile_pixels;
-  t.offset = g->base + s->channel * g->channel_stride + first_pixel * g->pixel_stride;
-  t.count = pixels * s->width * s->planes; /* planes > 1: one tile of whole planes */
-  if (g->pixel_stride == s->width) { /* the tile is one contiguous run */
-    t.runs = 1;
-    t.run_length = t.count;
-  } else {
-    t.runs = pixels;
-    t.run_length = s->width;
-  }
-  t.run_stride = g->pixel_stride;
-  return t;
-}
-
-/* Elements in the matrix row of a tile that starts at `start`: cols, or fewer in the last. */
-static inline int64_t row_length(const gn_segment* s, const gn_tile* t, int64_t start) {
-  return t->count - start < s->cols ? t->count - start : s->cols;
-}
-
-/* A compensated (Neumaier) double sum. */
-typedef struct gn_sum {
-  double sum, compensation;
-} gn_sum;
-
-static inline void gn_add(gn_sum* s, double value) {
-  const double t = s->sum + value;
-  s->compensation += fabs(s->sum) >= fabs(value) ? (s->sum - t) + value : (value - t) + s->sum;
-  s->sum = t;
-}
-
-static inline double gn_total(const gn_sum* s) { return s->sum + s->compensation; }
 
 /* exp(z) - 1 and exp(z) for z <= 0 from one range reduction, in float and branch-free so that
  * loops over them vectorise: z = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite split of ln2),
- * expm1(r) by its Taylor polynomial to r^7 (truncation below 2e-8 relative), then
- * exp(z) = 2^n (1 + expm1(r)). Within a few float ulps of the exact values; NaN stays NaN. */
+ * expm1(r) by its Taylor polynomial to r^7 (truncation below 2e-8 relative, evaluated by Estrin's
+ * scheme: short dependency chains, so independent elements overlap), then
+ * exp(z) = 2^n (1 + expm1(r)). Within a few float ulps of the exact values; NaN stays NaN. Below
+ * z = -87, exp(z) is taken as 0: the compiler evaluates that case for every element, and a
+ * subnormal there would cost a microcode assist per vector. */
 typedef struct gn_exp {
   float scale, expm1_r; /* 2^n, expm1(r) */
 } gn_exp;
 
 static inline gn_exp gn_exp_reduce(float z) {
   const float rounder = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-  z = z < -87.0f ? -87.0f : z;       /* exp(-87) is below float's epsilon; 2^n stays normal */
-  const float shifted = z * 1.44269504088896341f + rounder;
+  const float zc = z < -87.0f ? -87.0f : z; /* 2^n stays normal */
+  const float shifted = zc * 1.44269504088896341f + rounder;
   const float n = shifted - rounder;
   uint32_t bits;
   memcpy(&bits, &shifted, sizeof bits);
   bits = (bits - 0x4b400000u + 127u) << 23; /* the low bits of `shifted` hold n */
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  const float r = (zc - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  const float r2 = r * r, r4 = r2 * r2;
+  const float low = 0.5f + r * (1.0f / 6), mid = 1.0f / 24 + r * (1.0f / 120),
+              high = 1.0f / 720 + r * (1.0f / 5040);
   gn_exp e;
-  memcpy(&e.scale, &bits, sizeof e.scale);
-  const float r = (z - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
-  e.expm1_r =
-      r + r * r *
-              (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 +
-                                                          r * (1.0f / 720 + r * (1.0f / 5040))))));
+  e.scale = z < -87.0f ? 0.0f : scale;
+  e.expm1_r = r + r2 * ((low + r2 * mid) + r4 * high);
   return e;
 }
 
-/* ELU and its slope for float: no select on computed values (which the compiler would not
- * if-convert into vector code), as z = max(z, 0) + min(z, 0) and expm1(0) = 0, exp(0) = 1
- * exactly here. The selects keep a NaN z. */
+/* z split by its sign bit into z = positive + negative (one of them 0), with integer masks:
+ * compilers turn selects on z into blends of both sides computed for every element, which for
+ * the slope made a subnormal per vector. A NaN stays in one of the two parts. */
+typedef struct gn_split {
+  float positive, negative;
+} gn_split;
+
+static inline gn_split gn_split_sign(float z) {
+  uint32_t bits;
+  memcpy(&bits, &z, sizeof bits);
+  const uint32_t negative = (uint32_t)-(int32_t)(bits >> 31); /* all ones when the sign is set */
+  const uint32_t low = bits & negative, high = bits & ~negative;
+  gn_split s;
+  memcpy(&s.negative, &low, sizeof low);
+  memcpy(&s.positive, &high, sizeof high);
+  return s;
+}
+
+/* ELU and its slope for float, branch-free: expm1(0) = 0 and exp(0) = 1 exactly here. */
 static inline float gn_elu_f32(float z) {
-  const gn_exp e = gn_exp_reduce(z > 0.0f ? 0.0f : z);
-  return (0.0f > z ? 0.0f : z) + (e.scale * e.expm1_r + (e.scale - 1.0f));
+  const gn_split s = gn_split_sign(z);
+  const gn_exp e = gn_exp_reduce(s.negative);
+  return s.positive + (e.scale * e.expm1_r + (e.scale - 1.0f));
 }
 
 static inline float gn_elu_slope_f32(float z) {
-  const gn_exp e = gn_exp_reduce(z > 0.0f ? 0.0f : z);
+  const gn_exp e = gn_exp_reduce(gn_split_sign(z).negative);
   return e.scale * (1.0f + e.expm1_r);
 }
 
@@ -170,26 +143,36 @@ static inline double gn_elu_slope_f64(double z) { return z > 0 ? 1.0 : exp(z); }
 #ifndef GN_VECTOR_CLONES
 #define GN_VECTOR_CLONES
 #endif
+/* The loops are compiled inside the entry points, so in each of their versions. */
+#if defined(__GNUC__)
+#define GN_INLINE static inline __attribute__((always_inline))
+#else
+#define GN_INLINE static inline
+#endif
 
 #define REAL float
+#define NATIVE QCA_F32
 #define SUFFIX f32
 #define ELU gn_elu_f32
 #define ELU_SLOPE gn_elu_slope_f32
 #define CLONES GN_VECTOR_CLONES
 #include "groupnorm_elu_tiles.inc"
 #undef REAL
+#undef NATIVE
 #undef SUFFIX
 #undef ELU
 #undef ELU_SLOPE
 #undef CLONES
 
 #define REAL double
+#define NATIVE QCA_F64
 #define SUFFIX f64
 #define ELU gn_elu_f64
 #define ELU_SLOPE gn_elu_slope_f64
 #define CLONES
 #include "groupnorm_elu_tiles.inc"
 #undef REAL
+#undef NATIVE
 #undef SUFFIX
 #undef ELU
 #undef ELU_SLOPE
@@ -213,24 +196,22 @@ qca_status qca_groupnorm_elu_forward_cpu(const qca_groupnorm_elu_params* p, int6
       check_args(&p->shape, p->x_dtype, p->affine_dtype, p->stat_dtype, pair_begin, pair_end);
   if (status != QCA_OK) return status;
   const int f64 = p->stat_dtype == QCA_F64;
-  for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
-    const gn_group g = group_of(&p->shape, pair);
-    if (!p->mean_in) {
-      double mean, var;
+  if (p->shape.channels_last) {
+    for (int64_t pair = pair_begin; pair < pair_end;) {
+      const gn_run r = run_of(&p->shape, pair, pair_end);
       if (f64)
-        statistics_f64(p, &g, &mean, &var);
+        forward_run_f64(p, &r);
       else
-        statistics_f32(p, &g, &mean, &var);
-      qca_store_f64(p->mean_out, p->stat_dtype, pair, mean);
-      qca_store_f64(p->rstd_out, p->stat_dtype, pair, 1.0 / sqrt(var + p->eps));
+        forward_run_f32(p, &r);
+      pair += r.groups;
     }
-    /* The statistics as stored, so that the apply-only variant gives the same output. */
-    const void* mean = p->mean_in ? p->mean_in : p->mean_out;
-    const void* rstd = p->rstd_in ? p->rstd_in : p->rstd_out;
-    if (f64)
-      forward_f64(p, &g, ((const double*)mean)[pair], ((const double*)rstd)[pair]);
-    else
-      forward_f32(p, &g, ((const float*)mean)[pair], ((const float*)rstd)[pair]);
+  } else {
+    for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
+      if (f64)
+        forward_group_f64(p, pair);
+      else
+        forward_group_f32(p, pair);
+    }
   }
   return QCA_OK;
 }
@@ -244,12 +225,31 @@ qca_status qca_groupnorm_elu_backward_cpu(const qca_groupnorm_elu_backward_param
   const qca_status status =
       check_args(&p->shape, p->x_dtype, p->affine_dtype, p->stat_dtype, pair_begin, pair_end);
   if (status != QCA_OK) return status;
-  for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
-    const gn_group g = group_of(&p->shape, pair);
-    if (p->stat_dtype == QCA_F64)
-      backward_f64(p, &g, ((const double*)p->mean)[pair], ((const double*)p->rstd)[pair]);
-    else
-      backward_f32(p, &g, ((const float*)p->mean)[pair], ((const float*)p->rstd)[pair]);
+  const int f64 = p->stat_dtype == QCA_F64;
+  if (p->shape.channels_last) {
+    for (int64_t pair = pair_begin; pair < pair_end;) {
+      const gn_run r = run_of(&p->shape, pair, pair_end);
+      if (f64)
+        backward_run_f64(p, &r);
+      else
+        backward_run_f32(p, &r);
+      pair += r.groups;
+    }
+    return QCA_OK;
   }
+  /* g of one group, between the two passes, unless grad_x can hold it. */
+  void* scratch = NULL;
+  if (p->x_dtype != (f64 ? QCA_F64 : QCA_F32) && pair_end > pair_begin) {
+    const int64_t elements = p->shape.channels / p->shape.groups * p->shape.height * p->shape.width;
+    scratch = malloc((size_t)(elements > 0 ? elements : 1) * (f64 ? sizeof(double) : sizeof(float)));
+    if (!scratch) return QCA_ERR_OUT_OF_MEMORY;
+  }
+  for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
+    if (f64)
+      backward_group_f64(p, pair, (double*)scratch);
+    else
+      backward_group_f32(p, pair, (float*)scratch);
+  }
+  free(scratch);
   return QCA_OK;
 }

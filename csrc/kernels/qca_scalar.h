@@ -29,6 +29,8 @@ static inline float qca_f16_to_f32(uint16_t h) {
   return f;
 }
 
+/* The three cases (infinity or NaN, subnormal, normal) are all computed and one is kept, with no
+ * branch, so that loops of conversions vectorise. */
 static inline uint16_t qca_f32_to_f16(float f) {
   const uint32_t f32_infinity = 255u << 23;
   const uint32_t f16_overflow = (127u + 16u) << 23; /* 65536.0f: rounds to infinity */
@@ -37,23 +39,17 @@ static inline uint16_t qca_f32_to_f16(float f) {
   memcpy(&u, &f, sizeof u);
   const uint32_t sign = u & 0x80000000u;
   u ^= sign;
-  uint16_t out;
-  if (u >= f16_overflow) {
-    out = (u > f32_infinity) ? 0x7e00u : 0x7c00u;
-  } else if (u < (113u << 23)) {
-    /* Result is subnormal: let the FPU round by adding a magic number that aligns the bits. */
-    float magnitude, magic;
-    memcpy(&magnitude, &u, sizeof magnitude);
-    memcpy(&magic, &subnormal_magic, sizeof magic);
-    magnitude += magic;
-    uint32_t r;
-    memcpy(&r, &magnitude, sizeof r);
-    out = (uint16_t)(r - subnormal_magic);
-  } else {
-    const uint32_t mantissa_odd = (u >> 13) & 1u;
-    u += ((uint32_t)(15 - 127) << 23) + 0xfffu + mantissa_odd;
-    out = (uint16_t)(u >> 13);
-  }
+  const uint32_t special = u > f32_infinity ? 0x7e00u : 0x7c00u;
+  /* Subnormal result: the FPU rounds when a magic number aligns the bits. */
+  float magnitude, magic;
+  memcpy(&magnitude, &u, sizeof magnitude);
+  memcpy(&magic, &subnormal_magic, sizeof magic);
+  magnitude += magic;
+  uint32_t aligned;
+  memcpy(&aligned, &magnitude, sizeof aligned);
+  const uint32_t subnormal = aligned - subnormal_magic;
+  const uint32_t normal = (u + ((uint32_t)(15 - 127) << 23) + 0xfffu + ((u >> 13) & 1u)) >> 13;
+  const uint32_t out = u >= f16_overflow ? special : u < (113u << 23) ? subnormal : normal;
   return (uint16_t)(out | (sign >> 16));
 }
 
@@ -64,12 +60,13 @@ static inline float qca_bf16_to_f32(uint16_t h) {
   return f;
 }
 
+/* Branch-free (both results, then a select), so that loops of conversions vectorise. */
 static inline uint16_t qca_f32_to_bf16(float f) {
   uint32_t u;
   memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
+  const uint32_t quiet_nan = (u >> 16) | 0x40u;
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 static inline float qca_load_f32(const void* base, qca_dtype dtype, int64_t index) {
