@@ -162,11 +162,17 @@ include_dirs = [str(ROOT / "include")]
 # The C++ standard is the one torch asks for; no debug information (Python's own CFLAGS carry -g,
 # which made most of _C's size: ATen's templates).
 cxx_flags = ["-O3", "-Wall", "-g0"]
+# at::parallel_for is inline: with torch's OpenMP backend its `#pragma omp parallel` is compiled
+# into the glue, and without -fopenmp it runs serially (the CPU kernels used one thread whatever
+# torch.set_num_threads said). Linked with -fopenmp, the glue's libgomp.so.1 is the one torch has
+# already loaded (the same soname).
+openmp_flags = ["-fopenmp"] if torch.backends.openmp.is_available() and os.name == "posix" else []
+cxx_flags += openmp_flags
 # libstdc++ as a shared library, as torch links it: some toolchain wrappers link it statically,
 # and a private copy in _C next to torch's shared one crashed in iostreams (every error message
 # with a number: a segfault instead of a RuntimeError). Naming the shared object by its path
 # binds it whatever static flags a wrapper adds; the build then checks the result.
-link_flags = [shared_libstdcxx()]
+link_flags = [shared_libstdcxx()] + openmp_flags
 
 if with_cuda:
     cuda_sources = relative((ROOT / "csrc" / "kernels").glob("*.cu"))

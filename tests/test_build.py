@@ -80,6 +80,20 @@ def test_extension_uses_the_shared_libstdcxx():
     assert "libstdc++.so" in result.stdout, result.stdout
 
 
+@pytest.mark.skipif(shutil.which("ldd") is None, reason="needs ldd (glibc Linux)")
+@pytest.mark.skipif(not torch.backends.openmp.is_available(), reason="torch without OpenMP")
+def test_extension_parallel_for_uses_torchs_openmp_runtime():
+    """at::parallel_for is inline and OpenMP in torch's build: without -fopenmp the glue ran every
+    CPU kernel on one thread. The runtime it links must be the one torch loaded, not a second."""
+    import qca_lowmem._C as native
+
+    result = subprocess.run(["ldd", native.__file__], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "libgomp" in result.stdout, result.stdout
+    mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+    assert len({Path(path).name for path in mapped}) == 1 and len(mapped) == 1, mapped
+
+
 def text_sections(cubin):
     """{name: bytes} of the machine-code sections of an ELF64 cubin."""
     data = cubin.read_bytes()
