@@ -135,6 +135,32 @@ def test_groupnorm_elu_cuda_is_deterministic(channels_last):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_groupnorm_elu_cpu_bits_do_not_depend_on_threads_or_batch(channels_last, dtype):
+    """The CPU kernels split (sample, group) pairs over threads, channels_last in runs of
+    neighbouring groups; each group still adds in one fixed order, so neither the thread count
+    nor the batch a sample is in changes a bit (1,030 channels in one group: column segments)."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    threads = torch.get_num_threads()
+    try:
+        for shape, groups in (((3, 64, 32, 32), 8), ((2, 1030, 8, 8), 1)):
+            x = torch.randn(*shape).to(dtype).contiguous(memory_format=fmt)
+            weight, bias = torch.randn(shape[1]).to(dtype), torch.randn(shape[1]).to(dtype)
+            grad_y = torch.randn_like(x)
+            results = []
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                y, mean, rstd = OPS.groupnorm_elu(x, weight, bias, groups, 1e-5)
+                results.append((y, mean, rstd, *OPS.groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd)))
+            for one, two in zip(*results):
+                assert torch.equal(one, two)
+            alone = OPS.groupnorm_elu(x[1:2].contiguous(memory_format=fmt), weight, bias, groups, 1e-5)[0]
+            assert torch.equal(alone[0], results[0][0][1])
+    finally:
+        torch.set_num_threads(threads)
+
+
 @cuda_only
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
 def test_groupnorm_elu_cuda_gives_a_sample_the_same_bits_in_any_batch(channels_last):
