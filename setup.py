@@ -6,6 +6,7 @@ import os
 import shlex
 import struct
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -166,7 +167,7 @@ cxx_flags = ["-O3", "-Wall", "-g0"]
 # into the glue, and without -fopenmp it runs serially (the CPU kernels used one thread whatever
 # torch.set_num_threads said). Linked with -fopenmp, the glue's libgomp.so.1 is the one torch has
 # already loaded (the same soname).
-openmp_flags = ["-fopenmp"] if torch.backends.openmp.is_available() and os.name == "posix" else []
+openmp_flags = ["-fopenmp"] if torch.backends.openmp.is_available() and sys.platform.startswith("linux") else []
 cxx_flags += openmp_flags
 # libstdc++ as a shared library, as torch links it: some toolchain wrappers link it statically,
 # and a private copy in _C next to torch's shared one crashed in iostreams (every error message
