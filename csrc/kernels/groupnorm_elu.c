@@ -66,6 +66,13 @@ static gn_matrix run_segment(const gn_run* r, int64_t first, int64_t count) {
   return m;
 }
 
+/* NCHW: elements [start, start + most) of the `count` from `offset`, fewer at the end, as a
+ * one-row matrix. */
+static gn_matrix contiguous_run(int64_t offset, int64_t start, int64_t count, int64_t most) {
+  gn_matrix m = {offset + start, 1, count - start < most ? count - start : most, 0};
+  return m;
+}
+
 /* exp(z) - 1 and exp(z) for z <= 0 from one range reduction, in float and branch-free so that
  * loops over them vectorise: z = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite split of ln2),
  * expm1(r) by its Taylor polynomial to r^7 (truncation below 2e-8 relative, evaluated by Estrin's

@@ -13,7 +13,6 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "qca_scalar.h"
 
