@@ -12,7 +12,9 @@ On a CUDA GPU:
 On the CPU (`--device cpu`), part 2 only, at one torch thread and at all of them in the same run:
 the fused forward and backward, torch's unfused group_norm + elu (forward, and its autograd
 backward) on the same tensors and a `copy_` of x, timed interleaved (one of each per round),
-medians. Also writes a PNG of the kernels' bandwidth against the copy's.
+medians. Two more per row show where the time floor is: the fused forward's second pass alone
+(groupnorm_elu_apply: normalise + ELU with the statistics given) and torch's `elu` alone on x.
+Also writes a PNG of the kernels' bandwidth against the copy's.
 
 Writes benchmarks/results/block_<device>.json (block_cpu.json on the CPU) with the device, torch
 and CUDA versions, thread counts, commit and date. Run after building, with qca_lowmem
@@ -194,6 +196,8 @@ def bench_kernels_cpu(args):
                 "stock_forward": lambda: F.elu(F.group_norm(xs, groups, ws, bs, 1e-5)),
                 "stock_backward": lambda: torch.autograd.grad(ys, (xs, ws, bs), grad_y, retain_graph=True),
                 "copy": lambda: copy_out.copy_(x),
+                "apply": lambda: ops.groupnorm_elu_apply(x, weight, bias, mean, rstd),
+                "stock_elu": lambda: F.elu(x),
             }, torch.device("cpu"), args.warmup, args.iters)
             nbytes = x.numel() * x.element_size()
             copy_gbs = 2 * nbytes / seconds["copy"] / 1e9
@@ -206,7 +210,11 @@ def bench_kernels_cpu(args):
                 "stock_forward_ms": seconds["stock_forward"] * 1e3,
                 "stock_backward_ms": seconds["stock_backward"] * 1e3,
                 "copy_ms": seconds["copy"] * 1e3, "copy_GBps": copy_gbs,
+                "apply_ms": seconds["apply"] * 1e3, "stock_elu_ms": seconds["stock_elu"] * 1e3,
                 "forward_GBps": fwd_gbs, "backward_GBps": bwd_gbs,
+                # read x, write y, as the forward: the ELU pass alone, ours and torch's
+                "apply_fraction_of_copy": seconds["copy"] / seconds["apply"],
+                "stock_elu_fraction_of_copy": seconds["copy"] / seconds["stock_elu"],
                 "forward_fraction_of_copy": fwd_gbs / copy_gbs, "backward_fraction_of_copy": bwd_gbs / copy_gbs,
                 "forward_speedup_vs_stock": seconds["stock_forward"] / seconds["forward"],
                 "backward_speedup_vs_stock": seconds["stock_backward"] / seconds["backward"],
@@ -216,7 +224,8 @@ def bench_kernels_cpu(args):
                   f"fwd {row['forward_ms'] * 1e3:7.0f} us {row['forward_speedup_vs_stock']:4.2f}x stock "
                   f"{fwd_gbs / copy_gbs:4.0%} of copy | bwd {row['backward_ms'] * 1e3:7.0f} us "
                   f"{row['backward_speedup_vs_stock']:4.2f}x stock {bwd_gbs / copy_gbs:4.0%} of copy "
-                  f"| copy {copy_gbs:5.1f} GB/s", flush=True)
+                  f"| ELU pass {row['apply_fraction_of_copy']:4.0%}, torch elu {row['stock_elu_fraction_of_copy']:4.0%} "
+                  f"of copy | copy {copy_gbs:5.1f} GB/s", flush=True)
     return {"groupnorm_elu": rows}
 
 
@@ -241,6 +250,8 @@ def plot_cpu(rows, path):
                 label="torch group_norm + elu forward (same bytes)")
         ax.plot(positions, [3 * r["x_bytes"] / r["stock_backward_ms"] / 1e6 for r in cases], "+",
                 label="torch group_norm + elu backward (same bytes)")
+        ax.plot(positions, [2 * r["x_bytes"] / r["stock_elu_ms"] / 1e6 for r in cases], "v",
+                label="torch elu alone (read x, write y)")
         ax.set_xticks(list(positions), labels, rotation=60, ha="right", fontsize=7)
         ax.set_yscale("log")
         ax.set_ylabel("GB/s (bytes a kernel must move / time)")

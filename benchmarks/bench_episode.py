@@ -6,7 +6,10 @@ Runs: stock_fp32, stock_fp16_autocast (with a GradScaler), stock_fp16_checkpoint
 one torch.utils.checkpoint per step, the users' proposed fix), lowmem_fp32_step,
 lowmem_bf16_step, lowmem_fp16_step (with qca_lowmem.amp.GradScaler), lowmem_bf16_revolve32, and
 lowmem_{fp32,bf16,fp16}_step_graph (each step as replays of captured CUDA graphs, StepGraph) (the lowmem runs: qca_lowmem.UNetUnitary with fused
-blocks, fused pack/update, qca_lowmem.rollout with the replayable NoiseSchedule). Each run gets a
+blocks, fused pack/update, qca_lowmem.rollout with the replayable NoiseSchedule). Two more only when
+named: stock_fp32_checkpoint (stock with that recompute in fp32: what recomputing costs stock) and
+lowmem_fp32_keep (the fused kernels under plain autograd, blocks keeping their intermediates: no
+recompute at all), which take a lowmem_fp32_step episode's time apart. Each run gets a
 fresh copy of the same initial weights and its own optimizer; it reports the peak of torch.cuda.max_memory_allocated over the measured
 episodes (after a warm-up episode, so AdamW's state exists) and the median episode time.
 The fp32 gradients of stock and lowmem_fp32_step are compared on the same weights, psi0 and
@@ -40,6 +43,9 @@ from qca_lowmem import stock as reference
 RUNS = ["lowmem_fp32_step_graph", "lowmem_bf16_step_graph", "lowmem_fp16_step_graph", "stock_fp32",
         "stock_fp16_autocast", "stock_fp16_checkpoint", "lowmem_fp32_step", "lowmem_bf16_step", "lowmem_fp16_step",
         "lowmem_bf16_revolve32"]
+# Asked for by name: they take apart the CPU episode's time (what the recompute costs stock, the
+# fused kernels without any recompute).
+EXTRA_RUNS = ["stock_fp32_checkpoint", "lowmem_fp32_keep"]
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -54,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--max-noise", type=float, default=0.1)
     p.add_argument("--episode", type=int, default=1000, help="episode number: sets the noise rate min(max_noise, max_noise*episode/2000)")
     p.add_argument("--episodes", type=int, default=3, help="measured episodes per run (after one warm-up)")
-    p.add_argument("--runs", nargs="+", default=RUNS, choices=RUNS)
+    p.add_argument("--runs", nargs="+", default=RUNS, choices=RUNS + EXTRA_RUNS)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--skip-grad-check", action="store_true")
@@ -111,6 +117,11 @@ def run_forward(name, model, psi0, args, episode_seed, step=None):
         return stock_forward(model, psi0, args, rate, torch.float16)
     if name == "stock_fp16_checkpoint":
         return stock_forward(model, psi0, args, rate, torch.float16, checkpoint_steps=True)
+    if name == "stock_fp32_checkpoint":
+        return stock_forward(model, psi0, args, rate, checkpoint_steps=True)
+    if name == "lowmem_fp32_keep":
+        with qca_lowmem.keep_block_intermediates():
+            return lowmem_forward(model, psi0, args, schedule, checkpoint="none")
     if name == "lowmem_fp32_step":
         return lowmem_forward(model, psi0, args, schedule)
     if name == "lowmem_bf16_step":
