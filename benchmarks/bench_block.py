@@ -256,7 +256,7 @@ def plot_cpu(rows, path):
         ax.set_yscale("log")
         ax.set_ylabel("GB/s (bytes a kernel must move / time)")
         ax.set_title(f"GroupNorm+ELU on {common.device_name(torch.device('cpu'))}, {threads} thread(s)")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower left", ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

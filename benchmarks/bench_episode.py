@@ -9,7 +9,9 @@ lowmem_{fp32,bf16,fp16}_step_graph (each step as replays of captured CUDA graphs
 blocks, fused pack/update, qca_lowmem.rollout with the replayable NoiseSchedule). Two more only when
 named: stock_fp32_checkpoint (stock with that recompute in fp32: what recomputing costs stock) and
 lowmem_fp32_keep (the fused kernels under plain autograd, blocks keeping their intermediates: no
-recompute at all), which take a lowmem_fp32_step episode's time apart. Each run gets a
+recompute at all) and lowmem_fp32_forward (lowmem_fp32_step's forward and loss under no_grad, no
+backward: the pass a step recompute runs again), which take a lowmem_fp32_step episode's time
+apart. Each run gets a
 fresh copy of the same initial weights and its own optimizer; it reports the peak of torch.cuda.max_memory_allocated over the measured
 episodes (after a warm-up episode, so AdamW's state exists) and the median episode time.
 The fp32 gradients of stock and lowmem_fp32_step are compared on the same weights, psi0 and
@@ -43,9 +45,9 @@ from qca_lowmem import stock as reference
 RUNS = ["lowmem_fp32_step_graph", "lowmem_bf16_step_graph", "lowmem_fp16_step_graph", "stock_fp32",
         "stock_fp16_autocast", "stock_fp16_checkpoint", "lowmem_fp32_step", "lowmem_bf16_step", "lowmem_fp16_step",
         "lowmem_bf16_revolve32"]
-# Asked for by name: they take apart the CPU episode's time (what the recompute costs stock, the
-# fused kernels without any recompute).
-EXTRA_RUNS = ["stock_fp32_checkpoint", "lowmem_fp32_keep"]
+# Asked for by name: they take the CPU episode's time apart (what the recompute costs stock, the
+# fused kernels without any recompute, the forward pass a recompute repeats).
+EXTRA_RUNS = ["stock_fp32_checkpoint", "lowmem_fp32_keep", "lowmem_fp32_forward"]
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -143,6 +145,10 @@ def initial_state(args, device, seed):
 def train_episode(name, model, optimizer, scaler, args, device, episode_seed, step=None):
     optimizer.zero_grad(set_to_none=True)
     psi0 = initial_state(args, device, episode_seed)
+    if name == "lowmem_fp32_forward":
+        with torch.no_grad():
+            history = run_forward("lowmem_fp32_step", model, psi0, args, episode_seed, step)
+            return reference.evolutionary_loss(history, psi0)[0].item()
     history = run_forward(name, model, psi0, args, episode_seed, step)
     loss, _ = reference.evolutionary_loss(history, psi0)
     del history
