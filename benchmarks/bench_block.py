@@ -237,7 +237,7 @@ def plot_cpu(rows, path):
     import matplotlib.pyplot as plt
 
     thread_counts = sorted({r["threads"] for r in rows})
-    fig, axes = plt.subplots(len(thread_counts), 1, figsize=(12, 4 * len(thread_counts)), squeeze=False)
+    fig, axes = plt.subplots(len(thread_counts), 1, figsize=(15, 4 * len(thread_counts)), squeeze=False)
     for ax, threads in zip(axes[:, 0], thread_counts):
         cases = [r for r in rows if r["threads"] == threads]
         labels = [f"B{r['batch']} {r['dtype']} {'CL' if r['layout'] == 'channels_last' else 'NCHW'} "
@@ -256,7 +256,7 @@ def plot_cpu(rows, path):
         ax.set_yscale("log")
         ax.set_ylabel("GB/s (bytes a kernel must move / time)")
         ax.set_title(f"GroupNorm+ELU on {common.device_name(torch.device('cpu'))}, {threads} thread(s)")
-        ax.legend(fontsize=8, loc="lower left", ncol=3)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
