@@ -6,12 +6,12 @@ Runs: stock_fp32, stock_fp16_autocast (with a GradScaler), stock_fp16_checkpoint
 one torch.utils.checkpoint per step, the users' proposed fix), lowmem_fp32_step,
 lowmem_bf16_step, lowmem_fp16_step (with qca_lowmem.amp.GradScaler), lowmem_bf16_revolve32, and
 lowmem_{fp32,bf16,fp16}_step_graph (each step as replays of captured CUDA graphs, StepGraph) (the lowmem runs: qca_lowmem.UNetUnitary with fused
-blocks, fused pack/update, qca_lowmem.rollout with the replayable NoiseSchedule). Two more only when
-named: stock_fp32_checkpoint (stock with that recompute in fp32: what recomputing costs stock) and
-lowmem_fp32_keep (the fused kernels under plain autograd, blocks keeping their intermediates: no
-recompute at all) and lowmem_fp32_forward (lowmem_fp32_step's forward and loss under no_grad, no
-backward: the pass a step recompute runs again), which take a lowmem_fp32_step episode's time
-apart. Each run gets a
+blocks, fused pack/update, qca_lowmem.rollout with the replayable NoiseSchedule). Three more, run
+only when named, take a lowmem_fp32_step episode's time apart: stock_fp32_checkpoint (stock with
+that per-step recompute in fp32: what recomputing costs stock), lowmem_fp32_keep (the fused
+kernels under plain autograd, blocks keeping their intermediates: nothing recomputed) and
+lowmem_fp32_forward (lowmem_fp32_step's forward and loss under no_grad, no backward: the pass a
+step recompute runs again). Each run gets a
 fresh copy of the same initial weights and its own optimizer; it reports the peak of torch.cuda.max_memory_allocated over the measured
 episodes (after a warm-up episode, so AdamW's state exists) and the median episode time.
 The fp32 gradients of stock and lowmem_fp32_step are compared on the same weights, psi0 and

@@ -8,6 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_episode.py"
+# lowmem_fp32_step and the runs that take its time apart
+RUNS = ["stock_fp32", "stock_fp32_checkpoint", "lowmem_fp32_keep", "lowmem_fp32_forward", "lowmem_fp32_step"]
 
 
 def run(*args):
@@ -26,12 +28,11 @@ def test_help():
 def test_tiny_episode_writes_the_report(tmp_path):
     out = tmp_path / "episode.json"
     result = run("--device", "cpu", "--grid", "8", "--d-state", "2", "--hidden", "4", "--steps", "3", "--episodes", "1",
-                 "--runs", "stock_fp32", "stock_fp32_checkpoint", "lowmem_fp32_keep", "lowmem_fp32_forward", "lowmem_fp32_step", "--out", str(out))
+                 "--runs", *RUNS, "--out", str(out))
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["kind"] == "episode" and report["config"]["qca_steps"] == 3
-    assert [r["name"] for r in report["runs"]] == ["stock_fp32", "stock_fp32_checkpoint", "lowmem_fp32_keep", "lowmem_fp32_forward",
-                                                 "lowmem_fp32_step"]
+    assert [r["name"] for r in report["runs"]] == RUNS
     assert all(r["episode_s"] > 0 for r in report["runs"])
     assert report["max_grad_rel_err_fp32"] < 1e-5
     for key in ("device", "torch", "cuda", "commit", "date"):
