@@ -281,7 +281,7 @@ def main(argv=None):
         return
     if not torch.cuda.is_available():
         sys.exit("bench_block.py on CUDA measures peak memory and CUDA-event times: it needs a CUDA GPU (or --device cpu)")
-    if not qca_lowmem._loader.has_cuda_kernels():
+    if not qca_lowmem.ops._loader.has_cuda_kernels():
         sys.exit("qca_lowmem was built without CUDA kernels; rebuild with QCA_LOWMEM_CUDA=1")
     print(f"{common.device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     if not args.skip_model:

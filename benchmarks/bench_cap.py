@@ -3,7 +3,7 @@
     python benchmarks/bench_cap.py [--config configs/default.yaml] [--cap 3.68GiB] [--episodes 100]
 
 Caps this process with torch.cuda.set_per_process_memory_fraction, runs the reference trainer
-(qca_lowmem.train) and writes benchmarks/results/cap_<device>.json:
+(qca_lowmem.trainer.train) and writes benchmarks/results/cap_<device>.json:
 {"kind": "cap", "cap_bytes", "episodes", "oom", "peak_bytes", "losses", "device", "commit", "date", ...}
 plus the metrics of every episode and the stock quality bars (survival < 1.0, symmetry < 0.5).
 """
@@ -22,10 +22,10 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 
-from qca_lowmem.bench import environment  # noqa: E402
+from qca_lowmem.trainer.bench import environment  # noqa: E402
 from qca_lowmem.memory import parse_bytes  # noqa: E402
-from qca_lowmem.oom import OutOfMemoryStop, Policy  # noqa: E402
-from qca_lowmem.train import Trainer, load_config  # noqa: E402
+from qca_lowmem.trainer.oom import OutOfMemoryStop, Policy  # noqa: E402
+from qca_lowmem.trainer.train import Trainer, load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

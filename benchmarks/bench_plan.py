@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from qca_lowmem import stock
-from qca_lowmem.bench import EpisodeRunner, environment
-from qca_lowmem.plan import plan
-from qca_lowmem.train import Trainer, load_config
+from qca_lowmem.trainer.bench import EpisodeRunner, environment
+from qca_lowmem.trainer.plan import plan
+from qca_lowmem.trainer.train import Trainer, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

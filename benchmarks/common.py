@@ -1,5 +1,5 @@
 """Shared benchmark plumbing: timing with warm-up and medians, copy bandwidth, result files
-(with the facts `qca_lowmem.bench.environment` records)."""
+(with the facts `qca_lowmem.trainer.bench.environment` records)."""
 
 import json
 import statistics
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from qca_lowmem.bench import device_name, environment
+from qca_lowmem.trainer.bench import device_name, environment
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

@@ -15,8 +15,8 @@ import pytest
 import torch
 import yaml
 
-from qca_lowmem import cli
-from qca_lowmem.train_state import CHECKPOINT_NAME, previous_path
+from qca_lowmem.trainer import cli
+from qca_lowmem.trainer.checkpoint import CHECKPOINT_NAME, previous_path
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -210,7 +210,7 @@ def test_resume_honours_a_new_recompute_policy(tmp_path, capsys):
 
 
 def test_a_failure_while_training_is_one_line_with_status_1(run_dir, monkeypatch, capsys):
-    from qca_lowmem import train as train_mod
+    from qca_lowmem.trainer import train as train_mod
 
     def forward_episode(self, episode, policy):
         raise RuntimeError("injected failure\nwith a second line")
@@ -231,7 +231,7 @@ def _fuzz_strategies():
     parsers to the checks behind them."""
     from hypothesis import strategies as st
 
-    from qca_lowmem.train import _FIELDS, _SECTIONS
+    from qca_lowmem.trainer.train import _FIELDS, _SECTIONS
 
     fields = sorted(_FIELDS)
     scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-8, 64), st.floats(),

@@ -13,7 +13,8 @@ import torch
 
 import qca_lowmem
 import qca_lowmem.stock
-from qca_lowmem import _build_info, _loader
+from qca_lowmem import _build_info
+from qca_lowmem.ops import _loader
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -157,7 +157,7 @@ def test_amp_unscale_fuzz(data, device, shapes, poison):
     ours, theirs = [g.clone() for g in grads], [g.clone() for g in grads]
     found_ours, found_theirs = torch.zeros(1, device=device), torch.zeros(1, device=device)
     try:
-        qca_lowmem.scaler.unscale_(ours, found_ours, inv_scale)
+        qca_lowmem.ops.scaler.unscale_(ours, found_ours, inv_scale)
     except CLEAR_ERRORS as error:
         assert any(name in str(error) for name in ("amp_unscale_", "grads", "found_inf", "inv_scale")), str(error)
         return

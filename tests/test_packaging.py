@@ -29,7 +29,8 @@ NO_TORCH = ("qca_lowmem builds against the torch installed in your environment a
 ISOLATED = "cannot see: install with `pip install .`, or build without isolation: `python -m build --no-isolation`"
 CHECK = """
 import json, torch, qca_lowmem
-from qca_lowmem import _build_info, train
+from qca_lowmem import _build_info
+from qca_lowmem.trainer import train
 psi = torch.randn(2, 3, 4, 5, dtype=torch.complex64)
 stock = torch.cat([psi.real, psi.imag], dim=-1).permute(0, 3, 1, 2)
 print(json.dumps({"torch": torch.__version__, "built_against": _build_info.TORCH_VERSION,
@@ -153,7 +154,7 @@ def test_wheel_holds_the_package_and_its_build_facts(wheel):
     assert modules | {"qca_lowmem/_build_info.py"} | {f"qca_lowmem/configs/{c}.yaml" for c in CONFIGS} <= names
     assert [n for n in names if n.startswith("qca_lowmem/_C.") and n.endswith(".so")]
     assert f"TORCH_VERSION = {TORCH_VERSION!r}" in build_info
-    assert "qca-lowmem = qca_lowmem.cli:main" in entry_points
+    assert "qca-lowmem = qca_lowmem.trainer.cli:main" in entry_points
 
 
 def test_wheel_installs_imports_and_uninstalls_without_leftovers(work, torch_venv, wheel):

@@ -13,7 +13,7 @@ import qca_lowmem
 from qca_lowmem import NoiseSchedule, block_keeps_intermediates, rollout, saved_bytes
 from qca_lowmem import stock as reference
 
-rollout_module = importlib.import_module("qca_lowmem._rollout")
+rollout_module = importlib.import_module("qca_lowmem.episode")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,12 +14,12 @@ import torch
 import yaml
 
 import qca_lowmem
-from qca_lowmem import cli, train as train_mod
+from qca_lowmem.trainer import cli, train as train_mod
 from conftest import cuda_only
 from qca_lowmem.memory import parse_bytes
-from qca_lowmem.oom import EXIT_OOM, Policy
-from qca_lowmem.plan import LOSS_STATES, Estimate, recommend
-from qca_lowmem.train_state import atomic_save
+from qca_lowmem.trainer.oom import EXIT_OOM, Policy
+from qca_lowmem.trainer.plan import LOSS_STATES, Estimate, recommend
+from qca_lowmem.trainer.checkpoint import atomic_save
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -249,7 +249,7 @@ def test_plan_predicts_and_recommends(tiny_config, tmp_path, capsys):
                          ("stock (for reference)", None)):
         config = train_mod.load_config(tiny_config, out_dir=str(tmp_path))
         if policy is None:
-            from qca_lowmem.bench import EpisodeRunner
+            from qca_lowmem.trainer.bench import EpisodeRunner
 
             runner = EpisodeRunner(config, torch.device("cpu"))
             measured = qca_lowmem.saved_bytes(runner.episode_loss, "stock", config.qca_steps,
@@ -318,7 +318,7 @@ def test_parse_bytes():
 def test_allocator_default_set_only_when_unset():
     # A fresh interpreter each time: in this one an earlier test may have started CUDA, after
     # which the setting is rightly left alone.
-    script = ("import os; from qca_lowmem import train; train.set_allocator_defaults(); "
+    script = ("import os; from qca_lowmem.trainer import train; train.set_allocator_defaults(); "
               "print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
 

@@ -4,22 +4,20 @@ Fused C/CUDA kernels exposed as torch custom ops (torch.ops.qca_lowmem.*), recom
 storing, and a complex-safe mixed-precision loss scaler. See README.md and docs/design.md.
 """
 
-from ._loader import load_native
-
-# The one place the native library is loaded: it registers torch.ops.qca_lowmem, which the op
-# modules below (one per C family) wrap. A submodule import runs this file first.
-load_native()
-
+# Three layers, each importing only those below it (docs/design.md, "Layout"): ops/ (the op
+# families over the native library, loaded by ops/__init__), the library modules here (rollout,
+# blocks, U-Net, scaler, integration), and trainer/ (the reference trainer and the qca-lowmem
+# command), which this file does not import.
 from . import amp
-from ._recompute import block_keeps_intermediates, keep_block_intermediates
+from .recompute import block_keeps_intermediates, keep_block_intermediates
 from .blocks import FusedConvBlock
-from .groupnorm_elu import groupnorm_elu
+from .ops.groupnorm_elu import groupnorm_elu
 from .integration import disable, enable, enable_from_config
 from .memory import saved_bytes
-from .noise import NoiseSchedule, bit_flip, noise_coin, phase_flip
-from .qca_step import qca_pack, qca_update
-from ._rollout import rollout
-from ._step_graph import StepGraph
+from .ops.noise import NoiseSchedule, bit_flip, noise_coin, phase_flip
+from .ops.qca_step import qca_pack, qca_update
+from .episode import rollout
+from .step_graph import StepGraph
 from .unet import ConversionReport, UNetUnitary, convert
 
 __all__ = [

@@ -22,8 +22,8 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
-from ._loader import has_cuda_kernels
-from .scaler import mul_, unscale_, update_scale_
+from .ops._loader import has_cuda_kernels
+from .ops.scaler import mul_, unscale_, update_scale_
 
 _lib = torch.ops.qca_lowmem
 

@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._checks import check_same_device
-from ._double_backward import reference_backward, second_order_requested
-from ._recompute import block_keeps_intermediates
+from .ops._checks import check_same_device
+from .ops._double_backward import reference_backward, second_order_requested
+from .recompute import block_keeps_intermediates
 from .amp import autocast_dtype
 from . import stock
-from .groupnorm_elu import output_layout, stat_dtype
-from .groupnorm_elu import reference as groupnorm_elu_reference
+from .ops.groupnorm_elu import output_layout, stat_dtype
+from .ops.groupnorm_elu import reference as groupnorm_elu_reference
 
 _lib = torch.ops.qca_lowmem
 

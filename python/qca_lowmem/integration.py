@@ -15,10 +15,10 @@ import torch
 
 from . import amp, stock
 from .amp import autocast, parse_amp_dtype
-from .noise import NoiseSchedule
-from .qca_step import fused_step
-from ._rollout import check_checkpoint, rollout
-from ._step_graph import StepGraph
+from .ops.noise import NoiseSchedule
+from .ops.qca_step import fused_step
+from .episode import check_checkpoint, rollout
+from .step_graph import StepGraph
 from .unet import convert
 
 _STATE_ATTR = "_qca_lowmem_state"

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import stock
-from ._recompute import block_keeps_intermediates
+from .recompute import block_keeps_intermediates
 from .blocks import FusedConvBlock
 
 

@@ -25,17 +25,18 @@ from typing import Callable, List, Optional
 
 import torch
 
-from . import amp, integration, oom, stock, train_state
-from .amp import autocast, parse_amp_dtype
+from .. import amp, integration, stock
+from . import checkpoint as train_state, oom
+from ..amp import autocast, parse_amp_dtype
 from .distributed import Distributed, resolve_device
-from .memory import saved_bytes
-from .noise import episode_noise
+from ..memory import saved_bytes
+from ..ops.noise import episode_noise
 from .oom import Policy
-from .qca_step import fused_step
-from ._rollout import check_checkpoint, rollout
-from ._step_graph import StepGraph
-from .train_log import METRIC_KEYS, EpisodeLog, message, record_of
-from .unet import UNetUnitary
+from ..ops.qca_step import fused_step
+from ..episode import check_checkpoint, rollout
+from ..step_graph import StepGraph
+from .metrics import METRIC_KEYS, EpisodeLog, message, record_of
+from ..unet import UNetUnitary
 
 
 @dataclass
@@ -213,7 +214,7 @@ def _kind(value) -> str:
 
 def bundled_configs() -> List[str]:
     """Names of the configs shipped in the package (the repository's configs/*.yaml)."""
-    configs = importlib.resources.files(f"{__package__}.configs")
+    configs = importlib.resources.files(f"{__package__.rpartition('.')[0]}.configs")
     return sorted(f.name.removesuffix(".yaml") for f in configs.iterdir() if f.name.endswith(".yaml"))
 
 
@@ -233,7 +234,7 @@ def read_config_file(path: str):
         except (OSError, UnicodeDecodeError) as error:
             raise UsageError(f"--config {path}: cannot be read as text: {error}") from None
     elif path in bundled_configs():
-        text = (importlib.resources.files(f"{__package__}.configs") / f"{path}.yaml").read_text()
+        text = (importlib.resources.files(f"{__package__.rpartition('.')[0]}.configs") / f"{path}.yaml").read_text()
     else:
         raise UsageError(f"--config {path!r} is neither a YAML file nor a bundled config ({', '.join(bundled_configs())})")
     try:

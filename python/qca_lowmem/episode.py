@@ -21,9 +21,9 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ._double_backward import second_order_requested
-from ._recompute import keep_block_intermediates
-from ._step_graph import StepGraph
+from .ops._double_backward import second_order_requested
+from .recompute import keep_block_intermediates
+from .step_graph import StepGraph
 
 CHECKPOINT_MODES = ("none", "step", "revolve")
 

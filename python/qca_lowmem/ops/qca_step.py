@@ -5,7 +5,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import stock
+from .. import stock
 from ._checks import check_same_device, describe
 from ._double_backward import reference_backward, second_order_requested
 

@@ -7,7 +7,7 @@ from typing import List, Tuple
 
 import torch
 
-from .memory import format_bytes
+from ..memory import format_bytes
 
 SMALL_GPU = 4 * 2**30
 
@@ -15,8 +15,8 @@ SMALL_GPU = 4 * 2**30
 def report() -> Tuple[List[Tuple[str, str]], List[str]]:
     """(facts as (name, value), things to fix)."""
     import qca_lowmem
-    from . import _build_info
-    from ._loader import REBUILD_COMMAND, has_cuda_kernels
+    from .. import _build_info
+    from ..ops._loader import REBUILD_COMMAND, has_cuda_kernels
 
     facts, fixes = [], []
     facts.append(("python", sys.version.split()[0]))

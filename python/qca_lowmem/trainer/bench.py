@@ -19,12 +19,12 @@ from typing import List, Optional
 
 import torch
 
-from . import stock
-from .amp import autocast, parse_amp_dtype
+from .. import stock
+from ..amp import autocast, parse_amp_dtype
 from .distributed import resolve_device
-from .memory import format_bytes, saved_bytes
-from .qca_step import fused_step
-from ._rollout import rollout
+from ..memory import format_bytes, saved_bytes
+from ..ops.qca_step import fused_step
+from ..episode import rollout
 from .train import TrainConfig, build_model
 
 

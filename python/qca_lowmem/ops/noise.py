@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from . import stock
+from .. import stock
 
 _lib = torch.ops.qca_lowmem
 

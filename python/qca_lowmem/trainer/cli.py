@@ -170,7 +170,7 @@ def _run(args) -> int:
 
 def _train(args) -> int:
     from .train import UsageError, check_run, train
-    from .train_state import CHECKPOINT_NAME
+    from .checkpoint import CHECKPOINT_NAME
 
     config = _config(args)
     resume = args.resume

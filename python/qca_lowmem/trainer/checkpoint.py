@@ -85,7 +85,7 @@ def check_out_dir(out_dir, create: bool = True):
     """Refuse, before the first episode, an output folder the run could not write its files to;
     `create`: make it (else check that it could be made)."""
     from .train import UsageError
-    from .train_log import METRICS_NAME
+    from .metrics import METRICS_NAME
 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():

@@ -17,11 +17,11 @@ from typing import List, Optional
 
 import torch
 
-from . import stock
-from ._recompute import keep_block_intermediates
-from .amp import autocast, parse_amp_dtype
-from .memory import format_bytes, parse_bytes, saved_storage_sizes
-from .qca_step import fused_step
+from .. import stock
+from ..recompute import keep_block_intermediates
+from ..amp import autocast, parse_amp_dtype
+from ..memory import format_bytes, parse_bytes, saved_storage_sizes
+from ..ops.qca_step import fused_step
 from .train import TrainConfig, build_model
 
 SAFETY = 1.10  # allocator rounding and fragmentation, cuDNN/cuBLAS workspaces

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import torch
 
-from .memory import format_bytes
+from ..memory import format_bytes
 
 EXIT_OOM = 3
 

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from .memory import format_bytes
+from ..memory import format_bytes
 
 METRICS_NAME = "metrics.csv"
 METRIC_KEYS = ("survival", "symmetry", "complexity")

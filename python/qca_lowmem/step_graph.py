@@ -29,7 +29,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from ._recompute import keep_block_intermediates
+from .recompute import keep_block_intermediates
 
 WARMUP_STEPS = 3  # eager runs on a side stream before capture: lazy inits, cuDNN/cuBLAS handles
 
