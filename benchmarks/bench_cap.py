@@ -25,7 +25,8 @@ import torch  # noqa: E402
 from qca_lowmem.trainer.bench import environment  # noqa: E402
 from qca_lowmem.memory import parse_bytes  # noqa: E402
 from qca_lowmem.trainer.oom import OutOfMemoryStop, Policy  # noqa: E402
-from qca_lowmem.trainer.train import Trainer, load_config  # noqa: E402
+from qca_lowmem.trainer.config import load_config
+from qca_lowmem.trainer.train import Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -231,7 +231,7 @@ def _fuzz_strategies():
     parsers to the checks behind them."""
     from hypothesis import strategies as st
 
-    from qca_lowmem.trainer.train import _FIELDS, _SECTIONS
+    from qca_lowmem.trainer.config import _FIELDS, _SECTIONS
 
     fields = sorted(_FIELDS)
     scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-8, 64), st.floats(),

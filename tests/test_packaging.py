@@ -30,12 +30,12 @@ ISOLATED = "cannot see: install with `pip install .`, or build without isolation
 CHECK = """
 import json, torch, qca_lowmem
 from qca_lowmem import _build_info
-from qca_lowmem.trainer import train
+from qca_lowmem.trainer import config
 psi = torch.randn(2, 3, 4, 5, dtype=torch.complex64)
 stock = torch.cat([psi.real, psi.imag], dim=-1).permute(0, 3, 1, 2)
 print(json.dumps({"torch": torch.__version__, "built_against": _build_info.TORCH_VERSION,
                   "file": qca_lowmem.__file__, "pack_ok": torch.equal(qca_lowmem.qca_pack(psi), stock),
-                  "configs": train.bundled_configs()}))
+                  "configs": config.bundled_configs()}))
 """
 CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
 

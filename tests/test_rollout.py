@@ -13,7 +13,7 @@ import qca_lowmem
 from qca_lowmem import NoiseSchedule, block_keeps_intermediates, rollout, saved_bytes
 from qca_lowmem import stock as reference
 
-rollout_module = importlib.import_module("qca_lowmem.episode")
+from qca_lowmem import revolve
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -153,7 +153,7 @@ def test_fused_unet_recomputes_each_step_once(checkpoint, slots, monkeypatch):
     assert max_relative_error(grads, expected) <= 1e-9
     convs_per_step = forward_calls // STEPS
     assert convs_per_step == 12  # 6 blocks, 2 convolutions each
-    advances = 0 if checkpoint == "step" else rollout_module._revolve_cost(STEPS, slots) - rollout_module._revolve_first_sweep(STEPS, slots)[-1]
+    advances = 0 if checkpoint == "step" else revolve.cost(STEPS, slots) - revolve.first_sweep(STEPS, slots)[-1]
     assert len(conv_calls) == convs_per_step * (STEPS + advances)
 
 
@@ -374,7 +374,7 @@ def test_revolve_cost_is_optimal():
             else:
                 best = min(m + cost[length - m, slots - 1] + cost[m, slots] for m in range(1, length))
             cost[length, slots] = best
-            assert rollout_module._revolve_cost(length, slots) == best
+            assert revolve.cost(length, slots) == best
 
 
 @pytest.mark.parametrize("steps,slots", [(11, 1), (11, 2), (11, 3), (20, 4), (7, 10), (13, 5)])
@@ -391,8 +391,8 @@ def test_revolve_recomputes_follow_the_schedule(steps, slots):
     assert len(calls) == steps
     calls.clear()
     psi_T.abs().sum().backward()
-    first_sweep = rollout_module._revolve_first_sweep(steps, slots)
-    advances = rollout_module._revolve_cost(steps, slots) - (first_sweep[-1] if first_sweep else 0)
+    first_sweep = revolve.first_sweep(steps, slots)
+    advances = revolve.cost(steps, slots) - (first_sweep[-1] if first_sweep else 0)
     assert calls.count(True) == steps and calls.count(False) == advances
 
 

@@ -14,11 +14,12 @@ import torch
 import yaml
 
 import qca_lowmem
-from qca_lowmem.trainer import cli, train as train_mod
+from qca_lowmem.trainer import cli, config as config_mod, train as train_mod
 from conftest import cuda_only
 from qca_lowmem.memory import parse_bytes
 from qca_lowmem.trainer.oom import EXIT_OOM, Policy
-from qca_lowmem.trainer.plan import LOSS_STATES, Estimate, recommend
+from qca_lowmem.trainer.footprint import LOSS_STATES
+from qca_lowmem.trainer.plan import Estimate, recommend
 from qca_lowmem.trainer.checkpoint import atomic_save
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +74,24 @@ def test_train_writes_csv_and_checkpoint(tiny_config, tmp_path, capsys):
     assert "inc.conv_block.0.weight" in state["model_state_dict"]  # stock state_dict keys
     assert len(state["optimizer_state_dict"]["state"]) == len(state["model_state_dict"])
     assert "last loss" in capsys.readouterr().out
+
+
+def test_a_checkpoint_written_before_the_layers_moved_still_resumes(tmp_path):
+    fixture = ROOT / "tests" / "fixtures" / "pre_layout_run"
+    config = config_mod.load_config(str(fixture / "tiny.yaml"), out_dir=str(tmp_path / "old"))
+    saved = torch.load(fixture / "checkpoint.pt", weights_only=False)
+    trainer = train_mod.Trainer(config, progress=False)
+    assert trainer.load_checkpoint(fixture / "checkpoint.pt") == 2
+    assert all(torch.equal(v, saved["model_state_dict"][k]) for k, v in trainer.model.state_dict().items())
+    moments = trainer.optimizer.state_dict()["state"]
+    assert all(torch.equal(moments[i]["exp_avg"], s["exp_avg"]) for i, s in saved["optimizer_state_dict"]["state"].items())
+
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in ("checkpoint.pt", "metrics.csv"):
+        (old / name).write_bytes((fixture / name).read_bytes())
+    assert run_cli("train", "--config", fixture / "tiny.yaml", "--out", old, "--resume", "--no-progress") == 0
+    assert [r["episode"] for r in read_csv(old / "metrics.csv")] == ["0", "1", "2", "3"]
 
 
 @pytest.mark.parametrize("scheduler", ["none", "cosine"])
@@ -247,7 +266,7 @@ def test_plan_predicts_and_recommends(tiny_config, tmp_path, capsys):
     # The kept-state prediction against what a real episode's graph keeps (saved_bytes, CPU).
     for name, policy in (("lowmem step fp32", Policy("step", None, 1)),
                          ("stock (for reference)", None)):
-        config = train_mod.load_config(tiny_config, out_dir=str(tmp_path))
+        config = config_mod.load_config(tiny_config, out_dir=str(tmp_path))
         if policy is None:
             from qca_lowmem.trainer.bench import EpisodeRunner
 
@@ -301,11 +320,11 @@ def test_bad_config_is_a_clear_error(tmp_path, capsys):
 
 
 def test_bundled_configs_by_name_are_the_repositorys():
-    assert train_mod.bundled_configs() == sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
-    for name in train_mod.bundled_configs():
-        assert train_mod.load_config(name) == train_mod.load_config(str(ROOT / "configs" / f"{name}.yaml"))
+    assert config_mod.bundled_configs() == sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
+    for name in config_mod.bundled_configs():
+        assert config_mod.load_config(name) == config_mod.load_config(str(ROOT / "configs" / f"{name}.yaml"))
     with pytest.raises(ValueError, match=r"'small_cpu' is neither a YAML file nor a bundled config \(default, small_gpu\)"):
-        train_mod.load_config("small_cpu")
+        config_mod.load_config("small_cpu")
 
 
 def test_parse_bytes():
@@ -333,12 +352,12 @@ def test_allocator_default_set_only_when_unset():
 
 
 def test_shipped_configs_load():
-    default = train_mod.load_config(str(ROOT / "configs" / "default.yaml"))
-    small = train_mod.load_config(str(ROOT / "configs" / "small_gpu.yaml"))
+    default = config_mod.load_config(str(ROOT / "configs" / "default.yaml"))
+    small = config_mod.load_config(str(ROOT / "configs" / "small_gpu.yaml"))
     for config in (default, small):
         assert (config.grid, config.d_state, config.hidden, config.qca_steps) == (64, 14, 128, 500)
     assert small.amp_dtype == "fp16" and small.checkpoint == "step"
-    embedded = train_mod.load_config()
+    embedded = config_mod.load_config()
     assert embedded.device == "auto" and embedded.grid <= 32 and embedded.hidden <= 16
     assert embedded.threads == 1 and default.threads is None
 

@@ -9,6 +9,7 @@ storing, and a complex-safe mixed-precision loss scaler. See README.md and docs/
 # blocks, U-Net, scaler, integration), and trainer/ (the reference trainer and the qca-lowmem
 # command), which this file does not import.
 from . import amp
+from ._version import __version__
 from .recompute import block_keeps_intermediates, keep_block_intermediates
 from .blocks import FusedConvBlock
 from .ops.groupnorm_elu import groupnorm_elu
@@ -42,4 +43,3 @@ __all__ = [
     "rollout",
     "saved_bytes",
 ]
-__version__ = "0.1.0"

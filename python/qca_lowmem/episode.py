@@ -14,16 +14,15 @@ parameter's own hooks, which therefore also run once, at the end.
 """
 
 import contextlib
-import functools
-import math
 from typing import Callable, List, Optional, Tuple
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from .ops._double_backward import second_order_requested
 from .recompute import keep_block_intermediates
 from .step_graph import StepGraph
+from . import revolve
+from .param_grads import ParamGradSink
 
 CHECKPOINT_MODES = ("none", "step", "revolve")
 
@@ -292,7 +291,7 @@ class _EpisodeFunction(torch.autograd.Function):
         if plan.mode == "step":
             keep = set(range(steps))
         else:
-            keep = {0, *_revolve_first_sweep(steps, plan.slots)}
+            keep = {0, *revolve.first_sweep(steps, plan.slots)}
         history_steps = set(plan.history_steps)
         stored, history = [psi0], []
         psi = plan.psi1
@@ -343,14 +342,14 @@ class _EpisodeFunction(torch.autograd.Function):
         capture = plan.unit.capture
         if capture is not None:
             capture.zero_accumulators()
-        sink = _ParamGradSink(params) if capture is None else contextlib.nullcontext()
+        sink = ParamGradSink(params) if capture is None else contextlib.nullcontext()
         carry = _GradCarry(plan, incoming, params)
         with sink:
             if plan.mode == "step":
                 for t in reversed(range(plan.steps)):
                     carry.backprop(t, states[t])
             else:
-                _revolve_backward(plan, states, carry)
+                revolve.reverse(plan, states, carry)
         del states
         buffers = sink.take() if capture is None else capture.parameter_grads()
         return (None, carry.grad if plan.psi0_needs_grad else None, *buffers)
@@ -403,127 +402,3 @@ class _GradCarry:
                 return
         grad_in = unit.capture.backward(grad_out)
         self.grad = grad_in if need_input else None
-
-
-class _ParamGradSink:
-    """Collects the per-step gradients of the parameters into buffers during the backward.
-
-    While active, each parameter's tensor hooks are set aside and replaced by one that adds the
-    gradient to the parameter's buffer and hands autograd a broadcast zero, so no full-size
-    per-step copy outlives its hook and the user's hooks do not see partial gradients. The
-    buffers are returned as the Function's gradients: autograd then accumulates each into
-    `.grad` once, running the parameter's hooks once.
-    """
-
-    def __init__(self, params):
-        self.params = params
-        self.buffers: List[Optional[torch.Tensor]] = [None] * len(params)
-        self._set_aside = []
-        self._zeros = {}  # a scalar zero broadcast to each (dtype, device, shape), made once
-
-    def __enter__(self):
-        for i, p in enumerate(self.params):
-            if p._backward_hooks is None:
-                p.register_hook(_identity_hook).remove()  # creates the hook dict, as register_hook does
-            hooks = p._backward_hooks
-            original = list(hooks.items())
-            hooks.clear()
-            handle = RemovableHandle(hooks)
-            hooks[handle.id] = functools.partial(self._accumulate, i)
-            self._set_aside.append((hooks, original))
-        return self
-
-    def __exit__(self, *exc):
-        for hooks, original in self._set_aside:
-            hooks.clear()
-            hooks.update(original)
-        self._set_aside = []
-        return False
-
-    def _accumulate(self, i: int, grad: torch.Tensor) -> torch.Tensor:
-        buffer = self.buffers[i]
-        if buffer is None:
-            buffer = torch.empty_like(self.params[i])
-            buffer.copy_(grad)
-            self.buffers[i] = buffer
-        else:
-            buffer.add_(grad)
-        key = (grad.dtype, grad.device, grad.shape)
-        zero = self._zeros.get(key)
-        if zero is None:
-            zero = self._zeros[key] = torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
-        return zero
-
-    def take(self):
-        buffers, self.buffers = self.buffers, None
-        return buffers
-
-
-def _identity_hook(grad):
-    return None
-
-
-# Binomial checkpointing (Griewank & Walther, "Algorithm 799: revolve", ACM TOMS 2000).
-# Reversing `length` steps whose first state is kept, with `slots` kept states in all (that one
-# included), costs at least _revolve_cost(length, slots) forward step evaluations without grad,
-# plus one evaluation with grad per step.
-
-
-@functools.lru_cache(maxsize=None)
-def _revolve_cost(length: int, slots: int) -> int:
-    if length <= 1:
-        return 0
-    if slots == 1:
-        return length * (length - 1) // 2
-    # r: the number of times the busiest step is advanced; beta(s, r) = C(s + r, s) steps fit.
-    r = 0
-    while math.comb(slots + r, slots) < length:
-        r += 1
-    return r * length - math.comb(slots + r, slots + 1)
-
-
-@functools.lru_cache(maxsize=None)
-def _revolve_split(length: int, slots: int) -> int:
-    """Where to place the next kept state (as an offset) in an optimal schedule; the smallest
-    optimal offset, which keeps the slots busy as early as possible."""
-    best, best_cost = 1, None
-    for m in range(1, length):
-        cost = m + _revolve_cost(length - m, slots - 1) + _revolve_cost(m, slots)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = m, cost
-    return best
-
-
-def _revolve_first_sweep(steps: int, slots: int) -> List[int]:
-    """The states the forward keeps: the kept states of the schedule's first sweep."""
-    positions, start, free = [], 0, slots
-    while steps - start > 1 and free > 1:
-        start += _revolve_split(steps - start, free)
-        free -= 1
-        positions.append(start)
-    return positions
-
-
-def _revolve_backward(plan: _Episode, states: dict, carry: _GradCarry) -> None:
-    """Reverse the episode with at most plan.slots kept states, optimally (binomial schedule)."""
-    held = dict(states)
-    tasks = [("reverse", 0, plan.steps, plan.slots)]
-    while tasks:
-        task = tasks.pop()
-        if task[0] == "free":
-            del held[task[1]]
-            continue
-        _, start, stop, slots = task
-        if stop - start == 1:
-            carry.backprop(start, held[start])
-        elif slots == 1:
-            for t in reversed(range(start, stop)):
-                carry.backprop(t, plan.advance(held[start], start, t))
-        else:
-            middle = start + _revolve_split(stop - start, slots)
-            if middle not in held:
-                held[middle] = plan.advance(held[start], start, middle)
-            # Later steps first (they are reversed first), then free the middle, then the rest.
-            tasks.append(("reverse", start, middle, slots))
-            tasks.append(("free", middle))
-            tasks.append(("reverse", middle, stop, slots - 1))

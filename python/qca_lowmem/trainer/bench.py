@@ -25,7 +25,7 @@ from .distributed import resolve_device
 from ..memory import format_bytes, saved_bytes
 from ..ops.qca_step import fused_step
 from ..episode import rollout
-from .train import TrainConfig, build_model
+from .config import TrainConfig, build_model
 
 
 def library_commit(repo=None) -> Optional[str]:

@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from .errors import UsageError, error_text
+from .metrics import METRICS_NAME
 from .oom import Policy
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -84,9 +86,6 @@ def _process_alive(pid: int) -> bool:
 def check_out_dir(out_dir, create: bool = True):
     """Refuse, before the first episode, an output folder the run could not write its files to;
     `create`: make it (else check that it could be made)."""
-    from .train import UsageError
-    from .metrics import METRICS_NAME
-
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: a file is in the way (the run needs a folder there)")
@@ -168,8 +167,6 @@ def state_of(trainer) -> dict:
 def read_checkpoint(path) -> dict:
     """The checkpoint at `path`; a UsageError saying what is wrong with it, and whether the
     previous one can be used instead."""
-    from .train import UsageError, error_text
-
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"--resume {path}: is a folder, not a checkpoint file")
@@ -208,8 +205,6 @@ def _fallback(path: Path) -> str:
 
 def check_resumable(state: dict, path, config, episodes_per_step: int):
     """Refuse (UsageError) a resume under settings that change what the run computes."""
-    from .train import UsageError
-
     saved = state["config"]
     fixed = [f.name for f in dataclasses.fields(config) if f.name not in RESUME_MAY_CHANGE + ("accumulate",)]
     changed = [f"{name} (checkpoint {saved.get(name)!r}, now {getattr(config, name)!r})"

@@ -59,7 +59,7 @@ def _flag(name: str) -> str:
 
 
 def _config(args):
-    from .train import load_config
+    from .config import load_config
 
     overrides = {name: getattr(args, name, None) for name in (
         "device", "threads", "grid", "d_state", "hidden", "qca_steps", "batch", "checkpoint", "slots", "amp_dtype",
@@ -123,7 +123,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _failure(command: str, error: BaseException):
     """(exit status, one line) for an exception that ended `command`."""
     from .oom import EXIT_OOM, OutOfMemoryStop
-    from .train import Interrupted, UsageError, error_text
+    from .errors import Interrupted, UsageError, error_text
 
     if isinstance(error, KeyboardInterrupt):
         return EXIT_INTERRUPTED, f"qca-lowmem {command}: {error if isinstance(error, Interrupted) else 'interrupted'}"
@@ -169,7 +169,8 @@ def _run(args) -> int:
 
 
 def _train(args) -> int:
-    from .train import UsageError, check_run, train
+    from .errors import UsageError
+    from .train import check_run, train
     from .checkpoint import CHECKPOINT_NAME
 
     config = _config(args)

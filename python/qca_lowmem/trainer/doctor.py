@@ -14,14 +14,14 @@ SMALL_GPU = 4 * 2**30
 
 def report() -> Tuple[List[Tuple[str, str]], List[str]]:
     """(facts as (name, value), things to fix)."""
-    import qca_lowmem
     from .. import _build_info
+    from .._version import __version__
     from ..ops._loader import REBUILD_COMMAND, has_cuda_kernels
 
     facts, fixes = [], []
     facts.append(("python", sys.version.split()[0]))
     facts.append(("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none'})"))
-    facts.append(("qca_lowmem", f"{qca_lowmem.__version__} at {os.path.dirname(qca_lowmem.__file__)}"))
+    facts.append(("qca_lowmem", f"{__version__} at {os.path.dirname(_build_info.__file__)}"))
     facts.append(("built against", f"torch {_build_info.TORCH_VERSION}, CUDA {_build_info.CUDA_VERSION or 'none'}"))
     cuda_kernels = has_cuda_kernels()
     facts.append(("_C has CUDA kernels", "yes" if cuda_kernels else "no"))

@@ -10,6 +10,7 @@ from typing import List, Optional
 import torch
 
 from ..memory import format_bytes
+from . import footprint
 
 EXIT_OOM = 3
 
@@ -62,14 +63,10 @@ def available_cpu_memory() -> Optional[int]:
 def check_cpu_memory(config, parameters: int, available: Optional[int] = None):
     """Refuse a CPU run whose lower bound (model state and the states its policy keeps: what
     `qca-lowmem plan` counts, without a step's working set) exceeds the memory available."""
-    from .plan import LOSS_STATES
-
     available = available_cpu_memory() if available is None else available
     if available is None:
         return
-    psi_bytes = config.batch * config.grid**2 * config.d_state * 8
-    kept_states = (config.slots if config.checkpoint == "revolve" else config.qca_steps) + LOSS_STATES
-    state_bytes, kept_bytes = 16 * parameters, kept_states * psi_bytes
+    state_bytes, kept_bytes = 16 * parameters, footprint.kept_bytes(config, config.checkpoint, config.slots)
     if state_bytes + kept_bytes <= available:
         return
     advice = [f"--checkpoint revolve --slots {max(1, min(32, config.qca_steps // 4))}"] if kept_bytes > state_bytes \

@@ -22,7 +22,8 @@ from ..recompute import keep_block_intermediates
 from ..amp import autocast, parse_amp_dtype
 from ..memory import format_bytes, parse_bytes, saved_storage_sizes
 from ..ops.qca_step import fused_step
-from .train import TrainConfig, build_model
+from .config import TrainConfig, build_model
+from .footprint import kept_bytes
 
 SAFETY = 1.10  # allocator rounding and fragmentation, cuDNN/cuBLAS workspaces
 _PROBE_GRIDS = (8, 16)
@@ -92,11 +93,6 @@ def measure_step(config: TrainConfig, variant: str, amp_dtype=None, model=None) 
     return StepMeasure(extrapolate(s1, s2), extrapolate(l1, l2))
 
 
-# psi-sized tensors the loss keeps besides the rollout's states (psi_T, |psi_T|, psi0 terms);
-# measured with saved_bytes: 2.3 psi at grid 8, 2.0 psi at grid 64.
-LOSS_STATES = 3
-
-
 def candidates(config: TrainConfig, half: str = "bf16"):
     """(name, checkpoint, slots, amp) in order of preference: faithful and fast first. The first,
     the users' stock trainer, is shown for reference and never recommended."""
@@ -110,7 +106,6 @@ def candidates(config: TrainConfig, half: str = "bf16"):
 
 def estimate_all(config: TrainConfig, parameters: int, measures: dict, half: str = "bf16") -> List[Estimate]:
     """measures[(variant, amp)]: StepMeasure of ("stock", None), ("lowmem", None), ("lowmem", half)."""
-    psi_bytes = config.batch * config.grid * config.grid * config.d_state * 8
     estimates = []
     for name, checkpoint, slots, amp in candidates(config, half):
         variant = "stock" if checkpoint == "stock" else "lowmem"
@@ -119,10 +114,8 @@ def estimate_all(config: TrainConfig, parameters: int, measures: dict, half: str
         working = m.saved_bytes + 2 * m.largest_bytes
         if checkpoint == "stock":
             kept, working = config.qca_steps * m.saved_bytes, 2 * m.largest_bytes
-        elif checkpoint == "step":
-            kept = (config.qca_steps + LOSS_STATES) * psi_bytes
         else:
-            kept = (slots + LOSS_STATES) * psi_bytes
+            kept = kept_bytes(config, checkpoint, slots)
         estimates.append(Estimate(name, checkpoint, slots, amp, state, kept, working))
     return estimates
 

@@ -1,0 +1,65 @@
+"""Parameter gradients of a recomputing backward, summed over its steps into one buffer each."""
+
+import functools
+from typing import List, Optional
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+
+class ParamGradSink:
+    """Collects the per-step gradients of the parameters into buffers during the backward.
+
+    While active, each parameter's tensor hooks are set aside and replaced by one that adds the
+    gradient to the parameter's buffer and hands autograd a broadcast zero, so no full-size
+    per-step copy outlives its hook and the user's hooks do not see partial gradients. The
+    buffers are returned as the Function's gradients: autograd then accumulates each into
+    `.grad` once, running the parameter's hooks once.
+    """
+
+    def __init__(self, params):
+        self.params = params
+        self.buffers: List[Optional[torch.Tensor]] = [None] * len(params)
+        self._set_aside = []
+        self._zeros = {}  # a scalar zero broadcast to each (dtype, device, shape), made once
+
+    def __enter__(self):
+        for i, p in enumerate(self.params):
+            if p._backward_hooks is None:
+                p.register_hook(_identity_hook).remove()  # creates the hook dict, as register_hook does
+            hooks = p._backward_hooks
+            original = list(hooks.items())
+            hooks.clear()
+            handle = RemovableHandle(hooks)
+            hooks[handle.id] = functools.partial(self._accumulate, i)
+            self._set_aside.append((hooks, original))
+        return self
+
+    def __exit__(self, *exc):
+        for hooks, original in self._set_aside:
+            hooks.clear()
+            hooks.update(original)
+        self._set_aside = []
+        return False
+
+    def _accumulate(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        buffer = self.buffers[i]
+        if buffer is None:
+            buffer = torch.empty_like(self.params[i])
+            buffer.copy_(grad)
+            self.buffers[i] = buffer
+        else:
+            buffer.add_(grad)
+        key = (grad.dtype, grad.device, grad.shape)
+        zero = self._zeros.get(key)
+        if zero is None:
+            zero = self._zeros[key] = torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+        return zero
+
+    def take(self):
+        buffers, self.buffers = self.buffers, None
+        return buffers
+
+
+def _identity_hook(grad):
+    return None
