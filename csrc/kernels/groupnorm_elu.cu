@@ -17,10 +17,12 @@
 // Threads are laid out as (pixel lane, channel lane): with NCHW one channel lane, so a warp reads
 // consecutive pixels of one channel; with channels_last up to one lane per channel of the group,
 // so a warp reads the group's consecutive channels of consecutive pixels. Either way each thread
-// keeps one channel at a time, so per-channel sums stay in registers.
+// keeps one channel at a time, so per-channel sums stay in registers. How the work is cut and
+// launched: groupnorm_elu_plan.cuh.
 #include <math.h>
 
 #include "qca_cuda_common.cuh"
+#include "groupnorm_elu_plan.cuh"
 #include "qca_lowmem/groupnorm_elu.h"
 
 namespace {
@@ -29,21 +31,6 @@ using qca_lowmem_cuda::block_reduce;
 using qca_lowmem_cuda::load_as;
 using qca_lowmem_cuda::mul_rn;
 using qca_lowmem_cuda::store_as;
-
-constexpr int kThreads = 512;
-constexpr int kBlocksPerSm = 2;       // what choose_splits aims for, and __launch_bounds__ promises
-constexpr int64_t kPixelsPerLane = 16;  // a chunk: this many pixels for each pixel lane
-constexpr int64_t kMaxSplits = 64;
-
-// How a pair's work is cut, from the shape alone (splits aside, which change no result).
-struct Plan {
-  int64_t channels;      // of a group
-  int64_t pixels;        // H * W
-  int64_t chunk_pixels;  // pixels of one chunk (all channels of the group)
-  int64_t chunks;        // of a pair; at least 1, so an empty group still has its (empty) chunk
-  int64_t splits;        // blocks per pair; each takes a run of whole chunks
-  int channel_lanes, pixel_lanes;  // channel_lanes * pixel_lanes <= kThreads
-};
 
 // This thread's place: its pair, its block's run of chunks, its lanes.
 struct Place {
@@ -370,50 +357,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 }
 
 // ---- launch ----
-
-qca_status check_shape(const qca_groupnorm_elu_shape& s) {
-  if (s.batch < 0 || s.channels < 1 || s.height < 0 || s.width < 0 || s.groups < 1 ||
-      s.channels % s.groups != 0)
-    return QCA_ERR_INVALID_ARGUMENT;
-  if (s.batch * s.groups > 0x7fffffffLL) return QCA_ERR_INVALID_ARGUMENT;  // grid x limit
-  return QCA_OK;
-}
-
-bool is_real(qca_dtype t) { return t == QCA_F32 || t == QCA_F64 || t == QCA_F16 || t == QCA_BF16; }
-
-// The statistics dtype is the accumulator: double for double data, float for the others.
-qca_status check_dtypes(qca_dtype x, qca_dtype affine, qca_dtype stat) {
-  if (!is_real(x) || !is_real(affine)) return QCA_ERR_UNSUPPORTED_DTYPE;
-  return stat == (x == QCA_F64 ? QCA_F64 : QCA_F32) ? QCA_OK : QCA_ERR_UNSUPPORTED_DTYPE;
-}
-
-// Blocks per pair: 1 when the pairs alone fill the GPU (kBlocksPerSm per SM), more for small
-// batches, at most one per chunk. 0 when the device cannot be asked its size (`*query` says why).
-int64_t choose_splits(int64_t pairs, int64_t chunks, cudaError_t* query) {
-  *query = cudaSuccess;
-  if (pairs == 0 || chunks == 1) return 1;
-  int sms = 0;
-  *query = qca_lowmem_cuda::multiprocessor_count(&sms);
-  if (*query != cudaSuccess) return 0;
-  const int64_t target_blocks = kBlocksPerSm * (int64_t)sms;
-  if (pairs >= target_blocks) return 1;
-  int64_t splits = (target_blocks + pairs - 1) / pairs;
-  if (splits > chunks) splits = chunks;
-  if (splits > kMaxSplits) splits = kMaxSplits;
-  return splits;
-}
-
-// The plan for `s` (checked) on the current device; false when the device query failed.
-bool make_plan(const qca_groupnorm_elu_shape& s, Plan* plan, cudaError_t* query) {
-  plan->channels = s.channels / s.groups;
-  plan->pixels = s.height * s.width;
-  plan->channel_lanes = s.channels_last ? (int)(plan->channels < kThreads ? plan->channels : kThreads) : 1;
-  plan->pixel_lanes = kThreads / plan->channel_lanes;
-  plan->chunk_pixels = plan->pixel_lanes * kPixelsPerLane;
-  plan->chunks = plan->pixels > 0 ? (plan->pixels + plan->chunk_pixels - 1) / plan->chunk_pixels : 1;
-  plan->splits = choose_splits(s.batch * s.groups, plan->chunks, query);
-  return plan->splits > 0;
-}
 
 // Workspace of the partial kernel: per chunk, the statistics (forward) or the per-channel sums
 // (backward). None when a pair is one block.
