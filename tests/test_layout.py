@@ -1,0 +1,138 @@
+"""The package's layers: each module imports only its own layer and those below, and no module
+imports in a circle (function-level imports included: they are the usual way to hide a circle)."""
+
+import ast
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import qca_lowmem
+
+PACKAGE = Path(qca_lowmem.__file__).parent
+NAME = "qca_lowmem"
+
+# Lowest first. The reference (`stock`) and the native library sit under every layer; the package
+# faces (`__init__`, `__main__`) over them all; `configs` holds data only.
+LAYERS = ["base", "ops", "library", "trainer", "face"]
+LAYER_LIMIT_LINES = 450
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if module in (NAME, f"{NAME}.__main__"):
+        return "face"
+    if parts[1] in ("stock", "_C", "_build_info", "_version", "configs"):
+        return "base"
+    if parts[1] in ("ops", "trainer"):
+        return parts[1]
+    return "library"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: Path):
+    """(line, module) for every import of the package in the file, at any depth, resolved."""
+    module = module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == NAME:
+                    yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != NAME:
+                continue
+            for alias in node.names:  # `from pkg import module` names a module when one is there
+                candidate = f"{target}.{alias.name}"
+                yield node.lineno, candidate if known_module(candidate) else target
+
+
+def known_module(name: str) -> bool:
+    relative = Path(*name.split(".")[1:])
+    return (PACKAGE / relative).with_suffix(".py").is_file() or (PACKAGE / relative / "__init__.py").is_file() \
+        or name in (f"{NAME}._C", f"{NAME}.configs")  # built, or mapped from the repository's configs/
+
+
+SOURCES = sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+GRAPH = {module_name(p): sorted({m for _, m in imported_modules(p)} - {module_name(p)}) for p in SOURCES}
+
+
+def test_the_layers_exist():
+    names = set(GRAPH)
+    assert {f"{NAME}.ops.qca_step", f"{NAME}.episode", f"{NAME}.trainer.train", f"{NAME}.stock"} <= names
+    assert {layer_of(m) for m in names} == set(LAYERS)
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_go_down_only(path):
+    module = module_name(path)
+    mine = LAYERS.index(layer_of(module))
+    upward = [f"line {line}: {target} ({layer_of(target)})" for line, target in imported_modules(path)
+              if LAYERS.index(layer_of(target)) > mine]
+    assert not upward, f"{module} ({layer_of(module)}) imports a layer above it: {upward}"
+
+
+def circles_in(graph):
+    """Every import circle a depth-first walk of `graph` meets, as module lists."""
+    state, circles = {}, []
+
+    def visit(module, trail):
+        state[module] = "open"
+        for target in graph.get(module, []):
+            if state.get(target) == "open":
+                circles.append(trail[trail.index(target):] + [target])
+            elif target not in state:
+                visit(target, trail + [target])
+        state[module] = "done"
+
+    for module in graph:
+        if module not in state:
+            visit(module, [module])
+    return circles
+
+
+def test_no_import_circles():
+    circles = circles_in(GRAPH)
+    assert not circles, f"import circles: {[' -> '.join(c) for c in circles]}"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_modules_stay_small(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= LAYER_LIMIT_LINES, f"{path.relative_to(PACKAGE)} has {lines} lines: split it by concern"
+
+
+def test_the_checker_sees_upward_imports_and_circles(tmp_path, monkeypatch):
+    """The checks above fail on a tree that breaks them."""
+    fake = tmp_path / NAME
+    (fake / "ops").mkdir(parents=True)
+    (fake / "trainer").mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "ops" / "__init__.py").write_text("")
+    (fake / "trainer" / "__init__.py").write_text("")
+    (fake / "ops" / "bad.py").write_text("def f():\n    from ..trainer import cli\n")
+    (fake / "trainer" / "cli.py").write_text("from . import run\n")
+    (fake / "trainer" / "run.py").write_text("from .cli import main\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    bad = fake / "ops" / "bad.py"
+    assert [(line, layer_of(m)) for line, m in imported_modules(bad)] == [(2, "trainer")]
+    graph = {module_name(p): sorted({m for _, m in imported_modules(p)}) for p in fake.rglob("*.py")}
+    assert circles_in(graph) == [[f"{NAME}.trainer.cli", f"{NAME}.trainer.run", f"{NAME}.trainer.cli"]]
+
+
+def test_the_version_is_the_projects():
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert qca_lowmem.__version__ == project["version"]
