@@ -11,7 +11,8 @@ only when named, take a lowmem_fp32_step episode's time apart: stock_fp32_checkp
 that per-step recompute in fp32: what recomputing costs stock), lowmem_fp32_keep (the fused
 kernels under plain autograd, blocks keeping their intermediates: nothing recomputed) and
 lowmem_fp32_forward (lowmem_fp32_step's forward and loss under no_grad, no backward: the pass a
-step recompute runs again). Each run gets a
+step recompute runs again); lowmem_fp32_step_unchecked (lowmem_fp32_step with check_recompute=False:
+against lowmem_fp32_step, what the check that each recompute reproduces the forward costs). Each run gets a
 fresh copy of the same initial weights and its own optimizer; it reports the peak of torch.cuda.max_memory_allocated over the measured
 episodes (after a warm-up episode, so AdamW's state exists) and the median episode time.
 The fp32 gradients of stock and lowmem_fp32_step are compared on the same weights, psi0 and
@@ -47,7 +48,7 @@ RUNS = ["lowmem_fp32_step_graph", "lowmem_bf16_step_graph", "lowmem_fp16_step_gr
         "lowmem_bf16_revolve32"]
 # Asked for by name: they take the CPU episode's time apart (what the recompute costs stock, the
 # fused kernels without any recompute, the forward pass a recompute repeats).
-EXTRA_RUNS = ["stock_fp32_checkpoint", "lowmem_fp32_keep", "lowmem_fp32_forward"]
+EXTRA_RUNS = ["stock_fp32_checkpoint", "lowmem_fp32_keep", "lowmem_fp32_forward", "lowmem_fp32_step_unchecked"]
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -104,10 +105,12 @@ def lowmem_step_fn(model, gamma, pack_dtype):
     return step
 
 
-def lowmem_forward(model, psi0, args, schedule, autocast_dtype=None, checkpoint="step", slots=None, step=None):
+def lowmem_forward(model, psi0, args, schedule, autocast_dtype=None, checkpoint="step", slots=None, step=None,
+                   check_recompute=True):
     step = step or lowmem_step_fn(model, args.gamma, autocast_dtype)
     with torch.autocast(psi0.device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-        return qca_lowmem.rollout(step, psi0, args.steps, checkpoint=checkpoint, slots=slots, noise=schedule)[1]
+        return qca_lowmem.rollout(step, psi0, args.steps, checkpoint=checkpoint, slots=slots, noise=schedule,
+                                  check_recompute=check_recompute)[1]
 
 
 def run_forward(name, model, psi0, args, episode_seed, step=None):
@@ -126,6 +129,8 @@ def run_forward(name, model, psi0, args, episode_seed, step=None):
             return lowmem_forward(model, psi0, args, schedule, checkpoint="none")
     if name == "lowmem_fp32_step":
         return lowmem_forward(model, psi0, args, schedule)
+    if name == "lowmem_fp32_step_unchecked":
+        return lowmem_forward(model, psi0, args, schedule, check_recompute=False)
     if name == "lowmem_bf16_step":
         return lowmem_forward(model, psi0, args, schedule, torch.bfloat16)
     if name == "lowmem_fp16_step":

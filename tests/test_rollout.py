@@ -169,12 +169,13 @@ def test_random_draws_replay(checkpoint, slots):
         delta = nn.functional.dropout(net(qca_lowmem.qca_pack(psi)), 0.3, training=True)
         return qca_lowmem.qca_update(psi, delta, gamma=0.05, multiplicative=False)
 
-    def run(checkpoint, slots=None, preserve_rng_state=True):
+    def run(checkpoint, slots=None, preserve_rng_state=True, check_recompute=True):
         for p in params:
             p.grad = None
         torch.manual_seed(5)
         psi_T, history = rollout(step_fn, psi0, STEPS, checkpoint=checkpoint, slots=slots, record_every=RECORD_EVERY,
-                                 noise=lambda psi, t: injector.apply_phase_flip(psi, 0.3), preserve_rng_state=preserve_rng_state)
+                                 noise=lambda psi, t: injector.apply_phase_flip(psi, 0.3), preserve_rng_state=preserve_rng_state,
+                                 check_recompute=check_recompute)
         history_terms = sum((i + 1) * h.real.square().sum() for i, h in enumerate(history[:-1]))
         (episode_loss(psi_T, history, psi0, False) + history_terms).backward()
         return [p.grad for p in params], torch.rand(4)
@@ -183,7 +184,11 @@ def test_random_draws_replay(checkpoint, slots):
     grads, draws = run(checkpoint, slots)
     assert max_relative_error(grads, expected) <= 1e-9
     assert torch.equal(draws, next_draws)  # the recompute leaves the global generator alone
-    unreplayed, _ = run(checkpoint, slots, preserve_rng_state=False)
+    # Without the replay the recompute draws other numbers: the check refuses its gradients...
+    with pytest.raises(qca_lowmem.RecomputeMismatchError, match=r"recompute of step \d+ in backward"):
+        run(checkpoint, slots, preserve_rng_state=False)
+    # ...which are wrong indeed.
+    unreplayed, _ = run(checkpoint, slots, preserve_rng_state=False, check_recompute=False)
     assert max_relative_error(unreplayed, expected) > 1e-3
 
 
@@ -251,15 +256,18 @@ def test_memory_flat_in_steps(grid, d_state, hidden):
     psi_bytes = psi0.numel() * psi0.element_size()
     step_fn = reference_step(op)
 
-    def kept(checkpoint, steps, slots=None):
-        return saved_bytes(lambda: rollout(step_fn, psi0, steps, checkpoint=checkpoint, slots=slots))
+    def kept(checkpoint, steps, slots=None, check_recompute=True):
+        return saved_bytes(lambda: rollout(step_fn, psi0, steps, checkpoint=checkpoint, slots=slots,
+                                           check_recompute=check_recompute))
 
     stock = {n: kept("none", n) for n in (8, 16)}
     step = {n: kept("step", n) for n in (8, 24)}
     revolve = {n: kept("revolve", n, 4) for n in (8, 64)}
     per_step = (step[24] - step[8]) / 16 / psi_bytes
     assert 0.9 <= per_step <= 1.05
-    assert revolve[8] == revolve[64] <= 4 * psi_bytes
+    # The recompute check keeps psi_T too (the loss's psi_T: the same storage in a real episode).
+    assert revolve[8] == revolve[64] <= 5 * psi_bytes
+    assert kept("revolve", 64, 4, check_recompute=False) <= 4 * psi_bytes
     print(f"\nsaved bytes per step, grid {grid}, d {d_state}, hidden {hidden} (psi = {psi_bytes} bytes): stock {(stock[16] - stock[8]) / 8:.0f}, "
           f"step {(step[24] - step[8]) / 16:.0f}, revolve(4 slots) {revolve[64] / 64:.0f} at 64 steps "
           f"({revolve[64]} bytes in all, {revolve[8]} at 8 steps)")
@@ -401,8 +409,10 @@ def test_revolve_memory_bounded_by_slots():
     psi0 = initial_state(dtype=torch.complex64)
     psi_bytes = psi0.numel() * psi0.element_size()
     for slots in (1, 2, 5):
-        kept = saved_bytes(lambda: rollout(fused, psi0, 30, checkpoint="revolve", slots=slots))
+        kept = saved_bytes(lambda: rollout(fused, psi0, 30, checkpoint="revolve", slots=slots, check_recompute=False))
         assert kept == slots * psi_bytes
+        # The recompute check keeps psi_T besides (an output: the loss keeps it too).
+        assert saved_bytes(lambda: rollout(fused, psi0, 30, checkpoint="revolve", slots=slots)) == (slots + 1) * psi_bytes
 
 
 def test_autocast_replays():

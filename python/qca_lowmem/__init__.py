@@ -18,6 +18,7 @@ from .memory import saved_bytes
 from .ops.noise import NoiseSchedule, bit_flip, noise_coin, phase_flip
 from .ops.qca_step import qca_pack, qca_update
 from .episode import rollout
+from .episode_reverse import RecomputeMismatchError
 from .step_graph import StepGraph
 from .unet import ConversionReport, UNetUnitary, convert
 
@@ -25,6 +26,7 @@ __all__ = [
     "ConversionReport",
     "FusedConvBlock",
     "NoiseSchedule",
+    "RecomputeMismatchError",
     "StepGraph",
     "UNetUnitary",
     "amp",

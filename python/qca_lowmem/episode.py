@@ -11,15 +11,19 @@ episode's Function, so autograd accumulates each one's gradient once per backwar
 fire once) and `torch.autograd.grad(loss, params)` works too. Inside the backward, a parameter's
 per-step gradient goes into a private buffer through a temporary hook that stands in for the
 parameter's own hooks, which therefore also run once, at the end.
+
+State besides psi (a ConvLSTM's h and c) travels as a `carry` tuple: kept with psi at each kept
+step and handed back to the step when it is recomputed. The reverse pass and its check that each
+recompute reproduces the forward are in episode_reverse.py.
 """
 
 import contextlib
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from .ops._double_backward import second_order_requested
-from .recompute import keep_block_intermediates
+from .episode_reverse import StepReverser
 from .step_graph import StepGraph
 from . import revolve
 from .param_grads import ParamGradSink
@@ -41,7 +45,7 @@ def check_checkpoint(checkpoint, slots, caller: str = "rollout") -> None:
 
 
 def rollout(
-    step_fn: Callable[[torch.Tensor], torch.Tensor],
+    step_fn: Callable,
     psi0: torch.Tensor,
     steps: int,
     *,
@@ -50,8 +54,11 @@ def rollout(
     noise: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None,
     record_every: Optional[int] = None,
     preserve_rng_state: bool = True,
-) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """Run an episode of `steps` steps from `psi0`; returns `(psi_T, history)`.
+    carry: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    check_recompute: bool = True,
+):
+    """Run an episode of `steps` steps from `psi0`; returns `(psi_T, history)`, and with `carry`
+    `(psi_T, history, carry_T)`.
 
     step_fn(psi) -> psi: one step of the engine (the stock `motor.evolve_step` takes psi only);
       it must return a tensor of psi's shape, dtype and device. Parameters it reaches through its
@@ -74,6 +81,21 @@ def rollout(
       NoiseInjector) replay the same numbers; the global generators are left as the forward left
       them. Not needed with a NoiseSchedule and deterministic steps.
 
+    carry: state the step keeps besides psi, as a tuple of tensors (None entries allowed, e.g. a
+      memory not made yet): step_fn is then called as step_fn(psi, carry) -> (psi, carry) with a
+      tuple of the same length. Each kept step keeps its carry with its psi, and a recompute gets
+      the carry the forward step got. Carried tensors that require grad get gradients through
+      the carry (carry_T may enter the loss, carry entries that require grad get theirs); a step
+      that detaches them (a memory outside the graph, as the users' engine) gets none, as stock.
+      Not with a StepGraph.
+    check_recompute: compare each recomputed step's output with the state the episode already
+      holds (every step with "step", the last and each step after a state the schedule holds
+      with "revolve"), and raise `qca_lowmem.RecomputeMismatchError` naming the step and the
+      difference when it exceeds sqrt(eps) of the dtype, relative to the state's largest
+      value: a step that is not a function of (psi, carry) alone would give wrong gradients.
+      The differences stay on the device and are read once at the end of the backward. With
+      "revolve" the check holds one state (psi and carry) more while reversing. False skips it.
+
     Under torch.no_grad() (or when nothing requires grad) no state is kept at all.
     """
     if not callable(step_fn):
@@ -91,11 +113,17 @@ def rollout(
         raise ValueError(f"rollout: record_every must be an int >= 1 or None, got {record_every!r}")
     if noise is not None and not callable(noise):
         raise TypeError(f"rollout: noise must be callable as noise(psi, t) (e.g. a NoiseSchedule), got {type(noise).__name__}")
+    if not isinstance(check_recompute, bool):
+        raise TypeError(f"rollout: check_recompute must be True or False, got {check_recompute!r}")
+    carried = carry is not None
+    carry0 = _checked_carry(carry, "carry", None) if carried else ()
+    if carried and isinstance(step_fn, StepGraph):
+        raise ValueError("rollout: a StepGraph captures step_fn(psi) only; with carry=..., pass the step function itself")
 
-    unit = _StepUnit(step_fn, noise)
+    unit = _StepUnit(step_fn, noise, carried)
     recorded = [t for t in range(steps) if t == 0 or t == steps - 1 or t % record_every == 0]
     if checkpoint == "none" or not torch.is_grad_enabled():
-        return _run_plain(unit, psi0, 0, steps, recorded, [])
+        return _returned(*_run_plain(unit, (psi0, carry0), 0, steps, recorded, []), carried)
 
     # Step 0 with grad enabled: its graph tells which leaves (parameters) the episode depends on.
     # Only the graph's shape is needed, so nothing it would save for backward is kept.
@@ -103,41 +131,73 @@ def rollout(
     rng = _RngStates(psi0.device, preserve_rng_state)
     rng.record()
     psi_in = psi0.detach().requires_grad_(True)
+    carry_in = tuple(c.detach().requires_grad_(True) if _differentiable(c) else c for c in carry0)
     with torch.autograd.graph.saved_tensors_hooks(_discard, _discard):
-        psi1 = unit(psi_in, 0)
-    params = _leaves_reached(psi1, psi_in, marker)
-    psi1 = psi1.detach()
-    if not params and not psi0.requires_grad:
+        psi1, carry1 = unit(psi_in, carry_in, 0)
+    params = _leaves_reached([psi1, *carry1], {id(x) for x in (psi_in, *carry_in)}, marker)
+    state1 = (psi1.detach(), tuple(c.detach() if c is not None else None for c in carry1))
+    carry0_needs_grad = [c is not None and c.requires_grad for c in carry0]
+    if not params and not psi0.requires_grad and not any(carry0_needs_grad):
         with torch.no_grad():
-            return _run_plain(unit, psi1, 1, steps, recorded, [psi1] if steps > 1 else [])
+            return _returned(*_run_plain(unit, state1, 1, steps, recorded, [state1[0]] if steps > 1 else []), carried)
 
-    plan = _Episode(unit, rng, steps, recorded, checkpoint, slots, psi1, params, psi0.requires_grad)
+    plan = _Episode(unit, rng, steps, recorded, checkpoint, slots, state1, params, psi0.requires_grad,
+                    carry0_needs_grad, check_recompute)
     if isinstance(step_fn, StepGraph) and psi0.is_cuda:
-        unit.capture = step_fn.for_rollout(psi1, params, plan.autocast)
-    outputs = _EpisodeFunction.apply(plan, psi0, *params)
-    psi_T, history = outputs[0], list(outputs[1:])
+        unit.capture = step_fn.for_rollout(state1[0], params, plan.autocast)
+    outputs = _EpisodeFunction.apply(plan, psi0, *carry0, *params)
+    n_history = len(plan.history_steps)
+    psi_T, history = outputs[0], list(outputs[1:1 + n_history])
     history.append(psi_T)
-    return psi_T, history
+    carry_T = iter(outputs[1 + n_history:])
+    return _returned(psi_T, history, tuple(next(carry_T) if present else None for present in plan.carry_T_present),
+                     carried)
+
+
+def _returned(psi_T, history, carry_T, carried):
+    return (psi_T, history, carry_T) if carried else (psi_T, history)
+
+
+def _differentiable(tensor) -> bool:
+    return tensor is not None and (tensor.is_floating_point() or tensor.is_complex())
+
+
+def _checked_carry(carry, what: str, like) -> tuple:
+    """carry as a tuple of tensors or None, of the length of `like` when given."""
+    if not isinstance(carry, (tuple, list)) or not all(c is None or isinstance(c, torch.Tensor) for c in carry):
+        got = type(carry).__name__ if not isinstance(carry, (tuple, list)) else [type(c).__name__ for c in carry]
+        raise TypeError(f"rollout: {what} must be a tuple of tensors (None entries allowed), got {got}")
+    if like is not None and len(carry) != len(like):
+        raise ValueError(f"rollout: {what} must keep the carry's length {len(like)}, got {len(carry)} entries")
+    return tuple(carry)
 
 
 class _StepUnit:
-    """One step of the episode: step_fn then noise, with the checks that keep psi's type.
+    """One step of the episode: step_fn then noise, with the checks that keep psi's type;
+    (psi, carry) -> (psi, carry), the carry () when the rollout has none.
 
     With a capture (a StepGraph's, see _step_graph.py), steps taken without grad replay its
-    forward graph; the backward asks the capture directly (_GradCarry)."""
+    forward graph; the backward asks the capture directly (StepReverser)."""
 
-    def __init__(self, step_fn, noise):
+    def __init__(self, step_fn, noise, carried: bool):
         self.step_fn = step_fn
         self.noise = noise
+        self.carried = carried
         self.capture = None
 
-    def __call__(self, psi: torch.Tensor, t: int) -> torch.Tensor:
+    def __call__(self, psi: torch.Tensor, carry: tuple, t: int):
         if self.capture is not None and not torch.is_grad_enabled():
-            out = self.capture.forward(psi)
+            return self.add_noise(self.capture.forward(psi), t), carry
+        if self.carried:
+            result = self.step_fn(psi, carry)
+            if not isinstance(result, (tuple, list)) or len(result) != 2:
+                raise TypeError(f"rollout: with carry=..., step_fn(psi, carry) must return (psi, carry); at step {t} "
+                                f"it returned {type(result).__name__}")
+            out, carry = result[0], _checked_carry(result[1], f"the carry step_fn returned at step {t}", carry)
         else:
             out = self.step_fn(psi)
-            _check_state(out, psi, "step_fn", t)
-        return self.add_noise(out, t)
+        _check_state(out, psi, "step_fn", t)
+        return self.add_noise(out, t), carry
 
     def add_noise(self, out: torch.Tensor, t: int) -> torch.Tensor:
         if self.noise is None:
@@ -158,16 +218,17 @@ def _check_state(out, psi, name, t):
         )
 
 
-def _run_plain(unit, psi, start, steps, recorded, history):
-    """The stock loop from step `start` (history holds the records before it) under the current
-    grad mode; history[-1] is psi_T."""
+def _run_plain(unit, state, start, steps, recorded, history):
+    """The stock loop from step `start` with state (psi, carry) (history holds the records
+    before it) under the current grad mode: (psi_T, history, carry_T); history[-1] is psi_T."""
     recorded = set(recorded)
+    psi, carry = state
     for t in range(start, steps):
-        psi = unit(psi, t)
+        psi, carry = unit(psi, carry, t)
         if t in recorded and t != steps - 1:
             history.append(psi)
     history.append(psi)
-    return psi, history
+    return psi, history, carry
 
 
 def _discard(_):
@@ -181,10 +242,11 @@ def _next_sequence_nr() -> int:
     return node._sequence_nr() + 1
 
 
-def _leaves_reached(output: torch.Tensor, psi_in: torch.Tensor, marker: int) -> List[torch.Tensor]:
-    """The leaf tensors requiring grad that `output`'s graph reaches, other than psi_in."""
+def _leaves_reached(outputs, inputs: set, marker: int) -> List[torch.Tensor]:
+    """The leaf tensors requiring grad that the graphs of `outputs` reach, other than the
+    tensors whose ids are in `inputs`."""
     leaves, seen_leaves, visited = [], set(), set()
-    stack = [output.grad_fn]
+    stack = [out.grad_fn for out in outputs if out is not None]
     while stack:
         node = stack.pop()
         if node is None or node in visited:
@@ -192,7 +254,7 @@ def _leaves_reached(output: torch.Tensor, psi_in: torch.Tensor, marker: int) -> 
         visited.add(node)
         variable = getattr(node, "variable", None)  # AccumulateGrad: the edge into a leaf
         if variable is not None:
-            if variable is not psi_in and id(variable) not in seen_leaves:
+            if id(variable) not in inputs and id(variable) not in seen_leaves:
                 seen_leaves.add(id(variable))
                 leaves.append(variable)
             continue
@@ -259,74 +321,90 @@ class _RngStates:
 class _Episode:
     """Everything the episode's Function needs besides tensors."""
 
-    def __init__(self, unit, rng, steps, recorded, mode, slots, psi1, params, psi0_needs_grad):
+    def __init__(self, unit, rng, steps, recorded, mode, slots, state1, params, psi0_needs_grad, carry0_needs_grad,
+                 check_recompute):
         self.unit = unit
         self.rng = rng
         self.steps = steps
         self.history_steps = [t for t in recorded if t != steps - 1]
         self.mode = mode
         self.slots = slots
-        self.psi1 = psi1
+        self.state1 = state1
         # The parameters stay here, not in save_for_backward: saved-tensor hooks (save_on_cpu,
         # saved_bytes) would hand back copies, which the recomputed steps never use.
         self.params = params
         self.param_versions = [p._version for p in params]
         self.psi0_needs_grad = psi0_needs_grad
-        self.autocast = _AutocastState(sorted({"cpu", psi1.device.type}))
+        self.carry0_needs_grad = carry0_needs_grad
+        self.carry_width = len(carry0_needs_grad)
+        self.carry_T_present: List[bool] = []  # which carry_T entries are outputs (not None)
+        self.check_recompute = check_recompute
+        self.autocast = _AutocastState(sorted({"cpu", state1[0].device.type}))
         self.stored_steps: List[int] = []  # which states are saved, in saved order
 
-    def advance(self, psi, start, stop):
-        """psi at step `stop` from psi at step `start`, without a graph (as the forward ran)."""
+    def advance(self, state, start, stop):
+        """The state (psi, carry) at step `stop` from the one at step `start`, without a graph
+        (as the forward ran)."""
+        psi, carry = state
         with torch.no_grad(), self.autocast():
             for t in range(start, stop):
                 with self.rng.replay(t):
-                    psi = self.unit(psi, t)
-        return psi
+                    psi, carry = self.unit(psi, carry, t)
+        return psi, carry
 
 
 class _EpisodeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: _Episode, psi0: torch.Tensor, *params: torch.Tensor):
+    def forward(ctx, plan: _Episode, psi0: torch.Tensor, *inputs: Optional[torch.Tensor]):
         steps = plan.steps
+        carry0 = tuple(inputs[:plan.carry_width])
         if plan.mode == "step":
             keep = set(range(steps))
         else:
             keep = {0, *revolve.first_sweep(steps, plan.slots)}
         history_steps = set(plan.history_steps)
-        stored, history = [psi0], []
-        psi = plan.psi1
-        plan.psi1 = None
+        stored, history = [(psi0, carry0)], []
+        psi, carry = plan.state1
+        plan.state1 = None
         for t in range(1, steps + 1):
-            # psi is the state after step t-1, the input of step t.
+            # (psi, carry) is the state after step t-1, the input of step t.
             if t - 1 in history_steps:
                 history.append(psi)
             if t == steps:
                 break
             if t in keep:
-                stored.append(psi)
+                stored.append((psi, carry))
             plan.rng.record()
-            psi = plan.unit(psi, t)
+            psi, carry = plan.unit(psi, carry, t)
         plan.stored_steps = sorted(keep)
-        outputs = [psi, *history]
+        plan.carry_T_present = [c is not None for c in carry]
+        outputs = [psi, *history, *(c for c in carry if c is not None)]
         # An output must not be an input or another output (an identity step would make it so).
-        seen = {id(psi0)}
+        seen = {id(x) for x in (psi0, *carry0) if x is not None}
         for i, out in enumerate(outputs):
             if id(out) in seen:
                 outputs[i] = out.clone()
             seen.add(id(outputs[i]))
+        if plan.check_recompute:
+            carry_out = iter(outputs[1 + len(history):])
+            stored.append((outputs[0], tuple(next(carry_out) if c is not None else None for c in carry)))
         ctx.plan = plan
-        ctx.save_for_backward(*stored)
+        ctx.save_for_backward(*(x for psi_t, carry_t in stored for x in (psi_t, *carry_t)))
         ctx.set_materialize_grads(False)
         return tuple(outputs)
 
     @staticmethod
-    def backward(ctx, grad_psi_T, *grad_history):
+    def backward(ctx, grad_psi_T, *grads):
         plan: _Episode = ctx.plan
         if second_order_requested():
             # Each step's graph lives only while its reverse step runs: no graph can span them.
             raise RuntimeError(f"rollout(checkpoint={plan.mode!r}): no second-order gradients (create_graph=True): "
                                "this mode keeps no graph across steps; use checkpoint='none' (plain autograd)")
-        states = dict(zip(plan.stored_steps, ctx.saved_tensors))
+        width = 1 + plan.carry_width
+        saved = ctx.saved_tensors
+        flat = [(saved[i], tuple(saved[i + 1:i + width])) for i in range(0, len(saved), width)]
+        states = dict(zip(plan.stored_steps, flat))
+        final_state = flat[-1] if plan.check_recompute else None
         params = plan.params
         for p, version in zip(params, plan.param_versions):
             if p._version != version:
@@ -335,70 +413,27 @@ class _EpisodeFunction(torch.autograd.Function):
                     f"between the episode's forward and its backward (version {version} -> {p._version}), "
                     "e.g. an optimizer step; the recompute would not reproduce the forward"
                 )
-        incoming = {t: g for t, g in zip(plan.history_steps, grad_history) if g is not None}
-        if grad_psi_T is not None:
-            incoming[plan.steps - 1] = grad_psi_T
+        n_history = len(plan.history_steps)
+        no_carry_grads = [None] * plan.carry_width
+        incoming = {t: (g, no_carry_grads) for t, g in zip(plan.history_steps, grads[:n_history]) if g is not None}
+        carry_grads = iter(grads[n_history:])
+        grad_carry_T = [next(carry_grads) if present else None for present in plan.carry_T_present]
+        if grad_psi_T is not None or any(g is not None for g in grad_carry_T):
+            incoming[plan.steps - 1] = (grad_psi_T, grad_carry_T)
 
         capture = plan.unit.capture
         if capture is not None:
             capture.zero_accumulators()
         sink = ParamGradSink(params) if capture is None else contextlib.nullcontext()
-        carry = _GradCarry(plan, incoming, params)
+        reverser = StepReverser(plan, incoming, params, final_state)
         with sink:
             if plan.mode == "step":
                 for t in reversed(range(plan.steps)):
-                    carry.backprop(t, states[t])
+                    reverser.backprop(t, states[t])
             else:
-                revolve.reverse(plan, states, carry)
-        del states
+                revolve.reverse(plan, states, reverser)
+        del states, flat, final_state
+        reverser.verify()
         buffers = sink.take() if capture is None else capture.parameter_grads()
-        return (None, carry.grad if plan.psi0_needs_grad else None, *buffers)
-
-
-class _GradCarry:
-    """The gradient flowing back along the episode, one step at a time (steps in reverse)."""
-
-    def __init__(self, plan, incoming, params):
-        self.plan = plan
-        self.incoming = incoming
-        self.params = params
-        self.grad = None  # gradient w.r.t. psi after the step being reversed
-
-    def backprop(self, t: int, state: torch.Tensor) -> None:
-        """Reverse step t given its input state: grad now refers to psi before step t."""
-        g = self.incoming.pop(t, None)
-        if g is not None:
-            self.grad = g if self.grad is None else self.grad + g
-        if self.grad is None:
-            return  # nothing of the loss depends on this step's output
-        plan = self.plan
-        need_input = t > 0 or plan.psi0_needs_grad
-        if plan.unit.capture is not None:
-            self._backprop_captured(t, state, need_input)
-            return
-        psi_in = state.detach().requires_grad_(need_input)
-        with torch.enable_grad(), plan.autocast(), keep_block_intermediates(), plan.rng.replay(t):
-            out = plan.unit(psi_in, t)
-        inputs = ([psi_in] if need_input else []) + self.params
-        if not out.requires_grad or not inputs:
-            self.grad = None
-            return
-        grads = torch.autograd.grad(out, inputs, self.grad, allow_unused=True)
-        self.grad = grads[0] if need_input else None
-
-    def _backprop_captured(self, t: int, state: torch.Tensor, need_input: bool) -> None:
-        """backprop through the capture's graphs; the noise after the step stays eager."""
-        plan = self.plan
-        unit = plan.unit
-        out = unit.capture.output_for_backward(state)
-        grad_out = self.grad
-        if unit.noise is not None:
-            out = out.requires_grad_(True)
-            with torch.enable_grad(), plan.autocast(), plan.rng.replay(t):
-                noisy = unit.add_noise(out, t)
-            grad_out = torch.autograd.grad(noisy, out, grad_out, allow_unused=True)[0] if noisy.requires_grad else None
-            if grad_out is None:
-                self.grad = None
-                return
-        grad_in = unit.capture.backward(grad_out)
-        self.grad = grad_in if need_input else None
+        grad_carry0 = [g if needs else None for g, needs in zip(reverser.grad_carry, plan.carry0_needs_grad)]
+        return (None, reverser.grad if plan.psi0_needs_grad else None, *grad_carry0, *buffers)

@@ -3,7 +3,8 @@
 `enable(trainer)` converts the operator's ConvBlocks in place (same Parameters), swaps the engine
 step for the fused pack/update, replaces `train_episode` by a rollout with recompute that keeps the
 stock episode semantics, and swaps the GradScaler for `qca_lowmem.amp.GradScaler` with its state.
-`disable(trainer)` puts everything back.
+An engine with memory (`motor.has_memory`, a ConvLSTM) has its memory carried by the rollout
+(engine_step.py). `disable(trainer)` puts everything back.
 """
 
 import os
@@ -16,7 +17,7 @@ import torch
 from . import amp, stock
 from .amp import autocast, parse_amp_dtype
 from .ops.noise import NoiseSchedule
-from .ops.qca_step import fused_step
+from .engine_step import lowmem_steps, memory_of, store_memory
 from .episode import check_checkpoint, rollout
 from .step_graph import StepGraph
 from .unet import convert
@@ -54,6 +55,7 @@ class _Saved:
     scaler: Any = None
     convert_report: Any = None
     step_graph: Any = None  # a StepGraph of the motor's step, made at the first CUDA episode
+    memory_step: Any = None  # step(psi, (h, c)) -> (psi, (h, c)) for an engine with memory
 
 
 def _children(root: torch.nn.Module):
@@ -138,10 +140,12 @@ def _lowmem_train_episode(trainer, episode_num):
         if state.step_graph is None:
             state.step_graph = StepGraph(step)
         step = state.step_graph
+    # The memory the episode starts from: the state reset above zeroed it, as the engine's does.
+    memory = {} if state.memory_step is None else dict(carry=memory_of(trainer.motor))
     with autocast(device.type, opts["amp_dtype"]):
         # rollout's default history is the stock one: t == 0, T-1 and every max(1, T // 10) steps.
-        psi, history = rollout(step, psi0, trainer.qca_steps, checkpoint=opts["checkpoint"],
-                               slots=opts["slots"], noise=noise)
+        psi, history, *memory_T = rollout(state.memory_step or step, psi0, trainer.qca_steps,
+                                          checkpoint=opts["checkpoint"], slots=opts["slots"], noise=noise, **memory)
         loss, metrics = trainer.loss_fn(history, psi0)
 
     parameters = [p for p in operator.parameters() if p.requires_grad]
@@ -156,6 +160,9 @@ def _lowmem_train_episode(trainer, episode_num):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(parameters, opts["max_grad_norm"])
         trainer.optimizer.step()
+    if memory_T:
+        # After the backward, whose recomputes ran the steps again: the memory the last step left.
+        store_memory(trainer.motor, memory_T[0])
     return loss.item(), metrics, psi.detach().cpu()
 
 
@@ -211,6 +218,11 @@ def enable(
     cuda_graph: on CUDA, with checkpoint "step" or "revolve", run each step as replays of
       captured CUDA graphs (qca_lowmem.StepGraph): the same kernels without launch overhead.
     fused_step_ops: replace `motor.evolve_step` by the fused pack/update ops.
+    An engine with `motor.has_memory` True (operator(x, h, c) -> (delta, h, c), the memory on
+      motor.state.h_state / c_state, detached) has its memory carried through the rollout, so
+      each recompute sees the memory its forward step saw; after each episode motor.state holds
+      the memory the last step left, as stock. An operator that cannot be called as the engine
+      calls it is refused here, naming its class.
     lowmem_scaler: replace `trainer.scaler` by qca_lowmem.amp.GradScaler carrying its state.
     grid_size / batch_size / d_state / initial_state: how psi0 is drawn. By default the trainer's
       own state reset when its engine has one (`motor.state._reset_state_random()`, then
@@ -233,9 +245,13 @@ def enable(
     ))
     # Everything that can fail is decided before the trainer changes.
     new_scaler = _lowmem_scaler_for(trainer, state.options["amp_dtype"]) if lowmem_scaler else None
+    evolve_step, state.memory_step = lowmem_steps(trainer.motor, fused_step_ops)
+    if state.memory_step is not None and cuda_graph:
+        raise ValueError(f"enable(): cuda_graph=True captures steps of psi alone; {type(trainer.motor.operator).__name__} "
+                         "runs with memory (motor.has_memory): use cuda_graph=False")
     if fused_blocks:
         _convert_blocks(trainer.motor.operator, state)
-    _swap_step(trainer, state, fused_step_ops)
+    _swap_step(trainer, state, evolve_step)
     _swap_episode(trainer, state)
     _swap_scaler(trainer, state, new_scaler)
     setattr(trainer, _STATE_ATTR, state)
@@ -289,15 +305,14 @@ def _convert_blocks(operator, state: _Saved):
         raise RuntimeError("enable(): convert() did not keep the operator's Parameter objects; nothing was changed")
 
 
-def _swap_step(trainer, state: _Saved, fused_step_ops: bool):
-    """motor.evolve_step -> the fused pack/update (with the engine's gamma and stock's rule for
-    multiplicative operators), when `fused_step_ops`; the original is kept either way."""
+def _swap_step(trainer, state: _Saved, evolve_step):
+    """motor.evolve_step -> `evolve_step` (the fused pack/update, engine_step.lowmem_steps) unless
+    None; the original is kept either way."""
     motor = trainer.motor
     state.had_evolve_step_attr = "evolve_step" in vars(motor)
     state.evolve_step = motor.evolve_step
-    if fused_step_ops:
-        gamma = float(getattr(motor.cfg, "GAMMA_DECAY", 0.0) or 0.0) if hasattr(motor, "cfg") else 0.0
-        motor.evolve_step = fused_step(motor.operator, gamma, stock.is_multiplicative(motor.operator))
+    if evolve_step is not None:
+        motor.evolve_step = evolve_step
 
 
 def _swap_episode(trainer, state: _Saved):

@@ -46,8 +46,9 @@ def first_sweep(steps: int, slots: int) -> List[int]:
     return positions
 
 
-def reverse(plan, states: dict, carry) -> None:
-    """Reverse the episode with at most plan.slots kept states, optimally (binomial schedule)."""
+def reverse(plan, states: dict, reverser) -> None:
+    """Reverse the episode with at most plan.slots kept states (states: step -> (psi, carry)),
+    optimally (binomial schedule)."""
     held = dict(states)
     tasks = [("reverse", 0, plan.steps, plan.slots)]
     while tasks:
@@ -57,10 +58,10 @@ def reverse(plan, states: dict, carry) -> None:
             continue
         _, start, stop, slots = task
         if stop - start == 1:
-            carry.backprop(start, held[start])
+            reverser.backprop(start, held[start])
         elif slots == 1:
             for t in reversed(range(start, stop)):
-                carry.backprop(t, plan.advance(held[start], start, t))
+                reverser.backprop(t, plan.advance(held[start], start, t))
         else:
             middle = start + split(stop - start, slots)
             if middle not in held:

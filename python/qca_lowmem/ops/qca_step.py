@@ -42,7 +42,12 @@ def fused_step(operator, gamma: float, multiplicative: bool) -> Callable:
     """The stock engine step (`stock.step`: pack, operator, update) on the fused ops."""
 
     def evolve_step(psi):
-        return qca_update(psi, operator(qca_pack(psi)), gamma, multiplicative)
+        delta = operator(qca_pack(psi))
+        if not isinstance(delta, torch.Tensor):
+            raise TypeError(f"{type(operator).__name__} returned {type(delta).__name__}, the engine step takes an "
+                            "operator returning delta; a model with memory returning (delta, h, c) needs an engine "
+                            "with has_memory=True")
+        return qca_update(psi, delta, gamma, multiplicative)
 
     return evolve_step
 

@@ -1,0 +1,123 @@
+"""The engine step that enable() puts in place, for engines with and without memory.
+
+An engine with memory (the users' `motor.has_memory`, a ConvLSTM operator) calls
+`operator(x, h, c) -> (delta, h, c)` with `h`, `c` read from `motor.state.h_state` /
+`c_state` (None before the first step ever) and detached, and stores the new ones there, detached:
+no gradient flows through the memory, but each step's output depends on it. The rollout carries
+the memory as `carry=(h, c)`, so a recompute sees the memory its forward step saw; the episode
+writes the final memory back to `motor.state`, where the engine's other code reads it.
+"""
+
+import inspect
+from typing import Callable, Optional
+
+import torch
+
+from . import stock
+from .ops.qca_step import fused_step, qca_pack, qca_update
+
+
+def has_memory(motor) -> bool:
+    """Whether the engine runs its operator with memory; refuses what cannot be read."""
+    value = getattr(motor, "has_memory", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"enable(): motor.has_memory must be True or False, got {value!r}")
+    if value:
+        state = getattr(motor, "state", None)
+        missing = [name for name in ("h_state", "c_state") if not hasattr(state, name)]
+        if missing:
+            raise ValueError(
+                f"enable(): {type(motor).__name__}.has_memory is True but motor.state has no {' / '.join(missing)}: "
+                "an engine with memory keeps the operator's h and c on motor.state.h_state / c_state"
+            )
+    return value
+
+
+def check_operator_call(operator, memory: bool) -> None:
+    """Refuse, naming the model class, an operator that cannot be called as the engine calls it."""
+    call, args = ("operator(x, h, c)", (None, None, None)) if memory else ("operator(x)", (None,))
+    try:
+        signature = inspect.signature(operator.forward)
+    except (TypeError, ValueError, AttributeError):
+        return  # nothing to read: the call itself will tell
+    try:
+        signature.bind(*args)
+    except TypeError as error:
+        if memory:
+            advice = "an engine with has_memory=True needs forward(x, h, c) returning (delta, h, c)"
+        else:
+            advice = ("a model with memory (forward(x, h, c) returning (delta, h, c)) needs an engine with "
+                      "has_memory=True and motor.state.h_state / c_state")
+        raise TypeError(f"enable(): {type(operator).__name__}.forward{signature} cannot be called as the engine calls "
+                        f"it, {call} ({error}); {advice}") from None
+
+
+def fused_memory_step(operator, gamma: float, multiplicative: bool) -> Callable:
+    """step(psi, (h, c)) -> (psi, (h, c)): the engine's step with memory on the fused pack/update."""
+    name = type(operator).__name__
+
+    def step(psi, memory):
+        h, c = (m.detach() if m is not None else None for m in memory)
+        out = operator(qca_pack(psi), h, c)
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            raise TypeError(f"{name} on an engine with has_memory=True must return (delta, h, c), "
+                            f"it returned {type(out).__name__}")
+        delta, h, c = out
+        return qca_update(psi, delta, gamma, multiplicative), tuple(m.detach() if m is not None else None for m in (h, c))
+
+    return step
+
+
+def engine_memory_step(state, evolve_step: Callable) -> Callable:
+    """step(psi, (h, c)) -> (psi, (h, c)) around the engine's own evolve_step(psi), which reads
+    and writes the memory on `state`: the memory it reads is the one handed in."""
+
+    def step(psi, memory):
+        state.h_state, state.c_state = memory
+        psi = evolve_step(psi)
+        return psi, (state.h_state, state.c_state)
+
+    return step
+
+
+class MemoryStep:
+    """motor.evolve_step(psi) for an engine with memory: the carried step with the memory read
+    from and written to motor.state, as the engine's own step does."""
+
+    def __init__(self, state, carried: Callable):
+        self.state = state
+        self.carried = carried
+
+    def __call__(self, psi):
+        psi, (self.state.h_state, self.state.c_state) = self.carried(psi, (self.state.h_state, self.state.c_state))
+        return psi
+
+
+def engine_gamma(motor) -> float:
+    cfg = getattr(motor, "cfg", None)
+    if isinstance(cfg, dict):
+        return float(cfg.get("GAMMA_DECAY", 0.0) or 0.0)
+    return float(getattr(cfg, "GAMMA_DECAY", 0.0) or 0.0)
+
+
+def lowmem_steps(motor, fused_step_ops: bool):
+    """(the engine's evolve_step for enable() to install, or None to keep the engine's own; the
+    carried step(psi, (h, c)) the episode rolls out for an engine with memory, else None)."""
+    operator = motor.operator
+    memory = has_memory(motor)
+    check_operator_call(operator, memory)
+    gamma, multiplicative = engine_gamma(motor), stock.is_multiplicative(operator)
+    if not memory:
+        return (fused_step(operator, gamma, multiplicative) if fused_step_ops else None), None
+    if fused_step_ops:
+        carried = fused_memory_step(operator, gamma, multiplicative)
+        return MemoryStep(motor.state, carried), carried
+    return None, engine_memory_step(motor.state, motor.evolve_step)
+
+
+def memory_of(motor) -> Optional[tuple]:
+    return motor.state.h_state, motor.state.c_state
+
+
+def store_memory(motor, memory) -> None:
+    motor.state.h_state, motor.state.c_state = (m.detach() if m is not None else None for m in memory)

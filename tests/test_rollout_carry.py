@@ -1,0 +1,216 @@
+"""qca_lowmem.rollout with state besides psi (carry=...): exact gradients through the carry in
+every mode, and the recompute check that refuses a step depending on state outside its inputs."""
+
+import pytest
+import torch
+from torch import nn
+
+import qca_lowmem
+from qca_lowmem import NoiseSchedule, RecomputeMismatchError, rollout, saved_bytes
+from qca_lowmem import stock as reference
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS = 7
+MODES = [("none", None), ("step", None), ("revolve", 1), ("revolve", 3)]
+HIDDEN = 3
+
+
+class MemoryCell(nn.Module):
+    """A ConvLSTM-shaped operator: (x, h, c) -> (delta, h, c), a zero memory when h, c are None."""
+
+    def __init__(self, d_state=2):
+        super().__init__()
+        torch.manual_seed(11)
+        c = 2 * d_state
+        self.gates = nn.Conv2d(c + HIDDEN, 4 * HIDDEN, 3, padding=1)
+        self.out = nn.Conv2d(c + HIDDEN, c, 3, padding=1)
+
+    def forward(self, x, h=None, c=None):
+        if h is None:
+            h = c = x.new_zeros(x.shape[0], HIDDEN, *x.shape[2:])
+        f, i, o, g = self.gates(torch.cat([x, h], 1)).chunk(4, 1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        return 0.3 * torch.tanh(self.out(torch.cat([x, h], 1))), h, c
+
+
+def memory_step(cell, detach):
+    """One QCA step carrying (h, c); `detach` cuts the gradient through the memory, as the users'
+    engine does."""
+
+    def step(psi, memory):
+        h, c = (m.detach() if detach and m is not None else m for m in memory)
+        delta, h, c = cell(qca_lowmem.qca_pack(psi), h, c)
+        if detach:
+            h, c = h.detach(), c.detach()
+        return qca_lowmem.qca_update(psi, delta, gamma=0.05, multiplicative=False), (h, c)
+
+    return step
+
+
+def initial_state(grid=8, d_state=2):
+    torch.manual_seed(3)
+    return reference.initial_state(1, grid, d_state, dtype=torch.complex128)
+
+
+def initial_memory(grid=8, requires_grad=False):
+    torch.manual_seed(4)
+    h, c = (0.5 * torch.randn(1, HIDDEN, grid, grid, dtype=torch.float64) for _ in range(2))
+    return h.requires_grad_(requires_grad), c.requires_grad_(requires_grad)
+
+
+def grads(step, cell, psi0, memory0, checkpoint, slots=None, noise=None, memory_loss=True, **kw):
+    """The episode's loss (on the history, and on the final memory when `memory_loss`) and the
+    gradients of every parameter, psi0 and the memory entries that require grad."""
+    for p in cell.parameters():
+        p.grad = None
+    psi0 = psi0.detach().requires_grad_()
+    memory0 = tuple(m.detach().requires_grad_() if m is not None and m.requires_grad else m for m in memory0)
+    psi_T, history, memory_T = rollout(step, psi0, STEPS, checkpoint=checkpoint, slots=slots, noise=noise,
+                                       record_every=2, carry=memory0, **kw)
+    loss, _ = reference.evolutionary_loss(history, psi0)
+    if memory_loss:
+        loss = loss + (memory_T[0] * torch.linspace(-1, 1, memory_T[0].numel()).view_as(memory_T[0])).sum()
+        loss = loss + memory_T[1].square().sum()
+    loss.backward()
+    inputs = [psi0, *(m for m in memory0 if m is not None and m.requires_grad)]
+    return loss.detach(), [x.grad for x in inputs] + [p.grad for p in cell.parameters()], memory_T
+
+
+def assert_same(actual, expected, rel=1e-10):
+    for a, e in zip(actual, expected, strict=True):
+        assert a is not None and e is not None
+        err = ((a - e).abs().max() / e.abs().max().clamp_min(1e-300)).item()
+        assert err <= rel, f"relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("checkpoint,slots", MODES[1:])
+@pytest.mark.parametrize("detach", [False, True], ids=["grad-through-memory", "detached-memory"])
+def test_carry_gradients_equal_plain_autograd(checkpoint, slots, detach):
+    cell = MemoryCell().double()
+    step = memory_step(cell, detach)
+    psi0, memory0 = initial_state(), initial_memory(requires_grad=not detach)
+    noise = NoiseSchedule(0.5, 2000, seed=1)
+    loss, expected, memory_expected = grads(step, cell, psi0, memory0, "none", noise=noise, memory_loss=not detach)
+    loss_r, actual, memory_T = grads(step, cell, psi0, memory0, checkpoint, slots, noise=noise, memory_loss=not detach)
+    assert torch.equal(loss_r, loss)
+    assert_same(actual, expected)
+    assert_same(memory_T, memory_expected, rel=0.0)
+    # The gradient reaches the initial memory exactly when the step lets it through.
+    assert len(actual) == len(list(cell.parameters())) + (1 if detach else 3)
+
+
+@pytest.mark.parametrize("checkpoint,slots", MODES)
+def test_memory_made_by_the_first_step(checkpoint, slots):
+    """carry entries may start as None (the users' engine's first episode)."""
+    cell = MemoryCell().double()
+    step = memory_step(cell, detach=True)
+    _, expected, memory_expected = grads(step, cell, initial_state(), (None, None), "none")
+    _, actual, memory_T = grads(step, cell, initial_state(), (None, None), checkpoint, slots)
+    assert_same(actual, expected)
+    assert_same(memory_T, memory_expected, rel=0.0)
+
+
+def test_integer_carry_and_autocast():
+    """A step counter carried as an integer tensor makes a step that reads it pure; bf16 autocast
+    is replayed around the recompute."""
+    net = nn.Conv2d(4, 4, 3, padding=1).double()
+
+    def step(psi, carry):
+        (count,) = carry
+        delta = torch.tanh(net(qca_lowmem.qca_pack(psi))) * (1.0 + 0.1 * count.to(torch.float64))
+        return qca_lowmem.qca_update(psi, delta, multiplicative=False), (count + 1,)
+
+    def run(checkpoint):
+        for p in net.parameters():
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            psi_T, history, (count,) = rollout(step, initial_state(), STEPS, checkpoint=checkpoint,
+                                               carry=(torch.zeros((), dtype=torch.long),))
+        psi_T.abs().square().mul(torch.arange(psi_T.numel()).view_as(psi_T)).sum().backward()
+        return [p.grad for p in net.parameters()], count
+
+    expected, count = run("none")
+    actual, count_step = run("step")
+    assert count.item() == count_step.item() == STEPS
+    assert_same(actual, expected)
+
+
+class Counter:
+    """A step that keeps state outside its inputs: a hidden counter, bumped on every call."""
+
+    def __init__(self, net):
+        self.net, self.calls = net, 0
+
+    def __call__(self, psi):
+        self.calls += 1
+        delta = torch.tanh(self.net(qca_lowmem.qca_pack(psi))) * (1.0 + 0.1 * self.calls)
+        return qca_lowmem.qca_update(psi, delta, multiplicative=False)
+
+
+@pytest.mark.parametrize("checkpoint,slots", MODES[1:])
+def test_impure_step_raises(checkpoint, slots):
+    net = nn.Conv2d(4, 4, 3, padding=1).double()
+    psi0 = initial_state().requires_grad_()
+    psi_T, history = rollout(Counter(net), psi0, STEPS, checkpoint=checkpoint, slots=slots)
+    with pytest.raises(RecomputeMismatchError) as error:
+        psi_T.abs().sum().backward()
+    message = str(error.value)
+    assert f"checkpoint={checkpoint!r}" in message and "recompute of step" in message
+    assert "carry=" in message and "checkpoint='none'" in message and "check_recompute=False" in message
+    assert net.weight.grad is None and psi0.grad is None  # no gradient was handed back
+    # Switched off explicitly, the same episode runs (and its gradients are wrong).
+    psi_T, _ = rollout(Counter(net), psi0, STEPS, checkpoint=checkpoint, slots=slots, check_recompute=False)
+    psi_T.abs().sum().backward()
+    assert net.weight.grad is not None
+
+
+def test_memory_kept_on_an_object_raises_and_carry_fixes_it():
+    """The users' engine's shape: the step reads its memory from an object and writes it back."""
+    cell = MemoryCell().double()
+
+    class Engine:
+        h = c = None
+
+        def step(self, psi):
+            delta, h, c = cell(qca_lowmem.qca_pack(psi), self.h, self.c)
+            self.h, self.c = h.detach(), c.detach()
+            return qca_lowmem.qca_update(psi, delta, multiplicative=False)
+
+    psi_T, history = rollout(Engine().step, initial_state(), STEPS, checkpoint="step")
+    with pytest.raises(RecomputeMismatchError, match=r"step \d+ .*psi differs"):
+        reference.evolutionary_loss(history, history[0])[0].backward()
+
+
+def test_carry_refused_where_it_cannot_work():
+    cell = MemoryCell().double()
+    step = memory_step(cell, detach=True)
+    psi0 = initial_state()
+    with pytest.raises(TypeError, match="carry must be a tuple of tensors"):
+        rollout(step, psi0, 3, carry=torch.zeros(1))
+    with pytest.raises(TypeError, match=r"must return \(psi, carry\)"):
+        rollout(lambda psi, carry: psi, psi0, 3, carry=(None,))
+    with pytest.raises(ValueError, match="keep the carry's length 2, got 1"):
+        rollout(lambda psi, carry: (psi, carry[:1]), psi0, 3, carry=(None, None))
+    with pytest.raises(ValueError, match="StepGraph"):
+        rollout(qca_lowmem.StepGraph(step), psi0, 3, carry=(None, None))
+    with pytest.raises(TypeError, match="check_recompute must be True or False, got 'no'"):
+        rollout(step, psi0, 3, carry=(None, None), check_recompute="no")
+
+
+def test_saved_bytes_psi_and_memory_per_step():
+    cell = MemoryCell().float()
+    step = memory_step(cell, detach=True)
+    psi0 = reference.initial_state(1, 16, 2)
+    memory0 = tuple(m.float() for m in initial_memory(grid=16))
+    psi_bytes = psi0.numel() * psi0.element_size()
+    memory_bytes = sum(m.numel() * m.element_size() for m in memory0)
+
+    def kept(steps, checkpoint="step", slots=None):
+        return saved_bytes(lambda: rollout(step, psi0, steps, checkpoint=checkpoint, slots=slots, carry=memory0))
+
+    per_step = (kept(20) - kept(8)) / 12
+    assert per_step == psi_bytes + memory_bytes
+    # And "revolve" keeps its slots (plus psi_T and the final memory for the check), whatever the steps.
+    assert kept(8, "revolve", 3) == kept(24, "revolve", 3) <= 4 * (psi_bytes + memory_bytes)
