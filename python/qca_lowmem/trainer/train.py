@@ -201,7 +201,7 @@ class Trainer:
     def _last_checkpoint_text(self) -> str:
         path = self.out_dir / train_state.CHECKPOINT_NAME
         if self.saved_episode is None:
-            return "no checkpoint was written"
+            return "no checkpoint was written yet"
         return f"the last checkpoint, {path} (episode {self.saved_episode}), is untouched"
 
     def _run_lowering_on_oom(self, first: int, episodes: List[int]):
@@ -257,7 +257,7 @@ class Trainer:
         if not train_state.all_finite(self.model.parameters()):
             raise TrainingStopped(
                 f"stopped at episode {last_episode}: the optimizer step made the weights non-finite (lr "
-                f"{self.config.lr:g}, weight_decay {self.config.weight_decay:g}); nothing was saved after it, "
+                f"{self.config.lr:g}, weight_decay {self.config.weight_decay:g}), not saved; "
                 f"{self._last_checkpoint_text()}; lower lr or weight_decay")
         return None
 
