@@ -23,7 +23,7 @@ from typing import Callable, List, Optional
 import torch
 
 from .. import amp, stock
-from . import checkpoint as train_state, oom
+from . import checkpoint as train_state, divergence, oom
 from ..amp import autocast, parse_amp_dtype
 from ..episode import rollout
 from ..memory import saved_bytes
@@ -178,31 +178,8 @@ class Trainer:
         skipped = self._optimizer_step(first + count - 1, count, bad_loss)
         if self.scheduler is not None:  # (the schedule follows episodes, stepped or not)
             self.scheduler.step()
-        self._count_skipped(first, count, skipped)
+        divergence.count_skipped(self, first, count, skipped)
         return rows
-
-    def _count_skipped(self, first: int, count: int, reason: Optional[str]):
-        """Say that a step was skipped; stop (TrainingStopped) after max_skipped_steps in a row."""
-        if reason is None:
-            self.skipped_in_row = 0
-            return
-        self.skipped_in_row += 1
-        episodes = f"episode {first}" if count == 1 else f"episodes {first}-{first + count - 1}"
-        limit = self.config.max_skipped_steps
-        if self.skipped_in_row < limit:
-            self._log(f"{episodes}: {reason}; optimizer step skipped, weights unchanged "
-                      f"({self.skipped_in_row} in a row; the run stops at {limit})")
-            return
-        raise TrainingStopped(
-            f"stopped at {episodes}: {limit} optimizer steps in a row skipped (max_skipped_steps), the last "
-            f"for {reason}: the run diverged; {self._last_checkpoint_text()}; lower lr (now {self.config.lr:g}) "
-            f"or weight_decay (now {self.config.weight_decay:g}), or check the config")
-
-    def _last_checkpoint_text(self) -> str:
-        path = self.out_dir / train_state.CHECKPOINT_NAME
-        if self.saved_episode is None:
-            return "no checkpoint was written yet"
-        return f"the last checkpoint, {path} (episode {self.saved_episode}), is untouched"
 
     def _run_lowering_on_oom(self, first: int, episodes: List[int]):
         """This rank's episodes; when any rank runs out of memory, all retry them with the next
@@ -254,11 +231,7 @@ class Trainer:
                 raise
             parameters = sum(p.numel() for p in self.model.parameters())
             raise oom.optimizer_step_failed(last_episode, self.device, parameters, self.out_dir) from None
-        if not train_state.all_finite(self.model.parameters()):
-            raise TrainingStopped(
-                f"stopped at episode {last_episode}: the optimizer step made the weights non-finite (lr "
-                f"{self.config.lr:g}, weight_decay {self.config.weight_decay:g}), not saved; "
-                f"{self._last_checkpoint_text()}; lower lr or weight_decay")
+        divergence.check_weights(self, last_episode)
         return None
 
     def _gather_rows(self, rows, per_rank: int):
@@ -281,13 +254,13 @@ class Trainer:
             problem = train_state.tensor_problem(state)
             if problem is not None:
                 raise TrainingStopped(f"not writing {path} at episode {self.next_episode}: its {problem}; "
-                                      f"{self._last_checkpoint_text()}")
+                                      f"{divergence.last_checkpoint_text(self)}")
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 train_state.atomic_save(state, path, keep_previous=True)
             except OSError as error:
                 raise TrainingStopped(f"cannot write {path} at episode {self.next_episode}: "
-                                      f"{error.strerror or error_text(error)}; {self._last_checkpoint_text()}; "
+                                      f"{error.strerror or error_text(error)}; {divergence.last_checkpoint_text(self)}; "
                                       f"free space there (or use another --out), then --resume") from None
         self.saved_episode = self.next_episode
         return path
