@@ -2,20 +2,18 @@
 states, policy, config, episode), written atomically, and read back with the checks that a
 resumed run continues the same run."""
 
-import contextlib
 import dataclasses
+import io
 import os
 import random
 import shutil
-import signal
 import tempfile
-import threading
-import zipfile
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from . import archive
 from .errors import UsageError, error_text
 from .metrics import METRICS_NAME
 from .oom import Policy
@@ -25,7 +23,7 @@ FORMAT = "qca_lowmem.train/1"
 # How a run is computed, not what it computes: a resume may change these. Every other setting
 # (the model, the episodes, the optimiser, amp_dtype, batch) must be the checkpoint's.
 RESUME_MAY_CHANGE = ("checkpoint", "slots", "fused_blocks", "cuda_graph", "device", "threads", "out_dir",
-                     "save_every", "episodes")
+                     "save_every", "episodes", "max_skipped_steps")
 
 
 def previous_path(path) -> Path:
@@ -39,13 +37,15 @@ def _temporary_path(path: Path, pid: int) -> Path:
 
 
 def atomic_save(obj, path, keep_previous: bool = False):
-    """torch.save to a temporary file in the same folder, then os.replace: a crash mid-save
-    leaves the previous file intact. `keep_previous`: the file replaced stays as previous_path."""
+    """torch.save (with a digest, archive.py) to a temporary file in the same folder, fsync, then
+    os.replace: a crash mid-save leaves the previous file intact. `keep_previous`: the file
+    replaced stays as previous_path."""
     path = Path(path)
+    data = archive.with_digest(obj)
     tmp = _temporary_path(path, os.getpid())
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         if keep_previous and path.is_file():
@@ -63,10 +63,31 @@ def atomic_save(obj, path, keep_previous: bool = False):
         raise
 
 
+def all_finite(tensors) -> bool:
+    tensors = [t for t in tensors if t.is_floating_point() or t.is_complex()]
+    return not tensors or bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+
+
+def tensor_problem(state: dict) -> Optional[str]:
+    """What makes a checkpoint's weights or optimizer state unusable: a non-finite value, or a
+    tensor without data (meta device). None when there is nothing."""
+    named = [(f"model tensor {name!r}", t) for name, t in state["model_state_dict"].items()]
+    named += [(f"optimizer state {index}/{key}", t) for index, values in state["optimizer_state_dict"]["state"].items()
+              for key, t in values.items()]
+    for name, tensor in named:
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        if tensor.is_meta:
+            return f"{name} has no data (meta device)"
+        if not all_finite([tensor]):
+            return f"{name} holds non-finite values"
+    return None
+
+
 def remove_stale_temporaries(folder: Path):
-    """Temporary files of checkpoint saves killed mid-way (their process is gone)."""
+    """Temporary files of checkpoint and metrics.csv writes killed mid-way (their process is gone)."""
     checkpoint = folder / CHECKPOINT_NAME
-    for name in (checkpoint, previous_path(checkpoint)):
+    for name in (checkpoint, previous_path(checkpoint), folder / METRICS_NAME):
         for tmp in folder.glob(_temporary_path(name, 0).name[:-1] + "*"):
             pid = tmp.name.rsplit("-", 1)[1]
             if pid.isdigit() and not _process_alive(int(pid)):
@@ -103,25 +124,6 @@ def check_out_dir(out_dir, create: bool = True):
             pass
     except OSError as error:
         raise UsageError(f"--out {out}: not writable ({error.strerror or error})") from None
-    remove_stale_temporaries(out)
-
-
-@contextlib.contextmanager
-def interrupts_deferred():
-    """Ctrl-C during the block takes effect at its end: an optimizer step or a save half done
-    would leave the run inconsistent."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield  # someone else handles SIGINT (or ignores it)
-        return
-    pending = []
-    signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if pending:
-        raise KeyboardInterrupt
 
 
 def rng_state():
@@ -173,23 +175,37 @@ def read_checkpoint(path) -> dict:
     if not path.exists():
         raise UsageError(f"--resume {path}: no checkpoint there")
     try:
-        state = _load(path)
+        return _usable(path)
+    except _Unusable as reason:
+        raise UsageError(f"{reason}; {_fallback(path)}") from None
+
+
+class _Unusable(Exception):
+    """A checkpoint of this trainer that cannot be resumed; the previous one may be."""
+
+
+REQUIRED_KEYS = ("episode", "model_state_dict", "optimizer_state_dict", "scheduler_state_dict", "scaler_state_dict",
+                 "rng_state", "policy", "config", "world_size")
+
+
+def _usable(path: Path) -> dict:
+    try:
+        # On the CPU: RNG states must stay CPU tensors; load_state_dict moves the rest to the device.
+        state = torch.load(io.BytesIO(archive.verified(path.read_bytes())), map_location="cpu", weights_only=False)
+    except archive.DamagedCheckpoint as error:
+        raise _Unusable(f"checkpoint {path} is damaged: {error}") from None
     except Exception as error:  # torch.load raises whatever the damaged bytes lead its unpickler to
-        raise UsageError(f"checkpoint {path} is unreadable (truncated?): {error_text(error)}; "
-                         f"{_fallback(path)}") from None
+        raise _Unusable(f"checkpoint {path} is unreadable (truncated?): {error_text(error)}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise UsageError(f"--resume {path}: not a qca-lowmem train checkpoint (format {found!r})")
+    missing = [key for key in REQUIRED_KEYS if key not in state]
+    if missing:
+        raise _Unusable(f"checkpoint {path} is damaged: it lacks {', '.join(missing)}")
+    problem = tensor_problem(state)
+    if problem is not None:
+        raise _Unusable(f"checkpoint {path} cannot be resumed: its {problem} (the run had diverged)")
     return state
-
-
-def _load(path: Path):
-    # Checkpoints are torch's zip archives: anything else is refused before the legacy unpickler
-    # reads it, whose errors on random bytes include MemoryError and interpreter-level noise.
-    if not zipfile.is_zipfile(path):
-        raise ValueError("not a zip archive of torch.save")
-    # On the CPU: RNG states must stay CPU tensors; load_state_dict moves the rest to the device.
-    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def _fallback(path: Path) -> str:
@@ -197,9 +213,9 @@ def _fallback(path: Path) -> str:
     if previous == path or not previous.is_file():
         return "no older checkpoint exists"
     try:
-        episode = _load(previous)["episode"]
-    except Exception:
-        return f"the older {previous} is unreadable too"
+        episode = _usable(previous)["episode"]
+    except (_Unusable, UsageError):
+        return f"the older {previous} is unusable too"
     return f"the older {previous} (episode {episode}) is readable: --resume {previous}"
 
 

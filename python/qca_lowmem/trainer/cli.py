@@ -1,12 +1,14 @@
 """The `qca-lowmem` command (also `python -m qca_lowmem`): train, bench, plan, doctor.
 
-Exit status: 0 done (or nothing to do), 1 a failure while running, 2 a bad argument, config,
-output folder or checkpoint (found before the first episode), 3 out of memory (progress saved),
-130 Ctrl-C (progress saved). Every failure is one line on stderr; QCA_LOWMEM_TRACEBACK=1 adds
+Exit status: 0 done (or nothing to do), 1 a failure while running (the last checkpoint kept), 2 a
+bad argument, config, output folder (another run writing there) or checkpoint (found before the
+first episode), 3 out of memory (progress saved), 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP (progress
+saved). Every failure is one line on stderr; QCA_LOWMEM_TRACEBACK=1 adds
 the traceback of an unexpected one.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -107,28 +109,34 @@ def build_parser():
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from .signals import stop_signals_handled
+
     args = build_parser().parse_args(argv)
-    try:
-        return _run(args)
-    except SystemExit:
-        raise
-    except BaseException as error:  # one line for every other way out but success
-        status, text = _failure(args.command, error)
-        if status == EXIT_FAILED and os.environ.get("QCA_LOWMEM_TRACEBACK"):
+    with stop_signals_handled() if args.command == "train" else contextlib.nullcontext():
+        try:
+            return _run(args)
+        except SystemExit:
             raise
-        print(one_line(text), file=sys.stderr, flush=True)
-        return status
+        except BaseException as error:  # one line for every other way out but success
+            status, text = _failure(args.command, error)
+            if status == EXIT_FAILED and os.environ.get("QCA_LOWMEM_TRACEBACK"):
+                raise
+            print(one_line(text), file=sys.stderr, flush=True)
+            return status
 
 
 def _failure(command: str, error: BaseException):
     """(exit status, one line) for an exception that ended `command`."""
     from .oom import EXIT_OOM, OutOfMemoryStop
-    from .errors import Interrupted, UsageError, error_text
+    from .errors import Interrupted, TrainingStopped, UsageError, error_text
 
     if isinstance(error, KeyboardInterrupt):
-        return EXIT_INTERRUPTED, f"qca-lowmem {command}: {error if isinstance(error, Interrupted) else 'interrupted'}"
+        status = getattr(error, "status", EXIT_INTERRUPTED)
+        return status, f"qca-lowmem {command}: {error if isinstance(error, Interrupted) else 'interrupted'}"
     if isinstance(error, OutOfMemoryStop):
         return EXIT_OOM, str(error)
+    if isinstance(error, TrainingStopped):
+        return EXIT_FAILED, f"qca-lowmem {command}: {error}"
     reason = error_text(error)
     # The train command checks before its first episode: a ValueError later is a failure, not bad input.
     if isinstance(error, UsageError) or (command != "train" and isinstance(error, ValueError)):

@@ -38,6 +38,9 @@ class TrainConfig:
     lr: float = 1e-4
     weight_decay: float = 1e-5
     max_grad_norm: float = 1.0
+    # Optimizer steps skipped in a row (non-finite loss or gradient) before the run stops: the
+    # loss scaler skips a few while its scale settles; more in a row means the run diverged.
+    max_skipped_steps: int = 10
     scheduler: str = "none"
     seed: int = 0
     # low-memory policy
@@ -64,7 +67,7 @@ class TrainConfig:
             kind = f" (a {type(value).__name__})" if isinstance(value, (str, bool, list, dict)) else ""
             raise UsageError(f"{label(name)} must be {expected}, got {value!r}{kind}")
 
-        for name in ("d_state", "hidden", "grid", "qca_steps", "batch", "episodes", "accumulate"):
+        for name in ("d_state", "hidden", "grid", "qca_steps", "batch", "episodes", "accumulate", "max_skipped_steps"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 refuse(name, "a positive integer")
         if self.grid % 4:
@@ -79,6 +82,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not _is_real(value) or not low <= value <= high:
                 refuse(name, expected)
+        if self.max_grad_norm == 0:
+            refuse("max_grad_norm", "a finite number > 0 (0 would zero every gradient)")
         if self.scheduler not in ("none", "cosine"):
             refuse("scheduler", "'none' or 'cosine'")
         for name in ("fused_blocks", "cuda_graph"):
@@ -115,14 +120,14 @@ _FLOAT_RANGES = (
     ("max_noise", 0.0, 1.0, "a probability in [0, 1]"),
     ("lr", 0.0, math.inf, "a finite number >= 0"),
     ("weight_decay", 0.0, math.inf, "a finite number >= 0"),
-    ("max_grad_norm", 0.0, math.inf, "a finite number >= 0"),
+    ("max_grad_norm", 0.0, math.inf, "a finite number > 0"),
 )
 
 # YAML layout: sections of TrainConfig fields; a flat mapping of fields is accepted too.
 _SECTIONS = {
     "model": ("d_state", "hidden", "gamma"),
     "training": ("grid", "qca_steps", "batch", "max_noise", "episodes", "accumulate", "lr",
-                 "weight_decay", "max_grad_norm", "scheduler", "seed"),
+                 "weight_decay", "max_grad_norm", "max_skipped_steps", "scheduler", "seed"),
     "lowmem": integration.LOWMEM_OPTIONS,
     "output": ("out_dir", "save_every"),
 }

@@ -1,12 +1,16 @@
 """What the reference trainer reports: one record per episode to metrics.csv, TensorBoard (when
 installed) and a progress bar, and messages on stderr. Only rank 0 reports."""
 
+import codecs
 import csv
+import io
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
 
 from ..memory import format_bytes
+from .errors import TrainingStopped, UsageError
 
 METRICS_NAME = "metrics.csv"
 METRIC_KEYS = ("survival", "symmetry", "complexity")
@@ -41,7 +45,8 @@ class EpisodeLog:
         if rank != 0:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.csv_file, self.writer = self._open_csv(out_dir / METRICS_NAME, next_episode)
+        self.path = out_dir / METRICS_NAME
+        self.csv_file, self.writer = self._open_csv(self.path, next_episode)
         self.board = _tensorboard_writer(out_dir / "tensorboard")
         if progress:
             from tqdm import tqdm
@@ -50,31 +55,27 @@ class EpisodeLog:
                             dynamic_ncols=True)
 
     def _open_csv(self, path: Path, next_episode: int):
-        header = ["episode", "loss", *METRIC_KEYS, self.column, "seconds", "policy"]
-        kept = []
-        if path.exists() and next_episode > 0:
-            with open(path, newline="") as f:
-                kept = [row for row in csv.DictReader(f) if int(row["episode"]) < next_episode]
-        f = open(path, "w", newline="")
-        writer = csv.DictWriter(f, fieldnames=header)
-        writer.writeheader()
-        for row in kept:
-            writer.writerow({k: row.get(k, "") for k in header})
-        return f, writer
+        """The file rewritten atomically with the rows to keep (a kill mid-way leaves the old file
+        whole), then opened to append. A file edited by hand keeps its comment lines, byte order
+        mark, delimiter and extra columns."""
+        ours = ["episode", "loss", *METRIC_KEYS, self.column, "seconds", "policy"]
+        table = _MetricsFile.read(path, next_episode) if path.exists() else _MetricsFile(ours)
+        fields = table.fields + [name for name in ours if name not in table.fields]
+        try:
+            _replace_atomically(path, table.text(fields), table.encoding)
+            f = open(path, "a", newline="", encoding=table.encoding.replace("-sig", ""))
+        except OSError as error:
+            raise _write_failed(path, error) from None
+        return f, csv.DictWriter(f, fieldnames=fields, delimiter=table.delimiter, lineterminator=table.newline,
+                                 restval="")
 
     def write(self, record: dict):
         if self.writer is not None:
-            self.writer.writerow(record)
-            self.csv_file.flush()
-        if self.board is not None:
-            for key in ("loss", *METRIC_KEYS, self.column, "seconds"):
-                self.board.add_scalar(key, record[key], record["episode"])
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(episode=record["episode"], loss=f"{record['loss']:.4f}",
-                                 surv=f"{record['survival']:.3f}", sym=f"{record['symmetry']:.3f}",
-                                 cplx=f"{record['complexity']:.3f}", mem=format_bytes(record[self.column]))
-
+            try:
+                self.writer.writerow(record)
+                self.csv_file.flush()
+            except OSError as error:
+                raise _write_failed(self.path, error) from None
     def close(self):
         for resource in (self.bar, self.csv_file, self.board):
             if resource is not None:
@@ -93,3 +94,82 @@ def _tensorboard_writer(path: Path) -> Optional[object]:
     except ImportError:
         return None
     return SummaryWriter(str(path))
+
+
+class _MetricsFile:
+    """The lines of a metrics.csv to keep: its header, comment lines and rows of episodes before
+    the resumed one, verbatim."""
+
+    def __init__(self, fields: List[str], delimiter: str = ",", encoding: str = "utf-8", lines=(), newline="\r\n"):
+        self.fields, self.delimiter, self.encoding, self.lines = fields, delimiter, encoding, list(lines)
+        self.newline = newline
+
+    @classmethod
+    def read(cls, path: Path, next_episode: int) -> "_MetricsFile":
+        try:
+            raw = path.read_bytes()
+            text = raw.decode("utf-8-sig")
+        except (OSError, UnicodeDecodeError) as error:
+            raise UsageError(f"{path}: cannot be read ({error}); move it away to start it anew") from None
+        encoding = "utf-8-sig" if raw.startswith(codecs.BOM_UTF8) else "utf-8"
+        lines = text.splitlines(keepends=True)
+        numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip() and not line.startswith("#")]
+        if not numbered:
+            return cls([], encoding=encoding, lines=[line for line in lines if line.startswith("#")])
+        header_number, header = numbered[0]
+        try:
+            delimiter = csv.Sniffer().sniff(header, delimiters=",;\t").delimiter
+        except csv.Error:
+            delimiter = ","
+        fields = next(csv.reader([header], delimiter=delimiter))
+        if "episode" not in fields:
+            raise UsageError(f"{path}: its header (line {header_number}) has no 'episode' column, which says "
+                             f"which rows a resume keeps; restore it, or move the file away")
+        column = fields.index("episode")
+        kept = []
+        for number, line in enumerate(lines, 1):
+            if number <= header_number or not line.strip() or line.startswith("#"):
+                kept.append(line)
+                continue
+            values = next(csv.reader([line], delimiter=delimiter))
+            try:
+                episode = int(values[column])
+            except (IndexError, ValueError):
+                raise UsageError(f"{path}: line {number} has no integer episode ({line.strip()[:60]!r}); "
+                                 f"fix or delete that line, or move the file away") from None
+            if episode < next_episode:
+                kept.append(line)
+        newline = header[len(header.rstrip("\r\n")):] or "\r\n"
+        kept = [line if line.endswith(("\n", "\r")) else line + newline for line in kept]
+        return cls(fields, delimiter, encoding, kept, newline)
+
+    def text(self, fields: List[str]) -> str:
+        """The kept lines, the header line replaced by one with `fields`."""
+        buffer = io.StringIO()
+        csv.writer(buffer, delimiter=self.delimiter, lineterminator=self.newline).writerow(fields)
+        header = buffer.getvalue()
+        lines, replaced = [], False
+        for line in self.lines:
+            if not replaced and line.strip() and not line.startswith("#"):
+                line, replaced = header, True
+            lines.append(line)
+        return "".join(lines if replaced else lines + [header])
+
+
+def _replace_atomically(path: Path, text: str, encoding: str):
+    """`text` into `path` through a temporary file in the same folder, fsync, then os.replace."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", newline="", encoding=encoding) as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_failed(path: Path, error: OSError) -> TrainingStopped:
+    return TrainingStopped(f"cannot write {path}: {error.strerror or error}; the last checkpoint is untouched: "
+                           f"free space there (or use another --out), then --resume")

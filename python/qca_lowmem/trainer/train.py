@@ -14,6 +14,7 @@ equals a single process with accumulate=W: the same episodes, gradients summed t
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Callable, List, Optional
 import torch
 
 from .. import amp, stock
-from . import checkpoint as train_state, oom
+from . import checkpoint as train_state, divergence, oom
 from ..amp import autocast, parse_amp_dtype
 from ..episode import rollout
 from ..memory import saved_bytes
@@ -31,9 +32,11 @@ from ..ops.qca_step import fused_step
 from ..step_graph import StepGraph
 from .config import TrainConfig, build_model, parameter_count
 from .distributed import Distributed, resolve_device
-from .errors import Interrupted, UsageError
+from .errors import Interrupted, TrainingStopped, UsageError, error_text
 from .metrics import METRIC_KEYS, EpisodeLog, message, record_of
 from .oom import Policy
+from .runlock import FolderLock
+from .signals import Stop, interrupts_deferred
 
 
 def set_allocator_defaults():
@@ -81,6 +84,7 @@ class Trainer:
         self.policy = Policy(config.checkpoint, config.slots, config.batch)
         self.next_episode = 0
         self.saved_episode = None  # the episode of the last checkpoint written or read
+        self.skipped_in_row = 0  # optimizer steps skipped in a row for non-finite values
         self.progress = progress and self.dist.rank == 0
         self.out_dir = Path(config.out_dir)
         self._saved_bytes_cache = {}
@@ -168,10 +172,14 @@ class Trainer:
         return self._run_lowering_on_oom(first, mine)
 
     def _finish_step(self, first: int, count: int, rows):
-        self._optimizer_step(first + count - 1, count)
-        if self.scheduler is not None:
+        # Every rank gets every loss, so all agree on skipping a step whichever rank's loss is bad.
+        rows = self._gather_rows(rows, self.config.accumulate)
+        bad_loss = next((row[1] for row in rows if not math.isfinite(row[1])), None)
+        skipped = self._optimizer_step(first + count - 1, count, bad_loss)
+        if self.scheduler is not None:  # (the schedule follows episodes, stepped or not)
             self.scheduler.step()
-        return self._gather_rows(rows, self.config.accumulate)
+        divergence.count_skipped(self, first, count, skipped)
+        return rows
 
     def _run_lowering_on_oom(self, first: int, episodes: List[int]):
         """This rank's episodes; when any rank runs out of memory, all retry them with the next
@@ -198,22 +206,33 @@ class Trainer:
             self._log(f"out of memory at episode {first} with {self.policy.describe()}; retrying with {lower.describe()}")
             self.policy = lower
 
-    def _optimizer_step(self, last_episode: int, count: int):
+    def _optimizer_step(self, last_episode: int, count: int, bad_loss: Optional[float]) -> Optional[str]:
+        """The optimizer step, unless a loss or gradient is not finite; returns why it was skipped
+        (None: taken). Averaged gradients are the same on every rank, and so is the decision."""
         try:
             params = self._average_gradients(count)
+            if bad_loss is not None:
+                return f"loss {bad_loss}"
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
                 self.scaler.clip_grad_norm_(params, self.config.max_grad_norm)
+                scale = self.scaler.get_scale()
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
+                if self.scaler.get_scale() < scale:  # the scaler backs off exactly when it skipped
+                    return f"non-finite gradients at loss scale {scale:g}"
             else:
-                torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+                norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+                if not torch.isfinite(norm):
+                    return f"gradient norm {norm.item()}"
                 self.optimizer.step()
         except RuntimeError as error:
             if not oom.is_out_of_memory(error):
                 raise
             parameters = sum(p.numel() for p in self.model.parameters())
             raise oom.optimizer_step_failed(last_episode, self.device, parameters, self.out_dir) from None
+        divergence.check_weights(self, last_episode)
+        return None
 
     def _gather_rows(self, rows, per_rank: int):
         """Every rank's rows, on every rank (NaN rows pad ranks with fewer episodes)."""
@@ -231,8 +250,18 @@ class Trainer:
     def save_checkpoint(self, path=None):
         path = Path(path) if path is not None else self.out_dir / train_state.CHECKPOINT_NAME
         if self.dist.rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            train_state.atomic_save(train_state.state_of(self), path, keep_previous=True)
+            state = train_state.state_of(self)
+            problem = train_state.tensor_problem(state)
+            if problem is not None:
+                raise TrainingStopped(f"not writing {path} at episode {self.next_episode}: its {problem}; "
+                                      f"{divergence.last_checkpoint_text(self)}")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                train_state.atomic_save(state, path, keep_previous=True)
+            except OSError as error:
+                raise TrainingStopped(f"cannot write {path} at episode {self.next_episode}: "
+                                      f"{error.strerror or error_text(error)}; {divergence.last_checkpoint_text(self)}; "
+                                      f"free space there (or use another --out), then --resume") from None
         self.saved_episode = self.next_episode
         return path
 
@@ -259,7 +288,7 @@ class Trainer:
                     first = self.next_episode
                     count = min(group, config.episodes - first)
                     local_rows = self._run_episodes(first, count)
-                    with train_state.interrupts_deferred():  # the step and its bookkeeping: all or nothing
+                    with interrupts_deferred():  # the step and its bookkeeping: all or nothing
                         rows = self._finish_step(first, count, local_rows)
                         self.next_episode = first + count
                         for row in rows:
@@ -271,21 +300,22 @@ class Trainer:
                         if config.save_every and (self.next_episode // config.save_every) > (first // config.save_every):
                             self.save_checkpoint()
                 if self.saved_episode != self.next_episode:
-                    with train_state.interrupts_deferred():
+                    with interrupts_deferred():
                         self.save_checkpoint()
-            except KeyboardInterrupt:
-                raise self._interrupted() from None
+            except KeyboardInterrupt as stop:
+                raise self._interrupted(stop) from None
         return results
 
-    def _interrupted(self) -> "Interrupted":
-        """Ctrl-C between optimizer steps: the progress since the last checkpoint saved, then stop."""
+    def _interrupted(self, stop: KeyboardInterrupt) -> "Interrupted":
+        """A stop signal between optimizer steps: the progress since the last checkpoint saved."""
         if self.saved_episode != self.next_episode:
-            with train_state.interrupts_deferred():
+            with interrupts_deferred():
                 self.save_checkpoint()
         path = self.out_dir / train_state.CHECKPOINT_NAME
         done = (f"progress up to episode {self.next_episode} is in {path}; continue with --resume {path}"
                 if self.next_episode else "no episode finished, nothing saved")
-        return Interrupted(f"interrupted at episode {self.next_episode}; {done}")
+        by = f" by {stop.args[0]}" if isinstance(stop, Stop) and stop.signum != signal.SIGINT else ""
+        return Interrupted(f"interrupted{by} at episode {self.next_episode}; {done}", getattr(stop, "status", 130))
 
     def replica_difference(self) -> float:
         """Largest |parameter difference| between this rank and rank 0 over all ranks (DDP check)."""
@@ -297,11 +327,12 @@ class Trainer:
 
 
 def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = True, rank: int = 0,
-              world_size: int = 1):
+              world_size: int = 1, lock: Optional[FolderLock] = None):
     """Everything that can be refused before the first episode (UsageError, or OutOfMemoryStop for
-    a config far over this machine's memory): the device, the output folder (made and stale
-    temporaries removed when `create`), the checkpoint to resume from and whether it is of the
-    same run. Returns the checkpoint's state, or None."""
+    a config far over this machine's memory): the device, the output folder (made, `lock`
+    acquired, and stale temporaries removed when `create`; else only whether another run holds
+    it), the checkpoint to resume from and whether it is of the same run. Returns the
+    checkpoint's state, or None."""
     try:
         device = resolve_device(config.device)
     except RuntimeError as error:
@@ -310,6 +341,14 @@ def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = 
         raise UsageError(f"--device {config.device}: only {torch.cuda.device_count()} CUDA devices are visible")
     if rank == 0:
         train_state.check_out_dir(config.out_dir, create)
+        if create:
+            if lock is not None:
+                lock.acquire()  # before touching any file there
+            train_state.remove_stale_temporaries(Path(config.out_dir))
+        elif Path(config.out_dir).is_dir():
+            probe = FolderLock(config.out_dir)
+            probe.acquire()
+            probe.release()
     state = train_state.read_checkpoint(resume) if resume else None
     parameters = parameter_count(config)
     if state is not None:
@@ -329,8 +368,9 @@ def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, 
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     distributed = Distributed(ddp, config.device)
+    lock = FolderLock(config.out_dir)  # (rank 0's)
     try:
-        state = check_run(config, resume, rank=distributed.rank, world_size=distributed.world_size)
+        state = check_run(config, resume, rank=distributed.rank, world_size=distributed.world_size, lock=lock)
         if state is not None and state["episode"] >= config.episodes:
             message(f"{resume} is at episode {state['episode']}, --episodes is {config.episodes}: nothing to do",
                     distributed.rank)
@@ -352,5 +392,6 @@ def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, 
             distributed.barrier()
         return results
     finally:
+        lock.release()
         distributed.close()
         torch.set_num_threads(threads)
