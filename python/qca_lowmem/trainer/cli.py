@@ -98,8 +98,9 @@ def build_parser():
     plan.add_argument("--gpu-mem", required=True, help="GPU memory, e.g. 3.68GiB")
     plan.add_argument("--reserve", default="0.3GiB",
                       help="memory outside PyTorch's allocator (CUDA context); 0 under set_per_process_memory_fraction")
-    plan.add_argument("--half", choices=("bf16", "fp16"), default="bf16",
-                      help="reduced precision to consider (fp16 on GPUs without bf16, before Ampere)")
+    plan.add_argument("--half", choices=("bf16", "fp16"),
+                      help="reduced precision to consider (default: the config's amp_dtype, else bf16; fp16 on "
+                           "GPUs without bf16, before Ampere)")
     plan.add_argument("--json", action="store_true")
 
     commands.add_parser("doctor", help="versions, CUDA kernels, GPU, allocator settings, and what to fix")
@@ -165,7 +166,24 @@ def _run(args) -> int:
         return main_bench(config, steps, args.out, args.repeats)
     from .plan import main_plan
 
-    return main_plan(config, args.gpu_mem, args.reserve, args.json, args.half)
+    return main_plan(config, args.gpu_mem, args.reserve, args.json, args.half, _train_flags(args))
+
+
+def _train_flags(args) -> List[str]:
+    """The options `args` gave that `train` reads the same way, the --config as it resolves from
+    any folder (a file by its absolute path, a bundled config by name); not the policy, which
+    plan recommends."""
+    import shlex
+    from .config import config_reference
+
+    flags = ["--config", shlex.quote(config_reference(args.config))] if args.config is not None else []
+    for name in ("device", "threads", "grid", "d_state", "hidden", "qca_steps", "batch", "cuda_graph"):
+        value = getattr(args, name, None)
+        if isinstance(value, bool):
+            flags.append(_flag(name) if value else "--no-" + _flag(name)[2:])
+        elif value is not None:
+            flags += [_flag(name), shlex.quote(str(value))]
+    return flags
 
 
 def _train(args) -> int:
