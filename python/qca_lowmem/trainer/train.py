@@ -34,6 +34,7 @@ from .distributed import Distributed, resolve_device
 from .errors import Interrupted, UsageError
 from .metrics import METRIC_KEYS, EpisodeLog, message, record_of
 from .oom import Policy
+from .run_folder import check_run_folder, set_aside
 
 
 def set_allocator_defaults():
@@ -193,7 +194,8 @@ class Trainer:
             lower = self.policy.lowered(self.config.qca_steps)
             if lower is None:
                 path = self.save_checkpoint()
-                advice = oom.fitting_advice(self.amp_dtype, self.policy, self.config.grid, self.config.hidden)
+                advice = oom.fitting_advice(self.amp_dtype, self.policy, self.config.grid, self.config.hidden,
+                                           self.device)
                 raise oom.no_policy_left(first, self.device, self.policy, self.next_episode, path, advice)
             self._log(f"out of memory at episode {first} with {self.policy.describe()}; retrying with {lower.describe()}")
             self.policy = lower
@@ -283,7 +285,8 @@ class Trainer:
             with train_state.interrupts_deferred():
                 self.save_checkpoint()
         path = self.out_dir / train_state.CHECKPOINT_NAME
-        done = (f"progress up to episode {self.next_episode} is in {path}; continue with --resume {path}"
+        done = (f"episodes 0-{self.next_episode - 1} are in {path}; --resume {path} continues at episode "
+                f"{self.next_episode}"
                 if self.next_episode else "no episode finished, nothing saved")
         return Interrupted(f"interrupted at episode {self.next_episode}; {done}")
 
@@ -297,31 +300,47 @@ class Trainer:
 
 
 def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = True, rank: int = 0,
-              world_size: int = 1):
+              world_size: int = 1, overwrite: bool = False):
     """Everything that can be refused before the first episode (UsageError, or OutOfMemoryStop for
-    a config far over this machine's memory): the device, the output folder (made and stale
-    temporaries removed when `create`), the checkpoint to resume from and whether it is of the
-    same run. Returns the checkpoint's state, or None."""
+    a config far over this machine's memory), on every rank: the device, the output folder (made
+    and stale temporaries removed when `create`, by rank 0) and whether it holds a run that
+    neither `resume` nor `overwrite` names, the checkpoint to resume from and whether it is of the
+    same run. Then, with `overwrite` and `create`, rank 0 sets the old run's files aside. Returns
+    the checkpoint's state, or None."""
     try:
         device = resolve_device(config.device)
     except RuntimeError as error:
         raise UsageError(f"--device {config.device}: {error}") from None
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise UsageError(f"--device {config.device}: only {torch.cuda.device_count()} CUDA devices are visible")
-    if rank == 0:
-        train_state.check_out_dir(config.out_dir, create)
+    train_state.check_out_dir(config.out_dir, create and rank == 0)
+    check_run_folder(config.out_dir, resume, overwrite)
     state = train_state.read_checkpoint(resume) if resume else None
     parameters = parameter_count(config)
     if state is not None:
         train_state.check_resumable(state, resume, config, config.accumulate * world_size)
     elif device.type == "cpu":  # (a resumed run has fit already)
         oom.check_cpu_memory(config, parameters)
+    aside = set_aside(config.out_dir) if overwrite and create and rank == 0 else None
+    if aside is not None:
+        message(f"--overwrite: the previous run's files are now in {aside}")
     return state
 
 
 
+def device_note(config: TrainConfig) -> str:
+    """Where the run will run, said when the config does not pin it, and a warning for fp16 on the
+    CPU (a GPU config run where no GPU is)."""
+    device = resolve_device(config.device)
+    note = f"on {device}" + (" (no CUDA GPU visible)" if config.device == "auto" and device.type == "cpu" else "")
+    if device.type == "cpu" and config.amp_dtype == "fp16":
+        note += ("; warning: amp_dtype fp16 there is fp16 autocast on the CPU, a setting meant for a GPU: "
+                 "--amp-dtype fp32 for a CPU run")
+    return note
+
+
 def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, progress: bool = True,
-          stop_after: Optional[int] = None) -> List[dict]:
+          stop_after: Optional[int] = None, overwrite: bool = False) -> List[dict]:
     """Run the reference trainer as `qca-lowmem train` does: check_run's checks, then episodes
     up to config.episodes (nothing when a resumed checkpoint is there already)."""
     set_allocator_defaults()
@@ -330,7 +349,9 @@ def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, 
         torch.set_num_threads(config.threads)
     distributed = Distributed(ddp, config.device)
     try:
-        state = check_run(config, resume, rank=distributed.rank, world_size=distributed.world_size)
+        state = check_run(config, resume, rank=distributed.rank, world_size=distributed.world_size, overwrite=overwrite)
+        if "warning" in device_note(config):
+            message(device_note(config), distributed.rank)
         if state is not None and state["episode"] >= config.episodes:
             message(f"{resume} is at episode {state['episode']}, --episodes is {config.episodes}: nothing to do",
                     distributed.rank)
