@@ -130,7 +130,8 @@ ROWS = [
      ["checkpoint.pt is a folder"]),
     ("out-not-writable", ["--config", "{config}", "--out", "/proc/qca-lowmem-run"], None, None, 2,
      ["--out /proc/qca-lowmem-run: not writable"]),
-    ("cpu-memory", ["--config", "{config}", "--grid", "4096", "--qca-steps", "1000000"], None, None, 3,
+    # --overwrite: the folder holds a run; a check failing after it sets nothing aside
+    ("cpu-memory", ["--config", "{config}", "--grid", "4096", "--qca-steps", "1000000", "--overwrite"], None, None, 3,
      ["needs at least", "of CPU memory", "--checkpoint revolve --slots 32", "--grid (now 4096)"]),
     ("nothing-to-do", ["--config", "{config}", "--resume"], None, None, 0,
      ["is at episode 2, --episodes is 2: nothing to do"]),
@@ -183,7 +184,8 @@ def test_ctrl_c_saves_and_exits_130(tmp_path):
     assert "Traceback" not in stderr and len(stderr.splitlines()) == 1, stderr
     episode = torch.load(out / CHECKPOINT_NAME, weights_only=False)["episode"]
     assert episode >= 2
-    assert f"interrupted at episode {episode}; progress up to episode {episode} is in" in stderr
+    assert f"interrupted at episode {episode}; episodes 0-{episode - 1} are in" in stderr
+    assert f"continues at episode {episode}" in stderr
     rows = (out / "metrics.csv").read_text().splitlines()[1:]
     assert len(rows) == episode  # the checkpoint holds every episode metrics.csv reports
 

@@ -9,7 +9,7 @@ import torch
 
 import qca_lowmem
 from conftest import cuda_only, randomize_affine
-from fixtures.qc_trainer_v4 import QC_Trainer_v4, make_config
+from qca_lowmem.examples import QC_Trainer_v4, make_config
 from qca_lowmem.stock import ConvBlock
 
 

@@ -169,7 +169,9 @@ def test_oom_guard_saves_and_explains_when_nothing_fits(tiny_config, tmp_path, m
     assert tried == ["checkpoint=step batch=2", "checkpoint=revolve slots=1 batch=2", "checkpoint=revolve slots=1 batch=1"]
     err = capsys.readouterr().err
     assert "out of memory at episode 2" in err and f"--resume {out / 'checkpoint.pt'}" in err
-    assert "--amp-dtype bf16" in err and "qca-lowmem plan" in err
+    assert "--amp-dtype bf16" in err
+    assert "plan --gpu-mem" not in err  # a CPU run: plan predicts GPU memory
+    assert "Episodes 0-1 are saved in" in err and "continues at episode 2" in err
     state = torch.load(out / "checkpoint.pt", weights_only=False)
     assert state["episode"] == 2  # no progress lost: episodes 0 and 1 are in it
 
@@ -182,6 +184,7 @@ def test_oom_in_the_optimizer_step_stops_with_an_explanation(tiny_config, tmp_pa
     assert run_cli("train", "--config", tiny_config, "--out", tmp_path / "run", "--no-progress") == EXIT_OOM
     err = capsys.readouterr().err
     assert "out of memory in the optimizer step after episode 0" in err and "AdamW moments" in err
+    assert "plan --gpu-mem" not in err and "other processes on this machine" in err  # a CPU run
 
 
 def test_policy_lowering_chain():

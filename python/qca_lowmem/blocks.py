@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops._checks import check_same_device
+from .ops._checks import check_same_device, refuse_func_transforms
 from .ops._double_backward import reference_backward, second_order_requested
 from .recompute import block_keeps_intermediates
 from .amp import autocast_dtype
@@ -258,6 +258,7 @@ class FusedConvBlock(nn.Module):
         """`keep_intermediates` overrides the block's own choice (for callers that recompute
         around the block themselves); None: keep them when `recompute` is False or inside
         `keep_block_intermediates()`."""
+        refuse_func_transforms("qca_lowmem.FusedConvBlock", x, *self.parameters())
         conv1, norm1, _, conv2, norm2, _ = self.conv_block
         conv1_weight, conv2_weight = conv1.weight, conv2.weight
         compute_dtype = autocast_dtype(x.device.type)

@@ -10,6 +10,7 @@ from torch.utils.checkpoint import checkpoint
 from . import stock
 from .recompute import block_keeps_intermediates
 from .blocks import FusedConvBlock
+from .ops._checks import refuse_func_transforms
 
 
 RECOMPUTE_MODES = ("unet", "blocks", "none")
@@ -46,6 +47,7 @@ class UNetUnitary(nn.Module):
         return f"recompute={self.recompute!r}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        refuse_func_transforms("qca_lowmem.UNetUnitary", x, *self.parameters())
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"UNetUnitary: recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if block_keeps_intermediates() or self.recompute == "none":

@@ -32,3 +32,15 @@ def check_one_device(tensors, list_name: str, op: str) -> None:
         torch._check(t.device == tensors[0].device,
                      lambda: f"{op}: every tensor of {list_name} must be on one device ({tensors[0].device}, "
                              f"from {list_name}[0]); {list_name}[{i}] is {describe(t)}")
+
+
+def refuse_func_transforms(op: str, *tensors: torch.Tensor) -> None:
+    """torch.func transforms (grad, vmap, jvp, ...) cannot run our ops' autograd, and torch says so
+    without naming the op: say which op and what works instead."""
+    if torch.compiler.is_compiling():
+        return  # compiled graphs see no functorch wrappers; the call would break fullgraph
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors if isinstance(t, torch.Tensor)):
+        raise RuntimeError(
+            f"{op}: torch.func transforms (grad, vmap, jvp, jacrev, ...) are not supported through qca_lowmem's "
+            "ops; differentiate with loss.backward() or torch.autograd.grad, or use qca_lowmem.stock's "
+            "plain-torch step inside the transform")

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_same_device, describe
+from ._checks import check_same_device, describe, refuse_func_transforms
 from ._double_backward import reference_backward, second_order_requested
 
 _lib = torch.ops.qca_lowmem
@@ -19,6 +19,7 @@ def groupnorm_elu(x: Tensor, weight: Tensor, bias: Tensor, groups: int, eps: flo
     bias may be wider than x (fp32 affine under autocast). Differentiable: backward saves x and
     the statistics and recomputes the ELU derivative.
     """
+    refuse_func_transforms("qca_lowmem.groupnorm_elu", x, weight, bias)
     return _lib.groupnorm_elu(x, weight, bias, int(groups), float(eps))[0]
 
 

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from .. import stock
+from ._checks import refuse_func_transforms
 
 _lib = torch.ops.qca_lowmem
 
@@ -44,6 +45,7 @@ def phase_flip(psi: torch.Tensor, rate: float, seed: int, step: int, *, conjugat
     component (exp(-i theta_k) with `conjugate`, which undoes the flip). Returns a new tensor.
     Differentiable: the gradient of a hit cell is multiplied by the conjugate phase.
     """
+    refuse_func_transforms("qca_lowmem.phase_flip", psi)
     return _lib.phase_flip(psi, _as_rate(rate), _as_int64(seed, "seed"), _as_int64(step, "step"), bool(conjugate))
 
 
@@ -51,6 +53,7 @@ def bit_flip(psi: torch.Tensor, rate: float, seed: int, step: int) -> torch.Tens
     """Stock bit-flip noise, keyed by (seed, step): each cell is hit with probability `rate` and a
     hit negates all its components. Returns a new tensor. Differentiable (a hit negates the
     gradient). The hits are independent of phase_flip's for the same (seed, step)."""
+    refuse_func_transforms("qca_lowmem.bit_flip", psi)
     return _lib.bit_flip(psi, _as_rate(rate), _as_int64(seed, "seed"), _as_int64(step, "step"))
 
 

@@ -6,7 +6,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import stock
-from ._checks import check_same_device, describe
+from ._checks import check_same_device, describe, refuse_func_transforms
 from ._double_backward import reference_backward, second_order_requested
 
 _lib = torch.ops.qca_lowmem
@@ -18,6 +18,7 @@ def qca_pack(psi: torch.Tensor, dtype: Optional[torch.dtype] = None, *, channels
     `dtype` casts in the same pass (default: the state's real type); `channels_last` picks the
     output layout. Differentiable; backward saves nothing.
     """
+    refuse_func_transforms("qca_lowmem.qca_pack", psi)
     return _lib.qca_pack(psi, dtype, channels_last)
 
 
@@ -35,6 +36,7 @@ def qca_update(
     arithmetic and the result are complex64 (complex128 with a float64 delta, for gradcheck).
     Differentiable; backward saves only psi and delta and recomputes the rest.
     """
+    refuse_func_transforms("qca_lowmem.qca_update", psi, delta)
     return _lib.qca_update(psi, delta, float(gamma), bool(multiplicative), float(eps))
 
 

@@ -81,6 +81,8 @@ def build_parser():
     _add_config_options(train, training=True)
     train.add_argument("--resume", nargs="?", const="auto", metavar="CHECKPOINT",
                        help="continue from a checkpoint (default: <out>/checkpoint.pt)")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start a new run in an --out folder that holds one; its files move to <out>/replaced-<date>/")
     train.add_argument("--stop-after", type=int, metavar="N",
                        help="run at most N episodes now, checkpoint and exit (continue later with --resume)")
     train.add_argument("--ddp", action="store_true", help="under torchrun: split episodes across ranks "
@@ -92,7 +94,8 @@ def build_parser():
     bench = commands.add_parser("bench", help="stock vs lowmem memory (and time) on the same config")
     _add_config_options(bench, training=False)
     bench.add_argument("--steps", help="comma-separated qca_steps to measure (default: 1/8, 1/4, 1/2, 1 of the config's)")
-    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--repeats", type=int, default=1, help="timed runs per row (median shown), after one "
+                                                              "untimed warm-up run of each kind")
     bench.add_argument("--out", default="bench_results", help="folder for bench_<device>.json/.png")
 
     plan = commands.add_parser("plan", help="predict peak GPU memory and recommend a policy that fits")
@@ -100,8 +103,9 @@ def build_parser():
     plan.add_argument("--gpu-mem", required=True, help="GPU memory, e.g. 3.68GiB")
     plan.add_argument("--reserve", default="0.3GiB",
                       help="memory outside PyTorch's allocator (CUDA context); 0 under set_per_process_memory_fraction")
-    plan.add_argument("--half", choices=("bf16", "fp16"), default="bf16",
-                      help="reduced precision to consider (fp16 on GPUs without bf16, before Ampere)")
+    plan.add_argument("--half", choices=("bf16", "fp16"),
+                      help="reduced precision to consider (default: the config's amp_dtype, else bf16; fp16 on "
+                           "GPUs without bf16, before Ampere)")
     plan.add_argument("--json", action="store_true")
 
     commands.add_parser("doctor", help="versions, CUDA kernels, GPU, allocator settings, and what to fix")
@@ -173,12 +177,29 @@ def _run(args) -> int:
         return main_bench(config, steps, args.out, args.repeats)
     from .plan import main_plan
 
-    return main_plan(config, args.gpu_mem, args.reserve, args.json, args.half)
+    return main_plan(config, args.gpu_mem, args.reserve, args.json, args.half, _train_flags(args))
+
+
+def _train_flags(args) -> List[str]:
+    """The options `args` gave that `train` reads the same way, the --config as it resolves from
+    any folder (a file by its absolute path, a bundled config by name); not the policy, which
+    plan recommends."""
+    import shlex
+    from .config import config_reference
+
+    flags = ["--config", shlex.quote(config_reference(args.config))] if args.config is not None else []
+    for name in ("device", "threads", "grid", "d_state", "hidden", "qca_steps", "batch", "cuda_graph"):
+        value = getattr(args, name, None)
+        if isinstance(value, bool):
+            flags.append(_flag(name) if value else "--no-" + _flag(name)[2:])
+        elif value is not None:
+            flags += [_flag(name), shlex.quote(str(value))]
+    return flags
 
 
 def _train(args) -> int:
     from .errors import UsageError
-    from .train import check_run, train
+    from .train import check_run, device_note, train
     from .checkpoint import CHECKPOINT_NAME
 
     config = _config(args)
@@ -188,11 +209,13 @@ def _train(args) -> int:
     if args.stop_after is not None and args.stop_after < 1:
         raise UsageError(f"--stop-after must be a positive number of episodes, got {args.stop_after}")
     if args.check:
-        check_run(config, resume, create=False)
+        check_run(config, resume, create=False, overwrite=args.overwrite)
         print(f"qca-lowmem train: ok: {config.episodes} episodes of {config.qca_steps} steps, grid {config.grid}, "
-              f"hidden {config.hidden}, checkpoint={config.checkpoint}, out {config.out_dir}")
+              f"hidden {config.hidden}, checkpoint={config.checkpoint}, amp_dtype={config.amp_dtype or 'fp32'}, "
+              f"out {config.out_dir}, {device_note(config)}")
         return 0
-    results = train(config, resume=resume, ddp=args.ddp, progress=not args.no_progress, stop_after=args.stop_after)
+    results = train(config, resume=resume, ddp=args.ddp, progress=not args.no_progress, stop_after=args.stop_after,
+                    overwrite=args.overwrite)
     if results and int(os.environ.get("RANK", "0")) == 0:
         last = results[-1]
         print(f"qca-lowmem train: {len(results)} episodes, last loss {last['loss']:.4f} "

@@ -193,19 +193,32 @@ def bundled_configs() -> List[str]:
     return sorted(f.name.removesuffix(".yaml") for f in configs.iterdir() if f.name.endswith(".yaml"))
 
 
+def _names_a_file(path: str) -> bool:
+    return os.sep in path or path.endswith((".yaml", ".yml")) or os.path.exists(path)
+
+
+def config_reference(path: str) -> str:
+    """`path` as --config reads it from any folder: a file by its absolute path, a bundled config
+    by its name."""
+    return os.path.abspath(path) if _names_a_file(path) else path
+
+
 def read_config_file(path: str):
     """The YAML document at `path` (a file, or a bundled config by name); every failure is a
     UsageError naming the file (and the line and column of a syntax error)."""
     import yaml
 
-    if os.sep in path or path.endswith((".yaml", ".yml")) or os.path.exists(path):
+    if _names_a_file(path):
         if os.path.isdir(path):
             raise UsageError(f"--config {path}: is a folder, not a YAML file")
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except FileNotFoundError:
-            raise UsageError(f"--config {path}: no such file") from None
+            stem = os.path.basename(path).removesuffix(".yaml").removesuffix(".yml")
+            hint = (f"; the bundled {stem} config is --config {stem} from any folder" if stem in bundled_configs()
+                    else f" (bundled configs, by name from any folder: {', '.join(bundled_configs())})")
+            raise UsageError(f"--config {path}: no such file in {os.getcwd()}{hint}") from None
         except (OSError, UnicodeDecodeError) as error:
             raise UsageError(f"--config {path}: cannot be read as text: {error}") from None
     elif path in bundled_configs():

@@ -91,23 +91,33 @@ def release_cached_memory():
 def no_policy_left(episode: int, device, policy: Policy, saved_through: int, checkpoint_path, advice: List[str]):
     """The stop after the lowest policy failed too; progress up to `saved_through` is in
     `checkpoint_path`."""
+    saved = f"Episodes 0-{saved_through - 1} are saved in {checkpoint_path}" if saved_through else \
+        f"No episode finished; the run's state is in {checkpoint_path}"
     return OutOfMemoryStop(
         f"qca-lowmem: out of memory at episode {episode} on {device} even with "
-        f"{policy.describe()} (the lowest-memory policy). Progress up to episode {saved_through} "
-        f"is saved in {checkpoint_path}; continue with --resume {checkpoint_path}. To fit, try: "
-        + "; ".join(advice) + "."
+        f"{policy.describe()} (the lowest-memory policy). {saved}; --resume {checkpoint_path} continues at "
+        f"episode {saved_through}. To fit, try: " + "; ".join(advice) + "."
     )
 
 
-def fitting_advice(amp_dtype, policy: Policy, grid: int, hidden: int) -> List[str]:
+def fitting_advice(amp_dtype, policy: Policy, grid: int, hidden: int, device) -> List[str]:
     """What to change when even the lowest policy does not fit, cheapest first."""
     advice = []
     if amp_dtype is None:
         advice.append("--amp-dtype bf16 (halves the U-Net activations)")
     advice.append(f"a smaller --batch (now {policy.batch})" if policy.batch > 1 else
                   f"a smaller grid (now {grid}) or hidden (now {hidden}); this changes the model")
-    advice.append("`qca-lowmem plan --gpu-mem <your GPU memory>` to see what fits")
+    advice.append(_where_to_look(device))
     return advice
+
+
+def _where_to_look(device) -> str:
+    """plan predicts GPU memory; on the CPU what matters is the memory other processes leave."""
+    if device.type == "cuda":
+        return "`qca-lowmem plan --gpu-mem <your GPU memory>` to see what fits"
+    available = available_cpu_memory()
+    return "fewer other processes on this machine" + (
+        f" ({format_bytes(available)} of memory available now)" if available is not None else "")
 
 
 def optimizer_step_failed(last_episode: int, device, parameters: int, out_dir):
@@ -117,5 +127,6 @@ def optimizer_step_failed(last_episode: int, device, parameters: int, out_dir):
         f"qca-lowmem: out of memory in the optimizer step after episode {last_episode} on {device}: "
         f"the model state (weights, gradients, AdamW moments: {format_bytes(16 * parameters)}) does not fit "
         f"next to the rest. The last checkpoint in {out_dir} holds the progress saved so far. "
-        "Free the GPU of other processes, or see `qca-lowmem plan --gpu-mem <your GPU memory>`."
+        + ("Free the GPU of other processes, or see `qca-lowmem plan --gpu-mem <your GPU memory>`."
+           if device.type == "cuda" else "Free memory held by other processes on this machine.")
     )

@@ -23,6 +23,7 @@ from ..amp import autocast, parse_amp_dtype
 from ..memory import format_bytes, parse_bytes, saved_storage_sizes
 from ..ops.qca_step import fused_step
 from .config import TrainConfig, build_model
+from .errors import UsageError
 from .footprint import kept_bytes
 
 SAFETY = 1.10  # allocator rounding and fragmentation, cuDNN/cuBLAS workspaces
@@ -46,16 +47,11 @@ class Estimate:
     model_state_bytes: int
     kept_bytes: int
     working_bytes: int
+    from_config: bool = False  # the config's own policy
 
     @property
     def peak_bytes(self) -> int:
         return self.model_state_bytes + self.kept_bytes + self.working_bytes
-
-    def flags(self) -> str:
-        flags = f"--checkpoint {self.checkpoint}"
-        if self.slots is not None:
-            flags += f" --slots {self.slots}"
-        return flags + f" --amp-dtype {self.amp_dtype or 'fp32'}"
 
 
 def _measure_one(model, config: TrainConfig, variant: str, amp_dtype, grid: int):
@@ -93,30 +89,40 @@ def measure_step(config: TrainConfig, variant: str, amp_dtype=None, model=None) 
     return StepMeasure(extrapolate(s1, s2), extrapolate(l1, l2))
 
 
+def default_half(config: TrainConfig) -> str:
+    """The reduced precision plan considers: the config's own when it has one, else bf16."""
+    return config.amp_dtype if config.amp_dtype in ("bf16", "fp16") else "bf16"
+
+
+def _policy_name(checkpoint: str, slots: Optional[int], amp: Optional[str]) -> str:
+    return f"lowmem {checkpoint}{f' {slots}' if checkpoint == 'revolve' else ''} {amp or 'fp32'}"
+
+
 def candidates(config: TrainConfig, half: str = "bf16"):
-    """(name, checkpoint, slots, amp) in order of preference: faithful and fast first. The first,
-    the users' stock trainer, is shown for reference and never recommended."""
-    out = [("stock (for reference)", "stock", None, None), ("lowmem step fp32", "step", None, None),
-           (f"lowmem step {half}", "step", None, half)]
-    for slots in (64, 32, 16, 8, 4):
-        if slots < config.qca_steps:
-            out.append((f"lowmem revolve {slots} {half}", "revolve", slots, half))
-    return out
+    """(name, checkpoint, slots, amp) in order of preference: the config's own policy first, then
+    faithful and fast ones. The first, the users' stock trainer, is shown for reference and never
+    recommended."""
+    own = (config.checkpoint, config.slots if config.checkpoint == "revolve" else None, config.amp_dtype)
+    others = [("step", None, None), ("step", None, half)]
+    others += [("revolve", slots, half) for slots in (64, 32, 16, 8, 4) if slots < config.qca_steps]
+    return [("stock (for reference)", "stock", None, None)] + [
+        (_policy_name(*policy), *policy) for policy in [own] + [p for p in others if p != own]]
 
 
 def estimate_all(config: TrainConfig, parameters: int, measures: dict, half: str = "bf16") -> List[Estimate]:
-    """measures[(variant, amp)]: StepMeasure of ("stock", None), ("lowmem", None), ("lowmem", half)."""
+    """measures[(variant, amp)]: StepMeasure of ("stock", None) and of ("lowmem", amp) for every
+    amp among the candidates (None, `half`, the config's)."""
     estimates = []
-    for name, checkpoint, slots, amp in candidates(config, half):
+    for index, (name, checkpoint, slots, amp) in enumerate(candidates(config, half)):
         variant = "stock" if checkpoint == "stock" else "lowmem"
         m = measures[(variant, amp)]
         state = 16 * parameters
         working = m.saved_bytes + 2 * m.largest_bytes
-        if checkpoint == "stock":
+        if checkpoint in ("stock", "none"):  # plain autograd keeps every step's graph
             kept, working = config.qca_steps * m.saved_bytes, 2 * m.largest_bytes
         else:
             kept = kept_bytes(config, checkpoint, slots)
-        estimates.append(Estimate(name, checkpoint, slots, amp, state, kept, working))
+        estimates.append(Estimate(name, checkpoint, slots, amp, state, kept, working, from_config=index == 1))
     return estimates
 
 
@@ -131,15 +137,16 @@ def recommend(estimates: List[Estimate], gpu_mem: int, reserve: int) -> Optional
     return None
 
 
-def plan(config: TrainConfig, gpu_mem: int, reserve: int, half: str = "bf16") -> dict:
+def plan(config: TrainConfig, gpu_mem: int, reserve: int, half: Optional[str] = None) -> dict:
     """Estimates for every candidate policy and the recommendation; `half` is the reduced
-    precision to consider (bf16, or fp16 for GPUs without bf16)."""
+    precision to consider (bf16, or fp16 for GPUs without bf16; default: the config's)."""
+    half = default_half(config) if half is None else half
     if half not in ("bf16", "fp16"):
         raise ValueError(f"half must be 'bf16' or 'fp16', got {half!r}")
     model = build_model(dataclasses.replace(config, device="cpu"), "cpu")
     parameters = sum(p.numel() for p in model.parameters())
     measures = {(variant, amp): measure_step(config, variant, parse_amp_dtype(amp), model)
-                for variant, amp in (("stock", None), ("lowmem", None), ("lowmem", half))}
+                for variant, amp in (("stock", None), ("lowmem", None), ("lowmem", half), ("lowmem", config.amp_dtype))}
     estimates = estimate_all(config, parameters, measures, half)
     choice = recommend(estimates, gpu_mem, reserve)
     return {"config": dataclasses.asdict(config), "parameters": parameters, "gpu_mem": gpu_mem, "reserve": reserve,
@@ -155,30 +162,53 @@ def advice_when_nothing_fits(config: TrainConfig, estimates: List[Estimate], gpu
             f"batch {config.batch}).")
 
 
-def main_plan(config: TrainConfig, gpu_mem_text: str, reserve_text: str, as_json: bool, half: str = "bf16") -> int:
+def train_command(estimate: Estimate, config: TrainConfig, config_flags: List[str]) -> str:
+    """The `train` command line of the recommendation: `config_flags` (the --config and the other
+    options plan was given, which train reads the same way), plus the policy where it is not the
+    config's own."""
+    policy = []
+    if not estimate.from_config:
+        policy = ["--checkpoint", estimate.checkpoint] + (["--slots", str(estimate.slots)] if estimate.slots else [])
+        policy += ["--amp-dtype", estimate.amp_dtype or "fp32"]
+    return " ".join(["qca-lowmem", "train", *config_flags, *policy])
+
+
+def usable_memory(gpu_mem_text: str, reserve_text: str):
+    """(gpu_mem, reserve) in bytes; a budget that leaves nothing after the reserve is refused."""
     gpu_mem, reserve = parse_bytes(gpu_mem_text), parse_bytes(reserve_text, allow_zero=True)
+    if gpu_mem <= reserve:
+        raise UsageError(f"--gpu-mem {gpu_mem_text} leaves nothing once --reserve {reserve_text} (the CUDA "
+                         f"context) is taken: give the GPU's whole memory (e.g. 3.68GiB), or --reserve 0 for a "
+                         f"budget already inside PyTorch's allocator (set_per_process_memory_fraction)")
+    return gpu_mem, reserve
+
+
+def main_plan(config: TrainConfig, gpu_mem_text: str, reserve_text: str, as_json: bool, half: Optional[str] = None,
+              config_flags: Optional[List[str]] = None) -> int:
+    """`config_flags`: how the `train` command it prints names this config (e.g. ["--config", "default"])."""
+    gpu_mem, reserve = usable_memory(gpu_mem_text, reserve_text)
     result = plan(config, gpu_mem, reserve, half)
     estimates, choice = result["estimates"], result["recommendation"]
+    command = train_command(choice, config, config_flags or []) if choice else None
     if as_json:
         print(json.dumps({
             **{k: v for k, v in result.items() if k not in ("estimates", "recommendation")},
             "estimates": [dict(dataclasses.asdict(e), peak_bytes=e.peak_bytes) for e in estimates],
             "recommendation": choice.name if choice else None,
+            "command": command,
         }, indent=2))
         return 0 if choice else 1
     print(f"qca-lowmem plan: grid {config.grid}, d {config.d_state}, hidden {config.hidden} "
           f"({result['parameters'] / 1e6:.2f}M parameters), {config.qca_steps} steps, batch {config.batch}; "
           f"GPU {format_bytes(gpu_mem)}, {format_bytes(reserve)} reserved for the CUDA context")
-    print(f"{'policy':<26} {'model state':>12} {'kept states':>12} {'step working':>13} {'predicted peak':>15}  fits")
+    print(f"{'policy':<32} {'model state':>12} {'kept states':>12} {'step working':>13} {'predicted peak':>15}  fits")
     for e in estimates:
         fits = "yes" if e.peak_bytes * SAFETY <= gpu_mem - reserve else "no"
-        print(f"{e.name:<26} {format_bytes(e.model_state_bytes):>12} {format_bytes(e.kept_bytes):>12} "
+        name = e.name + (" (config)" if e.from_config else "")
+        print(f"{name:<32} {format_bytes(e.model_state_bytes):>12} {format_bytes(e.kept_bytes):>12} "
               f"{format_bytes(e.working_bytes):>13} {format_bytes(e.peak_bytes):>15}  {fits}")
     if choice is None:
         print(advice_when_nothing_fits(config, estimates, gpu_mem, reserve))
         return 1
-    print(f"recommended: {choice.name} -> qca-lowmem train {choice.flags()}  "
-          f"(config: lowmem: {{checkpoint: {choice.checkpoint}, slots: {choice.slots if choice.slots else 'null'}, "
-          f"amp_dtype: {choice.amp_dtype or 'null'}}})")
+    print(f"recommended: {choice.name} -> {command}")
     return 0
-

@@ -35,6 +35,7 @@ from .distributed import Distributed, resolve_device
 from .errors import Interrupted, TrainingStopped, UsageError, error_text
 from .metrics import METRIC_KEYS, EpisodeLog, message, record_of
 from .oom import Policy
+from .run_folder import check_run_folder, set_aside
 from .runlock import FolderLock
 from .signals import Stop, interrupts_deferred
 
@@ -201,7 +202,8 @@ class Trainer:
             lower = self.policy.lowered(self.config.qca_steps)
             if lower is None:
                 path = self.save_checkpoint()
-                advice = oom.fitting_advice(self.amp_dtype, self.policy, self.config.grid, self.config.hidden)
+                advice = oom.fitting_advice(self.amp_dtype, self.policy, self.config.grid, self.config.hidden,
+                                           self.device)
                 raise oom.no_policy_left(first, self.device, self.policy, self.next_episode, path, advice)
             self._log(f"out of memory at episode {first} with {self.policy.describe()}; retrying with {lower.describe()}")
             self.policy = lower
@@ -312,7 +314,8 @@ class Trainer:
             with interrupts_deferred():
                 self.save_checkpoint()
         path = self.out_dir / train_state.CHECKPOINT_NAME
-        done = (f"progress up to episode {self.next_episode} is in {path}; continue with --resume {path}"
+        done = (f"episodes 0-{self.next_episode - 1} are in {path}; --resume {path} continues at episode "
+                f"{self.next_episode}"
                 if self.next_episode else "no episode finished, nothing saved")
         by = f" by {stop.args[0]}" if isinstance(stop, Stop) and stop.signum != signal.SIGINT else ""
         return Interrupted(f"interrupted{by} at episode {self.next_episode}; {done}", getattr(stop, "status", 130))
@@ -327,20 +330,21 @@ class Trainer:
 
 
 def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = True, rank: int = 0,
-              world_size: int = 1, lock: Optional[FolderLock] = None):
+              world_size: int = 1, lock: Optional[FolderLock] = None, overwrite: bool = False):
     """Everything that can be refused before the first episode (UsageError, or OutOfMemoryStop for
-    a config far over this machine's memory): the device, the output folder (made, `lock`
-    acquired, and stale temporaries removed when `create`; else only whether another run holds
-    it), the checkpoint to resume from and whether it is of the same run. Returns the
-    checkpoint's state, or None."""
+    a config far over this machine's memory), on every rank: the device, the output folder (made,
+    `lock` acquired and stale temporaries removed when `create`, by rank 0; else only whether
+    another run holds it) and whether it holds a run that neither `resume` nor `overwrite` names,
+    the checkpoint to resume from and whether it is of the same run. Then, with `overwrite` and
+    `create`, rank 0 sets the old run's files aside. Returns the checkpoint's state, or None."""
     try:
         device = resolve_device(config.device)
     except RuntimeError as error:
         raise UsageError(f"--device {config.device}: {error}") from None
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise UsageError(f"--device {config.device}: only {torch.cuda.device_count()} CUDA devices are visible")
+    train_state.check_out_dir(config.out_dir, create and rank == 0)
     if rank == 0:
-        train_state.check_out_dir(config.out_dir, create)
         if create:
             if lock is not None:
                 lock.acquire()  # before touching any file there
@@ -349,18 +353,33 @@ def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = 
             probe = FolderLock(config.out_dir)
             probe.acquire()
             probe.release()
+    check_run_folder(config.out_dir, resume, overwrite)
     state = train_state.read_checkpoint(resume) if resume else None
     parameters = parameter_count(config)
     if state is not None:
         train_state.check_resumable(state, resume, config, config.accumulate * world_size)
     elif device.type == "cpu":  # (a resumed run has fit already)
         oom.check_cpu_memory(config, parameters)
+    aside = set_aside(config.out_dir) if overwrite and create and rank == 0 else None
+    if aside is not None:
+        message(f"--overwrite: the previous run's files are now in {aside}")
     return state
 
 
 
+def device_note(config: TrainConfig) -> str:
+    """Where the run will run, said when the config does not pin it, and a warning for fp16 on the
+    CPU (a GPU config run where no GPU is)."""
+    device = resolve_device(config.device)
+    note = f"on {device}" + (" (no CUDA GPU visible)" if config.device == "auto" and device.type == "cpu" else "")
+    if device.type == "cpu" and config.amp_dtype == "fp16":
+        note += ("; warning: amp_dtype fp16 there is fp16 autocast on the CPU, a setting meant for a GPU: "
+                 "--amp-dtype fp32 for a CPU run")
+    return note
+
+
 def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, progress: bool = True,
-          stop_after: Optional[int] = None) -> List[dict]:
+          stop_after: Optional[int] = None, overwrite: bool = False) -> List[dict]:
     """Run the reference trainer as `qca-lowmem train` does: check_run's checks, then episodes
     up to config.episodes (nothing when a resumed checkpoint is there already)."""
     set_allocator_defaults()
@@ -370,7 +389,10 @@ def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, 
     distributed = Distributed(ddp, config.device)
     lock = FolderLock(config.out_dir)  # (rank 0's)
     try:
-        state = check_run(config, resume, rank=distributed.rank, world_size=distributed.world_size, lock=lock)
+        state = check_run(config, resume, rank=distributed.rank, world_size=distributed.world_size, lock=lock,
+                          overwrite=overwrite)
+        if "warning" in device_note(config):
+            message(device_note(config), distributed.rank)
         if state is not None and state["episode"] >= config.episodes:
             message(f"{resume} is at episode {state['episode']}, --episodes is {config.episodes}: nothing to do",
                     distributed.rank)

@@ -1,0 +1,46 @@
+"""A run's output folder is never overwritten silently: a folder that holds a run is continued
+(`--resume`) or, with `--overwrite`, its files are set aside in a subfolder first."""
+
+import datetime
+from pathlib import Path
+from typing import Optional
+
+from .checkpoint import CHECKPOINT_NAME, previous_path
+from .errors import UsageError
+from .metrics import METRICS_NAME
+
+# What a run writes into its folder; these move aside together.
+RUN_FILES = (CHECKPOINT_NAME, previous_path(CHECKPOINT_NAME).name, METRICS_NAME, "tensorboard", "ddp_check.json")
+# What marks a folder as holding a run.
+RUN_MARKS = (CHECKPOINT_NAME, METRICS_NAME)
+
+
+def check_run_folder(out_dir, resume: Optional[str], overwrite: bool):
+    """Refuse to start a new run over one in `out_dir` unless told which of the two to keep."""
+    if resume and overwrite:
+        raise UsageError("--resume continues the run in the folder and --overwrite starts a new one: give one of them")
+    if resume or overwrite:
+        return
+    out = Path(out_dir)
+    held = [name for name in RUN_MARKS if (out / name).exists()]
+    if held:
+        raise UsageError(f"--out {out} holds a run ({', '.join(held)}): continue it with --resume, or start over "
+                         f"with --overwrite (its files are kept in {out / 'replaced-<date>'}), or give another --out")
+
+
+def set_aside(out_dir) -> Optional[Path]:
+    """Move the run files in `out_dir` into a new `replaced-<date>` subfolder; returns it (None when
+    there was nothing to move)."""
+    out = Path(out_dir)
+    present = [out / name for name in RUN_FILES if (out / name).exists()]
+    if not present:
+        return None
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    aside, n = out / f"replaced-{stamp}", 1
+    while aside.exists():
+        n += 1
+        aside = out / f"replaced-{stamp}-{n}"
+    aside.mkdir()
+    for path in present:
+        path.rename(aside / path.name)
+    return aside

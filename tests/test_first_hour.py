@@ -1,0 +1,70 @@
+"""What a new user meets in the first hour: bench's times and plot, where a run runs, and
+torch.func transforms through our ops."""
+
+import pytest
+import torch
+import yaml
+
+import qca_lowmem
+from qca_lowmem.trainer import bench as bench_mod, cli, config as config_mod
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = {"model": {"d_state": 2, "hidden": 8}, "training": {"grid": 8, "qca_steps": 4}, "device": "cpu"}
+
+
+def test_bench_times_no_first_call(tmp_path, monkeypatch):
+    """The first run of each kind is a warm-up: the first call of a kind reports 1000 s here."""
+    calls = []
+
+    def run(self, variant, steps):
+        calls.append(variant)
+        return {"bytes": 1, "seconds": 1000.0 if calls.count(variant) == 1 else 1.0}
+
+    monkeypatch.setattr(bench_mod.EpisodeRunner, "run", run)
+    config = config_mod.config_from_dict(TINY)
+    result = bench_mod.bench(config, [1, 2], str(tmp_path), repeats=2, plot=False)
+    assert [r["stock_s"] for r in result["rows"]] == [1.0, 1.0] and [r["lowmem_s"] for r in result["rows"]] == [1.0, 1.0]
+    assert calls.count("stock") == 1 + 2 * 2
+
+
+def test_bench_plot_ticks_are_the_measured_steps():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    result = {"rows": [{"qca_steps": s, "stock_bytes": 10 * s, "lowmem_bytes": 2 * s} for s in (1, 2, 4, 8)],
+              "measure": "saved_bytes", "config": {"grid": 8, "d_state": 2, "hidden": 8}, "device": "cpu"}
+    fig = bench_mod.plot_figure(result)
+    try:
+        assert list(fig.axes[0].get_xticks()) == [1, 2, 4, 8]
+    finally:
+        plt.close(fig)
+
+
+def test_check_says_where_the_run_runs_and_warns_of_fp16_on_the_cpu(tmp_path, capsys):
+    path = tmp_path / "fp16.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "device": "auto", "lowmem": {"amp_dtype": "fp16"}}))
+    assert cli.main(["train", "--config", str(path), "--out", str(tmp_path / "run"), "--check"]) == 0
+    out = capsys.readouterr().out
+    if torch.cuda.is_available():
+        assert "on cuda:0" in out and "warning" not in out
+    else:
+        assert "amp_dtype=fp16" in out and "on cpu (no CUDA GPU visible)" in out
+        assert "warning: amp_dtype fp16 there is fp16 autocast on the CPU" in out
+
+
+@pytest.mark.parametrize("name", ["qca_pack", "qca_update", "phase_flip", "UNetUnitary", "UNetUnitary parameters"])
+def test_torch_func_through_our_ops_names_the_op(name):
+    psi = qca_lowmem.stock.initial_state(1, 8, 2, "cpu")
+    model = qca_lowmem.UNetUnitary(2, 8)
+    x = qca_lowmem.qca_pack(psi)
+    function, argument = {
+        "qca_pack": (lambda p: qca_lowmem.qca_pack(p).sum(), psi),
+        "qca_update": (lambda d: qca_lowmem.qca_update(psi, d).abs().sum(), torch.randn(1, 4, 8, 8)),
+        "phase_flip": (lambda p: qca_lowmem.phase_flip(p, 0.5, 1, 1).abs().sum(), psi),
+        "UNetUnitary": (lambda y: model(y).sum(), x),
+        "UNetUnitary parameters": (lambda p: torch.func.functional_call(model, p, (x,)).sum(),
+                                   dict(model.named_parameters())),
+    }[name]
+    with pytest.raises(RuntimeError, match=rf"qca_lowmem.{name.split()[0]}: torch.func transforms .* not supported"):
+        torch.func.grad(function)(argument)

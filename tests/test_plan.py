@@ -1,0 +1,102 @@
+"""`qca-lowmem plan`: its advice runs as printed, it starts from the config's own policy, it
+refuses budgets nothing can fit in, and the bundled configs' comments say what it says."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qca_lowmem.memory import format_bytes, parse_bytes
+from qca_lowmem.trainer import cli, config as config_mod
+from qca_lowmem.trainer.plan import plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = {"model": {"d_state": 2, "hidden": 8}, "training": {"grid": 8, "qca_steps": 5, "episodes": 2},
+        "device": "cpu"}
+
+
+def run_cli(*args):
+    return cli.main([str(a) for a in args])
+
+
+def write_config(folder: Path, **lowmem) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "tiny.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "lowmem": lowmem}))
+    return path
+
+
+def recommended_command(out: str) -> str:
+    line = next(line for line in out.splitlines() if line.startswith("recommended:"))
+    return line.split(" -> ", 1)[1]
+
+
+def test_the_printed_command_trains_the_planned_config_from_any_folder(tmp_path, monkeypatch, capsys):
+    write_config(tmp_path / "configs", checkpoint="step")
+    monkeypatch.chdir(tmp_path)
+    assert run_cli("plan", "--config", "configs/tiny.yaml", "--hidden", 4, "--gpu-mem", "1GiB") == 0
+    command = shlex.split(recommended_command(capsys.readouterr().out))
+    assert command[:2] == ["qca-lowmem", "train"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert run_cli(*command[1:], "--out", elsewhere / "run", "--check") == 0
+    checked = capsys.readouterr().out
+    assert "grid 8" in checked and "hidden 4" in checked  # the planned model, not the embedded one
+
+
+def test_a_bundled_config_is_named_in_the_command():
+    assert config_mod.config_reference("small_gpu") == "small_gpu"
+    assert config_mod.config_reference("configs/small_gpu.yaml") == str(Path.cwd() / "configs" / "small_gpu.yaml")
+
+
+def test_the_configs_own_precision_and_policy_come_first(tmp_path, capsys):
+    path = write_config(tmp_path, checkpoint="revolve", slots=3, amp_dtype="fp16")
+    assert run_cli("plan", "--config", path, "--gpu-mem", "1GiB") == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[:4] for line in out.splitlines()[2:] if line.startswith("lowmem")]
+    assert rows[0] == ["lowmem", "revolve", "3", "fp16"] and "(config)" in out.splitlines()[3]
+    assert ["lowmem", "step", "fp16"] == rows[2][:3]  # the reduced precision considered is the config's
+    assert not any("bf16" in row for row in rows)
+    assert recommended_command(out) == f"qca-lowmem train --config {path}"  # the config as it is
+
+
+def test_a_budget_the_reserve_takes_whole_is_refused_in_one_line(capsys):
+    assert run_cli("plan", "--gpu-mem", "300MiB") == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "--gpu-mem 300MiB leaves nothing once --reserve 0.3GiB" in err
+    assert run_cli("plan", "--gpu-mem", "1GiB", "--reserve", "1GiB") == 2
+
+
+def test_a_config_path_from_another_folder_points_to_the_bundled_name(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert run_cli("train", "--config", "configs/default.yaml", "--check") == 2
+    assert "the bundled default config is --config default from any folder" in capsys.readouterr().err
+
+
+MEMORY = re.compile(r"(\d+(?:\.\d+)?) ?([KMG]i?B)\b")
+
+
+@pytest.mark.parametrize("name", config_mod.bundled_configs())
+def test_every_figure_in_a_bundled_configs_comments_is_plans(name):
+    text = (ROOT / "configs" / f"{name}.yaml").read_text()
+    comments = " ".join(line.split("#", 1)[1] for line in text.splitlines() if "#" in line)
+    gpu_mem = re.search(rf"qca-lowmem plan --config {name} --gpu-mem (\S+)", comments)
+    assert gpu_mem, f"configs/{name}.yaml: its comment should name the plan command for it"
+    budget = parse_bytes(gpu_mem.group(1))
+    result = plan(config_mod.load_config(name), budget, parse_bytes("0.3GiB"))
+    own = next(e for e in result["estimates"] if e.from_config)
+    assert result["recommendation"] is own  # "it fits": the config's own policy is what plan recommends
+    planned = {format_bytes(b) for e in result["estimates"]
+               for b in (e.peak_bytes, e.model_state_bytes, e.kept_bytes, e.working_bytes)}
+    planned.add(format_bytes(budget))
+    stated = {f"{number} {unit}" for number, unit in MEMORY.findall(comments.replace(gpu_mem.group(0), ""))}
+    assert stated, f"configs/{name}.yaml states no figure"
+    assert stated <= planned, f"configs/{name}.yaml: {sorted(stated - planned)} are not plan's figures"
+    assert format_bytes(own.peak_bytes) in stated

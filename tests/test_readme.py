@@ -1,0 +1,53 @@
+"""Every Python block in README.md runs as pasted, each in a fresh interpreter with only the
+package importable, from an empty folder. A block carrying `# needs a GPU` is skipped only where
+there is no GPU."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import qca_lowmem
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+NEEDS_GPU = "# needs a GPU"
+
+
+def python_blocks(text: str):
+    """(line number, code) of every ```python block."""
+    return [(text[:m.start()].count("\n") + 2, m.group(1))
+            for m in re.finditer(r"^```python\n(.*?)^```$", text, flags=re.M | re.S)]
+
+
+BLOCKS = python_blocks(README.read_text())
+
+
+def test_the_readme_has_python_blocks_and_the_extractor_finds_them():
+    assert len(BLOCKS) >= 3
+    text = "intro\n```python\nprint(1)\n```\n```bash\nls\n```\n```python\n# needs a GPU\nx = 2\n```\n"
+    assert python_blocks(text) == [(3, "print(1)\n"), (9, "# needs a GPU\nx = 2\n")]
+
+
+@pytest.mark.parametrize("line, code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
+def test_the_readme_block_runs_as_pasted(line, code, tmp_path):
+    if NEEDS_GPU in code and not torch.cuda.is_available():
+        pytest.skip("the block needs a GPU and none is visible")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "QCA_LOWMEM")}
+    env.update(PYTHONPATH=str(Path(qca_lowmem.__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    if "cuda" not in code:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # as on a CPU-only machine
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, f"README.md line {line}:\n{code}\n{done.stderr[-3000:]}"
+    assert "Warning" not in done.stderr, f"README.md line {line} warns:\n{done.stderr[-3000:]}"
+
+
+def test_the_readme_names_no_commit():
+    hashes = [h for h in re.findall(r"\b[0-9a-f]{7,40}\b", README.read_text()) if re.search(r"[a-f]", h)
+              and re.search(r"\d", h)]
+    assert not hashes, f"commit hashes belong in docs/benchmarks.md, not the README: {hashes}"
