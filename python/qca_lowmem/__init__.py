@@ -18,10 +18,11 @@ from .memory import saved_bytes
 from .ops.noise import NoiseSchedule, bit_flip, noise_coin, phase_flip
 from .ops.qca_step import qca_pack, qca_update
 from .episode import rollout
-from .step_graph import StepGraph
+from .step_graph import CaptureFallbackWarning, StepGraph
 from .unet import ConversionReport, UNetUnitary, convert
 
 __all__ = [
+    "CaptureFallbackWarning",
     "ConversionReport",
     "FusedConvBlock",
     "NoiseSchedule",

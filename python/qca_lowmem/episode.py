@@ -112,7 +112,7 @@ def rollout(
             return _run_plain(unit, psi1, 1, steps, recorded, [psi1] if steps > 1 else [])
 
     plan = _Episode(unit, rng, steps, recorded, checkpoint, slots, psi1, params, psi0.requires_grad)
-    if isinstance(step_fn, StepGraph) and psi0.is_cuda:
+    if isinstance(step_fn, StepGraph):
         unit.capture = step_fn.for_rollout(psi1, params, plan.autocast)
     outputs = _EpisodeFunction.apply(plan, psi0, *params)
     psi_T, history = outputs[0], list(outputs[1:])
