@@ -8,6 +8,7 @@ stock episode semantics, and swaps the GradScaler for `qca_lowmem.amp.GradScaler
 
 import os
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -206,7 +207,8 @@ def enable(
     checkpoint: "step" (keep one psi per step, recompute in backward), "revolve" (binomial
       checkpointing with `slots` stored states) or "none" (stock autograd).
     amp_dtype: None follows the trainer (fp16 autocast when `trainer.use_amp`), else "fp32",
-      "bf16" or "fp16"; the state and its normalisation stay complex64 either way.
+      "bf16" or "fp16"; the state and its normalisation stay complex64 either way. bf16 on a GPU
+      below compute capability 8.0 (emulated there) becomes fp16 with the loss scaler, with a warning.
     fused_blocks: convert the operator's ConvBlocks to FusedConvBlock in place (same Parameters).
     cuda_graph: on CUDA, with checkpoint "step" or "revolve", run each step as replays of
       captured CUDA graphs (qca_lowmem.StepGraph): the same kernels without launch overhead.
@@ -249,6 +251,9 @@ def _episode_options(trainer, *, checkpoint, slots, amp_dtype, grid_size, batch_
         compute_dtype = torch.float16
     else:
         compute_dtype = parse_amp_dtype(amp_dtype)
+    compute_dtype, note = amp.native_amp_dtype(compute_dtype, next(trainer.motor.operator.parameters()).device)
+    if note:
+        warnings.warn(f"enable(): {note}", stacklevel=4)
     if isinstance(grid_size, int):
         grid = (grid_size, grid_size)
     elif grid_size is not None:

@@ -19,7 +19,7 @@ import torch
 
 from .. import stock
 from ..recompute import keep_block_intermediates
-from ..amp import autocast, parse_amp_dtype
+from ..amp import autocast, native_amp_dtype, parse_amp_dtype
 from ..memory import format_bytes, parse_bytes, saved_storage_sizes
 from ..ops.qca_step import fused_step
 from .config import TrainConfig, build_model
@@ -133,9 +133,14 @@ def recommend(estimates: List[Estimate], gpu_mem: int, reserve: int) -> Optional
 
 def plan(config: TrainConfig, gpu_mem: int, reserve: int, half: str = "bf16") -> dict:
     """Estimates for every candidate policy and the recommendation; `half` is the reduced
-    precision to consider (bf16, or fp16 for GPUs without bf16)."""
+    precision to consider (bf16, or fp16 for GPUs without bf16; bf16 becomes fp16 when this
+    machine's GPU is below compute capability 8.0, as the trainer would, with a note)."""
     if half not in ("bf16", "fp16"):
         raise ValueError(f"half must be 'bf16' or 'fp16', got {half!r}")
+    note = ""
+    if half == "bf16" and torch.cuda.is_available():  # planning for this machine's GPU
+        native, note = native_amp_dtype(torch.bfloat16, "cuda")
+        half = "fp16" if native == torch.float16 else half
     model = build_model(dataclasses.replace(config, device="cpu"), "cpu")
     parameters = sum(p.numel() for p in model.parameters())
     measures = {(variant, amp): measure_step(config, variant, parse_amp_dtype(amp), model)
@@ -143,7 +148,7 @@ def plan(config: TrainConfig, gpu_mem: int, reserve: int, half: str = "bf16") ->
     estimates = estimate_all(config, parameters, measures, half)
     choice = recommend(estimates, gpu_mem, reserve)
     return {"config": dataclasses.asdict(config), "parameters": parameters, "gpu_mem": gpu_mem, "reserve": reserve,
-            "estimates": estimates, "recommendation": choice}
+            "estimates": estimates, "recommendation": choice, "half": half, "note": note}
 
 
 def advice_when_nothing_fits(config: TrainConfig, estimates: List[Estimate], gpu_mem: int, reserve: int) -> str:
@@ -159,6 +164,8 @@ def main_plan(config: TrainConfig, gpu_mem_text: str, reserve_text: str, as_json
     gpu_mem, reserve = parse_bytes(gpu_mem_text), parse_bytes(reserve_text, allow_zero=True)
     result = plan(config, gpu_mem, reserve, half)
     estimates, choice = result["estimates"], result["recommendation"]
+    if result["note"] and not as_json:
+        print(f"qca-lowmem plan: {result['note']}")
     if as_json:
         print(json.dumps({
             **{k: v for k, v in result.items() if k not in ("estimates", "recommendation")},

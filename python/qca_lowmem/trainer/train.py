@@ -65,7 +65,9 @@ class Trainer:
         self.config = config.validate()
         self.dist = distributed or Distributed(False)
         self.device = resolve_device(config.device, self.dist.local_rank)
-        self.amp_dtype = parse_amp_dtype(config.amp_dtype)
+        self.amp_dtype, note = amp.native_amp_dtype(parse_amp_dtype(config.amp_dtype), self.device)
+        if note:
+            message(note, self.dist.rank)
         self.model = build_model(config, self.device)
         self.step_fn = fused_step(self.model, config.gamma, multiplicative=True)
         if config.cuda_graph and self.device.type == "cuda":
