@@ -23,6 +23,7 @@ from .recompute import keep_block_intermediates
 from .step_graph import StepGraph
 from . import revolve
 from .param_grads import ParamGradSink
+from .weight_casts import WeightCasts
 
 CHECKPOINT_MODES = ("none", "step", "revolve")
 
@@ -130,12 +131,14 @@ class _StepUnit:
         self.step_fn = step_fn
         self.noise = noise
         self.capture = None
+        self.weight_casts = WeightCasts()  # the episode's half-precision weights, cast once
 
     def __call__(self, psi: torch.Tensor, t: int) -> torch.Tensor:
         if self.capture is not None and not torch.is_grad_enabled():
             out = self.capture.forward(psi)
         else:
-            out = self.step_fn(psi)
+            with self.weight_casts.active():
+                out = self.step_fn(psi)
             _check_state(out, psi, "step_fn", t)
         return self.add_noise(out, t)
 
