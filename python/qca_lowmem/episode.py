@@ -24,14 +24,17 @@ from .step_graph import StepGraph
 from . import revolve
 from .param_grads import ParamGradSink
 from .weight_casts import WeightCasts
+from .auto_checkpoint import check_budget, rollout_with_budget
 
-CHECKPOINT_MODES = ("none", "step", "revolve")
+CHECKPOINT_MODES = ("none", "step", "revolve", "auto")
 
 
-def check_checkpoint(checkpoint, slots, caller: str = "rollout") -> None:
-    """Raise ValueError, prefixed by `caller`, unless (checkpoint, slots) is a policy rollout takes."""
+def check_checkpoint(checkpoint, slots, caller: str = "rollout", budget=None) -> None:
+    """Raise ValueError, prefixed by `caller`, unless (checkpoint, slots, budget) is a policy
+    rollout takes."""
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"{caller}: checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+    check_budget(checkpoint, budget, caller)
     if checkpoint == "revolve":
         if slots is None:
             raise ValueError(f"{caller}: checkpoint='revolve' needs slots >= 1 (the number of states to keep)")
@@ -48,6 +51,7 @@ def rollout(
     *,
     checkpoint: str = "step",
     slots: Optional[int] = None,
+    budget=None,
     noise: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None,
     record_every: Optional[int] = None,
     preserve_rng_state: bool = True,
@@ -65,7 +69,12 @@ def rollout(
     checkpoint: "none" (plain autograd, the stock behaviour: memory grows with steps), "step"
       (keeps each step's input psi, recomputes each step once in backward) or "revolve"
       (binomial checkpointing: keeps at most `slots` states, psi0 included, whatever `steps`;
-      recomputes more, following the optimal Griewank-Walther schedule).
+      recomputes more, following the optimal Griewank-Walther schedule), or "auto" (keeps the
+      full graph of as many of the last steps as `budget` bytes of saved tensors allow and
+      recomputes the others as "step"; revolve when not even one state per step fits).
+    budget: with checkpoint="auto", the bytes the episode may keep for backward: an int, a size
+      such as "2GiB", or "free" (psi on CUDA: the device's free memory after plan's 10% margin
+      and one step's working set).
     record_every: history holds psi after steps t == 0, t == steps-1 and t % record_every == 0
       (default max(1, steps // 10), as the stock trainer); history[-1] is psi_T. Its entries are
       differentiable: a loss may use any of them.
@@ -85,7 +94,7 @@ def rollout(
         raise TypeError(f"rollout: psi0 must be a complex or floating tensor, got dtype={psi0.dtype} shape={tuple(psi0.shape)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"rollout: steps must be an int >= 1, got {steps!r}")
-    check_checkpoint(checkpoint, slots)
+    check_checkpoint(checkpoint, slots, budget=budget)
     if record_every is None:
         record_every = max(1, steps // 10)
     elif isinstance(record_every, bool) or not isinstance(record_every, int) or record_every < 1:
@@ -93,6 +102,9 @@ def rollout(
     if noise is not None and not callable(noise):
         raise TypeError(f"rollout: noise must be callable as noise(psi, t) (e.g. a NoiseSchedule), got {type(noise).__name__}")
 
+    if checkpoint == "auto":
+        return rollout_with_budget(rollout, step_fn, psi0, steps, budget, noise=noise, record_every=record_every,
+                                   preserve_rng_state=preserve_rng_state)
     unit = _StepUnit(step_fn, noise)
     recorded = [t for t in range(steps) if t == 0 or t == steps - 1 or t % record_every == 0]
     if checkpoint == "none" or not torch.is_grad_enabled():
