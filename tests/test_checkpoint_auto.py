@@ -105,3 +105,72 @@ def test_clear_errors(options, message):
     params, step = fused_unet_step()
     with pytest.raises(ValueError, match=message):
         rollout(step, initial_state().requires_grad_(), 3, **options)
+
+
+# ---------------------------------------------------------------- the trainer, plan and enable()
+
+import csv  # noqa: E402
+import json  # noqa: E402
+
+import yaml  # noqa: E402
+from fixtures.qc_trainer_v4 import QC_Trainer_v4, make_config  # noqa: E402
+
+from qca_lowmem.trainer import cli  # noqa: E402
+from qca_lowmem.trainer.oom import Policy  # noqa: E402
+
+TINY = {"model": {"d_state": 2, "hidden": 8}, "training": {"grid": 8, "qca_steps": 5, "episodes": 2, "seed": 3,
+                                                         "max_noise": 1.0}, "device": "cpu"}
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    return str(path)
+
+
+def losses(out):
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    return [float(r["loss"]) for r in rows], [r["policy"] for r in rows]
+
+
+def test_train_with_checkpoint_auto_equals_step(tiny_config, tmp_path):
+    assert cli.main(["train", "--config", tiny_config, "--out", str(tmp_path / "step"), "--no-progress"]) == 0
+    assert cli.main(["train", "--config", tiny_config, "--out", str(tmp_path / "auto"), "--no-progress",
+                     "--budget", "1MiB"]) == 0
+    (step_losses, _), (auto_losses, policies) = losses(tmp_path / "step"), losses(tmp_path / "auto")
+    assert policies == ["checkpoint=auto budget=1MiB batch=1"] * 2
+    assert auto_losses == pytest.approx(step_losses, rel=1e-5)
+
+
+def test_budget_free_on_the_cpu_is_refused_by_name(tiny_config, tmp_path, capsys):
+    assert cli.main(["train", "--config", tiny_config, "--out", str(tmp_path / "run"), "--checkpoint", "auto",
+                     "--budget", "free"]) == 2
+    assert "--budget free reads a GPU's free memory, but the device is cpu" in capsys.readouterr().err
+
+
+def test_oom_guard_lowers_auto_like_step():
+    assert Policy("auto", None, 2, "1MiB").lowered(48) == Policy("revolve", 12, 2)
+    assert Policy("auto", None, 1, "1MiB").describe() == "checkpoint=auto budget=1MiB batch=1"
+
+
+def test_plan_shows_auto_with_the_budget_that_fills_the_gpu(tiny_config, capsys):
+    assert cli.main(["plan", "--config", tiny_config, "--gpu-mem", "1GiB", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    by_name = {e["name"]: e for e in result["estimates"]}
+    auto, step = by_name["lowmem auto fp32"], by_name["lowmem step fp32"]
+    assert result["recommendation"] == "lowmem step fp32"
+    usable = result["gpu_mem"] - result["reserve"]
+    assert auto["budget"] > step["kept_bytes"] and auto["peak_bytes"] * 1.10 <= usable < (auto["peak_bytes"] + 1e6) * 1.10
+
+
+def test_enable_with_checkpoint_auto_equals_step():
+    results = []
+    for options in (dict(checkpoint="step"), dict(checkpoint="auto", budget=10**8)):
+        torch.manual_seed(1234)
+        trainer = QC_Trainer_v4(make_config(grid=8, qca_steps=4))
+        qca_lowmem.enable(trainer, **options)
+        torch.manual_seed(99)
+        results.append(trainer.train_episode(0)[0])
+    assert results[1] == pytest.approx(results[0], rel=1e-5)

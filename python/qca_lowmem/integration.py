@@ -142,7 +142,7 @@ def _lowmem_train_episode(trainer, episode_num):
     with autocast(device.type, opts["amp_dtype"]):
         # rollout's default history is the stock one: t == 0, T-1 and every max(1, T // 10) steps.
         psi, history = rollout(step, psi0, trainer.qca_steps, checkpoint=opts["checkpoint"],
-                               slots=opts["slots"], noise=noise)
+                               slots=opts["slots"], budget=opts["budget"], noise=noise)
         loss, metrics = trainer.loss_fn(history, psi0)
 
     parameters = [p for p in operator.parameters() if p.requires_grad]
@@ -201,11 +201,13 @@ def enable(
     d_state: Optional[int] = None,
     initial_state: Optional[Callable] = None,
     max_grad_norm: float = 1.0,
+    budget=None,
 ):
     """Switch a QC_Trainer_v4-style trainer to the low-memory path, in place; returns the trainer.
 
     checkpoint: "step" (keep one psi per step, recompute in backward), "revolve" (binomial
-      checkpointing with `slots` stored states) or "none" (stock autograd).
+      checkpointing with `slots` stored states), "auto" (full graphs of as many steps as `budget`
+      bytes allow, the others recomputed; see rollout) or "none" (stock autograd).
     amp_dtype: None follows the trainer (fp16 autocast when `trainer.use_amp`), else "fp32",
       "bf16" or "fp16"; the state and its normalisation stay complex64 either way. bf16 on a GPU
       below compute capability 8.0 (emulated there) becomes fp16 with the loss scaler, with a warning.
@@ -227,11 +229,11 @@ def enable(
     _check_contract(trainer)
     if hasattr(trainer, _STATE_ATTR):
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
-    check_checkpoint(checkpoint, slots, "enable()")
+    check_checkpoint(checkpoint, slots, "enable()", budget=budget)
     state = _Saved(options=_episode_options(
         trainer, checkpoint=checkpoint, slots=slots, amp_dtype=amp_dtype, grid_size=grid_size, batch_size=batch_size,
         d_state=d_state, initial_state=initial_state, max_grad_norm=max_grad_norm, fused_blocks=fused_blocks,
-        cuda_graph=cuda_graph,
+        cuda_graph=cuda_graph, budget=budget,
     ))
     # Everything that can fail is decided before the trainer changes.
     new_scaler = _lowmem_scaler_for(trainer, state.options["amp_dtype"]) if lowmem_scaler else None
@@ -245,7 +247,7 @@ def enable(
 
 
 def _episode_options(trainer, *, checkpoint, slots, amp_dtype, grid_size, batch_size, d_state, initial_state,
-                     max_grad_norm, fused_blocks, cuda_graph) -> dict:
+                     max_grad_norm, fused_blocks, cuda_graph, budget) -> dict:
     """enable()'s arguments resolved against the trainer: what each lowmem episode reads."""
     if amp_dtype is None and getattr(trainer, "use_amp", False):
         compute_dtype = torch.float16
@@ -267,7 +269,7 @@ def _episode_options(trainer, *, checkpoint, slots, amp_dtype, grid_size, batch_
     return dict(
         checkpoint=checkpoint, slots=slots, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
         d_state=d_state or _infer_d_state(trainer, trainer.motor.operator), initial_state=initial_state,
-        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, cuda_graph=cuda_graph,
+        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, cuda_graph=cuda_graph, budget=budget,
     )
 
 
@@ -366,7 +368,7 @@ def _get(section, key, default):
 
 
 # The LOWMEM section's settings (enable()'s keyword arguments); the trainer's config shares them.
-LOWMEM_OPTIONS = ("checkpoint", "amp_dtype", "fused_blocks", "slots", "cuda_graph")
+LOWMEM_OPTIONS = ("checkpoint", "amp_dtype", "fused_blocks", "slots", "cuda_graph", "budget")
 _CONFIG_KEYS = ("enabled", *LOWMEM_OPTIONS)
 _FLAG_OPTIONS = ("fused_blocks", "cuda_graph")
 _TRUE_SPELLINGS = ("1", "true", "yes", "on")

@@ -7,7 +7,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
 import torch
 
@@ -43,6 +43,7 @@ class TrainConfig:
     # low-memory policy
     checkpoint: str = "step"
     slots: Optional[int] = None
+    budget: Union[int, str, None] = None  # checkpoint "auto": bytes of saved tensors, a size, or "free"
     amp_dtype: Optional[str] = None
     fused_blocks: bool = True
     cuda_graph: bool = False  # on CUDA: each step as replays of captured graphs (StepGraph)
@@ -89,7 +90,7 @@ class TrainConfig:
         if not isinstance(self.out_dir, str) or not self.out_dir:
             refuse("out_dir", "a folder name")
         try:
-            check_checkpoint(self.checkpoint, self.slots, label("checkpoint"))
+            check_checkpoint(self.checkpoint, self.slots, label("checkpoint"), budget=self.budget)
         except ValueError as error:
             raise UsageError(str(error)) from None
         try:

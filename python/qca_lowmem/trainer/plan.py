@@ -21,12 +21,12 @@ import torch
 from .. import stock
 from ..recompute import keep_block_intermediates
 from ..amp import autocast, native_amp_dtype, parse_amp_dtype
+from ..auto_checkpoint import SAFETY
 from ..memory import format_bytes, parse_bytes, saved_storage_sizes
 from ..ops.qca_step import fused_step
 from .config import TrainConfig, build_model
-from .footprint import kept_bytes
+from .footprint import LOSS_STATES, kept_bytes, psi_bytes
 
-SAFETY = 1.10  # allocator rounding and fragmentation, cuDNN/cuBLAS workspaces
 _PROBE_GRIDS = (8, 16)
 
 
@@ -47,6 +47,8 @@ class Estimate:
     model_state_bytes: int
     kept_bytes: int
     working_bytes: int
+    budget: Optional[int] = None  # checkpoint "auto"
+
 
     @property
     def peak_bytes(self) -> int:
@@ -56,6 +58,8 @@ class Estimate:
         flags = f"--checkpoint {self.checkpoint}"
         if self.slots is not None:
             flags += f" --slots {self.slots}"
+        if self.budget is not None:
+            flags += f" --budget {self.budget}"
         return flags + f" --amp-dtype {self.amp_dtype or 'fp32'}"
 
 
@@ -121,6 +125,23 @@ def estimate_all(config: TrainConfig, parameters: int, measures: dict, half: str
     return estimates
 
 
+def with_auto(estimates: List[Estimate], config: TrainConfig, gpu_mem: int, reserve: int) -> List[Estimate]:
+    """After each "step" estimate, checkpoint="auto" with the budget that fills the GPU (full
+    graphs instead of recomputes where memory is left), when that budget holds one state per
+    step. It needs more than "step", so the recommendation never falls on it first."""
+    out = []
+    for e in estimates:
+        out.append(e)
+        if e.checkpoint != "step":
+            continue
+        loss_states = LOSS_STATES * psi_bytes(config)
+        budget = int((gpu_mem - reserve) / SAFETY) - e.model_state_bytes - e.working_bytes - loss_states
+        if budget >= e.kept_bytes - loss_states:
+            out.append(dataclasses.replace(e, name=e.name.replace("step", "auto"), checkpoint="auto",
+                                           kept_bytes=budget + loss_states, budget=budget))
+    return out
+
+
 def recommend(estimates: List[Estimate], gpu_mem: int, reserve: int) -> Optional[Estimate]:
     """The first lowmem estimate (in preference order) whose peak, with the safety margin, fits."""
     usable = gpu_mem - reserve
@@ -146,7 +167,7 @@ def plan(config: TrainConfig, gpu_mem: int, reserve: int, half: str = "bf16") ->
     parameters = sum(p.numel() for p in model.parameters())
     measures = {(variant, amp): measure_step(config, variant, parse_amp_dtype(amp), model)
                 for variant, amp in (("stock", None), ("lowmem", None), ("lowmem", half))}
-    estimates = estimate_all(config, parameters, measures, half)
+    estimates = with_auto(estimate_all(config, parameters, measures, half), config, gpu_mem, reserve)
     choice = recommend(estimates, gpu_mem, reserve)
     return {"config": dataclasses.asdict(config), "parameters": parameters, "gpu_mem": gpu_mem, "reserve": reserve,
             "estimates": estimates, "recommendation": choice, "half": half, "note": note}
@@ -188,5 +209,9 @@ def main_plan(config: TrainConfig, gpu_mem_text: str, reserve_text: str, as_json
     print(f"recommended: {choice.name} -> qca-lowmem train {choice.flags()}  "
           f"(config: lowmem: {{checkpoint: {choice.checkpoint}, slots: {choice.slots if choice.slots else 'null'}, "
           f"amp_dtype: {choice.amp_dtype or 'null'}}})")
+    faster = next((e for e in estimates if e.checkpoint == "auto" and e.amp_dtype == choice.amp_dtype), None)
+    if choice.checkpoint == "step" and faster is not None:
+        print(f"faster with the memory left: {faster.name} -> qca-lowmem train {faster.flags()} (full graphs "
+              "instead of recomputes for as many steps as the budget holds)")
     return 0
 
