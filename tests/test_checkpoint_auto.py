@@ -174,3 +174,9 @@ def test_enable_with_checkpoint_auto_equals_step():
         torch.manual_seed(99)
         results.append(trainer.train_episode(0)[0])
     assert results[1] == pytest.approx(results[0], rel=1e-5)
+
+
+def test_bench_command_runs_checkpoint_auto(tiny_config, tmp_path, capsys):
+    assert cli.main(["bench", "--config", tiny_config, "--steps", "2", "--budget", "1MiB", "--out",
+                     str(tmp_path / "bench")]) == 0
+    assert "checkpoint=auto" in capsys.readouterr().out

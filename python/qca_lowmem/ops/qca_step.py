@@ -38,11 +38,14 @@ def qca_update(
     return _lib.qca_update(psi, delta, float(gamma), bool(multiplicative), float(eps))
 
 
-def fused_step(operator, gamma: float, multiplicative: bool) -> Callable:
-    """The stock engine step (`stock.step`: pack, operator, update) on the fused ops."""
+def fused_step(operator, gamma: float, multiplicative: bool, *, channels_last: bool = False) -> Callable:
+    """The stock engine step (`stock.step`: pack, operator, update) on the fused ops. With
+    `channels_last` the pack writes NHWC, which the fused blocks and torch's convs keep and the
+    update reads as it is: no layout conversions in between (the operator's conv weights should
+    be channels_last too, `operator.to(memory_format=torch.channels_last)`)."""
 
     def evolve_step(psi):
-        return qca_update(psi, operator(qca_pack(psi)), gamma, multiplicative)
+        return qca_update(psi, operator(qca_pack(psi, channels_last=channels_last)), gamma, multiplicative)
 
     return evolve_step
 

@@ -24,7 +24,7 @@ CHECKPOINT_NAME = "checkpoint.pt"
 FORMAT = "qca_lowmem.train/1"
 # How a run is computed, not what it computes: a resume may change these. Every other setting
 # (the model, the episodes, the optimiser, amp_dtype, batch) must be the checkpoint's.
-RESUME_MAY_CHANGE = ("checkpoint", "slots", "budget", "fused_blocks", "cuda_graph", "device", "threads", "out_dir",
+RESUME_MAY_CHANGE = ("checkpoint", "slots", "budget", "fused_blocks", "channels_last", "cuda_graph", "device", "threads", "out_dir",
                      "save_every", "episodes")
 
 

@@ -29,6 +29,8 @@ def _add_config_options(parser, training: bool):
     parser.add_argument("--amp-dtype", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                         help="on CUDA, run each step as replays of captured CUDA graphs (default: the config's)")
+    parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                        help="NHWC from the pack through the U-Net to the update (default: the config's; off)")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: 1 for the embedded config, "
                                                     "else torch's choice; 1 is much faster on a shared CPU)")
     if training:
@@ -65,7 +67,7 @@ def _config(args):
 
     overrides = {name: getattr(args, name, None) for name in (
         "device", "threads", "grid", "d_state", "hidden", "qca_steps", "batch", "checkpoint", "slots", "budget", "amp_dtype",
-        "cuda_graph", "episodes", "accumulate", "seed", "max_noise", "out_dir", "save_every")}
+        "cuda_graph", "channels_last", "episodes", "accumulate", "seed", "max_noise", "out_dir", "save_every")}
     if overrides.get("slots") is not None and overrides.get("checkpoint") is None:
         overrides["checkpoint"] = "revolve"
     if overrides.get("checkpoint") not in (None, "revolve"):

@@ -69,7 +69,7 @@ class Trainer:
         if note:
             message(note, self.dist.rank)
         self.model = build_model(config, self.device)
-        self.step_fn = fused_step(self.model, config.gamma, multiplicative=True)
+        self.step_fn = fused_step(self.model, config.gamma, multiplicative=True, channels_last=config.channels_last)
         if config.cuda_graph and self.device.type == "cuda":
             self.step_fn = StepGraph(self.step_fn)
         self.model.train()
@@ -265,7 +265,7 @@ class Trainer:
                         rows = self._finish_step(first, count, local_rows)
                         self.next_episode = first + count
                         for row in rows:
-                            record = record_of(row, self.device, self.policy.describe())
+                            record = record_of(row, self.device, self.policy.describe() + " channels_last" * config.channels_last)
                             results.append(record)
                             log.write(record)
                             if callback is not None:
