@@ -12,7 +12,9 @@ that per-step recompute in fp32: what recomputing costs stock), lowmem_fp32_keep
 kernels under plain autograd, blocks keeping their intermediates: nothing recomputed) and
 lowmem_fp32_forward (lowmem_fp32_step's forward and loss under no_grad, no backward: the pass a
 step recompute runs again); lowmem_fp32_step_unchecked (lowmem_fp32_step with check_recompute=False:
-against lowmem_fp32_step, what the check that each recompute reproduces the forward costs). Each run gets a
+against lowmem_fp32_step, what the check that each recompute reproduces the forward costs). Two more,
+also by name, are checkpoint="auto": lowmem_fp32_auto with a budget that holds every step's full
+graph, lowmem_fp32_auto_half with half of it. Each run gets a
 fresh copy of the same initial weights and its own optimizer; it reports the peak of torch.cuda.max_memory_allocated over the measured
 episodes (after a warm-up episode, so AdamW's state exists) and the median episode time.
 The fp32 gradients of stock and lowmem_fp32_step are compared on the same weights, psi0 and
@@ -48,7 +50,8 @@ RUNS = ["lowmem_fp32_step_graph", "lowmem_bf16_step_graph", "lowmem_fp16_step_gr
         "lowmem_bf16_revolve32"]
 # Asked for by name: they take the CPU episode's time apart (what the recompute costs stock, the
 # fused kernels without any recompute, the forward pass a recompute repeats).
-EXTRA_RUNS = ["stock_fp32_checkpoint", "lowmem_fp32_keep", "lowmem_fp32_forward", "lowmem_fp32_step_unchecked"]
+EXTRA_RUNS = ["stock_fp32_checkpoint", "lowmem_fp32_keep", "lowmem_fp32_forward", "lowmem_fp32_step_unchecked",
+              "lowmem_fp32_auto", "lowmem_fp32_auto_half"]
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -106,14 +109,14 @@ def lowmem_step_fn(model, gamma, pack_dtype):
 
 
 def lowmem_forward(model, psi0, args, schedule, autocast_dtype=None, checkpoint="step", slots=None, step=None,
-                   check_recompute=True):
+                   check_recompute=True, budget=None):
     step = step or lowmem_step_fn(model, args.gamma, autocast_dtype)
     with torch.autocast(psi0.device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-        return qca_lowmem.rollout(step, psi0, args.steps, checkpoint=checkpoint, slots=slots, noise=schedule,
-                                  check_recompute=check_recompute)[1]
+        return qca_lowmem.rollout(step, psi0, args.steps, checkpoint=checkpoint, slots=slots, budget=budget,
+                                  noise=schedule, check_recompute=check_recompute)[1]
 
 
-def run_forward(name, model, psi0, args, episode_seed, step=None):
+def run_forward(name, model, psi0, args, episode_seed, step=None, budget=None):
     rate = reference.noise_rate(args.episode, args.max_noise)
     schedule = qca_lowmem.NoiseSchedule(args.max_noise, args.episode, seed=episode_seed)
     if name == "stock_fp32":
@@ -135,6 +138,8 @@ def run_forward(name, model, psi0, args, episode_seed, step=None):
         return lowmem_forward(model, psi0, args, schedule, torch.bfloat16)
     if name == "lowmem_fp16_step":
         return lowmem_forward(model, psi0, args, schedule, torch.float16)
+    if name.startswith("lowmem_fp32_auto"):
+        return lowmem_forward(model, psi0, args, schedule, checkpoint="auto", step=step, budget=budget)
     if name == "lowmem_bf16_revolve32":
         return lowmem_forward(model, psi0, args, schedule, torch.bfloat16, "revolve", 32)
     if name.endswith("_step_graph"):
@@ -147,14 +152,14 @@ def initial_state(args, device, seed):
     return reference.initial_state(args.batch, args.grid, args.d_state, device, generator)
 
 
-def train_episode(name, model, optimizer, scaler, args, device, episode_seed, step=None):
+def train_episode(name, model, optimizer, scaler, args, device, episode_seed, step=None, budget=None):
     optimizer.zero_grad(set_to_none=True)
     psi0 = initial_state(args, device, episode_seed)
     if name == "lowmem_fp32_forward":
         with torch.no_grad():
             history = run_forward("lowmem_fp32_step", model, psi0, args, episode_seed, step)
             return reference.evolutionary_loss(history, psi0)[0].item()
-    history = run_forward(name, model, psi0, args, episode_seed, step)
+    history = run_forward(name, model, psi0, args, episode_seed, step, budget)
     loss, _ = reference.evolutionary_loss(history, psi0)
     del history
     if scaler is not None:
@@ -189,6 +194,11 @@ class Run:
         self.step = None
         if name.endswith("_step_graph"):
             self.step = qca_lowmem.StepGraph(lowmem_step_fn(self.model, args.gamma, AMP[name.split("_")[1]]))
+        self.budget = None
+        if name.startswith("lowmem_fp32_auto"):
+            self.step = lowmem_step_fn(self.model, args.gamma, None)  # one step_fn: its graph is measured once
+            whole = args.steps * qca_lowmem.auto_checkpoint.step_graph_bytes(self.step, initial_state(args, device, 0))
+            self.budget = whole // 2 if name.endswith("_half") else whole
         self.times = []
         self.episode(seed=0)
 
@@ -196,7 +206,7 @@ class Run:
         synchronize(self.device)
         start = time.perf_counter()
         train_episode(self.name, self.model, self.optimizer, self.scaler, self.args, self.device,
-                      episode_seed=seed, step=self.step)
+                      episode_seed=seed, step=self.step, budget=self.budget)
         synchronize(self.device)
         return time.perf_counter() - start
 

@@ -83,7 +83,10 @@ def main():
         episode()
     wall = time.perf_counter() - start  # with the profiler's own overhead
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, key) > 0]
+    # On CUDA a kernel's time is reported twice: on the kernel's own event and as the device time
+    # of the CPU op that launched it. Only the kernels (device-side events) are counted.
+    events = [e for e in prof.key_averages() if getattr(e, key) > 0
+              and (device.type != "cuda" or e.device_type == torch.autograd.DeviceType.CUDA)]
     events.sort(key=lambda e: getattr(e, key), reverse=True)
     total = sum(getattr(e, key) for e in events) / 1e6
     rows = [{"name": e.key, "calls": e.count, "self_s": getattr(e, key) / 1e6} for e in events[: args.top]]

@@ -487,7 +487,7 @@ def test_clear_errors():
         rollout(step_fn, psi0, 3, checkpoint="revolve")
     with pytest.raises(ValueError, match="slots applies only to checkpoint='revolve'"):
         rollout(step_fn, psi0, 3, checkpoint="step", slots=4)
-    with pytest.raises(ValueError, match=r"checkpoint must be one of \('none', 'step', 'revolve'\), got 'steps'"):
+    with pytest.raises(ValueError, match=r"checkpoint must be one of \('none', 'step', 'revolve', 'auto'\), got 'steps'"):
         rollout(step_fn, psi0, 3, checkpoint="steps")
     with pytest.raises(ValueError, match="steps must be an int >= 1, got 0"):
         rollout(step_fn, psi0, 0)

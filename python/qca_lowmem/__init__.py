@@ -13,16 +13,18 @@ from ._version import __version__
 from .recompute import block_keeps_intermediates, keep_block_intermediates
 from .blocks import FusedConvBlock
 from .ops.groupnorm_elu import groupnorm_elu
-from .integration import disable, enable, enable_from_config
+from .integration import disable, enable
+from .lowmem_config import enable_from_config
 from .memory import saved_bytes
 from .ops.noise import NoiseSchedule, bit_flip, noise_coin, phase_flip
 from .ops.qca_step import qca_pack, qca_update
 from .episode import rollout
 from .episode_reverse import RecomputeMismatchError
-from .step_graph import StepGraph
+from .step_graph import CaptureFallbackWarning, StepGraph
 from .unet import ConversionReport, UNetUnitary, convert
 
 __all__ = [
+    "CaptureFallbackWarning",
     "ConversionReport",
     "FusedConvBlock",
     "NoiseSchedule",

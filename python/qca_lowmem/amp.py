@@ -17,7 +17,7 @@ The low-level ops (scaler.py) are also exposed here as `unscale_`, `mul_` and `u
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Tuple, Union
 
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
@@ -27,7 +27,7 @@ from .ops.scaler import mul_, unscale_, update_scale_
 
 _lib = torch.ops.qca_lowmem
 
-__all__ = ["GradScaler", "autocast", "autocast_dtype", "mul_", "parse_amp_dtype", "unscale_", "update_scale_"]
+__all__ = ["GradScaler", "autocast", "autocast_dtype", "mul_", "native_amp_dtype", "parse_amp_dtype", "unscale_", "update_scale_"]
 
 _AMP_DTYPES = {
     None: None, "none": None, "fp32": None, "float32": None,
@@ -53,6 +53,23 @@ def parse_amp_dtype(value) -> Optional[torch.dtype]:
 def autocast(device_type: str, amp_dtype: Optional[torch.dtype]):
     """Autocast to `amp_dtype` (a torch dtype from parse_amp_dtype), or off when it is None."""
     return torch.autocast(device_type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
+
+
+def native_amp_dtype(amp_dtype: Optional[torch.dtype], device) -> Tuple[Optional[torch.dtype], str]:
+    """(the dtype to compute in on `device`, a one-line note when it is not `amp_dtype`).
+
+    Below compute capability 8.0 a GPU has no bf16 arithmetic: torch.cuda.is_bf16_supported()
+    still says True (emulation), but bf16 convolutions leave cuDNN and run slower than fp32.
+    There bf16 becomes fp16, which needs the loss scaler."""
+    device = torch.device(device)
+    if amp_dtype != torch.bfloat16 or device.type != "cuda":
+        return amp_dtype, ""
+    major, minor = torch.cuda.get_device_capability(device)
+    if major >= 8:
+        return amp_dtype, ""
+    return torch.float16, (
+        f"bf16 was asked for, but {torch.cuda.get_device_name(device)} (compute capability "
+        f"{major}.{minor}, below 8.0) only emulates bf16: using fp16 with the loss scaler instead")
 
 
 def autocast_dtype(device_type: str) -> Optional[torch.dtype]:

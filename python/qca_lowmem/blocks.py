@@ -18,6 +18,7 @@ from .ops._checks import check_same_device, refuse_func_transforms
 from .ops._double_backward import reference_backward, second_order_requested
 from .recompute import block_keeps_intermediates
 from .amp import autocast_dtype
+from .weight_casts import cast_weight
 from . import stock
 from .ops.groupnorm_elu import output_layout, stat_dtype
 from .ops.groupnorm_elu import reference as groupnorm_elu_reference
@@ -263,9 +264,12 @@ class FusedConvBlock(nn.Module):
         conv1_weight, conv2_weight = conv1.weight, conv2.weight
         compute_dtype = autocast_dtype(x.device.type)
         if compute_dtype is not None:
-            # What autocast does for the stock convolutions: float64 is left alone.
-            x, conv1_weight, conv2_weight = (
-                t if t.dtype == torch.float64 else t.to(compute_dtype) for t in (x, conv1_weight, conv2_weight))
+            # What autocast does for the stock convolutions: float64 is left alone. The weights
+            # come from the episode's copies when a rollout runs the block (weight_casts.py).
+            if x.dtype != torch.float64:
+                x = x.to(compute_dtype)
+            conv1_weight, conv2_weight = (
+                t if t.dtype == torch.float64 else cast_weight(t, compute_dtype) for t in (conv1_weight, conv2_weight))
         args = (x, conv1_weight, norm1.weight, norm1.bias, conv2_weight, norm2.weight, norm2.bias,
                 norm1.num_groups, norm2.num_groups, float(norm1.eps), float(norm2.eps))
         if keep_intermediates is None:

@@ -27,14 +27,19 @@ from .episode_reverse import StepReverser
 from .step_graph import StepGraph
 from . import revolve
 from .param_grads import ParamGradSink
+from .replay import AutocastState, RngStates
+from .weight_casts import WeightCasts
+from .auto_checkpoint import check_budget, rollout_with_budget
 
-CHECKPOINT_MODES = ("none", "step", "revolve")
+CHECKPOINT_MODES = ("none", "step", "revolve", "auto")
 
 
-def check_checkpoint(checkpoint, slots, caller: str = "rollout") -> None:
-    """Raise ValueError, prefixed by `caller`, unless (checkpoint, slots) is a policy rollout takes."""
+def check_checkpoint(checkpoint, slots, caller: str = "rollout", budget=None) -> None:
+    """Raise ValueError, prefixed by `caller`, unless (checkpoint, slots, budget) is a policy
+    rollout takes."""
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"{caller}: checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+    check_budget(checkpoint, budget, caller)
     if checkpoint == "revolve":
         if slots is None:
             raise ValueError(f"{caller}: checkpoint='revolve' needs slots >= 1 (the number of states to keep)")
@@ -51,6 +56,7 @@ def rollout(
     *,
     checkpoint: str = "step",
     slots: Optional[int] = None,
+    budget=None,
     noise: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None,
     record_every: Optional[int] = None,
     preserve_rng_state: bool = True,
@@ -71,7 +77,12 @@ def rollout(
     checkpoint: "none" (plain autograd, the stock behaviour: memory grows with steps), "step"
       (keeps each step's input psi, recomputes each step once in backward) or "revolve"
       (binomial checkpointing: keeps at most `slots` states, psi0 included, whatever `steps`;
-      recomputes more, following the optimal Griewank-Walther schedule).
+      recomputes more, following the optimal Griewank-Walther schedule), or "auto" (keeps the
+      full graph of as many of the last steps as `budget` bytes of saved tensors allow and
+      recomputes the others as "step"; revolve when not even one state per step fits).
+    budget: with checkpoint="auto", the bytes the episode may keep for backward: an int, a size
+      such as "2GiB", or "free" (psi on CUDA: the device's free memory after plan's 10% margin
+      and one step's working set).
     record_every: history holds psi after steps t == 0, t == steps-1 and t % record_every == 0
       (default max(1, steps // 10), as the stock trainer); history[-1] is psi_T. Its entries are
       differentiable: a loss may use any of them.
@@ -102,11 +113,14 @@ def rollout(
         raise TypeError(f"rollout: step_fn must be callable, got {type(step_fn).__name__}")
     if not isinstance(psi0, torch.Tensor):
         raise TypeError(f"rollout: psi0 must be a tensor, got {type(psi0).__name__}")
+    if psi0.device.type == "meta":
+        raise ValueError(f"rollout: psi0 is on the meta device (shape {tuple(psi0.shape)}, no data): "
+                         "give a state on the CPU or a GPU")
     if not (psi0.is_complex() or psi0.is_floating_point()):
         raise TypeError(f"rollout: psi0 must be a complex or floating tensor, got dtype={psi0.dtype} shape={tuple(psi0.shape)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"rollout: steps must be an int >= 1, got {steps!r}")
-    check_checkpoint(checkpoint, slots)
+    check_checkpoint(checkpoint, slots, budget=budget)
     if record_every is None:
         record_every = max(1, steps // 10)
     elif isinstance(record_every, bool) or not isinstance(record_every, int) or record_every < 1:
@@ -120,6 +134,12 @@ def rollout(
     if carried and isinstance(step_fn, StepGraph):
         raise ValueError("rollout: a StepGraph captures step_fn(psi) only; with carry=..., pass the step function itself")
 
+    if checkpoint == "auto":
+        if carried:
+            raise ValueError("rollout: checkpoint='auto' does not take carry=... yet; use 'step' or 'revolve' "
+                             "(same gradients, the memory of one state per step or of `slots` states)")
+        return rollout_with_budget(rollout, step_fn, psi0, steps, budget, noise=noise, record_every=record_every,
+                                   preserve_rng_state=preserve_rng_state, check_recompute=check_recompute)
     unit = _StepUnit(step_fn, noise, carried)
     recorded = [t for t in range(steps) if t == 0 or t == steps - 1 or t % record_every == 0]
     if checkpoint == "none" or not torch.is_grad_enabled():
@@ -128,7 +148,7 @@ def rollout(
     # Step 0 with grad enabled: its graph tells which leaves (parameters) the episode depends on.
     # Only the graph's shape is needed, so nothing it would save for backward is kept.
     marker = _next_sequence_nr()
-    rng = _RngStates(psi0.device, preserve_rng_state)
+    rng = RngStates(psi0.device, preserve_rng_state)
     rng.record()
     psi_in = psi0.detach().requires_grad_(True)
     carry_in = tuple(c.detach().requires_grad_(True) if _differentiable(c) else c for c in carry0)
@@ -143,7 +163,7 @@ def rollout(
 
     plan = _Episode(unit, rng, steps, recorded, checkpoint, slots, state1, params, psi0.requires_grad,
                     carry0_needs_grad, check_recompute)
-    if isinstance(step_fn, StepGraph) and psi0.is_cuda:
+    if isinstance(step_fn, StepGraph):
         unit.capture = step_fn.for_rollout(state1[0], params, plan.autocast)
     outputs = _EpisodeFunction.apply(plan, psi0, *carry0, *params)
     n_history = len(plan.history_steps)
@@ -176,7 +196,7 @@ class _StepUnit:
     """One step of the episode: step_fn then noise, with the checks that keep psi's type;
     (psi, carry) -> (psi, carry), the carry () when the rollout has none.
 
-    With a capture (a StepGraph's, see _step_graph.py), steps taken without grad replay its
+    With a capture (a StepGraph's, see step_graph.py), steps taken without grad replay its
     forward graph; the backward asks the capture directly (StepReverser)."""
 
     def __init__(self, step_fn, noise, carried: bool):
@@ -184,18 +204,21 @@ class _StepUnit:
         self.noise = noise
         self.carried = carried
         self.capture = None
+        self.weight_casts = WeightCasts()  # the episode's half-precision weights, cast once
 
     def __call__(self, psi: torch.Tensor, carry: tuple, t: int):
         if self.capture is not None and not torch.is_grad_enabled():
             return self.add_noise(self.capture.forward(psi), t), carry
         if self.carried:
-            result = self.step_fn(psi, carry)
+            with self.weight_casts.active():
+                result = self.step_fn(psi, carry)
             if not isinstance(result, (tuple, list)) or len(result) != 2:
                 raise TypeError(f"rollout: with carry=..., step_fn(psi, carry) must return (psi, carry); at step {t} "
                                 f"it returned {type(result).__name__}")
             out, carry = result[0], _checked_carry(result[1], f"the carry step_fn returned at step {t}", carry)
         else:
-            out = self.step_fn(psi)
+            with self.weight_casts.active():
+                out = self.step_fn(psi)
         _check_state(out, psi, "step_fn", t)
         return self.add_noise(out, t), carry
 
@@ -269,55 +292,6 @@ def _leaves_reached(outputs, inputs: set, marker: int) -> List[torch.Tensor]:
     return leaves
 
 
-class _AutocastState:
-    """The autocast state of the forward, re-entered around each recompute."""
-
-    def __init__(self, device_types):
-        self.cache_enabled = torch.is_autocast_cache_enabled()
-        self.states = [(dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)) for dt in device_types]
-
-    def __call__(self):
-        return self._entered(self.cache_enabled)
-
-    def without_cache(self):
-        """The same state with autocast's cast cache off, as CUDA graph capture requires (the
-        casts are the same, only not shared between calls)."""
-        return self._entered(False)
-
-    @contextlib.contextmanager
-    def _entered(self, cache_enabled):
-        with contextlib.ExitStack() as stack:
-            for device_type, enabled, dtype in self.states:
-                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled))
-            yield
-
-
-class _RngStates:
-    """The generators' states before each step of the forward, replayed around recomputes."""
-
-    def __init__(self, device: torch.device, enabled: bool):
-        self.enabled = enabled
-        self.cuda_device = device if device.type == "cuda" else None
-        self.states = []
-
-    def record(self) -> None:
-        if self.enabled:
-            cuda = torch.cuda.get_rng_state(self.cuda_device) if self.cuda_device is not None else None
-            self.states.append((torch.get_rng_state(), cuda))
-
-    @contextlib.contextmanager
-    def replay(self, t: int):
-        if not self.enabled:
-            yield
-            return
-        cpu, cuda = self.states[t]
-        with torch.random.fork_rng(devices=[self.cuda_device] if cuda is not None else []):
-            torch.set_rng_state(cpu)
-            if cuda is not None:
-                torch.cuda.set_rng_state(cuda, self.cuda_device)
-            yield
-
-
 class _Episode:
     """Everything the episode's Function needs besides tensors."""
 
@@ -339,7 +313,7 @@ class _Episode:
         self.carry_width = len(carry0_needs_grad)
         self.carry_T_present: List[bool] = []  # which carry_T entries are outputs (not None)
         self.check_recompute = check_recompute
-        self.autocast = _AutocastState(sorted({"cpu", state1[0].device.type}))
+        self.autocast = AutocastState(sorted({"cpu", state1[0].device.type}))
         self.stored_steps: List[int] = []  # which states are saved, in saved order
 
     def advance(self, state, start, stop):

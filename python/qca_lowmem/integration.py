@@ -7,8 +7,8 @@ An engine with memory (`motor.has_memory`, a ConvLSTM) has its memory carried by
 (engine_step.py). `disable(trainer)` puts everything back.
 """
 
-import os
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -23,7 +23,6 @@ from .step_graph import StepGraph
 from .unet import convert
 
 _STATE_ATTR = "_qca_lowmem_state"
-_ENV_FLAG = "QCA_LOWMEM"
 
 
 def lowmem_scaler_from(scaler):
@@ -145,7 +144,8 @@ def _lowmem_train_episode(trainer, episode_num):
     with autocast(device.type, opts["amp_dtype"]):
         # rollout's default history is the stock one: t == 0, T-1 and every max(1, T // 10) steps.
         psi, history, *memory_T = rollout(state.memory_step or step, psi0, trainer.qca_steps,
-                                          checkpoint=opts["checkpoint"], slots=opts["slots"], noise=noise, **memory)
+                                          checkpoint=opts["checkpoint"], slots=opts["slots"], budget=opts["budget"],
+                                          noise=noise, **memory)
         loss, metrics = trainer.loss_fn(history, psi0)
 
     parameters = [p for p in operator.parameters() if p.requires_grad]
@@ -207,13 +207,16 @@ def enable(
     d_state: Optional[int] = None,
     initial_state: Optional[Callable] = None,
     max_grad_norm: float = 1.0,
+    budget=None,
 ):
     """Switch a QC_Trainer_v4-style trainer to the low-memory path, in place; returns the trainer.
 
     checkpoint: "step" (keep one psi per step, recompute in backward), "revolve" (binomial
-      checkpointing with `slots` stored states) or "none" (stock autograd).
+      checkpointing with `slots` stored states), "auto" (full graphs of as many steps as `budget`
+      bytes allow, the others recomputed; see rollout) or "none" (stock autograd).
     amp_dtype: None follows the trainer (fp16 autocast when `trainer.use_amp`), else "fp32",
-      "bf16" or "fp16"; the state and its normalisation stay complex64 either way.
+      "bf16" or "fp16"; the state and its normalisation stay complex64 either way. bf16 on a GPU
+      below compute capability 8.0 (emulated there) becomes fp16 with the loss scaler, with a warning.
     fused_blocks: convert the operator's ConvBlocks to FusedConvBlock in place (same Parameters).
     cuda_graph: on CUDA, with checkpoint "step" or "revolve", run each step as replays of
       captured CUDA graphs (qca_lowmem.StepGraph): the same kernels without launch overhead.
@@ -237,11 +240,11 @@ def enable(
     _check_contract(trainer)
     if hasattr(trainer, _STATE_ATTR):
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
-    check_checkpoint(checkpoint, slots, "enable()")
+    check_checkpoint(checkpoint, slots, "enable()", budget=budget)
     state = _Saved(options=_episode_options(
         trainer, checkpoint=checkpoint, slots=slots, amp_dtype=amp_dtype, grid_size=grid_size, batch_size=batch_size,
         d_state=d_state, initial_state=initial_state, max_grad_norm=max_grad_norm, fused_blocks=fused_blocks,
-        cuda_graph=cuda_graph,
+        cuda_graph=cuda_graph, budget=budget,
     ))
     # Everything that can fail is decided before the trainer changes.
     new_scaler = _lowmem_scaler_for(trainer, state.options["amp_dtype"]) if lowmem_scaler else None
@@ -249,6 +252,9 @@ def enable(
     if state.memory_step is not None and cuda_graph:
         raise ValueError(f"enable(): cuda_graph=True captures steps of psi alone; {type(trainer.motor.operator).__name__} "
                          "runs with memory (motor.has_memory): use cuda_graph=False")
+    if state.memory_step is not None and checkpoint == "auto":
+        raise ValueError(f"enable(): checkpoint='auto' does not carry memory yet; {type(trainer.motor.operator).__name__} "
+                         "runs with memory (motor.has_memory): use checkpoint='step' or 'revolve'")
     if fused_blocks:
         _convert_blocks(trainer.motor.operator, state)
     _swap_step(trainer, state, evolve_step)
@@ -259,12 +265,15 @@ def enable(
 
 
 def _episode_options(trainer, *, checkpoint, slots, amp_dtype, grid_size, batch_size, d_state, initial_state,
-                     max_grad_norm, fused_blocks, cuda_graph) -> dict:
+                     max_grad_norm, fused_blocks, cuda_graph, budget) -> dict:
     """enable()'s arguments resolved against the trainer: what each lowmem episode reads."""
     if amp_dtype is None and getattr(trainer, "use_amp", False):
         compute_dtype = torch.float16
     else:
         compute_dtype = parse_amp_dtype(amp_dtype)
+    compute_dtype, note = amp.native_amp_dtype(compute_dtype, next(trainer.motor.operator.parameters()).device)
+    if note:
+        warnings.warn(f"enable(): {note}", stacklevel=4)
     if isinstance(grid_size, int):
         grid = (grid_size, grid_size)
     elif grid_size is not None:
@@ -278,7 +287,7 @@ def _episode_options(trainer, *, checkpoint, slots, amp_dtype, grid_size, batch_
     return dict(
         checkpoint=checkpoint, slots=slots, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
         d_state=d_state or _infer_d_state(trainer, trainer.motor.operator), initial_state=initial_state,
-        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, cuda_graph=cuda_graph,
+        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, cuda_graph=cuda_graph, budget=budget,
     )
 
 
@@ -353,90 +362,3 @@ def disable(trainer):
         trainer.scaler = state.scaler
     delattr(trainer, _STATE_ATTR)
     return trainer
-
-
-def _section(cfg, name):
-    if cfg is None:
-        return None
-    if isinstance(cfg, dict):
-        for key in (name, name.lower()):
-            if key in cfg:
-                return cfg[key]
-        return None
-    for key in (name, name.lower()):
-        if hasattr(cfg, key):
-            return getattr(cfg, key)
-    return None
-
-
-def _get(section, key, default):
-    if isinstance(section, dict):
-        return section.get(key, default)
-    return getattr(section, key, default)
-
-
-# The LOWMEM section's settings (enable()'s keyword arguments); the trainer's config shares them.
-LOWMEM_OPTIONS = ("checkpoint", "amp_dtype", "fused_blocks", "slots", "cuda_graph")
-_CONFIG_KEYS = ("enabled", *LOWMEM_OPTIONS)
-_FLAG_OPTIONS = ("fused_blocks", "cuda_graph")
-_TRUE_SPELLINGS = ("1", "true", "yes", "on")
-_FALSE_SPELLINGS = ("0", "false", "no", "off")
-
-
-def parse_flag(value, name: str) -> bool:
-    """A boolean setting as YAML or the environment may spell it: a bool, 0/1, or (any case)
-    true/false, yes/no, on/off, 1/0. Anything else is refused, naming the setting."""
-    if isinstance(value, bool):
-        return value
-    if type(value) is int and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        flag = value.strip().lower()
-        if flag in _TRUE_SPELLINGS:
-            return True
-        if flag in _FALSE_SPELLINGS:
-            return False
-    raise ValueError(f"{name} must be a boolean (true/false, yes/no, on/off or 1/0), got {value!r}")
-
-
-def _env_enabled() -> Optional[bool]:
-    value = os.environ.get(_ENV_FLAG)
-    if value is None or value.strip() == "":
-        return None
-    return parse_flag(value, _ENV_FLAG)
-
-
-def enable_from_config(trainer, cfg=None, **overrides):
-    """enable(trainer, ...) as the config's `LOWMEM` section (dict or attributes) says.
-
-    `LOWMEM: {enabled: true, checkpoint: step, amp_dtype: bf16, fused_blocks: true, slots: null}`.
-    `LOWMEM: true` alone means enabled with the defaults. Boolean settings take the spellings of
-    `parse_flag`. `QCA_LOWMEM=1` in the environment switches it on (with the section's other
-    settings, or the defaults) and `QCA_LOWMEM=0` off, whatever the config says. Returns True
-    when enabled.
-    """
-    section = _section(cfg, "LOWMEM")
-    if isinstance(section, (bool, int, str)):
-        enabled, section = parse_flag(section, "LOWMEM"), None
-    elif isinstance(section, (list, tuple, float)):
-        raise ValueError(f"LOWMEM must be a mapping of settings or a boolean, got {section!r}")
-    else:
-        if isinstance(section, dict):
-            unknown = sorted(set(section) - set(_CONFIG_KEYS))
-            if unknown:
-                raise ValueError(f"LOWMEM section: unknown keys {unknown}; known keys are {list(_CONFIG_KEYS)}")
-        enabled = parse_flag(_get(section, "enabled", False), "LOWMEM.enabled") if section is not None else False
-    env = _env_enabled()
-    if env is not None:
-        enabled = env
-    if not enabled:
-        return False
-    options = {}
-    if section is not None:
-        for key in LOWMEM_OPTIONS:
-            value = _get(section, key, None)
-            if value is not None:
-                options[key] = parse_flag(value, f"LOWMEM.{key}") if key in _FLAG_OPTIONS else value
-    options.update(overrides)
-    enable(trainer, **options)
-    return True

@@ -15,8 +15,14 @@ What a capture assumes, checked where it can be:
 - step_fn draws no random numbers from torch's generators (a replay would repeat the captured
   draw): checked while warming up, with an error that says what to do;
 - step_fn does nothing on the host that depends on the data (no `.item()`, no branches on
-  values): such a step fails to capture, and the error says so.
+  values): such a step fails to capture.
 Noise between steps stays outside the graphs (its keys change every step).
+
+A capture that fails does not stop the rollout: the StepGraph warns once per configuration with
+the whole exception chain, first error first (torch.cuda.graph's exit ends the capture even when
+the body raised, so the cause survives only as the context of a later error), and rolls that
+configuration out eagerly from then on. Running out of memory while capturing is raised as
+torch.OutOfMemoryError, so that an OOM guard lowers its policy instead of losing the speed-up.
 
 Memory: the graphs' pool holds one step's activations and one set of per-parameter gradients;
 the accumulators one more set. The rollout's eager path needs the first and one gradient set
@@ -25,6 +31,7 @@ too, so a StepGraph costs about one extra copy of the parameters.
 
 import contextlib
 import gc
+import warnings
 from typing import Callable, List, Optional
 
 import torch
@@ -32,6 +39,14 @@ import torch
 from .recompute import keep_block_intermediates
 
 WARMUP_STEPS = 3  # eager runs on a side stream before capture: lazy inits, cuDNN/cuBLAS handles
+
+
+class CaptureFallbackWarning(RuntimeWarning):
+    """A StepGraph could not capture a configuration and rolls it out eagerly."""
+
+
+class _CaptureFailed(RuntimeError):
+    """A capture failed for a reason other than memory; the message holds the whole chain."""
 
 
 class StepGraph:
@@ -47,18 +62,35 @@ class StepGraph:
         self.step_fn = step_fn
         self.capture: Optional[_Capture] = None
         self.captures_made = 0  # for tests and reports: how often a new capture was needed
+        self.failed_keys = set()  # configurations whose capture failed: rolled out eagerly
 
     def __call__(self, psi: torch.Tensor) -> torch.Tensor:
         return self.step_fn(psi)
 
-    def for_rollout(self, psi: torch.Tensor, params: List[torch.Tensor], autocast_state) -> "_Capture":
-        """The capture for this psi, parameter set and autocast state, made when missing."""
+    def for_rollout(self, psi: torch.Tensor, params: List[torch.Tensor], autocast_state) -> Optional["_Capture"]:
+        """The capture for this psi, parameter set and autocast state, made when missing; None
+        where the rollout runs eagerly (psi not on CUDA, or this configuration failed to capture)."""
+        if not _captures(psi):
+            return None
         key = _capture_key(psi, params, autocast_state)
+        if key in self.failed_keys:
+            return None
         if self.capture is None or self.capture.key != key:
             self.capture = None  # release the old graphs and pool before capturing anew
-            self.capture = _Capture(self.step_fn, psi, params, autocast_state, key)
+            try:
+                self.capture = _Capture(self.step_fn, psi, params, autocast_state, key)
+            except _CaptureFailed as failure:
+                self.failed_keys.add(key)
+                gc.collect()  # the half-made graphs and their pool
+                warnings.warn(str(failure), CaptureFallbackWarning, stacklevel=3)
+                return None
             self.captures_made += 1
         return self.capture
+
+
+def _captures(psi: torch.Tensor) -> bool:
+    """Whether a rollout of psi runs on captured graphs (tests simulate CUDA by replacing it)."""
+    return psi.is_cuda
 
 
 def _capture_key(psi, params, autocast_state):
@@ -185,11 +217,27 @@ def _random_draws_refused(device):
 
 @contextlib.contextmanager
 def _capture_errors_explained():
+    """A failed capture raised as torch.OutOfMemoryError when memory ran out anywhere in the
+    chain, else as _CaptureFailed; either way with every error of the chain, first first."""
     try:
         yield
-    except RuntimeError as error:
-        raise RuntimeError(
-            f"StepGraph: capturing the step as a CUDA graph failed ({str(error).splitlines()[0]}). "
-            "A captured step must not synchronise with the host (.item(), printing tensors, data-dependent "
-            "branches or shapes); roll out without a StepGraph instead."
-        ) from error
+    except Exception as error:
+        chain = _exception_chain(error)
+        story = " <- then: ".join(f"{type(e).__name__}: {str(e).strip()}" for e in chain)
+        if any(isinstance(e, torch.OutOfMemoryError) for e in chain):
+            raise torch.OutOfMemoryError(
+                f"StepGraph: out of memory while capturing the step as a CUDA graph ({story})") from error
+        raise _CaptureFailed(
+            f"StepGraph: capturing the step as a CUDA graph failed; rolling this configuration out eagerly. "
+            f"Errors, first first: {story}. A captured step must not synchronise with the host (.item(), "
+            "printing tensors, data-dependent branches or shapes).") from error
+
+
+def _exception_chain(error: BaseException) -> List[BaseException]:
+    """error and the errors it was raised from or during, the first one first."""
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ if error.__cause__ is not None else error.__context__
+    return chain[::-1]

@@ -11,6 +11,7 @@ from . import stock
 from .recompute import block_keeps_intermediates
 from .blocks import FusedConvBlock
 from .ops._checks import refuse_func_transforms
+from .weight_casts import checkpoint_kwargs
 
 
 RECOMPUTE_MODES = ("unet", "blocks", "none")
@@ -56,7 +57,8 @@ class UNetUnitary(nn.Module):
             return self._forward(x, keep_intermediates=False)
         # Blocks keep their intermediates here: the checkpoint's first forward drops them, and
         # its recompute needs them for backward, so no convolution runs a third time.
-        return checkpoint(self._forward, x, True, use_reentrant=False, preserve_rng_state=False)
+        return checkpoint(self._forward, x, True, use_reentrant=False, preserve_rng_state=False,
+                          **checkpoint_kwargs())
 
     def _forward(self, x: torch.Tensor, keep_intermediates: bool) -> torch.Tensor:
         return self.forward_with(x, lambda block, h: block(h, keep_intermediates=keep_intermediates))

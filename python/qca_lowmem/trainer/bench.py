@@ -83,9 +83,10 @@ class EpisodeRunner:
                 return stock.step(psi, self.stock_model, gamma, multiplicative=True)
             policy = dict(checkpoint="none")
         else:
-            step = fused_step(self.model, gamma, multiplicative=True)
+            step = fused_step(self.model, gamma, multiplicative=True, channels_last=self.config.channels_last)
             slots = self.config.slots if self.config.checkpoint == "revolve" else None
-            policy = dict(checkpoint=self.config.checkpoint, slots=slots)
+            budget = self.config.budget if self.config.checkpoint == "auto" else None
+            policy = dict(checkpoint=self.config.checkpoint, slots=slots, budget=budget)
         with autocast(self.device.type, self.amp_dtype):
             psi, history = rollout(step, psi0, steps, **policy)  # history as stock records it (the default)
             loss, _ = stock.evolutionary_loss(history, psi0)

@@ -22,8 +22,8 @@ CHECKPOINT_NAME = "checkpoint.pt"
 FORMAT = "qca_lowmem.train/1"
 # How a run is computed, not what it computes: a resume may change these. Every other setting
 # (the model, the episodes, the optimiser, amp_dtype, batch) must be the checkpoint's.
-RESUME_MAY_CHANGE = ("checkpoint", "slots", "fused_blocks", "cuda_graph", "device", "threads", "out_dir",
-                     "save_every", "episodes", "max_skipped_steps")
+RESUME_MAY_CHANGE = ("checkpoint", "slots", "budget", "fused_blocks", "channels_last", "cuda_graph", "device", "threads",
+                     "out_dir", "save_every", "episodes", "max_skipped_steps")
 
 
 def previous_path(path) -> Path:
@@ -254,8 +254,8 @@ def restore(trainer, path, state: Optional[dict] = None) -> int:
         trainer.scaler.load_state_dict(state["scaler_state_dict"])
     set_rng_state(state["rng_state"])
     policy = Policy(**state["policy"])
-    if (config.checkpoint, config.slots) != (saved["checkpoint"], saved["slots"]):
-        policy = Policy(config.checkpoint, config.slots, policy.batch)
+    if (config.checkpoint, config.slots, config.budget) != (saved["checkpoint"], saved["slots"], saved.get("budget")):
+        policy = Policy(config.checkpoint, config.slots, policy.batch, config.budget)
     trainer.policy = policy
     trainer.next_episode = trainer.saved_episode = state["episode"]
     return trainer.next_episode

@@ -24,11 +24,15 @@ def _add_config_options(parser, training: bool):
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--qca-steps", type=int)
     parser.add_argument("--batch", type=int)
-    parser.add_argument("--checkpoint", choices=("step", "revolve", "none"), help="recompute policy of the lowmem path")
+    parser.add_argument("--checkpoint", choices=("step", "revolve", "auto", "none"), help="recompute policy of the lowmem path")
     parser.add_argument("--slots", type=int, help="stored states for --checkpoint revolve")
+    parser.add_argument("--budget", help="bytes the episode may keep for --checkpoint auto (e.g. 2GiB; free: the "
+                                         "GPU's free memory): full graphs of as many steps as fit, the rest recomputed")
     parser.add_argument("--amp-dtype", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                         help="on CUDA, run each step as replays of captured CUDA graphs (default: the config's)")
+    parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                        help="NHWC from the pack through the U-Net to the update (default: the config's; off)")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: 1 for the embedded config, "
                                                     "else torch's choice; 1 is much faster on a shared CPU)")
     if training:
@@ -64,12 +68,16 @@ def _config(args):
     from .config import load_config
 
     overrides = {name: getattr(args, name, None) for name in (
-        "device", "threads", "grid", "d_state", "hidden", "qca_steps", "batch", "checkpoint", "slots", "amp_dtype",
-        "cuda_graph", "episodes", "accumulate", "seed", "max_noise", "out_dir", "save_every")}
+        "device", "threads", "grid", "d_state", "hidden", "qca_steps", "batch", "checkpoint", "slots", "budget", "amp_dtype",
+        "cuda_graph", "channels_last", "episodes", "accumulate", "seed", "max_noise", "out_dir", "save_every")}
     if overrides.get("slots") is not None and overrides.get("checkpoint") is None:
         overrides["checkpoint"] = "revolve"
     if overrides.get("checkpoint") not in (None, "revolve"):
         overrides["slots"] = None
+    if overrides.get("budget") is not None and overrides.get("checkpoint") is None:
+        overrides["checkpoint"] = "auto"
+    if overrides.get("checkpoint") not in (None, "auto"):
+        overrides["budget"] = None
     return load_config(args.config, flags={name: _flag(name) for name in overrides}, **overrides)
 
 

@@ -7,6 +7,7 @@ from typing import List, Tuple
 
 import torch
 
+from ..amp import native_amp_dtype
 from ..memory import format_bytes
 
 SMALL_GPU = 4 * 2**30
@@ -33,6 +34,7 @@ def report() -> Tuple[List[Tuple[str, str]], List[str]]:
             props = torch.cuda.get_device_properties(index)
             facts.append((f"GPU {index}", f"{props.name}, {format_bytes(props.total_memory)}, "
                                            f"compute capability {props.major}.{props.minor}"))
+            facts.append((f"GPU {index} precision", half_precision_of(index, props)))
             if props.total_memory < SMALL_GPU:
                 fixes.append(f"GPU {index} has {format_bytes(props.total_memory)}: train with --config small_gpu, "
                              f"or run `qca-lowmem plan --gpu-mem {props.total_memory / 2**30:.2f}GiB` to pick a policy")
@@ -40,8 +42,6 @@ def report() -> Tuple[List[Tuple[str, str]], List[str]]:
             fixes.append("a GPU is present but qca_lowmem was built without CUDA kernels: set CUDA_HOME to a CUDA "
                          "toolkit matching torch's CUDA and rebuild in the qca_lowmem source directory: "
                          f"QCA_LOWMEM_CUDA=1 {REBUILD_COMMAND}")
-        if not torch.cuda.is_bf16_supported():
-            fixes.append("this GPU has no bf16: use amp_dtype fp16 (with the loss scaler) or fp32")
     elif torch.version.cuda:
         fixes.append("torch is a CUDA build but sees no GPU: check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
     else:
@@ -61,6 +61,15 @@ def report() -> Tuple[List[Tuple[str, str]], List[str]]:
         if not present and module in ("tqdm", "yaml"):
             fixes.append(f"pip install {'PyYAML' if module == 'yaml' else module} ({why})")
     return facts, fixes
+
+
+def half_precision_of(index: int, props) -> str:
+    """What amp_dtype bf16 and fp16 run as on GPU `index`, and why (the trainer's rule)."""
+    native, _ = native_amp_dtype(torch.bfloat16, torch.device("cuda", index))
+    if native == torch.bfloat16:
+        return "bf16 and fp16 as asked (compute capability 8.0 or higher: native bf16)"
+    return (f"fp16 with the loss scaler, also when bf16 is asked (compute capability {props.major}.{props.minor} "
+            "is below 8.0: bf16 would be emulated, slower than fp32)")
 
 
 def main_doctor() -> int:

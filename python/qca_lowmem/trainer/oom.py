@@ -5,7 +5,7 @@ before a CPU run, the refusal of a config that cannot fit at all."""
 
 import gc
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 
@@ -22,13 +22,15 @@ class Policy:
     checkpoint: str = "step"
     slots: Optional[int] = None
     batch: int = 1
+    budget: Union[int, str, None] = None  # checkpoint "auto" only
 
     def describe(self):
-        extra = f" slots={self.slots}" if self.checkpoint == "revolve" else ""
+        extra = {"revolve": f" slots={self.slots}", "auto": f" budget={self.budget}"}.get(self.checkpoint, "")
         return f"checkpoint={self.checkpoint}{extra} batch={self.batch}"
 
     def lowered(self, qca_steps: int) -> Optional["Policy"]:
-        """The next lower-memory policy: revolve, then fewer slots, then half the batch."""
+        """The next lower-memory policy: revolve (from step, auto or none), then fewer slots,
+        then half the batch."""
         if self.checkpoint != "revolve":
             return Policy("revolve", max(1, min(32, qca_steps // 4)), self.batch)
         if self.slots > 2:
@@ -66,7 +68,8 @@ def check_cpu_memory(config, parameters: int, available: Optional[int] = None):
     available = available_cpu_memory() if available is None else available
     if available is None:
         return
-    state_bytes, kept_bytes = 16 * parameters, footprint.kept_bytes(config, config.checkpoint, config.slots)
+    state_bytes, kept_bytes = 16 * parameters, footprint.kept_bytes(config, config.checkpoint, config.slots,
+                                                                     config.budget)
     if state_bytes + kept_bytes <= available:
         return
     advice = [f"--checkpoint revolve --slots {max(1, min(32, config.qca_steps // 4))}"] if kept_bytes > state_bytes \

@@ -2,8 +2,9 @@
 
 Peak = model state (fp32 weights 4 B/param, gradients 4 B/param, AdamW moments 8 B/param) + the
 states the policy keeps across the episode + one step's working set (the step's graph while it is
-backpropagated, autocast's weight copies included, plus gradients in flight, estimated as twice
-its largest tensor).
+backpropagated, plus gradients in flight, estimated as twice its largest tensor). Under autocast
+the step's graph holds the half-precision copy of the weights, which the rollout makes once per
+episode and keeps to its end (weight_casts.py), so the copy is counted once, in the working set.
 
 A step's graph is measured on the CPU with `saved_bytes` at two small grids of the real model
 (activations grow with the grid's area and the batch) and extrapolated; nothing runs on the GPU.
@@ -19,14 +20,14 @@ import torch
 
 from .. import stock
 from ..recompute import keep_block_intermediates
-from ..amp import autocast, parse_amp_dtype
+from ..amp import autocast, native_amp_dtype, parse_amp_dtype
+from ..auto_checkpoint import SAFETY
 from ..memory import format_bytes, parse_bytes, saved_storage_sizes
 from ..ops.qca_step import fused_step
 from .config import TrainConfig, build_model
 from .errors import UsageError
-from .footprint import kept_bytes
+from .footprint import LOSS_STATES, kept_bytes, psi_bytes
 
-SAFETY = 1.10  # allocator rounding and fragmentation, cuDNN/cuBLAS workspaces
 _PROBE_GRIDS = (8, 16)
 
 
@@ -48,6 +49,7 @@ class Estimate:
     kept_bytes: int
     working_bytes: int
     from_config: bool = False  # the config's own policy
+    budget: Optional[int] = None  # checkpoint "auto"
 
     @property
     def peak_bytes(self) -> int:
@@ -122,8 +124,31 @@ def estimate_all(config: TrainConfig, parameters: int, measures: dict, half: str
             kept, working = config.qca_steps * m.saved_bytes, 2 * m.largest_bytes
         else:
             kept = kept_bytes(config, checkpoint, slots)
-        estimates.append(Estimate(name, checkpoint, slots, amp, state, kept, working, from_config=index == 1))
+        budget = None
+        if checkpoint == "auto" and config.budget != "free":  # ("free" adapts to what is free: at least step's)
+            budget = config.budget if isinstance(config.budget, int) else parse_bytes(config.budget, allow_zero=True)
+            kept = max(kept, budget + LOSS_STATES * psi_bytes(config))
+        estimates.append(Estimate(name, checkpoint, slots, amp, state, kept, working, from_config=index == 1,
+                                  budget=budget))
     return estimates
+
+
+def with_auto(estimates: List[Estimate], config: TrainConfig, gpu_mem: int, reserve: int) -> List[Estimate]:
+    """After each "step" estimate, checkpoint="auto" with the budget that fills the GPU (full
+    graphs instead of recomputes where memory is left), when that budget holds one state per
+    step. It needs more than "step", so the recommendation never falls on it first."""
+    out = []
+    for e in estimates:
+        out.append(e)
+        if e.checkpoint != "step":
+            continue
+        loss_states = LOSS_STATES * psi_bytes(config)
+        budget = int((gpu_mem - reserve) / SAFETY) - e.model_state_bytes - e.working_bytes - loss_states
+        if budget >= e.kept_bytes - loss_states:
+            out.append(dataclasses.replace(e, name=e.name.replace("step", "auto").replace(" (config)", ""),
+                                           checkpoint="auto", kept_bytes=budget + loss_states, budget=budget,
+                                           from_config=False))
+    return out
 
 
 def recommend(estimates: List[Estimate], gpu_mem: int, reserve: int) -> Optional[Estimate]:
@@ -139,18 +164,24 @@ def recommend(estimates: List[Estimate], gpu_mem: int, reserve: int) -> Optional
 
 def plan(config: TrainConfig, gpu_mem: int, reserve: int, half: Optional[str] = None) -> dict:
     """Estimates for every candidate policy and the recommendation; `half` is the reduced
-    precision to consider (bf16, or fp16 for GPUs without bf16; default: the config's)."""
+    precision to consider (bf16, or fp16 for GPUs without bf16; default: the config's). bf16
+    becomes fp16 when this machine's GPU is below compute capability 8.0, as the trainer would,
+    with a note."""
     half = default_half(config) if half is None else half
+    note = ""
+    if half == "bf16" and torch.cuda.is_available():  # planning for this machine's GPU
+        native, note = native_amp_dtype(torch.bfloat16, "cuda")
+        half = "fp16" if native == torch.float16 else half
     if half not in ("bf16", "fp16"):
         raise ValueError(f"half must be 'bf16' or 'fp16', got {half!r}")
     model = build_model(dataclasses.replace(config, device="cpu"), "cpu")
     parameters = sum(p.numel() for p in model.parameters())
     measures = {(variant, amp): measure_step(config, variant, parse_amp_dtype(amp), model)
                 for variant, amp in (("stock", None), ("lowmem", None), ("lowmem", half), ("lowmem", config.amp_dtype))}
-    estimates = estimate_all(config, parameters, measures, half)
+    estimates = with_auto(estimate_all(config, parameters, measures, half), config, gpu_mem, reserve)
     choice = recommend(estimates, gpu_mem, reserve)
     return {"config": dataclasses.asdict(config), "parameters": parameters, "gpu_mem": gpu_mem, "reserve": reserve,
-            "estimates": estimates, "recommendation": choice}
+            "estimates": estimates, "recommendation": choice, "half": half, "note": note}
 
 
 def advice_when_nothing_fits(config: TrainConfig, estimates: List[Estimate], gpu_mem: int, reserve: int) -> str:
@@ -169,6 +200,7 @@ def train_command(estimate: Estimate, config: TrainConfig, config_flags: List[st
     policy = []
     if not estimate.from_config:
         policy = ["--checkpoint", estimate.checkpoint] + (["--slots", str(estimate.slots)] if estimate.slots else [])
+        policy += ["--budget", str(estimate.budget)] if estimate.budget is not None else []
         policy += ["--amp-dtype", estimate.amp_dtype or "fp32"]
     return " ".join(["qca-lowmem", "train", *config_flags, *policy])
 
@@ -198,6 +230,8 @@ def main_plan(config: TrainConfig, gpu_mem_text: str, reserve_text: str, as_json
             "command": command,
         }, indent=2))
         return 0 if choice else 1
+    if result["note"]:
+        print(f"qca-lowmem plan: {result['note']}")
     print(f"qca-lowmem plan: grid {config.grid}, d {config.d_state}, hidden {config.hidden} "
           f"({result['parameters'] / 1e6:.2f}M parameters), {config.qca_steps} steps, batch {config.batch}; "
           f"GPU {format_bytes(gpu_mem)}, {format_bytes(reserve)} reserved for the CUDA context")
@@ -211,4 +245,8 @@ def main_plan(config: TrainConfig, gpu_mem_text: str, reserve_text: str, as_json
         print(advice_when_nothing_fits(config, estimates, gpu_mem, reserve))
         return 1
     print(f"recommended: {choice.name} -> {command}")
+    faster = next((e for e in estimates if e.checkpoint == "auto" and e.amp_dtype == choice.amp_dtype), None)
+    if choice.checkpoint == "step" and faster is not None:
+        print(f"faster with the memory left: {faster.name} -> {train_command(faster, config, config_flags or [])} "
+              "(full graphs instead of recomputes for as many steps as the budget holds)")
     return 0

@@ -69,9 +69,11 @@ class Trainer:
         self.config = config.validate()
         self.dist = distributed or Distributed(False)
         self.device = resolve_device(config.device, self.dist.local_rank)
-        self.amp_dtype = parse_amp_dtype(config.amp_dtype)
+        self.amp_dtype, note = amp.native_amp_dtype(parse_amp_dtype(config.amp_dtype), self.device)
+        if note:
+            message(note, self.dist.rank)
         self.model = build_model(config, self.device)
-        self.step_fn = fused_step(self.model, config.gamma, multiplicative=True)
+        self.step_fn = fused_step(self.model, config.gamma, multiplicative=True, channels_last=config.channels_last)
         if config.cuda_graph and self.device.type == "cuda":
             self.step_fn = StepGraph(self.step_fn)
         self.model.train()
@@ -82,7 +84,7 @@ class Trainer:
         self.scaler = None
         if self.amp_dtype == torch.float16:
             self.scaler = amp.GradScaler(self.device.type)
-        self.policy = Policy(config.checkpoint, config.slots, config.batch)
+        self.policy = Policy(config.checkpoint, config.slots, config.batch, config.budget)
         self.next_episode = 0
         self.saved_episode = None  # the episode of the last checkpoint written or read
         self.skipped_in_row = 0  # optimizer steps skipped in a row for non-finite values
@@ -111,7 +113,7 @@ class Trainer:
             psi, history = rollout(
                 self.step_fn, psi0, self.config.qca_steps, checkpoint=policy.checkpoint,
                 slots=policy.slots if policy.checkpoint == "revolve" else None,
-                noise=self.noise_for(episode),
+                budget=policy.budget if policy.checkpoint == "auto" else None, noise=self.noise_for(episode),
             )
             loss, metrics = stock.evolutionary_loss(history, psi0)
         return loss, metrics, psi
@@ -139,7 +141,7 @@ class Trainer:
         """What an episode's graph keeps for backward (CPU memory column), measured by a separate
         forward whose graph is dropped, once per policy and noise state: the training forward runs
         without saved-tensor hooks, which can change how a custom Function's saved leaves unpack."""
-        key = (policy.checkpoint, policy.slots, policy.batch, self.noise_for(episode) is not None)
+        key = (policy.checkpoint, policy.slots, policy.budget, policy.batch, self.noise_for(episode) is not None)
         if key not in self._saved_bytes_cache:
             self._saved_bytes_cache[key] = saved_bytes(self.forward_episode, episode, policy)
         return self._saved_bytes_cache[key]
@@ -294,7 +296,7 @@ class Trainer:
                         rows = self._finish_step(first, count, local_rows)
                         self.next_episode = first + count
                         for row in rows:
-                            record = record_of(row, self.device, self.policy.describe())
+                            record = record_of(row, self.device, self.policy.describe() + " channels_last" * config.channels_last)
                             results.append(record)
                             log.write(record)
                             if callback is not None:
@@ -343,6 +345,9 @@ def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = 
         raise UsageError(f"--device {config.device}: {error}") from None
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise UsageError(f"--device {config.device}: only {torch.cuda.device_count()} CUDA devices are visible")
+    if config.checkpoint == "auto" and config.budget == "free" and device.type != "cuda":
+        raise UsageError(f"--budget free reads a GPU's free memory, but the device is {device}: give the budget "
+                         "in bytes (e.g. --budget 2GiB)")
     train_state.check_out_dir(config.out_dir, create and rank == 0)
     if rank == 0:
         if create:

@@ -1,0 +1,97 @@
+"""The users' config switch: `enable_from_config` reads a config's `LOWMEM` section (a mapping, an
+object's attributes, or a boolean) and the `QCA_LOWMEM` environment variable, and calls
+`enable`. The boolean spellings are shared with the reference trainer's config."""
+
+import os
+from typing import Optional
+
+from .integration import enable
+
+_ENV_FLAG = "QCA_LOWMEM"
+
+
+def _section(cfg, name):
+    if cfg is None:
+        return None
+    if isinstance(cfg, dict):
+        for key in (name, name.lower()):
+            if key in cfg:
+                return cfg[key]
+        return None
+    for key in (name, name.lower()):
+        if hasattr(cfg, key):
+            return getattr(cfg, key)
+    return None
+
+
+def _get(section, key, default):
+    if isinstance(section, dict):
+        return section.get(key, default)
+    return getattr(section, key, default)
+
+
+# The LOWMEM section's settings (enable()'s keyword arguments); the trainer's config shares them.
+LOWMEM_OPTIONS = ("checkpoint", "amp_dtype", "fused_blocks", "slots", "cuda_graph", "budget")
+_CONFIG_KEYS = ("enabled", *LOWMEM_OPTIONS)
+_FLAG_OPTIONS = ("fused_blocks", "cuda_graph")
+_TRUE_SPELLINGS = ("1", "true", "yes", "on")
+_FALSE_SPELLINGS = ("0", "false", "no", "off")
+
+
+def parse_flag(value, name: str) -> bool:
+    """A boolean setting as YAML or the environment may spell it: a bool, 0/1, or (any case)
+    true/false, yes/no, on/off, 1/0. Anything else is refused, naming the setting."""
+    if isinstance(value, bool):
+        return value
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        flag = value.strip().lower()
+        if flag in _TRUE_SPELLINGS:
+            return True
+        if flag in _FALSE_SPELLINGS:
+            return False
+    raise ValueError(f"{name} must be a boolean (true/false, yes/no, on/off or 1/0), got {value!r}")
+
+
+def _env_enabled() -> Optional[bool]:
+    value = os.environ.get(_ENV_FLAG)
+    if value is None or value.strip() == "":
+        return None
+    return parse_flag(value, _ENV_FLAG)
+
+
+def enable_from_config(trainer, cfg=None, **overrides):
+    """enable(trainer, ...) as the config's `LOWMEM` section (dict or attributes) says.
+
+    `LOWMEM: {enabled: true, checkpoint: step, amp_dtype: bf16, fused_blocks: true, slots: null}`.
+    `LOWMEM: true` alone means enabled with the defaults. Boolean settings take the spellings of
+    `parse_flag`. `QCA_LOWMEM=1` in the environment switches it on (with the section's other
+    settings, or the defaults) and `QCA_LOWMEM=0` off, whatever the config says. Returns True
+    when enabled.
+    """
+    section = _section(cfg, "LOWMEM")
+    if isinstance(section, (bool, int, str)):
+        enabled, section = parse_flag(section, "LOWMEM"), None
+    elif isinstance(section, (list, tuple, float)):
+        raise ValueError(f"LOWMEM must be a mapping of settings or a boolean, got {section!r}")
+    else:
+        if isinstance(section, dict):
+            unknown = sorted(set(section) - set(_CONFIG_KEYS))
+            if unknown:
+                raise ValueError(f"LOWMEM section: unknown keys {unknown}; known keys are {list(_CONFIG_KEYS)}")
+        enabled = parse_flag(_get(section, "enabled", False), "LOWMEM.enabled") if section is not None else False
+    env = _env_enabled()
+    if env is not None:
+        enabled = env
+    if not enabled:
+        return False
+    options = {}
+    if section is not None:
+        for key in LOWMEM_OPTIONS:
+            value = _get(section, key, None)
+            if value is not None:
+                options[key] = parse_flag(value, f"LOWMEM.{key}") if key in _FLAG_OPTIONS else value
+    options.update(overrides)
+    enable(trainer, **options)
+    return True

@@ -1,0 +1,55 @@
+"""What a recomputed step replays from its forward: the autocast state and the random
+generators' states."""
+
+import contextlib
+
+import torch
+
+
+class AutocastState:
+    """The autocast state of the forward, re-entered around each recompute."""
+
+    def __init__(self, device_types):
+        self.cache_enabled = torch.is_autocast_cache_enabled()
+        self.states = [(dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)) for dt in device_types]
+
+    def __call__(self):
+        return self._entered(self.cache_enabled)
+
+    def without_cache(self):
+        """The same state with autocast's cast cache off, as CUDA graph capture requires (the
+        casts are the same, only not shared between calls)."""
+        return self._entered(False)
+
+    @contextlib.contextmanager
+    def _entered(self, cache_enabled):
+        with contextlib.ExitStack() as stack:
+            for device_type, enabled, dtype in self.states:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled))
+            yield
+
+
+class RngStates:
+    """The generators' states before each step of the forward, replayed around recomputes."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.enabled = enabled
+        self.cuda_device = device if device.type == "cuda" else None
+        self.states = []
+
+    def record(self) -> None:
+        if self.enabled:
+            cuda = torch.cuda.get_rng_state(self.cuda_device) if self.cuda_device is not None else None
+            self.states.append((torch.get_rng_state(), cuda))
+
+    @contextlib.contextmanager
+    def replay(self, t: int):
+        if not self.enabled:
+            yield
+            return
+        cpu, cuda = self.states[t]
+        with torch.random.fork_rng(devices=[self.cuda_device] if cuda is not None else []):
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda, self.cuda_device)
+            yield

@@ -1,0 +1,83 @@
+"""Half-precision copies of the fused blocks' conv weights, made once per episode.
+
+Under autocast a fused block casts its conv weights to the compute dtype. Cast at every call,
+an episode of T steps reads and writes every weight 2T times (forward and recompute), outside
+autocast's own cache, which lives only as long as one autocast context. The rollout keeps one
+`WeightCasts` per episode, active around each step: the first call casts a weight and every
+later step, recompute and backward reuses the copy while the weight's version is unchanged
+(the rollout refuses parameters changed in place within an episode anyway).
+
+Each use gets its own autograd node (`_CachedCast`), whose backward is what the per-call cast's
+is (the gradient cast to the weight's dtype), so values and gradients are bitwise the same as
+casting per call, and autograd never sums several steps' gradients in half precision.
+"""
+
+import contextlib
+import threading
+from typing import Dict
+
+import torch
+
+_state = threading.local()
+
+
+class WeightCasts:
+    """The copies of one episode: weight -> its copy in a compute dtype."""
+
+    def __init__(self):
+        self._copies: Dict[tuple, tuple] = {}
+
+    @contextlib.contextmanager
+    def active(self):
+        previous = getattr(_state, "casts", None)
+        _state.casts = self
+        try:
+            yield
+        finally:
+            _state.casts = previous
+
+    def copy_of(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        key = (id(weight), dtype)
+        entry = self._copies.get(key)
+        if entry is None or entry[0] is not weight or entry[1] != weight._version:
+            with torch.no_grad():
+                entry = (weight, weight._version, weight.to(dtype))
+            self._copies[key] = entry
+        return entry[2]
+
+
+def checkpoint_kwargs() -> dict:
+    """Arguments for torch.utils.checkpoint that make its recompute, run later by the backward,
+    reuse the copies of the episode active now (none when there is none, or under compile)."""
+    casts = _active()
+    if casts is None:
+        return {}
+    return {"context_fn": lambda: (contextlib.nullcontext(), casts.active())}
+
+
+def _active():
+    return None if torch.compiler.is_compiling() else getattr(_state, "casts", None)
+
+
+def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weight.to(dtype), from the active episode's copies when there are any."""
+    casts = _active()
+    if casts is None or weight.dtype == dtype:
+        return weight.to(dtype)
+    copy = casts.copy_of(weight, dtype)
+    if not (torch.is_grad_enabled() and weight.requires_grad):
+        return copy
+    return _CachedCast.apply(weight, copy)
+
+
+class _CachedCast(torch.autograd.Function):
+    """copy as a differentiable function of weight: backward as that of weight.to(copy.dtype)."""
+
+    @staticmethod
+    def forward(ctx, weight, copy):
+        ctx.weight_dtype = weight.dtype
+        return copy.detach()  # a tensor of its own: autograd attaches this node to it, not to the copy
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.weight_dtype), None

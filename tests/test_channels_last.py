@@ -1,0 +1,79 @@
+"""channels_last end to end (pack -> U-Net -> update in NHWC), an explicit setting: the same
+episode as NCHW on the CPU, the layout kept through the step, recorded in metrics and
+checkpoints."""
+
+import csv
+
+import pytest
+import torch
+import yaml
+from conftest import randomize_affine
+
+import qca_lowmem
+from qca_lowmem import rollout
+from qca_lowmem.ops.qca_step import fused_step
+from qca_lowmem.trainer import cli
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def unet_pair(dtype):
+    torch.manual_seed(1)
+    nchw = randomize_affine(qca_lowmem.UNetUnitary(2, 8)).to(dtype)
+    with torch.no_grad():
+        nchw.outc.weight.normal_(0.0, 0.3)
+    nhwc = qca_lowmem.UNetUnitary(2, 8).to(dtype)
+    nhwc.load_state_dict(nchw.state_dict())
+    return nchw, nhwc.to(memory_format=torch.channels_last)
+
+
+def episode(unet, channels_last, dtype, checkpoint):
+    for p in unet.parameters():
+        p.grad = None
+    torch.manual_seed(3)
+    psi0 = qca_lowmem.stock.initial_state(1, 8, 2, dtype=dtype).requires_grad_()
+    psi_T, history = rollout(fused_step(unet, 0.0, True, channels_last=channels_last), psi0, 5, checkpoint=checkpoint,
+                             noise=qca_lowmem.NoiseSchedule(0.5, 2000, seed=1), record_every=2)
+    loss, _ = qca_lowmem.stock.evolutionary_loss(history, psi0)
+    loss.backward()
+    return [psi_T.detach(), psi0.grad] + [p.grad for p in unet.parameters()]
+
+
+@pytest.mark.parametrize("checkpoint", ["none", "step"])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.complex128, 1e-12), (torch.complex64, 1e-4)])
+def test_channels_last_equals_nchw(checkpoint, dtype, tolerance):
+    nchw, nhwc = unet_pair(dtype.to_real())
+    expected = episode(nchw, False, dtype, checkpoint)
+    got = episode(nhwc, True, dtype, checkpoint)
+    # The same function (float64); NHWC convolutions sum in another order, so float32 differs by rounding.
+    for g, e in zip(got, expected):
+        assert (torch.linalg.vector_norm(g - e) / torch.linalg.vector_norm(e)).item() < tolerance
+    assert all(p.grad.is_contiguous(memory_format=torch.channels_last) for p in nhwc.parameters() if p.dim() == 4)
+
+
+def test_the_layout_is_kept_from_pack_to_update():
+    _, nhwc = unet_pair(torch.float32)
+    seen = []
+    for block in (m for m in nhwc.modules() if isinstance(m, qca_lowmem.FusedConvBlock)):
+        block.register_forward_hook(lambda module, args, out: seen.append(
+            (args[0].is_contiguous(memory_format=torch.channels_last), out.is_contiguous(memory_format=torch.channels_last))))
+    delta = nhwc(qca_lowmem.qca_pack(qca_lowmem.stock.initial_state(1, 8, 2), channels_last=True))
+    assert seen and all(inp and out for inp, out in seen)
+    assert delta.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_the_trainer_setting_is_recorded_in_metrics_and_checkpoints(tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({"model": {"d_state": 2, "hidden": 8}, "device": "cpu",
+                                      "training": {"grid": 8, "qca_steps": 3, "episodes": 1}}))
+    runs = {}
+    for flag in ("--channels-last", "--no-channels-last"):
+        out = tmp_path / flag
+        assert cli.main(["train", "--config", str(config), "--out", str(out), "--no-progress", flag]) == 0
+        with open(out / "metrics.csv") as f:
+            row = next(csv.DictReader(f))
+        state = torch.load(out / "checkpoint.pt", weights_only=False)
+        runs[flag] = float(row["loss"])
+        assert row["policy"].endswith(" channels_last") == (flag == "--channels-last")
+        assert state["config"]["channels_last"] == (flag == "--channels-last")
+    assert runs["--channels-last"] == pytest.approx(runs["--no-channels-last"], rel=1e-5)

@@ -1,0 +1,182 @@
+"""rollout(checkpoint="auto", budget=N): the full graphs of as many last steps as N bytes allow,
+"step" before them (revolve when not even that fits); gradients as the full graph's, what is
+kept within the budget."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import randomize_affine
+
+import qca_lowmem
+from qca_lowmem import auto_checkpoint, rollout, saved_bytes
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS = 7
+
+
+def fused_unet_step():
+    torch.manual_seed(1)
+    unet = randomize_affine(qca_lowmem.UNetUnitary(2, 4)).double()
+    with torch.no_grad():
+        unet.outc.weight.normal_(0.0, 0.3)
+    return list(unet.parameters()), lambda psi: qca_lowmem.qca_update(psi, unet(qca_lowmem.qca_pack(psi)), 0.05)
+
+
+def initial_state():
+    torch.manual_seed(3)
+    return qca_lowmem.stock.initial_state(1, 8, 2, dtype=torch.complex128)
+
+
+def grads(step, params, checkpoint, **options):
+    for p in params:
+        p.grad = None
+    psi0 = initial_state().requires_grad_()
+    psi_T, history = rollout(step, psi0, STEPS, checkpoint=checkpoint, noise=qca_lowmem.NoiseSchedule(0.5, 2000, seed=1),
+                             record_every=3, **options)
+    loss, _ = qca_lowmem.stock.evolutionary_loss(history, psi0)
+    loss = loss + sum((h.real * (i + 1)).sum() for i, h in enumerate(history))
+    loss.backward()
+    return len(history), [psi0.grad] + [p.grad for p in params]
+
+
+def sizes(step):
+    psi = initial_state()
+    return psi.nbytes, auto_checkpoint.step_graph_bytes(step, psi)
+
+
+def budgets(step):
+    """Budgets for: revolve with 2 slots, step only, 3 full graphs, everything full."""
+    state, graph = sizes(step)
+    return {"revolve": 2 * state, "step": STEPS * state, "3 full": STEPS * state + 3 * (graph - state),
+            "all full": STEPS * graph}
+
+
+@pytest.mark.parametrize("case", ["revolve", "step", "3 full", "all full"])
+def test_gradients_equal_the_full_graph(case):
+    params, step = fused_unet_step()
+    expected_length, expected = grads(step, params, "none")
+    budget = budgets(step)[case]
+    assert auto_checkpoint.policy_for_budget(STEPS, *sizes(step), budget) == {
+        "revolve": (0, 2), "step": (0, None), "3 full": (3, None), "all full": (STEPS, None)}[case]
+    length, got = grads(step, params, "auto", budget=budget)
+    assert length == expected_length
+    for g, e in zip(got, expected):
+        assert ((g - e).abs().max() / e.abs().max()).item() < 1e-12
+
+
+def test_what_the_episode_keeps_stays_within_the_budget():
+    params, step = fused_unet_step()
+    kept = {}
+    for case, budget in budgets(step).items():
+        psi0 = initial_state().requires_grad_()
+        kept[case] = saved_bytes(lambda: rollout(step, psi0, STEPS, checkpoint="auto", budget=budget))
+        assert kept[case] <= budget, case
+    assert kept["revolve"] < kept["step"] < kept["3 full"] < kept["all full"]
+
+
+def test_policy_for_budget_keeps_as_many_full_graphs_as_fit():
+    for budget in range(0, 400, 7):
+        kept, slots = auto_checkpoint.policy_for_budget(10, 3, 20, budget)
+        if budget < 30:
+            assert kept == 0 and slots == max(1, budget // 3)
+        else:
+            assert slots is None and (10 - kept) * 3 + kept * 20 <= budget
+            assert kept == 10 or (10 - kept - 1) * 3 + (kept + 1) * 20 > budget
+
+
+def test_budget_free_reads_the_devices_free_memory(monkeypatch):
+    monkeypatch.setattr(auto_checkpoint, "free_bytes", lambda device: 11_000)
+    cuda_psi = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    assert auto_checkpoint.resolve_budget("free", cuda_psi, step_bytes=1_000) == 9_000
+    assert auto_checkpoint.resolve_budget("2KiB", cuda_psi, step_bytes=1_000) == 2048
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(checkpoint="auto"), "checkpoint='auto' needs budget"),
+    (dict(checkpoint="step", budget=10), "budget applies only to checkpoint='auto'"),
+    (dict(checkpoint="auto", budget=-1), "budget must be an int >= 0.*got -1"),
+    (dict(checkpoint="auto", budget="lots"), "budget must be a number of bytes.*got 'lots'"),
+    (dict(checkpoint="auto", budget=True), "budget must be an int >= 0.*got True"),
+    (dict(checkpoint="auto", budget="free"), "budget='free' reads the free memory of a CUDA device.*cpu"),
+])
+def test_clear_errors(options, message):
+    params, step = fused_unet_step()
+    with pytest.raises(ValueError, match=message):
+        rollout(step, initial_state().requires_grad_(), 3, **options)
+
+
+# ---------------------------------------------------------------- the trainer, plan and enable()
+
+import csv  # noqa: E402
+import json  # noqa: E402
+
+import yaml  # noqa: E402
+from fixtures.qc_trainer_v4 import QC_Trainer_v4, make_config  # noqa: E402
+
+from qca_lowmem.trainer import cli  # noqa: E402
+from qca_lowmem.trainer.oom import Policy  # noqa: E402
+
+TINY = {"model": {"d_state": 2, "hidden": 8}, "training": {"grid": 8, "qca_steps": 5, "episodes": 2, "seed": 3,
+                                                         "max_noise": 1.0}, "device": "cpu"}
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    return str(path)
+
+
+def losses(out):
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    return [float(r["loss"]) for r in rows], [r["policy"] for r in rows]
+
+
+def test_train_with_checkpoint_auto_equals_step(tiny_config, tmp_path):
+    assert cli.main(["train", "--config", tiny_config, "--out", str(tmp_path / "step"), "--no-progress"]) == 0
+    assert cli.main(["train", "--config", tiny_config, "--out", str(tmp_path / "auto"), "--no-progress",
+                     "--budget", "1MiB"]) == 0
+    (step_losses, _), (auto_losses, policies) = losses(tmp_path / "step"), losses(tmp_path / "auto")
+    assert policies == ["checkpoint=auto budget=1MiB batch=1"] * 2
+    assert auto_losses == pytest.approx(step_losses, rel=1e-5)
+
+
+def test_budget_free_on_the_cpu_is_refused_by_name(tiny_config, tmp_path, capsys):
+    assert cli.main(["train", "--config", tiny_config, "--out", str(tmp_path / "run"), "--checkpoint", "auto",
+                     "--budget", "free"]) == 2
+    assert "--budget free reads a GPU's free memory, but the device is cpu" in capsys.readouterr().err
+
+
+def test_oom_guard_lowers_auto_like_step():
+    assert Policy("auto", None, 2, "1MiB").lowered(48) == Policy("revolve", 12, 2)
+    assert Policy("auto", None, 1, "1MiB").describe() == "checkpoint=auto budget=1MiB batch=1"
+
+
+def test_plan_shows_auto_with_the_budget_that_fills_the_gpu(tiny_config, capsys):
+    assert cli.main(["plan", "--config", tiny_config, "--gpu-mem", "1GiB", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    by_name = {e["name"]: e for e in result["estimates"]}
+    auto, step = by_name["lowmem auto fp32"], by_name["lowmem step fp32"]
+    assert result["recommendation"] == "lowmem step fp32"
+    usable = result["gpu_mem"] - result["reserve"]
+    assert auto["budget"] > step["kept_bytes"] and auto["peak_bytes"] * 1.10 <= usable < (auto["peak_bytes"] + 1e6) * 1.10
+
+
+def test_enable_with_checkpoint_auto_equals_step():
+    results = []
+    for options in (dict(checkpoint="step"), dict(checkpoint="auto", budget=10**8)):
+        torch.manual_seed(1234)
+        trainer = QC_Trainer_v4(make_config(grid=8, qca_steps=4))
+        qca_lowmem.enable(trainer, **options)
+        torch.manual_seed(99)
+        results.append(trainer.train_episode(0)[0])
+    assert results[1] == pytest.approx(results[0], rel=1e-5)
+
+
+def test_bench_command_runs_checkpoint_auto(tiny_config, tmp_path, capsys):
+    assert cli.main(["bench", "--config", tiny_config, "--steps", "2", "--budget", "1MiB", "--out",
+                     str(tmp_path / "bench")]) == 0
+    assert "checkpoint=auto" in capsys.readouterr().out

@@ -1,0 +1,109 @@
+"""A StepGraph whose capture fails: the rollout goes on eagerly after one warning that tells the
+whole story, and an OOM while capturing reaches the trainer's OOM guard as an OOM. CUDA is
+simulated on the CPU: the capture is replaced by one that fails like torch.cuda.graph does."""
+
+import warnings
+
+import pytest
+import torch
+from conftest import randomize_affine
+from torch import nn
+
+import qca_lowmem
+from qca_lowmem import rollout, step_graph
+from qca_lowmem.trainer import config as config_mod, train as train_mod
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def conv_step():
+    torch.manual_seed(2)
+    net = randomize_affine(nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.Tanh(), nn.Conv2d(8, 4, 3, padding=1)))
+    net = net.double()
+    return list(net.parameters()), lambda psi: qca_lowmem.qca_update(psi, net(qca_lowmem.qca_pack(psi)), gamma=0.05,
+                                                                       multiplicative=False)
+
+
+def failing_capture(first_error, attempts):
+    """A _Capture that fails as torch.cuda.graph does: the body's error, then the capture's end
+    raising another one while it propagates (so the first is only the second's __context__)."""
+
+    class FailingCapture:
+        def __init__(self, *args):
+            attempts.append(args[-1])
+            with step_graph._capture_errors_explained():
+                try:
+                    raise first_error()
+                finally:
+                    raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    return FailingCapture
+
+
+@pytest.fixture
+def simulated_cuda(monkeypatch):
+    monkeypatch.setattr(step_graph, "_captures", lambda psi: True)
+    attempts = []
+
+    def install(first_error):
+        monkeypatch.setattr(step_graph, "_Capture", failing_capture(first_error, attempts))
+        return attempts
+
+    return install
+
+
+def grads_of(step_fn, params, psi0, **options):
+    for p in params:
+        p.grad = None
+    psi0 = psi0.detach().requires_grad_()
+    psi_T, history = rollout(step_fn, psi0, 6, **options)
+    (psi_T.abs() ** 2 * torch.arange(psi_T.shape[-1], dtype=torch.float64)).sum().backward()
+    return [psi0.grad.clone()] + [p.grad.clone() for p in params]
+
+
+def initial_state():
+    torch.manual_seed(3)
+    return qca_lowmem.stock.initial_state(1, 8, 2, dtype=torch.complex128)
+
+
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2)])
+def test_failed_capture_warns_once_with_the_first_error_first_and_rolls_out_eagerly(simulated_cuda, checkpoint, slots):
+    attempts = simulated_cuda(lambda: RuntimeError("cudnn: operation not permitted when stream is capturing"))
+    params, step = conv_step()
+    psi0 = initial_state()
+    expected = grads_of(step, params, psi0, checkpoint=checkpoint, slots=slots)
+    graph = qca_lowmem.StepGraph(step)
+    with pytest.warns(qca_lowmem.CaptureFallbackWarning) as caught:
+        grads = grads_of(graph, params, psi0, checkpoint=checkpoint, slots=slots)
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    first, later = text.index("operation not permitted"), text.index("previous error during capture")
+    assert first < later and "rolling this configuration out eagerly" in text
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected))
+    assert graph.capture is None and graph.captures_made == 0 and len(attempts) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same configuration: no second warning, no second try
+        grads = grads_of(graph, params, psi0, checkpoint=checkpoint, slots=slots)
+    assert len(attempts) == 1 and all(torch.equal(g, e) for g, e in zip(grads, expected))
+
+
+def test_oom_while_capturing_is_an_out_of_memory_error(simulated_cuda):
+    simulated_cuda(lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    params, step = conv_step()
+    graph = qca_lowmem.StepGraph(step)
+    with pytest.raises(torch.OutOfMemoryError, match="while capturing.*Tried to allocate 2.00 GiB.*previous error"):
+        grads_of(graph, params, initial_state())
+    assert not graph.failed_keys  # memory may be found after the guard lowers its policy
+
+
+def test_trainer_lowers_its_policy_after_an_oom_during_capture(simulated_cuda, tmp_path):
+    errors = [lambda: torch.OutOfMemoryError("CUDA out of memory"), lambda: RuntimeError("capture failed")]
+    attempts = simulated_cuda(lambda: errors[min(len(attempts) - 1, 1)]())
+    config = config_mod.TrainConfig(grid=8, d_state=2, hidden=8, qca_steps=5, episodes=2, seed=3,
+                                    out_dir=str(tmp_path / "run"), device="cpu", save_every=0)
+    trainer = train_mod.Trainer(config, progress=False)
+    trainer.step_fn = qca_lowmem.StepGraph(trainer.step_fn)
+    with pytest.warns(qca_lowmem.CaptureFallbackWarning, match="capture failed"):
+        records = trainer.fit()
+    assert [r["policy"] for r in records] == ["checkpoint=revolve slots=1 batch=1"] * 2
+    assert len(attempts) == 2 and all(r["loss"] == r["loss"] for r in records)
