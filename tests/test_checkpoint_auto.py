@@ -113,7 +113,7 @@ import csv  # noqa: E402
 import json  # noqa: E402
 
 import yaml  # noqa: E402
-from fixtures.qc_trainer_v4 import QC_Trainer_v4, make_config  # noqa: E402
+from qca_lowmem.examples.qc_trainer_v4 import QC_Trainer_v4, make_config  # noqa: E402
 
 from qca_lowmem.trainer import cli  # noqa: E402
 from qca_lowmem.trainer.oom import Policy  # noqa: E402

@@ -169,7 +169,7 @@ def test_missing_grid_is_a_clear_error():
 
 def _record_enable(monkeypatch):
     calls = []
-    monkeypatch.setattr(qca_lowmem.integration, "enable", lambda trainer, **kw: calls.append(kw))
+    monkeypatch.setattr(qca_lowmem.lowmem_config, "enable", lambda trainer, **kw: calls.append(kw))
     return calls
 
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fixtures.qc_trainer_v4 import QC_Trainer_v4, make_config
+from qca_lowmem.examples.qc_trainer_v4 import QC_Trainer_v4, make_config
 
 import qca_lowmem
 from qca_lowmem import amp, integration

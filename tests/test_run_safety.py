@@ -352,5 +352,5 @@ def test_a_stop_signal_saves_and_exits_with_its_status(tmp_path, signals, status
     assert proc.returncode == status, stderr
     assert "Traceback" not in stderr and len(stderr.splitlines()) == 1, stderr
     episode = read_checkpoint(out / CHECKPOINT_NAME)["episode"]
-    assert episode >= 2 and f"{said} {episode}; progress up to episode {episode} is in" in stderr
+    assert episode >= 2 and f"{said} {episode}; episodes 0-{episode - 1} are in" in stderr
     assert len((out / "metrics.csv").read_text().splitlines()) - 1 == episode

@@ -101,7 +101,10 @@ def rollout_with_budget(rollout: Callable, step_fn, psi0: torch.Tensor, steps: i
     if not torch.is_grad_enabled():
         return rollout(step_fn, psi0, steps, checkpoint="none", **options)
     step_bytes = step_graph_bytes(step_fn, psi0)
-    kept, slots = policy_for_budget(steps, psi0.nbytes, step_bytes, resolve_budget(budget, psi0, step_bytes))
+    usable = resolve_budget(budget, psi0, step_bytes)
+    if check_recompute:  # the check keeps the final state besides the recomputed part's states
+        usable = max(0, usable - psi0.nbytes)
+    kept, slots = policy_for_budget(steps, psi0.nbytes, step_bytes, usable)
     if slots is not None:
         return rollout(step_fn, psi0, steps, checkpoint="revolve", slots=slots, **options)
     recomputed = steps - kept
