@@ -1,9 +1,14 @@
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from torch import nn
+
+from qca_lowmem.trainer import cli
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -35,3 +40,35 @@ def randomize_affine(module: nn.Module, generator=None) -> nn.Module:
                 m.weight.copy_(1.0 + 0.3 * torch.randn(m.weight.shape, generator=generator))
                 m.bias.copy_(0.3 * torch.randn(m.bias.shape, generator=generator))
     return module
+
+
+# The tiny CLI run the trainer's error and safety tests share.
+TINY = {
+    "model": {"d_state": 2, "hidden": 8},
+    "training": {"grid": 8, "qca_steps": 5, "episodes": 2, "seed": 3},
+    "output": {"save_every": 1},
+    "device": "cpu",
+}
+
+
+def write_config(path: Path, config=None, text=None) -> str:
+    path.write_text(text if text is not None else yaml.safe_dump(config if config is not None else TINY))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A run of 2 episodes: checkpoint.pt at episode 2, checkpoint.prev.pt at episode 1."""
+    folder = tmp_path_factory.mktemp("finished")
+    config = write_config(folder / "tiny.yaml")
+    assert cli.main(["train", "--config", config, "--out", str(folder / "run"), "--no-progress"]) == 0
+    return folder / "run"
+
+
+@pytest.fixture
+def run_dir(finished_run, tmp_path):
+    """A copy of the finished run, its config next to it."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    write_config(tmp_path / "tiny.yaml")
+    return out

@@ -4,12 +4,10 @@ what is wrong, the documented exit status, no traceback, and the previous checkp
 import csv
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,40 +15,12 @@ import yaml
 
 from qca_lowmem.trainer import cli
 from qca_lowmem.trainer.checkpoint import CHECKPOINT_NAME, previous_path
+from conftest import TINY, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TINY = {
-    "model": {"d_state": 2, "hidden": 8},
-    "training": {"grid": 8, "qca_steps": 5, "episodes": 2, "seed": 3},
-    "output": {"save_every": 1},
-    "device": "cpu",
-}
 # A pid above Linux's largest (pid_max is at most 2**22): never a live process.
 DEAD_PID = 2**22 + 1
-
-
-def write_config(path: Path, config=None, text=None) -> str:
-    path.write_text(text if text is not None else yaml.safe_dump(config if config is not None else TINY))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    """A run of 2 episodes: checkpoint.pt at episode 2, checkpoint.prev.pt at episode 1."""
-    folder = tmp_path_factory.mktemp("finished")
-    config = write_config(folder / "tiny.yaml")
-    assert cli.main(["train", "--config", config, "--out", str(folder / "run"), "--no-progress"]) == 0
-    return folder / "run"
-
-
-@pytest.fixture
-def run_dir(finished_run, tmp_path):
-    """A copy of the finished run, its config next to it."""
-    out = tmp_path / "run"
-    shutil.copytree(finished_run, out)
-    write_config(tmp_path / "tiny.yaml")
-    return out
 
 
 def run_command(*args, cwd):

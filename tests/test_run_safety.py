@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,21 +19,11 @@ from qca_lowmem.trainer import checkpoint as train_state, metrics as metrics_mod
 from qca_lowmem.trainer.checkpoint import CHECKPOINT_NAME, atomic_save, previous_path, read_checkpoint
 from qca_lowmem.trainer.errors import UsageError
 from qca_lowmem.trainer.runlock import LOCK_NAME
+from conftest import TINY, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TINY = {
-    "model": {"d_state": 2, "hidden": 8},
-    "training": {"grid": 8, "qca_steps": 5, "episodes": 2, "seed": 3},
-    "output": {"save_every": 1},
-    "device": "cpu",
-}
 LONG = {**TINY, "training": {**TINY["training"], "episodes": 10_000}}
-
-
-def write_config(path: Path, config=None) -> str:
-    path.write_text(yaml.safe_dump(config if config is not None else TINY))
-    return str(path)
 
 
 def train(*args) -> int:
@@ -44,23 +33,6 @@ def train(*args) -> int:
 def finite_weights(path) -> bool:
     state = torch.load(path, weights_only=False)
     return all(torch.isfinite(t).all() for t in state["model_state_dict"].values())
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    """A run of 2 episodes: checkpoint.pt at episode 2, checkpoint.prev.pt at episode 1."""
-    folder = tmp_path_factory.mktemp("finished")
-    config = write_config(folder / "tiny.yaml")
-    assert train("--config", config, "--out", folder / "run") == 0
-    return folder / "run"
-
-
-@pytest.fixture
-def run_dir(finished_run, tmp_path):
-    out = tmp_path / "run"
-    shutil.copytree(finished_run, out)
-    write_config(tmp_path / "tiny.yaml")
-    return out
 
 
 # -- non-finite values ----------------------------------------------------------------------------
