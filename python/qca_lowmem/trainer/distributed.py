@@ -39,6 +39,11 @@ class Distributed:
                         raise RuntimeError(f"--ddp: local rank {self.local_rank} has no GPU ({visible} visible): "
                                            f"use --nproc_per_node <= {visible}, or --device cpu")
                     torch.cuda.set_device(self.local_rank)
+                # Imported before the group exists: its functions bind group.WORLD as default
+                # arguments at import, and a later import (check_run's meta-device model pulls it
+                # in) would keep the group alive past destroy_process_group, its gloo threads still
+                # running into interpreter exit, where they abort the process (std::terminate).
+                import torch.distributed.nn  # noqa: F401
                 dist.init_process_group("nccl" if on_cuda else "gloo")
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
