@@ -23,7 +23,7 @@ from typing import Callable, List, Optional
 import torch
 
 from .. import amp, stock
-from . import checkpoint as train_state, divergence, oom
+from . import checkpoint, divergence, oom
 from ..amp import autocast, parse_amp_dtype
 from ..episode import rollout
 from ..memory import saved_bytes
@@ -250,18 +250,18 @@ class Trainer:
     def _gather_device(self):
         return self.device if (self.dist.world_size > 1 and self.device.type == "cuda") else torch.device("cpu")
 
-    # -- checkpoints (train_state.py) --------------------------------------------------------
+    # -- checkpoints (checkpoint.py) --------------------------------------------------------
     def save_checkpoint(self, path=None):
-        path = Path(path) if path is not None else self.out_dir / train_state.CHECKPOINT_NAME
+        path = Path(path) if path is not None else self.out_dir / checkpoint.CHECKPOINT_NAME
         if self.dist.rank == 0:
-            state = train_state.state_of(self)
-            problem = train_state.tensor_problem(state)
+            state = checkpoint.state_of(self)
+            problem = checkpoint.tensor_problem(state)
             if problem is not None:
                 raise TrainingStopped(f"not writing {path} at episode {self.next_episode}: its {problem}; "
                                       f"{divergence.last_checkpoint_text(self)}")
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                train_state.atomic_save(state, path, keep_previous=True)
+                checkpoint.atomic_save(state, path, keep_previous=True)
             except OSError as error:
                 raise TrainingStopped(f"cannot write {path} at episode {self.next_episode}: "
                                       f"{error.strerror or error_text(error)}; {divergence.last_checkpoint_text(self)}; "
@@ -270,7 +270,7 @@ class Trainer:
         return path
 
     def load_checkpoint(self, path):
-        return train_state.restore(self, path)
+        return checkpoint.restore(self, path)
 
     def _log(self, text):
         message(text, self.dist.rank)
@@ -315,7 +315,7 @@ class Trainer:
         if self.saved_episode != self.next_episode:
             with interrupts_deferred():
                 self.save_checkpoint()
-        path = self.out_dir / train_state.CHECKPOINT_NAME
+        path = self.out_dir / checkpoint.CHECKPOINT_NAME
         done = (f"episodes 0-{self.next_episode - 1} are in {path}; --resume {path} continues at episode "
                 f"{self.next_episode}"
                 if self.next_episode else "no episode finished, nothing saved")
@@ -348,21 +348,21 @@ def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = 
     if config.checkpoint == "auto" and config.budget == "free" and device.type != "cuda":
         raise UsageError(f"--budget free reads a GPU's free memory, but the device is {device}: give the budget "
                          "in bytes (e.g. --budget 2GiB)")
-    train_state.check_out_dir(config.out_dir, create and rank == 0)
+    checkpoint.check_out_dir(config.out_dir, create and rank == 0)
     if rank == 0:
         if create:
             if lock is not None:
                 lock.acquire()  # before touching any file there
-            train_state.remove_stale_temporaries(Path(config.out_dir))
+            checkpoint.remove_stale_temporaries(Path(config.out_dir))
         elif Path(config.out_dir).is_dir():
             probe = FolderLock(config.out_dir)
             probe.acquire()
             probe.release()
     check_run_folder(config.out_dir, resume, overwrite)
-    state = train_state.read_checkpoint(resume) if resume else None
+    state = checkpoint.read_checkpoint(resume) if resume else None
     parameters = parameter_count(config)
     if state is not None:
-        train_state.check_resumable(state, resume, config, config.accumulate * world_size)
+        checkpoint.check_resumable(state, resume, config, config.accumulate * world_size)
     elif device.type == "cpu":  # (a resumed run has fit already)
         oom.check_cpu_memory(config, parameters)
     aside = set_aside(config.out_dir) if overwrite and create and rank == 0 else None
@@ -404,7 +404,7 @@ def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, 
             return []
         trainer = Trainer(config, distributed, progress=progress)
         if state is not None:
-            train_state.restore(trainer, resume, state)
+            checkpoint.restore(trainer, resume, state)
         results = trainer.fit(stop_after=stop_after)
         if distributed.world_size > 1:
             difference = trainer.replica_difference()
