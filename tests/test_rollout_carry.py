@@ -197,6 +197,10 @@ def test_carry_refused_where_it_cannot_work():
         rollout(qca_lowmem.StepGraph(step), psi0, 3, carry=(None, None))
     with pytest.raises(TypeError, match="check_recompute must be True or False, got 'no'"):
         rollout(step, psi0, 3, carry=(None, None), check_recompute="no")
+    with pytest.raises(ValueError, match="checkpoint='auto' does not take carry="):
+        rollout(step, psi0, 3, carry=(None, None), checkpoint="auto", budget=2**20)
+    with pytest.raises(ValueError, match="psi0 is on the meta device"):
+        rollout(step, torch.empty(1, 4, 4, 2, dtype=torch.complex128, device="meta"), 3, carry=(None, None))
 
 
 def test_saved_bytes_psi_and_memory_per_step():
