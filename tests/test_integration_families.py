@@ -145,8 +145,6 @@ def test_enable_refuses_what_the_engine_cannot_call():
                                                 r"calls it, operator\(x\) .*has_memory=True")
     refused(make_trainer("convlstm", make_operator("mlp", D_STATE, HIDDEN)),
             r"MLPOperator\.forward\(x\) cannot be called as the engine calls it, operator\(x, h, c\)")
-    refused(make_trainer("convlstm"), "cuda_graph=True .*ConvLSTMOperator .*use cuda_graph=False", ValueError,
-            cuda_graph=True)
     refused(make_trainer("convlstm"), "checkpoint='auto' does not carry memory yet; ConvLSTMOperator .*'step' or "
             "'revolve'", ValueError, checkpoint="auto", budget=2**20)
     trainer = make_trainer("convlstm")

@@ -17,7 +17,6 @@ step and handed back to the step when it is recomputed. The reverse pass and its
 recompute reproduces the forward are in episode_reverse.py.
 """
 
-import contextlib
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -98,7 +97,8 @@ def rollout(
       the carry the forward step got. Carried tensors that require grad get gradients through
       the carry (carry_T may enter the loss, carry entries that require grad get theirs); a step
       that detaches them (a memory outside the graph, as the users' engine) gets none, as stock.
-      Not with a StepGraph.
+      A StepGraph captures the carried step too, for the carry of step 1 on (a first step whose
+      memory is None runs eagerly).
     check_recompute: compare each recomputed step's output with the state the episode already
       holds (every step with "step", the last and each step after a state the schedule holds
       with "revolve"), and raise `qca_lowmem.RecomputeMismatchError` naming the step and the
@@ -131,8 +131,6 @@ def rollout(
         raise TypeError(f"rollout: check_recompute must be True or False, got {check_recompute!r}")
     carried = carry is not None
     carry0 = _checked_carry(carry, "carry", None) if carried else ()
-    if carried and isinstance(step_fn, StepGraph):
-        raise ValueError("rollout: a StepGraph captures step_fn(psi) only; with carry=..., pass the step function itself")
 
     if checkpoint == "auto":
         if carried:
@@ -164,7 +162,7 @@ def rollout(
     plan = _Episode(unit, rng, steps, recorded, checkpoint, slots, state1, params, psi0.requires_grad,
                     carry0_needs_grad, check_recompute)
     if isinstance(step_fn, StepGraph):
-        unit.capture = step_fn.for_rollout(state1[0], params, plan.autocast)
+        unit.capture = step_fn.for_rollout(state1[0], state1[1] if carried else None, params, plan.autocast)
     outputs = _EpisodeFunction.apply(plan, psi0, *carry0, *params)
     n_history = len(plan.history_steps)
     psi_T, history = outputs[0], list(outputs[1:1 + n_history])
@@ -207,8 +205,9 @@ class _StepUnit:
         self.weight_casts = WeightCasts()  # the episode's half-precision weights, cast once
 
     def __call__(self, psi: torch.Tensor, carry: tuple, t: int):
-        if self.capture is not None and not torch.is_grad_enabled():
-            return self.add_noise(self.capture.forward(psi), t), carry
+        if self.capture is not None and not torch.is_grad_enabled() and self.capture.takes(carry):
+            out, carry = self.capture.forward(psi, carry)
+            return self.add_noise(out, t), carry
         if self.carried:
             with self.weight_casts.active():
                 result = self.step_fn(psi, carry)
@@ -252,6 +251,10 @@ def _run_plain(unit, state, start, steps, recorded, history):
             history.append(psi)
     history.append(psi)
     return psi, history, carry
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a.add_(b)
 
 
 def _discard(_):
@@ -398,7 +401,7 @@ class _EpisodeFunction(torch.autograd.Function):
         capture = plan.unit.capture
         if capture is not None:
             capture.zero_accumulators()
-        sink = ParamGradSink(params) if capture is None else contextlib.nullcontext()
+        sink = ParamGradSink(params)  # steps run eagerly (all, or a capture's first) add theirs here
         reverser = StepReverser(plan, incoming, params, final_state)
         with sink:
             if plan.mode == "step":
@@ -408,6 +411,8 @@ class _EpisodeFunction(torch.autograd.Function):
                 revolve.reverse(plan, states, reverser)
         del states, flat, final_state
         reverser.verify()
-        buffers = sink.take() if capture is None else capture.parameter_grads()
+        buffers = sink.take()
+        if capture is not None:
+            buffers = [_add(a, b) for a, b in zip(buffers, capture.parameter_grads())]
         grad_carry0 = [g if needs else None for g, needs in zip(reverser.grad_carry, plan.carry0_needs_grad)]
         return (None, reverser.grad if plan.psi0_needs_grad else None, *grad_carry0, *buffers)

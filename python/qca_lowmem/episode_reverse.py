@@ -135,8 +135,8 @@ class StepReverser:
         if self.grad is None and all(g is None for g in self.grad_carry):
             return  # nothing of the loss depends on this step's output
         plan = self.plan
-        if plan.unit.capture is not None:
-            self._backprop_captured(t, state[0], expected)
+        if plan.unit.capture is not None and plan.unit.capture.takes(state[1]):
+            self._backprop_captured(t, state, expected)
             return
         psi, carry = state
         first = t == 0
@@ -159,25 +159,28 @@ class StepReverser:
         self.grad = by_input.get(id(psi_in))
         self.grad_carry = [by_input.get(id(c)) if c is not None else None for c in carry_in]
 
-    def _backprop_captured(self, t: int, psi: torch.Tensor, expected) -> None:
-        """backprop through the capture's graphs (no carry); the noise after the step stays eager."""
+    def _backprop_captured(self, t: int, state: tuple, expected) -> None:
+        """backprop through the capture's graphs; the noise after the step stays eager."""
         plan = self.plan
         unit = plan.unit
-        out = noisy = unit.capture.output_for_backward(psi)
+        out, out_carry = unit.capture.output_for_backward(*state)
+        noisy = out
         if unit.noise is not None:
             out = out.requires_grad_(True)
             with torch.enable_grad(), plan.autocast(), plan.rng.replay(t):
                 noisy = unit.add_noise(out, t)
         if expected is not None:
-            self.comparisons.add(t, (noisy, ()), expected)
+            self.comparisons.add(t, (noisy, out_carry), expected)
         grad_out = self.grad
-        if noisy is not out:
+        if noisy is not out and grad_out is not None:
             grad_out = torch.autograd.grad(noisy, out, grad_out, allow_unused=True)[0] if noisy.requires_grad else None
-            if grad_out is None:
-                self.grad = None
-                return
-        grad_in = unit.capture.backward(grad_out)
-        self.grad = grad_in if t > 0 or plan.psi0_needs_grad else None
+        if grad_out is None and all(g is None for g in self.grad_carry):
+            self.grad = None
+            return
+        grad_in, grad_carry_in = unit.capture.backward(grad_out, tuple(self.grad_carry))
+        first = t == 0
+        self.grad = grad_in if not first or plan.psi0_needs_grad else None
+        self.grad_carry = [g if not first or needs else None for g, needs in zip(grad_carry_in, plan.carry0_needs_grad)]
 
     def verify(self) -> None:
         """Raise RecomputeMismatchError when a checked recompute differed from the forward."""

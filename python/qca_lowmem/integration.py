@@ -134,8 +134,8 @@ def _lowmem_train_episode(trainer, episode_num):
         # One draw from the trainer's RNG keys the whole episode's noise, so recompute replays it.
         seed = int(torch.randint(0, 2**62, (1,)).item())
         noise = NoiseSchedule(trainer.max_noise, episode_num, seed)
-    step = trainer.motor.evolve_step
-    if opts["cuda_graph"] and device.type == "cuda":
+    step = state.memory_step or trainer.motor.evolve_step
+    if opts["cuda_graph"]:  # off CUDA a StepGraph is the plain step
         if state.step_graph is None:
             state.step_graph = StepGraph(step)
         step = state.step_graph
@@ -143,7 +143,7 @@ def _lowmem_train_episode(trainer, episode_num):
     memory = {} if state.memory_step is None else dict(carry=memory_of(trainer.motor))
     with autocast(device.type, opts["amp_dtype"]):
         # rollout's default history is the stock one: t == 0, T-1 and every max(1, T // 10) steps.
-        psi, history, *memory_T = rollout(state.memory_step or step, psi0, trainer.qca_steps,
+        psi, history, *memory_T = rollout(step, psi0, trainer.qca_steps,
                                           checkpoint=opts["checkpoint"], slots=opts["slots"], budget=opts["budget"],
                                           noise=noise, **memory)
         loss, metrics = trainer.loss_fn(history, psi0)
@@ -249,9 +249,6 @@ def enable(
     # Everything that can fail is decided before the trainer changes.
     new_scaler = _lowmem_scaler_for(trainer, state.options["amp_dtype"]) if lowmem_scaler else None
     evolve_step, state.memory_step = lowmem_steps(trainer.motor, fused_step_ops)
-    if state.memory_step is not None and cuda_graph:
-        raise ValueError(f"enable(): cuda_graph=True captures steps of psi alone; {type(trainer.motor.operator).__name__} "
-                         "runs with memory (motor.has_memory): use cuda_graph=False")
     if state.memory_step is not None and checkpoint == "auto":
         raise ValueError(f"enable(): checkpoint='auto' does not carry memory yet; {type(trainer.motor.operator).__name__} "
                          "runs with memory (motor.has_memory): use checkpoint='step' or 'revolve'")

@@ -8,6 +8,10 @@ added to per-parameter accumulators inside the graph). A rollout given a StepGra
 each step as one forward replay and each reverse step as one forward and one backward replay,
 with the same kernels on the same data as the eager step.
 
+A rollout with a carry (state besides psi, a ConvLSTM's memory) captures step_fn(psi, carry) with
+static tensors for each carry entry; a step whose carry is not the captured one's shape (a first
+step whose memory is still None) runs eagerly.
+
 What a capture assumes, checked where it can be:
 - psi keeps its shape, dtype and device, the autocast state stays the same, and the parameters
   keep their storage (an optimizer's in-place update is fine; `.to()` or reassignment makes a
@@ -52,11 +56,11 @@ class _CaptureFailed(RuntimeError):
 class StepGraph:
     """A step function whose rollouts on CUDA replay captured graphs (see the module notes).
 
-    Called directly it is the plain step. Keep one per model and configuration: each capture is
-    reused by every later rollout with the same key, and a new key replaces the old capture (its
-    memory is released)."""
+    Called directly it is the plain step: step_fn(psi), or step_fn(psi, carry) in a rollout with
+    carry=... . Keep one per model and configuration: each capture is reused by every later
+    rollout with the same key, and a new key replaces the old capture (its memory is released)."""
 
-    def __init__(self, step_fn: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(self, step_fn: Callable):
         if not callable(step_fn):
             raise TypeError(f"StepGraph: step_fn must be callable, got {type(step_fn).__name__}")
         self.step_fn = step_fn
@@ -64,21 +68,23 @@ class StepGraph:
         self.captures_made = 0  # for tests and reports: how often a new capture was needed
         self.failed_keys = set()  # configurations whose capture failed: rolled out eagerly
 
-    def __call__(self, psi: torch.Tensor) -> torch.Tensor:
-        return self.step_fn(psi)
+    def __call__(self, *args):
+        return self.step_fn(*args)
 
-    def for_rollout(self, psi: torch.Tensor, params: List[torch.Tensor], autocast_state) -> Optional["_Capture"]:
-        """The capture for this psi, parameter set and autocast state, made when missing; None
-        where the rollout runs eagerly (psi not on CUDA, or this configuration failed to capture)."""
+    def for_rollout(self, psi: torch.Tensor, carry: Optional[tuple], params: List[torch.Tensor],
+                    autocast_state) -> Optional["_Capture"]:
+        """The capture for this psi, carry (None in a rollout without one), parameter set and
+        autocast state, made when missing; None where the rollout runs eagerly (psi not on CUDA,
+        or this configuration failed to capture)."""
         if not _captures(psi):
             return None
-        key = _capture_key(psi, params, autocast_state)
+        key = _capture_key(psi, carry, params, autocast_state)
         if key in self.failed_keys:
             return None
         if self.capture is None or self.capture.key != key:
             self.capture = None  # release the old graphs and pool before capturing anew
             try:
-                self.capture = _Capture(self.step_fn, psi, params, autocast_state, key)
+                self.capture = _Capture(self.step_fn, psi, carry, params, autocast_state, key)
             except _CaptureFailed as failure:
                 self.failed_keys.add(key)
                 gc.collect()  # the half-made graphs and their pool
@@ -93,8 +99,15 @@ def _captures(psi: torch.Tensor) -> bool:
     return psi.is_cuda
 
 
-def _capture_key(psi, params, autocast_state):
-    return (tuple(psi.shape), psi.dtype, psi.device, tuple(autocast_state.states),
+def carry_signature(carry: Optional[tuple]):
+    """What a capture fixes of a carry: each entry's shape, dtype and device, or None."""
+    if carry is None:
+        return None
+    return tuple(None if c is None else (tuple(c.shape), c.dtype, c.device) for c in carry)
+
+
+def _capture_key(psi, carry, params, autocast_state):
+    return (tuple(psi.shape), psi.dtype, psi.device, carry_signature(carry), tuple(autocast_state.states),
             tuple((id(p), p.data_ptr(), tuple(p.shape), p.dtype) for p in params))
 
 
@@ -115,74 +128,149 @@ def _hooks_set_aside(params):
             hooks.update(original)
 
 
-class _Capture:
-    """The two graphs of one configuration and the static tensors they read and write."""
+class CudaGraphs:
+    """CUDA graphs sharing one memory pool, warmed up and captured on one side stream. A capture
+    runs a body once while recording it; each replay reruns its kernels on the same memory."""
 
-    def __init__(self, step_fn, psi, params, autocast_state, key):
+    def __init__(self, device: torch.device):
+        self.device = device
+        # Garbage from earlier work is collected first: freeing it during a capture would make
+        # the allocator touch other streams' events.
+        gc.collect()
+        torch.cuda.synchronize(device)
+        self.side = torch.cuda.Stream(device)
+        self.pool = torch.cuda.graph_pool_handle()
+
+    @contextlib.contextmanager
+    def warming_up(self):
+        """Eager runs before capturing (lazy inits, cuDNN/cuBLAS handles), on the side stream."""
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side), _random_draws_refused(self.device):
+            yield
+        torch.cuda.current_stream(self.device).wait_stream(self.side)
+
+    def capture(self, body: Callable):
+        """(what body returned, a function replaying it)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.side, capture_error_mode="thread_local"):
+            outputs = body()
+        return outputs, graph.replay
+
+    @staticmethod
+    def live(outputs):
+        """The tensors a later capture differentiates for `outputs` of a capture: themselves, whose
+        memory every replay rewrites."""
+        return outputs
+
+
+def _graphs(device: torch.device):
+    """The graph machinery a capture records into (tests replace it with an eager stand-in)."""
+    return CudaGraphs(device)
+
+
+def _requires_grad(tensor) -> bool:
+    return tensor is not None and tensor.requires_grad
+
+
+class _Capture:
+    """The two graphs of one configuration and the static tensors they read and write: psi and
+    the carry in, the step's psi and carry out; in the backward, the gradients flowing into those
+    outputs, the gradients w.r.t. psi and the carry in, and per-parameter accumulators."""
+
+    def __init__(self, step_fn, psi, carry, params, autocast_state, key):
         self.key = key
         self.params = params
-        device = psi.device
+        self.carry_signature = carry_signature(() if carry is None else carry)
         self.static_in = psi.detach().clone().requires_grad_(True)
+        self.static_carry_in = tuple(
+            None if c is None else c.detach().clone().requires_grad_(c.is_floating_point() or c.is_complex())
+            for c in carry or ())
         autocast = autocast_state.without_cache
 
         def forward():
             with torch.enable_grad(), autocast(), keep_block_intermediates():
-                return step_fn(self.static_in)
+                if carry is None:
+                    return step_fn(self.static_in), ()
+                return _checked_carried_result(step_fn(self.static_in, self.static_carry_in), len(carry))
 
-        # Warm-up and capture on one side stream. Garbage from earlier work is collected first:
-        # freeing it during the capture would make the allocator touch other streams' events.
-        gc.collect()
-        torch.cuda.synchronize(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), _hooks_set_aside(params), _random_draws_refused(device):
-            for _ in range(WARMUP_STEPS):
-                out = forward()
-                _check_output(out, psi)
-                torch.autograd.grad(out, [self.static_in, *params], torch.zeros_like(out), allow_unused=True)
-                del out
-        torch.cuda.current_stream(device).wait_stream(side)
+        graphs = _graphs(psi.device)
+        with _hooks_set_aside(params):
+            with graphs.warming_up():
+                for _ in range(WARMUP_STEPS):
+                    out, carry_out = forward()
+                    _check_output(out, psi)
+                    outputs = [out, *(c for c in carry_out if _requires_grad(c))]
+                    torch.autograd.grad(outputs, self._inputs() + params, [torch.zeros_like(o) for o in outputs],
+                                        allow_unused=True)
+                    del out, carry_out, outputs
+            with _capture_errors_explained():
+                self.static_outputs, self.replay_forward = graphs.capture(forward)
+                self.static_out, self.static_carry_out = self.static_outputs
+                self.static_grad_out = torch.zeros_like(self.static_out)
+                self.static_grad_carry_out = tuple(torch.zeros_like(c) if _requires_grad(c) else None
+                                                   for c in self.static_carry_out)
+                self.accumulators = [torch.zeros_like(p) for p in params]
+                self.reached: List[bool] = []
+                (self.static_grad_in, self.static_grad_carry_in), self.replay_backward = graphs.capture(
+                    lambda: self._backward(graphs.live(self.static_outputs)))
 
-        self.pool = torch.cuda.graph_pool_handle()
-        self.forward_graph = torch.cuda.CUDAGraph()
-        self.backward_graph = torch.cuda.CUDAGraph()
-        with _hooks_set_aside(params), _capture_errors_explained():
-            with torch.cuda.graph(self.forward_graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
-                self.static_out = forward()
-            self.static_grad_out = torch.zeros_like(self.static_out)
-            self.accumulators = [torch.zeros_like(p) for p in params]
-            with torch.cuda.graph(self.backward_graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
-                grads = torch.autograd.grad(self.static_out, [self.static_in, *params], self.static_grad_out,
-                                            allow_unused=True)
-                self.static_grad_in = grads[0]
-                reached = [(a, g) for a, g in zip(self.accumulators, grads[1:]) if g is not None]
-                self.reached = [g is not None for g in grads[1:]]
-                if reached:
-                    torch._foreach_add_([a for a, _ in reached], [g for _, g in reached])
+    def _inputs(self) -> List[torch.Tensor]:
+        return [self.static_in, *(c for c in self.static_carry_in if _requires_grad(c))]
 
-    def forward(self, psi: torch.Tensor) -> torch.Tensor:
-        """The step's output for psi, as a tensor of its own (the next replay overwrites the
-        graph's)."""
+    def _backward(self, outputs):
+        """The body of the backward graph: gradients w.r.t. psi and the carry in returned, the
+        parameters' added to the accumulators."""
+        out, carry_out = outputs
+        differentiated = [(out, self.static_grad_out)] + [
+            (c, g) for c, g in zip(carry_out, self.static_grad_carry_out) if g is not None]
+        inputs = self._inputs()
+        grads = torch.autograd.grad([o for o, _ in differentiated], inputs + self.params,
+                                    [g for _, g in differentiated], allow_unused=True)
+        by_input = iter(grads[1:len(inputs)])
+        grad_carry_in = tuple(next(by_input) if _requires_grad(c) else None for c in self.static_carry_in)
+        param_grads = grads[len(inputs):]
+        self.reached = [g is not None for g in param_grads]
+        reached = [(a, g) for a, g in zip(self.accumulators, param_grads) if g is not None]
+        if reached:
+            torch._foreach_add_([a for a, _ in reached], [g for _, g in reached])
+        return grads[0], grad_carry_in
+
+    def takes(self, carry: tuple) -> bool:
+        """Whether a step with this carry runs on the graphs (a first step whose memory is not made
+        yet, None, does not)."""
+        return carry_signature(carry) == self.carry_signature
+
+    def _load(self, psi: torch.Tensor, carry: tuple) -> None:
         with torch.no_grad():
             self.static_in.copy_(psi)
-        self.forward_graph.replay()
-        return self.static_out.detach().clone()
+            for static, c in zip(self.static_carry_in, carry):
+                if static is not None:
+                    static.copy_(c)
+        self.replay_forward()
 
-    def output_for_backward(self, psi: torch.Tensor) -> torch.Tensor:
-        """Replays the forward for psi and returns the graph's own output (valid until the next
-        replay), ready for backward()."""
-        with torch.no_grad():
-            self.static_in.copy_(psi)
-        self.forward_graph.replay()
-        return self.static_out.detach()
+    def forward(self, psi: torch.Tensor, carry: tuple = ()):
+        """The step's (psi, carry) for (psi, carry), as tensors of their own (the next replay
+        overwrites the graph's)."""
+        self._load(psi, carry)
+        return self.static_out.detach().clone(), tuple(_own(c) for c in self.static_carry_out)
 
-    def backward(self, grad_out: torch.Tensor) -> Optional[torch.Tensor]:
+    def output_for_backward(self, psi: torch.Tensor, carry: tuple = ()):
+        """Replays the forward for (psi, carry) and returns the graph's own outputs (valid until the
+        next replay), ready for backward()."""
+        self._load(psi, carry)
+        return self.static_out.detach(), tuple(None if c is None else c.detach() for c in self.static_carry_out)
+
+    def backward(self, grad_out: Optional[torch.Tensor], grad_carry_out: tuple = ()):
         """After output_for_backward: adds the parameters' gradients to the accumulators and
-        returns the gradient w.r.t. psi (a tensor of its own)."""
+        returns the gradients w.r.t. psi and each carry entry (tensors of their own; None where
+        the step's inputs do not reach its differentiable outputs)."""
         with torch.no_grad():
-            self.static_grad_out.copy_(grad_out)
-        self.backward_graph.replay()
-        return None if self.static_grad_in is None else self.static_grad_in.clone()
+            _load_or_zero(self.static_grad_out, grad_out)
+            for static, g in zip(self.static_grad_carry_out, grad_carry_out or (None,) * len(self.static_carry_out)):
+                if static is not None:
+                    _load_or_zero(static, g)
+        self.replay_backward()
+        return _own(self.static_grad_in), tuple(_own(g) for g in self.static_grad_carry_in)
 
     def zero_accumulators(self) -> None:
         torch._foreach_zero_(self.accumulators)
@@ -190,6 +278,25 @@ class _Capture:
     def parameter_grads(self) -> List[Optional[torch.Tensor]]:
         """The accumulated gradients, as tensors of their own (autograd may keep them as .grad)."""
         return [a.clone() if used else None for a, used in zip(self.accumulators, self.reached)]
+
+
+def _own(tensor):
+    return None if tensor is None else tensor.detach().clone()
+
+
+def _load_or_zero(static: torch.Tensor, value: Optional[torch.Tensor]) -> None:
+    if value is None:
+        static.zero_()
+    else:
+        static.copy_(value)
+
+
+def _checked_carried_result(result, width: int):
+    if not isinstance(result, (tuple, list)) or len(result) != 2 or not isinstance(result[1], (tuple, list)) \
+            or len(result[1]) != width:
+        raise ValueError(f"StepGraph: with a carry of {width} entries, step_fn(psi, carry) must return "
+                         f"(psi, carry) with a carry of {width} entries; it returned {type(result).__name__}")
+    return result[0], tuple(result[1])
 
 
 def _check_output(out, psi):

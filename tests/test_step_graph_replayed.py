@@ -1,0 +1,143 @@
+"""StepGraph's capture on the CPU: the static inputs and outputs, the gradient accumulators, the
+carry and the choice of which steps replay, with CUDA graphs replaced by an eager stand-in that
+keeps their contract (a replay writes new values into the tensors the capture returned).
+
+What the stand-in cannot show, that the kernels recorded once replay the same work on a GPU, the
+CUDA tests in test_rollout.py and test_rollout_carry.py show."""
+
+import contextlib
+
+import pytest
+import torch
+from test_rollout import episode_grads, fused_step, make_conv_net, max_relative_error, noisy_schedule
+from test_rollout import initial_state as psi_state
+from test_rollout_carry import STEPS, MemoryCell, grads, initial_memory, initial_state, memory_step
+
+import qca_lowmem
+from qca_lowmem import NoiseSchedule, step_graph
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _tensors(tree):
+    if isinstance(tree, (tuple, list)):
+        for item in tree:
+            yield from _tensors(item)
+    else:
+        yield tree
+
+
+class ReplayedGraphs:
+    """CUDA graphs' contract, run eagerly: a capture runs its body once and returns what it
+    returned; a replay runs the body again and copies the new values into those tensors, as a
+    replay rewrites the graph's static memory. `live` gives a later capture the latest replay's
+    outputs, whose autograd graph is the one of the values now held."""
+
+    made = []
+
+    def __init__(self, device):
+        self.latest = {}
+        self.replays = 0
+        ReplayedGraphs.made.append(self)
+
+    def warming_up(self):
+        return contextlib.nullcontext()
+
+    def capture(self, body):
+        outputs = body()
+
+        def replay():
+            fresh = body()
+            with torch.no_grad():
+                for static, value in zip(_tensors(outputs), _tensors(fresh), strict=True):
+                    assert (static is None) == (value is None)
+                    if static is not None:
+                        static.detach().copy_(value)
+            self.latest[id(outputs)] = fresh
+            self.replays += 1
+
+        return outputs, replay
+
+    def live(self, outputs):
+        return self.latest.get(id(outputs), outputs)
+
+
+@pytest.fixture
+def replayed_graphs(monkeypatch):
+    monkeypatch.setattr(step_graph, "_captures", lambda psi: True)
+    monkeypatch.setattr(step_graph, "_graphs", ReplayedGraphs)
+    ReplayedGraphs.made = []
+    return ReplayedGraphs.made
+
+
+def replays(made):
+    return sum(graphs.replays for graphs in made)
+
+
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 3)])
+def test_captured_step_equals_eager(replayed_graphs, checkpoint, slots):
+    net = make_conv_net()
+    params = list(net.parameters())
+    psi0 = psi_state()
+    expected = [g.clone() for g in episode_grads(fused_step(net), params, psi0, checkpoint, slots, noisy_schedule(),
+                                                 history_loss=True)]
+    graph = qca_lowmem.StepGraph(fused_step(net))
+    for _ in range(2):  # captured, then the capture reused
+        actual = episode_grads(graph, params, psi0, checkpoint, slots, noisy_schedule(), history_loss=True)
+        assert max_relative_error(actual, expected) == 0
+    assert graph.captures_made == 1
+    assert replays(replayed_graphs) > 0
+
+
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 1), ("revolve", 3)])
+@pytest.mark.parametrize("detach", [False, True], ids=["grad-through-memory", "detached-memory"])
+@pytest.mark.parametrize("first_memory", ["given", "none"])
+def test_captured_carried_step_equals_eager(replayed_graphs, checkpoint, slots, detach, first_memory):
+    """Loss, every gradient (parameters, psi0, the initial memory when it requires grad) and the
+    final memory. A first memory of None is not the captured carry: that step runs eagerly."""
+    cell = MemoryCell().double()
+    step = memory_step(cell, detach)
+    psi0 = initial_state()
+    memory0 = initial_memory(requires_grad=not detach) if first_memory == "given" else (None, None)
+    noise = NoiseSchedule(0.5, 2000, seed=1)
+    loss, expected, memory_expected = grads(step, cell, psi0, memory0, checkpoint, slots, noise=noise,
+                                            memory_loss=not detach)
+    graph = qca_lowmem.StepGraph(step)
+    for _ in range(2):
+        loss_g, actual, memory_T = grads(graph, cell, psi0, memory0, checkpoint, slots, noise=noise,
+                                         memory_loss=not detach)
+        assert torch.equal(loss_g, loss)
+        assert len(actual) == len(expected)
+        assert max_relative_error(actual, expected) == 0
+        assert all(torch.equal(a, e) for a, e in zip(memory_T, memory_expected, strict=True))
+    assert graph.captures_made == 1
+    # Every step but the first replays its forward (a None memory is not the captured carry).
+    assert replays(replayed_graphs) > 2 * (STEPS - 1)
+
+
+def test_captured_carried_step_checks_its_recompute(replayed_graphs):
+    """A captured step that reads memory kept outside psi and the carry is caught as an eager one is."""
+    cell = MemoryCell().double()
+    kept = {}
+
+    def step(psi, memory):
+        delta, h, c = cell(qca_lowmem.qca_pack(psi), *(kept.get("memory") or memory))
+        kept["memory"] = (h.detach(), c.detach())
+        return qca_lowmem.qca_update(psi, delta, gamma=0.05, multiplicative=False), memory
+
+    with pytest.raises(qca_lowmem.RecomputeMismatchError, match="recompute of step"):
+        grads(qca_lowmem.StepGraph(step), cell, initial_state(), initial_memory(), "step", memory_loss=False)
+
+
+def test_enable_with_cuda_graph_on_a_memory_engine_equals_stock(replayed_graphs):
+    """enable(cuda_graph=True) on an engine with memory: the memory step captured, three
+    episodes equal to stock (loss, psi, memory, gradients, weights)."""
+    from test_integration_families import EPISODES, assert_same_run, make_trainer, run
+
+    expected = run(make_trainer("convlstm"))
+    trainer = make_trainer("convlstm")
+    qca_lowmem.enable(trainer, cuda_graph=True)
+    actual = run(trainer)
+    assert_same_run(actual, expected)
+    graph = getattr(trainer, "_qca_lowmem_state").step_graph
+    assert graph is not None and graph.captures_made >= 1 and replays(replayed_graphs) >= EPISODES
