@@ -43,7 +43,7 @@ def grads(step, params, checkpoint, **options):
 
 def sizes(step):
     psi = initial_state()
-    return psi.nbytes, auto_checkpoint.step_graph_bytes(step, psi)
+    return psi.nbytes, auto_checkpoint.step_graph_bytes(step, psi)[0]
 
 
 def budgets(step):

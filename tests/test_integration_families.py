@@ -83,6 +83,13 @@ def test_family_matches_stock(family, checkpoint, slots, fused_blocks, fused_ste
     assert_same_run(result, stock_run(family))
 
 
+@pytest.mark.parametrize("budget", [0, 2**15, 2**30])
+def test_memory_family_auto_matches_stock(budget):
+    trainer = make_trainer("convlstm")
+    qca_lowmem.enable(trainer, checkpoint="auto", budget=budget)
+    assert_same_run(run(trainer), stock_run("convlstm"))
+
+
 def test_other_norm_left_alone_with_the_reason():
     _, report = qca_lowmem.convert(make_operator("unet_rmsnorm", D_STATE, HIDDEN))
     assert not report.converted
@@ -145,8 +152,6 @@ def test_enable_refuses_what_the_engine_cannot_call():
                                                 r"calls it, operator\(x\) .*has_memory=True")
     refused(make_trainer("convlstm", make_operator("mlp", D_STATE, HIDDEN)),
             r"MLPOperator\.forward\(x\) cannot be called as the engine calls it, operator\(x, h, c\)")
-    refused(make_trainer("convlstm"), "checkpoint='auto' does not carry memory yet; ConvLSTMOperator .*'step' or "
-            "'revolve'", ValueError, checkpoint="auto", budget=2**20)
     trainer = make_trainer("convlstm")
     trainer.motor.has_memory = "yes"
     refused(trainer, "motor.has_memory must be True or False, got 'yes'", ValueError)

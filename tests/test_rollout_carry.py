@@ -196,8 +196,6 @@ def test_carry_refused_where_it_cannot_work():
         rollout(lambda psi, carry: (psi, carry[:1]), psi0, 3, carry=(None, None))
     with pytest.raises(TypeError, match="check_recompute must be True or False, got 'no'"):
         rollout(step, psi0, 3, carry=(None, None), check_recompute="no")
-    with pytest.raises(ValueError, match="checkpoint='auto' does not take carry="):
-        rollout(step, psi0, 3, carry=(None, None), checkpoint="auto", budget=2**20)
     with pytest.raises(ValueError, match="psi0 is on the meta device"):
         rollout(step, torch.empty(1, 4, 4, 2, dtype=torch.complex128, device="meta"), 3, carry=(None, None))
 
@@ -240,3 +238,35 @@ def test_step_graph_carries_memory_on_cuda(checkpoint, slots, detach):
     assert_same(captured, eager, rel=1e-5)
     assert_same(captured_memory, eager_memory, rel=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(replayed + list(replayed_memory), captured + list(captured_memory)))
+
+
+@pytest.mark.parametrize("detach", [False, True], ids=["grad-through-memory", "detached-memory"])
+@pytest.mark.parametrize("first_memory", ["given", "none"])
+def test_auto_carries_memory_within_its_budget(detach, first_memory):
+    """checkpoint='auto' with a carry: the budget counts psi and the memory per state; from no
+    budget (revolve) through one state per step and some full graphs to all of them, the same
+    loss, gradients and final memory as plain autograd, and never more kept than the budget plus
+    one step's graph."""
+    from qca_lowmem.auto_checkpoint import step_graph_bytes
+
+    cell = MemoryCell().double()
+    step = memory_step(cell, detach)
+    psi0 = initial_state()
+    memory0 = initial_memory(requires_grad=not detach) if first_memory == "given" else (None, None)
+    step_bytes, state_bytes = step_graph_bytes(step, psi0, memory0)
+    assert state_bytes == psi0.nbytes + 2 * initial_memory()[0].nbytes  # a memory not made yet counted as made
+    loss, expected, memory_expected = grads(step, cell, psi0, memory0, "none", memory_loss=not detach)
+    by_budget = {}
+    recompute_state = state_bytes  # what the recompute check holds besides
+    for budget in (0, (STEPS + 1) * state_bytes + recompute_state, STEPS * state_bytes + 2 * step_bytes + recompute_state,
+                   2 ** 30):
+        loss_a, actual, memory_T = grads(step, cell, psi0, memory0, "auto", budget=budget, memory_loss=not detach)
+        assert torch.equal(loss_a, loss)
+        assert_same(actual, expected)
+        assert_same(memory_T, memory_expected, rel=0.0)
+        psi_in = psi0.detach().requires_grad_()
+        by_budget[budget] = saved_bytes(lambda: rollout(step, psi_in, STEPS, checkpoint="auto", budget=budget,
+                                                        carry=memory0))
+        assert by_budget[budget] <= max(budget, state_bytes) + step_bytes
+    small, per_step, some, all_of_them = by_budget.values()
+    assert small < per_step < some < all_of_them

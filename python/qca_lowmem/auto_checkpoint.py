@@ -19,6 +19,7 @@ import torch
 
 from .memory import parse_bytes, saved_bytes
 from .recompute import keep_block_intermediates
+from .step_graph import carry_signature
 
 # Allocator rounding, fragmentation and library workspaces: what `qca-lowmem plan` adds to a
 # predicted peak, and what budget="free" leaves unused.
@@ -65,20 +66,38 @@ def free_bytes(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[0]
 
 
-def step_graph_bytes(step_fn: Callable, psi: torch.Tensor) -> int:
-    """Bytes one step's full graph keeps (blocks keeping their intermediates), plus its output
-    state; measured once per step_fn, psi type and autocast state."""
+def _nbytes(state) -> int:
+    psi, carry = state
+    return psi.nbytes + sum(c.nbytes for c in carry if c is not None)
+
+
+def step_graph_bytes(step_fn: Callable, psi: torch.Tensor, carry: Optional[tuple] = None):
+    """(bytes one step's full graph keeps (blocks keeping their intermediates) plus its output
+    state, bytes of that state); measured once per step_fn, psi and carry type and autocast state.
+    A carry not made yet (None entries) is measured as the first step leaves it."""
     autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in sorted({"cpu", psi.device.type}))
-    key = (tuple(psi.shape), psi.dtype, psi.device, autocast)
+    key = (tuple(psi.shape), psi.dtype, psi.device, carry_signature(carry), autocast)
     try:
         known = _step_graph_bytes.setdefault(step_fn, {})
     except TypeError:  # not weakly referenceable: measured every time
         known = {}
     if key not in known:
-        probe = psi.detach().requires_grad_(True)
         with torch.enable_grad(), keep_block_intermediates():
-            known[key] = saved_bytes(step_fn, probe) + psi.nbytes
+            if carry is None:
+                known[key] = saved_bytes(step_fn, psi.detach().requires_grad_(True)) + psi.nbytes, psi.nbytes
+            else:
+                if any(c is None for c in carry):
+                    with torch.no_grad():
+                        carry = step_fn(psi, carry)[1]
+                probe = (psi.detach().requires_grad_(True),
+                         tuple(c if c is None or not _differentiable(c) else c.detach().requires_grad_(True) for c in carry))
+                state = _nbytes(probe)
+                known[key] = saved_bytes(step_fn, *probe) + state, state
     return known[key]
+
+
+def _differentiable(tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
 
 
 def policy_for_budget(steps: int, state_bytes: int, step_bytes: int, budget: int):
@@ -93,18 +112,20 @@ def policy_for_budget(steps: int, state_bytes: int, step_bytes: int, budget: int
 
 def rollout_with_budget(rollout: Callable, step_fn, psi0: torch.Tensor, steps: int, budget, *,
                         noise: Optional[Callable], record_every: int, preserve_rng_state: bool,
-                        check_recompute: bool):
+                        check_recompute: bool, carry: Optional[tuple] = None):
     """rollout(..., checkpoint="auto", budget=budget) in terms of the other modes (`rollout` is
     episode.rollout, passed in to keep the modules' imports one way)."""
     options = dict(noise=noise, record_every=record_every, preserve_rng_state=preserve_rng_state,
                    check_recompute=check_recompute)
+    if carry is not None:
+        options["carry"] = carry
     if not torch.is_grad_enabled():
         return rollout(step_fn, psi0, steps, checkpoint="none", **options)
-    step_bytes = step_graph_bytes(step_fn, psi0)
+    step_bytes, state_bytes = step_graph_bytes(step_fn, psi0, carry)
     usable = resolve_budget(budget, psi0, step_bytes)
     if check_recompute:  # the check keeps the final state besides the recomputed part's states
-        usable = max(0, usable - psi0.nbytes)
-    kept, slots = policy_for_budget(steps, psi0.nbytes, step_bytes, usable)
+        usable = max(0, usable - state_bytes)
+    kept, slots = policy_for_budget(steps, state_bytes, step_bytes, usable)
     if slots is not None:
         return rollout(step_fn, psi0, steps, checkpoint="revolve", slots=slots, **options)
     recomputed = steps - kept
@@ -113,12 +134,14 @@ def rollout_with_budget(rollout: Callable, step_fn, psi0: torch.Tensor, steps: i
     wanted = {t for t in range(steps) if t == 0 or t % record_every == 0}
     history, psi = [], psi0
     if recomputed:
-        psi, first = rollout(step_fn, psi0, recomputed, checkpoint="step", **options)
+        psi, first, *carry_mid = rollout(step_fn, psi0, recomputed, checkpoint="step", **options)
+        if carry_mid:
+            options["carry"] = carry_mid[0]
         first_steps = [t for t in range(recomputed) if t == 0 or t == recomputed - 1 or t % record_every == 0]
         history += [h for t, h in zip(first_steps, first) if t in wanted]
-    shifted = None if noise is None else (lambda state, t: noise(state, t + recomputed))
+    options.update(record_every=1, noise=None if noise is None else (lambda state, t: noise(state, t + recomputed)))
     with keep_block_intermediates():
-        psi, last = rollout(step_fn, psi, kept, checkpoint="none", noise=shifted, record_every=1)
+        psi, last, *carry_T = rollout(step_fn, psi, kept, checkpoint="none", **options)
     history += [h for t, h in zip(range(recomputed, steps), last) if t in wanted and t != steps - 1]
     history.append(psi)
-    return psi, history
+    return (psi, history, *carry_T)

@@ -133,11 +133,9 @@ def rollout(
     carry0 = _checked_carry(carry, "carry", None) if carried else ()
 
     if checkpoint == "auto":
-        if carried:
-            raise ValueError("rollout: checkpoint='auto' does not take carry=... yet; use 'step' or 'revolve' "
-                             "(same gradients, the memory of one state per step or of `slots` states)")
         return rollout_with_budget(rollout, step_fn, psi0, steps, budget, noise=noise, record_every=record_every,
-                                   preserve_rng_state=preserve_rng_state, check_recompute=check_recompute)
+                                   preserve_rng_state=preserve_rng_state, check_recompute=check_recompute,
+                                   carry=carry0 if carried else None)
     unit = _StepUnit(step_fn, noise, carried)
     recorded = [t for t in range(steps) if t == 0 or t == steps - 1 or t % record_every == 0]
     if checkpoint == "none" or not torch.is_grad_enabled():

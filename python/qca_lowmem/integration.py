@@ -249,9 +249,6 @@ def enable(
     # Everything that can fail is decided before the trainer changes.
     new_scaler = _lowmem_scaler_for(trainer, state.options["amp_dtype"]) if lowmem_scaler else None
     evolve_step, state.memory_step = lowmem_steps(trainer.motor, fused_step_ops)
-    if state.memory_step is not None and checkpoint == "auto":
-        raise ValueError(f"enable(): checkpoint='auto' does not carry memory yet; {type(trainer.motor.operator).__name__} "
-                         "runs with memory (motor.has_memory): use checkpoint='step' or 'revolve'")
     if fused_blocks:
         _convert_blocks(trainer.motor.operator, state)
     _swap_step(trainer, state, evolve_step)
