@@ -22,6 +22,7 @@ from .episode import rollout
 from .episode_reverse import RecomputeMismatchError
 from .step_graph import CaptureFallbackWarning, StepGraph
 from .unet import ConversionReport, UNetUnitary, convert
+from .weight_casts import shared_weight_casts
 
 __all__ = [
     "CaptureFallbackWarning",
@@ -46,4 +47,5 @@ __all__ = [
     "qca_update",
     "rollout",
     "saved_bytes",
+    "shared_weight_casts",
 ]

@@ -27,7 +27,7 @@ from .step_graph import StepGraph
 from . import revolve
 from .param_grads import ParamGradSink
 from .replay import AutocastState, RngStates
-from .weight_casts import WeightCasts
+from . import weight_casts
 from .auto_checkpoint import check_budget, rollout_with_budget
 
 CHECKPOINT_MODES = ("none", "step", "revolve", "auto")
@@ -200,7 +200,8 @@ class _StepUnit:
         self.noise = noise
         self.carried = carried
         self.capture = None
-        self.weight_casts = WeightCasts()  # the episode's half-precision weights, cast once
+        # The episode's half-precision weights, cast once (or once per shared_weight_casts() scope).
+        self.weight_casts = weight_casts.for_episode()
 
     def __call__(self, psi: torch.Tensor, carry: tuple, t: int):
         if self.capture is not None and not torch.is_grad_enabled() and self.capture.takes(carry):

@@ -1,4 +1,5 @@
-"""Half-precision copies of the fused blocks' conv weights, made once per episode.
+"""Half-precision copies of the fused blocks' conv weights, made once per episode, or once for
+all the episodes run inside `shared_weight_casts()` (those of one optimizer step).
 
 Under autocast a fused block casts its conv weights to the compute dtype. Cast at every call,
 an episode of T steps reads and writes every weight 2T times (forward and recompute), outside
@@ -6,6 +7,13 @@ autocast's own cache, which lives only as long as one autocast context. The roll
 `WeightCasts` per episode, active around each step: the first call casts a weight and every
 later step, recompute and backward reuses the copy while the weight's version is unchanged
 (the rollout refuses parameters changed in place within an episode anyway).
+
+With gradient accumulation the weights do not change between the episodes of one optimizer
+step either: inside `with qca_lowmem.shared_weight_casts():` every rollout uses the scope's one
+`WeightCasts`, so the copies are made once for all of them. A weight changed in place inside
+the scope (an optimizer step) is cast again at its next use. Leaving the scope drops its copies
+(a rollout whose backward runs after it casts again what it needs), so close it before the
+optimizer step, whose memory then does not hold them.
 
 Each use gets its own autograd node (`_CachedCast`), whose backward is what the per-call cast's
 is (the gradient cast to the weight's dtype), so values and gradients are bitwise the same as
@@ -22,7 +30,8 @@ _state = threading.local()
 
 
 class WeightCasts:
-    """The copies of one episode: weight -> its copy in a compute dtype."""
+    """The copies of one episode, or of a `shared_weight_casts()` scope: weight -> its copy in a
+    compute dtype."""
 
     def __init__(self):
         self._copies: Dict[tuple, tuple] = {}
@@ -44,6 +53,31 @@ class WeightCasts:
                 entry = (weight, weight._version, weight.to(dtype))
             self._copies[key] = entry
         return entry[2]
+
+
+@contextlib.contextmanager
+def shared_weight_casts():
+    """Rollouts run inside share one set of half-precision weight copies (in this thread): each
+    fused block's weight is cast once for all their episodes, forward, recompute and backward,
+    and again only after it changed in place. Results are bitwise those of casting per episode.
+    Open it around the episodes of one optimizer step and close it before `optimizer.step()`;
+    leaving it drops the copies. Nested scopes are the outermost one."""
+    if getattr(_state, "shared", None) is not None:
+        yield
+        return
+    casts = WeightCasts()
+    _state.shared = casts
+    try:
+        yield
+    finally:
+        _state.shared = None
+        casts._copies.clear()  # freed even while an episode's graph, holding `casts`, lives on
+
+
+def for_episode() -> WeightCasts:
+    """The copies a rollout starting now uses: the open scope's, else its own."""
+    shared = getattr(_state, "shared", None)
+    return shared if shared is not None else WeightCasts()
 
 
 def checkpoint_kwargs() -> dict:

@@ -4,7 +4,8 @@ Peak = model state (fp32 weights 4 B/param, gradients 4 B/param, AdamW moments 8
 states the policy keeps across the episode + one step's working set (the step's graph while it is
 backpropagated, plus gradients in flight, estimated as twice its largest tensor). Under autocast
 the step's graph holds the half-precision copy of the weights, which the rollout makes once per
-episode and keeps to its end (weight_casts.py), so the copy is counted once, in the working set.
+episode and keeps to its end (the trainer: once per optimizer step, shared by its episodes,
+weight_casts.py), so the copy is counted once, in the working set.
 
 A step's graph is measured on the CPU with `saved_bytes` at two small grids of the real model
 (activations grow with the grid's area and the batch) and extrapolated; nothing runs on the GPU.

@@ -9,6 +9,7 @@ and DDP ranks can split episodes among themselves.
 Episodes per optimizer step: `accumulate` per process, times the DDP world size. With one
 process and accumulate=1 this is the stock loop (one episode, one step). A DDP run with W ranks
 equals a single process with accumulate=W: the same episodes, gradients summed then divided by W.
+Under autocast a step's episodes share one half-precision copy of the weights (shared_weight_casts).
 """
 
 import json
@@ -30,6 +31,7 @@ from ..memory import saved_bytes
 from ..ops.noise import episode_noise
 from ..ops.qca_step import fused_step
 from ..step_graph import StepGraph
+from ..weight_casts import shared_weight_casts
 from .config import TrainConfig, build_model, parameter_count
 from .distributed import Distributed, resolve_device
 from .errors import Interrupted, TrainingStopped, UsageError, error_text
@@ -121,20 +123,23 @@ class Trainer:
     def _run_local_episodes(self, episodes: List[int], policy: Policy):
         """Forward and backward of this rank's episodes, gradients accumulated; one row each."""
         rows = []
-        for episode in episodes:
-            start = time.perf_counter()
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-            loss, metrics, _ = self.forward_episode(episode, policy)
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-            loss_value = loss.item()  # waits for the device, so the time below is the episode's
-            seconds = time.perf_counter() - start
-            del loss
-            if self.device.type == "cuda":
-                memory = torch.cuda.max_memory_allocated(self.device)
-            else:
-                memory = self._saved_bytes(episode, policy)
-            rows.append([episode, loss_value] + [metrics[k] for k in METRIC_KEYS] + [memory, seconds])
+        # The weights do not change until the optimizer step: under autocast their half-precision
+        # copies are made once for all these episodes, and dropped before the step.
+        with shared_weight_casts():
+            for episode in episodes:
+                start = time.perf_counter()
+                if self.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                loss, metrics, _ = self.forward_episode(episode, policy)
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+                loss_value = loss.item()  # waits for the device, so the time below is the episode's
+                seconds = time.perf_counter() - start
+                del loss
+                if self.device.type == "cuda":
+                    memory = torch.cuda.max_memory_allocated(self.device)
+                else:
+                    memory = self._saved_bytes(episode, policy)
+                rows.append([episode, loss_value] + [metrics[k] for k in METRIC_KEYS] + [memory, seconds])
         return rows
 
     def _saved_bytes(self, episode: int, policy: Policy) -> int:
