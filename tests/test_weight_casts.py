@@ -87,6 +87,35 @@ def test_weight_casts_per_episode_do_not_grow_with_steps(checkpoint, slots, cast
     assert _weight_casts_in(lambda: bf16_episode(unet, 3, checkpoint, slots)) > 3 * fused_convs
 
 
+def _gradient_casts_in(episode):
+    """aten::_to_copy calls from bfloat16 3x3 conv weight gradients back to float32, but for those
+    an add_ of mixed dtypes makes inside itself (on the CPU torch casts its operand to a temporary
+    first; a CUDA add reads the half-precision operand in its kernel)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        episode()
+
+    def inside_an_add(event):
+        while event is not None:
+            if event.name == "aten::add_":
+                return True
+            event = event.cpu_parent
+        return False
+
+    return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
+               and len(e.input_shapes[0]) == 4 and e.input_shapes[0][2:] == [3, 3]
+               and e.input_dtypes[0] == "c10::BFloat16" and not inside_an_add(e))
+
+
+@pytest.mark.parametrize("checkpoint,slots", MODES)
+def test_recomputing_backward_adds_half_gradients_without_casting_them(checkpoint, slots):
+    """In a recomputing backward each step's bf16 weight gradient is added to the fp32 sum
+    directly; plain autograd casts each to fp32 first, as per-call casting does."""
+    unet = fused_unet()
+    steps = 3
+    casts = _gradient_casts_in(lambda: bf16_episode(unet, steps, checkpoint, slots))
+    assert casts == (steps * fused_convs_of(unet) if checkpoint == "none" else 0)
+
+
 def fused_convs_of(unet):
     return 2 * sum(isinstance(m, qca_lowmem.FusedConvBlock) for m in unet.modules())
 

@@ -1,10 +1,26 @@
 """Parameter gradients of a recomputing backward, summed over its steps into one buffer each."""
 
 import functools
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.utils.hooks import RemovableHandle
+
+
+# id(parameter) -> (the sink collecting its gradient, its index there). Global, not per thread:
+# autograd runs a CUDA backward on its own device threads.
+_collecting: Dict[int, Tuple["ParamGradSink", int]] = {}
+
+
+def deposit(param: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Add grad (of any floating dtype) straight into the buffer of the sink collecting param's
+    gradient, in param's dtype, and return True; False when no sink collects it. Spares a
+    half-precision gradient its cast to param's dtype before the add: one pass instead of two."""
+    entry = _collecting.get(id(param))
+    if entry is None or entry[0].params[entry[1]] is not param:
+        return False
+    entry[0]._add(entry[1], grad)
+    return True
 
 
 class ParamGradSink:
@@ -32,17 +48,22 @@ class ParamGradSink:
             hooks.clear()
             handle = RemovableHandle(hooks)
             hooks[handle.id] = functools.partial(self._accumulate, i)
-            self._set_aside.append((hooks, original))
+            self._set_aside.append((hooks, original, _collecting.get(id(p))))
+            _collecting[id(p)] = (self, i)
         return self
 
     def __exit__(self, *exc):
-        for hooks, original in self._set_aside:
+        for p, (hooks, original, outer) in zip(self.params, self._set_aside):
             hooks.clear()
             hooks.update(original)
+            if outer is None:
+                del _collecting[id(p)]
+            else:
+                _collecting[id(p)] = outer
         self._set_aside = []
         return False
 
-    def _accumulate(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+    def _add(self, i: int, grad: torch.Tensor) -> None:
         buffer = self.buffers[i]
         if buffer is None:
             buffer = torch.empty_like(self.params[i])
@@ -50,6 +71,11 @@ class ParamGradSink:
             self.buffers[i] = buffer
         else:
             buffer.add_(grad)
+
+    def _accumulate(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if grad is None:  # all of this step's gradient went in through deposit()
+            return None
+        self._add(i, grad)
         key = (grad.dtype, grad.device, grad.shape)
         zero = self._zeros.get(key)
         if zero is None:

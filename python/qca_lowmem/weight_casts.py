@@ -17,7 +17,11 @@ optimizer step, whose memory then does not hold them.
 
 Each use gets its own autograd node (`_CachedCast`), whose backward is what the per-call cast's
 is (the gradient cast to the weight's dtype), so values and gradients are bitwise the same as
-casting per call, and autograd never sums several steps' gradients in half precision.
+casting per call, and autograd never sums several steps' gradients in half precision. Inside a
+recomputing rollout's backward, where each step's weight gradients are summed into an fp32
+buffer (param_grads.py), the half-precision gradient is added there directly: the same sum, in
+one pass over the weight instead of a cast and then an add on CUDA, whose add reads the half
+operand in its kernel (on the CPU torch still casts it to a temporary inside the add).
 """
 
 import contextlib
@@ -25,6 +29,8 @@ import threading
 from typing import Dict
 
 import torch
+
+from .param_grads import deposit
 
 _state = threading.local()
 
@@ -109,9 +115,13 @@ class _CachedCast(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight, copy):
-        ctx.weight_dtype = weight.dtype
+        ctx.weight = weight  # a parameter: it outlives the graph anyway
         return copy.detach()  # a tensor of its own: autograd attaches this node to it, not to the copy
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.to(ctx.weight_dtype), None
+        # Inside a recomputing rollout's backward the weight's per-step gradients are summed into
+        # an fp32 buffer: added there straight from half precision, with no cast pass before.
+        if deposit(ctx.weight, grad):
+            return None, None
+        return grad.to(ctx.weight.dtype), None
