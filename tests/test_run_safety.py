@@ -2,6 +2,7 @@
 non-finite steps, two runs on one folder, metrics.csv rewrites, preemption signals, damaged
 checkpoints and a full disk."""
 
+import contextlib
 import errno
 import os
 import shutil
@@ -242,20 +243,24 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_names_the_file(small_disk, tm
 
 # -- two runs, signals ------------------------------------------------------------------------------
 
-def start(config, out, *args):
+@contextlib.contextmanager
+def training(config, out):
+    """A `qca-lowmem train` process writing `out`, handed over once two episodes are in its
+    metrics.csv; killed on the way out, whatever the test did with it."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("QCA_LOWMEM_TRACEBACK", None)
     # A shell without job control starts background jobs with SIGINT ignored; a terminal's would not.
-    return subprocess.Popen([sys.executable, "-m", "qca_lowmem", "train", "--no-progress", "--config", config,
-                             "--out", str(out), *map(str, args)], stderr=subprocess.PIPE, text=True, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "qca_lowmem", "train", "--no-progress", "--config", config,
+                             "--out", str(out)], stderr=subprocess.PIPE, text=True, env=env,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-
-
-def wait_for_rows(proc, out, rows):
-    deadline = time.monotonic() + 240
-    while not ((out / "metrics.csv").exists() and len((out / "metrics.csv").read_text().splitlines()) > rows):
-        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
-        time.sleep(0.05)
+    try:
+        deadline = time.monotonic() + 240
+        while not ((out / "metrics.csv").exists() and len((out / "metrics.csv").read_text().splitlines()) > 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.05)
+        yield proc
+    finally:
+        proc.kill()
 
 
 def finish(proc):
@@ -269,9 +274,7 @@ def finish(proc):
 def test_a_second_run_on_the_folder_exits_2_naming_the_first(tmp_path):
     config = write_config(tmp_path / "long.yaml", LONG)
     out = tmp_path / "run"
-    first = start(config, out)
-    try:
-        wait_for_rows(first, out, 2)
+    with training(config, out) as first:
         second = subprocess.run([sys.executable, "-m", "qca_lowmem", "train", "--no-progress", "--config", config,
                                  "--out", str(out), "--resume"], capture_output=True, text=True, timeout=300)
         assert second.returncode == 2, second.stderr
@@ -280,8 +283,6 @@ def test_a_second_run_on_the_folder_exits_2_naming_the_first(tmp_path):
         assert first.poll() is None  # the first run goes on
         first.send_signal(signal.SIGTERM)
         stderr = finish(first)
-    finally:
-        first.kill()
     assert first.returncode == 143, stderr
     assert not (out / LOCK_NAME).exists()
     rows = (out / "metrics.csv").read_text().splitlines()[1:]
@@ -291,13 +292,9 @@ def test_a_second_run_on_the_folder_exits_2_naming_the_first(tmp_path):
 def test_a_killed_run_leaves_no_stale_lock(tmp_path):
     config = write_config(tmp_path / "long.yaml", LONG)
     out = tmp_path / "run"
-    proc = start(config, out)
-    try:
-        wait_for_rows(proc, out, 2)
+    with training(config, out) as proc:
         proc.kill()
         proc.wait()
-    finally:
-        proc.kill()
     assert (out / LOCK_NAME).exists()  # left behind, but no longer locked
     episode = torch.load(out / CHECKPOINT_NAME, weights_only=False)["episode"]
     assert train("--config", config, "--out", out, "--resume", "--episodes", episode + 1) == 0
@@ -312,15 +309,11 @@ def test_a_killed_run_leaves_no_stale_lock(tmp_path):
 def test_a_stop_signal_saves_and_exits_with_its_status(tmp_path, signals, status, said):
     config = write_config(tmp_path / "long.yaml", {**LONG, "output": {"save_every": 0}})
     out = tmp_path / "run"
-    proc = start(config, out)
-    try:
-        wait_for_rows(proc, out, 2)
+    with training(config, out) as proc:
         for number in signals:
             proc.send_signal(number)
             time.sleep(0.02)
         stderr = finish(proc)
-    finally:
-        proc.kill()
     assert proc.returncode == status, stderr
     assert "Traceback" not in stderr and len(stderr.splitlines()) == 1, stderr
     episode = read_checkpoint(out / CHECKPOINT_NAME)["episode"]
