@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from .memory import parse_bytes, saved_bytes
+from .episode_reverse import differentiable
 from .recompute import keep_block_intermediates
 from .step_graph import carry_signature
 
@@ -90,14 +91,10 @@ def step_graph_bytes(step_fn: Callable, psi: torch.Tensor, carry: Optional[tuple
                     with torch.no_grad():
                         carry = step_fn(psi, carry)[1]
                 probe = (psi.detach().requires_grad_(True),
-                         tuple(c if c is None or not _differentiable(c) else c.detach().requires_grad_(True) for c in carry))
+                         tuple(c.detach().requires_grad_(True) if differentiable(c) else c for c in carry))
                 state = _nbytes(probe)
                 known[key] = saved_bytes(step_fn, *probe) + state, state
     return known[key]
-
-
-def _differentiable(tensor) -> bool:
-    return tensor.is_floating_point() or tensor.is_complex()
 
 
 def policy_for_budget(steps: int, state_bytes: int, step_bytes: int, budget: int):

@@ -22,7 +22,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from .ops._double_backward import second_order_requested
-from .episode_reverse import StepReverser
+from .episode_reverse import StepReverser, differentiable
 from .step_graph import StepGraph
 from . import revolve
 from .param_grads import ParamGradSink
@@ -147,7 +147,7 @@ def rollout(
     rng = RngStates(psi0.device, preserve_rng_state)
     rng.record()
     psi_in = psi0.detach().requires_grad_(True)
-    carry_in = tuple(c.detach().requires_grad_(True) if _differentiable(c) else c for c in carry0)
+    carry_in = tuple(c.detach().requires_grad_(True) if differentiable(c) else c for c in carry0)
     with torch.autograd.graph.saved_tensors_hooks(_discard, _discard):
         psi1, carry1 = unit(psi_in, carry_in, 0)
     params = _leaves_reached([psi1, *carry1], {id(x) for x in (psi_in, *carry_in)}, marker)
@@ -172,10 +172,6 @@ def rollout(
 
 def _returned(psi_T, history, carry_T, carried):
     return (psi_T, history, carry_T) if carried else (psi_T, history)
-
-
-def _differentiable(tensor) -> bool:
-    return tensor is not None and (tensor.is_floating_point() or tensor.is_complex())
 
 
 def _checked_carry(carry, what: str, like) -> tuple:
@@ -250,10 +246,6 @@ def _run_plain(unit, state, start, steps, recorded, history):
             history.append(psi)
     history.append(psi)
     return psi, history, carry
-
-
-def _add(a, b):
-    return b if a is None else a if b is None else a.add_(b)
 
 
 def _discard(_):
@@ -410,8 +402,10 @@ class _EpisodeFunction(torch.autograd.Function):
                 revolve.reverse(plan, states, reverser)
         del states, flat, final_state
         reverser.verify()
-        buffers = sink.take()
         if capture is not None:
-            buffers = [_add(a, b) for a, b in zip(buffers, capture.parameter_grads())]
+            for i, grad in enumerate(capture.parameter_grads()):
+                if grad is not None:
+                    sink.add(i, grad)
+        buffers = sink.take()
         grad_carry0 = [g if needs else None for g, needs in zip(reverser.grad_carry, plan.carry0_needs_grad)]
         return (None, reverser.grad if plan.psi0_needs_grad else None, *grad_carry0, *buffers)

@@ -21,14 +21,15 @@ class RecomputeMismatchError(RuntimeError):
     """A step recomputed in backward gave another result than the forward's."""
 
 
-def _differentiable(tensor) -> bool:
+def differentiable(tensor) -> bool:
+    """Whether a state entry can carry a gradient (None and integer tensors cannot)."""
     return tensor is not None and (tensor.is_floating_point() or tensor.is_complex())
 
 
 def _tolerance(tensor: torch.Tensor) -> float:
     """Rounding, even amplified a thousandfold, stays under sqrt(eps) of the dtype; a step that
     depends on state outside its inputs differs by far more."""
-    if not _differentiable(tensor):
+    if not differentiable(tensor):
         return 0.0
     real = tensor.real if tensor.is_complex() else tensor
     return torch.finfo(real.dtype).eps ** 0.5
@@ -37,7 +38,7 @@ def _tolerance(tensor: torch.Tensor) -> float:
 def _relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     """max|actual - expected| / max|expected| as a float32 scalar on the device; NaN where only
     one side is NaN, 0 where both are."""
-    if not _differentiable(expected):
+    if not differentiable(expected):
         return (actual != expected).any().to(torch.float32)
     same = (actual == expected) | (actual.isnan() & expected.isnan())
     difference = torch.where(same, 0.0, (actual - expected).abs()).amax()
@@ -141,7 +142,7 @@ class StepReverser:
         psi, carry = state
         first = t == 0
         psi_in = psi.detach().requires_grad_(not first or plan.psi0_needs_grad)
-        carry_in = tuple(c.detach().requires_grad_(not first or needs) if _differentiable(c) else c
+        carry_in = tuple(c.detach().requires_grad_(not first or needs) if differentiable(c) else c
                          for c, needs in zip(carry, plan.carry0_needs_grad))
         with torch.enable_grad(), plan.autocast(), keep_block_intermediates(), plan.rng.replay(t):
             out, out_carry = plan.unit(psi_in, carry_in, t)

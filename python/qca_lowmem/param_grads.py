@@ -19,7 +19,7 @@ def deposit(param: torch.Tensor, grad: torch.Tensor) -> bool:
     entry = _collecting.get(id(param))
     if entry is None or entry[0].params[entry[1]] is not param:
         return False
-    entry[0]._add(entry[1], grad)
+    entry[0].add(entry[1], grad)
     return True
 
 
@@ -63,7 +63,8 @@ class ParamGradSink:
         self._set_aside = []
         return False
 
-    def _add(self, i: int, grad: torch.Tensor) -> None:
+    def add(self, i: int, grad: torch.Tensor) -> None:
+        """Add grad, of any floating dtype, to parameter i's buffer (made on the first add)."""
         buffer = self.buffers[i]
         if buffer is None:
             buffer = torch.empty_like(self.params[i])
@@ -75,7 +76,7 @@ class ParamGradSink:
     def _accumulate(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if grad is None:  # all of this step's gradient went in through deposit()
             return None
-        self._add(i, grad)
+        self.add(i, grad)
         key = (grad.dtype, grad.device, grad.shape)
         zero = self._zeros.get(key)
         if zero is None:

@@ -40,6 +40,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from .episode_reverse import differentiable
 from .recompute import keep_block_intermediates
 
 WARMUP_STEPS = 3  # eager runs on a side stream before capture: lazy inits, cuDNN/cuBLAS handles
@@ -183,8 +184,7 @@ class _Capture:
         self.carry_signature = carry_signature(() if carry is None else carry)
         self.static_in = psi.detach().clone().requires_grad_(True)
         self.static_carry_in = tuple(
-            None if c is None else c.detach().clone().requires_grad_(c.is_floating_point() or c.is_complex())
-            for c in carry or ())
+            None if c is None else c.detach().clone().requires_grad_(differentiable(c)) for c in carry or ())
         autocast = autocast_state.without_cache
 
         def forward():
@@ -248,25 +248,25 @@ class _Capture:
                     static.copy_(c)
         self.replay_forward()
 
-    def forward(self, psi: torch.Tensor, carry: tuple = ()):
+    def forward(self, psi: torch.Tensor, carry: tuple):
         """The step's (psi, carry) for (psi, carry), as tensors of their own (the next replay
         overwrites the graph's)."""
         self._load(psi, carry)
         return self.static_out.detach().clone(), tuple(_own(c) for c in self.static_carry_out)
 
-    def output_for_backward(self, psi: torch.Tensor, carry: tuple = ()):
+    def output_for_backward(self, psi: torch.Tensor, carry: tuple):
         """Replays the forward for (psi, carry) and returns the graph's own outputs (valid until the
         next replay), ready for backward()."""
         self._load(psi, carry)
         return self.static_out.detach(), tuple(None if c is None else c.detach() for c in self.static_carry_out)
 
-    def backward(self, grad_out: Optional[torch.Tensor], grad_carry_out: tuple = ()):
+    def backward(self, grad_out: Optional[torch.Tensor], grad_carry_out: tuple):
         """After output_for_backward: adds the parameters' gradients to the accumulators and
         returns the gradients w.r.t. psi and each carry entry (tensors of their own; None where
         the step's inputs do not reach its differentiable outputs)."""
         with torch.no_grad():
             _load_or_zero(self.static_grad_out, grad_out)
-            for static, g in zip(self.static_grad_carry_out, grad_carry_out or (None,) * len(self.static_carry_out)):
+            for static, g in zip(self.static_grad_carry_out, grad_carry_out):
                 if static is not None:
                     _load_or_zero(static, g)
         self.replay_backward()
@@ -276,8 +276,8 @@ class _Capture:
         torch._foreach_zero_(self.accumulators)
 
     def parameter_grads(self) -> List[Optional[torch.Tensor]]:
-        """The accumulated gradients, as tensors of their own (autograd may keep them as .grad)."""
-        return [a.clone() if used else None for a, used in zip(self.accumulators, self.reached)]
+        """The accumulated gradients (the accumulators themselves: valid until they are zeroed)."""
+        return [a if used else None for a, used in zip(self.accumulators, self.reached)]
 
 
 def _own(tensor):
