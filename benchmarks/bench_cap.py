@@ -23,8 +23,8 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 from qca_lowmem.trainer.bench import environment  # noqa: E402
-from qca_lowmem.memory import parse_bytes  # noqa: E402
-from qca_lowmem.trainer.oom import OutOfMemoryStop, Policy  # noqa: E402
+from qca_lowmem.rollout.memory import parse_bytes  # noqa: E402
+from qca_lowmem.trainer.oom import OutOfMemoryStop, RunPolicy  # noqa: E402
 from qca_lowmem.trainer.config import load_config
 from qca_lowmem.trainer.train import Trainer  # noqa: E402
 
@@ -75,7 +75,7 @@ def main():
         message = f"interrupted after {len(records)} episodes"
     peak = max([r["peak_bytes"] for r in records], default=0)
     # The guard may have lowered the policy; an OOM that it absorbed still counts as one.
-    configured = Policy(config.checkpoint, config.slots, config.batch).describe()
+    configured = RunPolicy(config.policy(), config.batch).describe()
     lowered = any(r["policy"] != configured for r in records)
 
     last = records[-10:]

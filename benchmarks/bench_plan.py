@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def measure_policy(config, estimate):
     """Peak allocated bytes of one training episode under the estimate's policy."""
     torch.cuda.empty_cache()
-    if estimate.checkpoint == "stock":
+    if estimate.policy is None:  # the users' stock trainer
         runner = EpisodeRunner(config, torch.device("cuda"))
         optimizer = torch.optim.AdamW(runner.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         # Optimizer state exists from the second step on; measure a step once it does.
@@ -41,8 +41,8 @@ def measure_policy(config, estimate):
             optimizer.zero_grad(set_to_none=True)
             del loss
         return torch.cuda.max_memory_allocated()
-    policy_config = dataclasses.replace(config, checkpoint=estimate.checkpoint, slots=estimate.slots,
-                                        amp_dtype=estimate.amp_dtype, episodes=2, save_every=0)
+    policy_config = dataclasses.replace(config, **estimate.policy.options(), amp_dtype=estimate.amp_dtype, episodes=2,
+                                        save_every=0)
     trainer = Trainer(policy_config, progress=False)
     peaks = []
     for episode in range(2):

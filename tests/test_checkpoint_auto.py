@@ -2,14 +2,13 @@
 "step" before them (revolve when not even that fits); gradients as the full graph's, what is
 kept within the budget."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from conftest import randomize_affine
 
 import qca_lowmem
-from qca_lowmem import auto_checkpoint, rollout, saved_bytes
+from qca_lowmem import rollout, saved_bytes
+from qca_lowmem.rollout import Policy, memory, schedule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,7 +42,7 @@ def grads(step, params, checkpoint, **options):
 
 def sizes(step):
     psi = initial_state()
-    return psi.nbytes, auto_checkpoint.step_graph_bytes(step, psi)[0]
+    return psi.nbytes, memory.step_graph_bytes(step, psi)[0]
 
 
 def budgets(step):
@@ -58,7 +57,7 @@ def test_gradients_equal_the_full_graph(case):
     params, step = fused_unet_step()
     expected_length, expected = grads(step, params, "none")
     budget = budgets(step)[case]
-    assert auto_checkpoint.policy_for_budget(STEPS, *sizes(step), budget) == {
+    assert schedule.budget_split(STEPS, *sizes(step), budget) == {
         "revolve": (0, 2), "step": (0, None), "3 full": (3, None), "all full": (STEPS, None)}[case]
     length, got = grads(step, params, "auto", budget=budget)
     assert length == expected_length
@@ -78,7 +77,7 @@ def test_what_the_episode_keeps_stays_within_the_budget():
 
 def test_policy_for_budget_keeps_as_many_full_graphs_as_fit():
     for budget in range(0, 400, 7):
-        kept, slots = auto_checkpoint.policy_for_budget(10, 3, 20, budget)
+        kept, slots = schedule.budget_split(10, 3, 20, budget)
         if budget < 30:
             assert kept == 0 and slots == max(1, budget // 3)
         else:
@@ -87,10 +86,9 @@ def test_policy_for_budget_keeps_as_many_full_graphs_as_fit():
 
 
 def test_budget_free_reads_the_devices_free_memory(monkeypatch):
-    monkeypatch.setattr(auto_checkpoint, "free_bytes", lambda device: 11_000)
-    cuda_psi = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
-    assert auto_checkpoint.resolve_budget("free", cuda_psi, step_bytes=1_000) == 9_000
-    assert auto_checkpoint.resolve_budget("2KiB", cuda_psi, step_bytes=1_000) == 2048
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 11_000)
+    assert memory.free_budget(torch.device("cuda", 0), step_bytes=1_000) == 9_000
+    assert Policy.auto("2KiB").budget == 2048
 
 
 @pytest.mark.parametrize("options,message", [
@@ -107,6 +105,30 @@ def test_clear_errors(options, message):
         rollout(step, initial_state().requires_grad_(), 3, **options)
 
 
+def test_an_error_in_the_full_graph_tail_names_the_episodes_step():
+    """The tail of full graphs is part of the one episode: its steps keep their numbers."""
+    params, step = fused_unet_step()
+    budget = budgets(step)["3 full"]  # steps 4, 5, 6 keep their full graphs
+
+    def noise(psi, t):
+        return psi[..., :1] if t == 5 else psi
+
+    with pytest.raises(ValueError, match="noise must keep psi's shape.*at step 5 it got"):
+        rollout(step, initial_state().requires_grad_(), STEPS, checkpoint="auto", budget=budget, noise=noise)
+
+
+def test_a_policy_is_normalised_once_and_said_the_same_everywhere():
+    auto = Policy.auto("2KiB")
+    assert auto == Policy.of("auto", budget=2048) and auto.budget == 2048 and auto.byte_budget == 2048
+    assert auto.describe() == "checkpoint=auto budget=2KiB" and auto.label() == "auto"
+    assert Policy.auto(3_291_795_274).cli_arguments() == ["--checkpoint", "auto", "--budget", "3.06GiB"]
+    assert Policy.revolve(8).describe() == "checkpoint=revolve slots=8" and Policy.revolve(8).label() == "revolve 8"
+    assert Policy.auto("free").reads_free_memory and Policy.auto("free").byte_budget is None
+    for policy in (Policy.every_step(), Policy.revolve(8), Policy.auto("2KiB"), Policy.plain()):
+        assert Policy.of(**policy.options()) == policy
+    assert Policy.revolve(2).lowered(500) is None and Policy.every_step().lowered(500) == Policy.revolve(32)
+
+
 # ---------------------------------------------------------------- the trainer, plan and enable()
 
 import csv  # noqa: E402
@@ -116,7 +138,7 @@ import yaml  # noqa: E402
 from qca_lowmem.examples.qc_trainer_v4 import QC_Trainer_v4, make_config  # noqa: E402
 
 from qca_lowmem.trainer import cli  # noqa: E402
-from qca_lowmem.trainer.oom import Policy  # noqa: E402
+from qca_lowmem.trainer.oom import RunPolicy  # noqa: E402
 
 TINY = {"model": {"d_state": 2, "hidden": 8}, "training": {"grid": 8, "qca_steps": 5, "episodes": 2, "seed": 3,
                                                          "max_noise": 1.0}, "device": "cpu"}
@@ -151,8 +173,8 @@ def test_budget_free_on_the_cpu_is_refused_by_name(tiny_config, tmp_path, capsys
 
 
 def test_oom_guard_lowers_auto_like_step():
-    assert Policy("auto", None, 2, "1MiB").lowered(48) == Policy("revolve", 12, 2)
-    assert Policy("auto", None, 1, "1MiB").describe() == "checkpoint=auto budget=1MiB batch=1"
+    assert RunPolicy(Policy.auto("1MiB"), 2).lowered(48) == RunPolicy(Policy.revolve(12), 2)
+    assert RunPolicy(Policy.auto("1MiB"), 1).describe() == "checkpoint=auto budget=1MiB batch=1"
 
 
 def test_plan_shows_auto_with_the_budget_that_fills_the_gpu(tiny_config, capsys):

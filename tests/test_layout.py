@@ -72,7 +72,7 @@ GRAPH = {module_name(p): sorted({m for _, m in imported_modules(p)} - {module_na
 
 def test_the_layers_exist():
     names = set(GRAPH)
-    assert {f"{NAME}.ops.qca_step", f"{NAME}.episode", f"{NAME}.trainer.train", f"{NAME}.stock"} <= names
+    assert {f"{NAME}.ops.qca_step", f"{NAME}.rollout.api", f"{NAME}.trainer.train", f"{NAME}.stock"} <= names
     assert {layer_of(m) for m in names} == set(LAYERS)
 
 
@@ -131,6 +131,58 @@ def test_the_checker_sees_upward_imports_and_circles(tmp_path, monkeypatch):
     assert [(line, layer_of(m)) for line, m in imported_modules(bad)] == [(2, "trainer")]
     graph = {module_name(p): sorted({m for _, m in imported_modules(p)}) for p in fake.rglob("*.py")}
     assert circles_in(graph) == [[f"{NAME}.trainer.cli", f"{NAME}.trainer.run", f"{NAME}.trainer.cli"]]
+
+
+# The top level: the package faces, the model (blocks, U-Net), the precision switch (amp),
+# enable() with the engine steps and the config switch it installs, the reference and the build;
+# the rest lives in the package folders (ops/, rollout/, trainer/, examples/, configs).
+TOP_LEVEL = {"__init__", "__main__", "_version", "_build_info", "stock", "blocks", "unet", "amp", "integration",
+             "engine_step", "lowmem_config"}
+
+
+def test_the_top_level_holds_the_face_and_the_model_only():
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert modules == TOP_LEVEL, f"unexpected top-level modules {sorted(modules - TOP_LEVEL)}; missing {sorted(TOP_LEVEL - modules)}"
+    assert folders - {"configs"} == {"ops", "rollout", "trainer", "examples"}  # configs/: installed data
+
+
+def test_the_rollout_imports_only_ops_and_itself():
+    """The core is self-contained: the model, enable() and the trainer build on it, never the
+    other way round."""
+    for module, targets in GRAPH.items():
+        if module.startswith(f"{NAME}.rollout"):
+            outside = [t for t in targets if not t.startswith((f"{NAME}.rollout", f"{NAME}.ops"))]
+            assert not outside, f"{module} imports {outside}"
+
+
+def test_no_module_outside_ops_imports_a_private_ops_module():
+    for path in SOURCES:
+        module = module_name(path)
+        if module.startswith(f"{NAME}.ops"):
+            continue
+        private = [f"line {line}: {target}" for line, target in imported_modules(path)
+                   if target.startswith(f"{NAME}.ops.") and target.split(".")[2].startswith("_")]
+        assert not private, f"{module} imports ops' private modules {private}: import the names from qca_lowmem.ops"
+
+
+# String constants spelling a mode name that mean something else: a device or a checkpoint to
+# resume ("auto"), an argument named step in messages. Counted, so a new mode literal fails.
+OTHER_MEANINGS = {("trainer/cli.py", "auto"): 2, ("trainer/config.py", "auto"): 1, ("trainer/distributed.py", "auto"): 2,
+                  ("trainer/train.py", "auto"): 1, ("ops/noise.py", "step"): 3}
+
+
+def test_only_the_policy_module_reads_mode_names():
+    """Elsewhere a policy is asked (qca_lowmem.rollout.Policy), not its mode string compared."""
+    found = {}
+    for path in SOURCES:
+        relative = str(path.relative_to(PACKAGE))
+        if relative == "rollout/policy.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in ("step", "revolve", "auto"):
+                found[(relative, node.value)] = found.get((relative, node.value), 0) + 1
+    assert found == OTHER_MEANINGS
 
 
 def test_the_version_is_the_projects():

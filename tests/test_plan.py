@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qca_lowmem.memory import format_bytes, parse_bytes
+from qca_lowmem.rollout.memory import format_bytes, parse_bytes
 from qca_lowmem.trainer import cli, config as config_mod
 from qca_lowmem.trainer.plan import plan
 

@@ -10,7 +10,8 @@ from conftest import randomize_affine
 from torch import nn
 
 import qca_lowmem
-from qca_lowmem import rollout, step_graph
+from qca_lowmem import rollout
+from qca_lowmem.rollout import graph as step_graph
 from qca_lowmem.trainer import config as config_mod, train as train_mod
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,7 +14,8 @@ from test_rollout import initial_state as psi_state
 from test_rollout_carry import STEPS, MemoryCell, grads, initial_memory, initial_state, memory_step
 
 import qca_lowmem
-from qca_lowmem import NoiseSchedule, step_graph
+from qca_lowmem import NoiseSchedule
+from qca_lowmem.rollout import graph as step_graph
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -16,9 +16,9 @@ import yaml
 import qca_lowmem
 from qca_lowmem.trainer import cli, config as config_mod, train as train_mod
 from conftest import cuda_only
-from qca_lowmem.memory import parse_bytes
-from qca_lowmem.trainer.oom import EXIT_OOM, Policy
-from qca_lowmem.trainer.footprint import LOSS_STATES
+from qca_lowmem.rollout.memory import LOSS_STATES, parse_bytes
+from qca_lowmem.rollout import Policy
+from qca_lowmem.trainer.oom import EXIT_OOM, RunPolicy
 from qca_lowmem.trainer.plan import Estimate, recommend
 from qca_lowmem.trainer.checkpoint import atomic_save
 
@@ -145,7 +145,7 @@ def _inject_oom(monkeypatch, when, kind="cuda"):
 def test_oom_guard_lowers_the_policy_and_continues(tiny_config, tmp_path, monkeypatch, capsys):
     reference = tmp_path / "reference"
     assert run_cli("train", "--config", tiny_config, "--out", reference, "--no-progress") == 0
-    calls = _inject_oom(monkeypatch, lambda episode, policy: episode >= 1 and policy.checkpoint == "step")
+    calls = _inject_oom(monkeypatch, lambda episode, run: episode >= 1 and run.policy == Policy.every_step())
     out = tmp_path / "run"
     assert run_cli("train", "--config", tiny_config, "--out", out, "--no-progress") == 0
     assert calls[:3] == [(0, "checkpoint=step batch=1"), (1, "checkpoint=step batch=1"),
@@ -188,7 +188,7 @@ def test_oom_in_the_optimizer_step_stops_with_an_explanation(tiny_config, tmp_pa
 
 
 def test_policy_lowering_chain():
-    policy = Policy("step", None, 4)
+    policy = RunPolicy(Policy.every_step(), 4)
     chain = []
     while policy is not None:
         chain.append(policy.describe())
@@ -311,7 +311,7 @@ def test_plan_predicts_and_recommends(tiny_config, tmp_path, capsys):
     assert step["kept_bytes"] == (5 + LOSS_STATES) * psi
     assert stock["kept_bytes"] > step["kept_bytes"]
     # The kept-state prediction against what a real episode's graph keeps (saved_bytes, CPU).
-    for name, policy in (("lowmem step fp32", Policy("step", None, 1)),
+    for name, policy in (("lowmem step fp32", RunPolicy(Policy.every_step(), 1)),
                          ("stock (for reference)", None)):
         config = config_mod.load_config(tiny_config, out_dir=str(tmp_path))
         if policy is None:
@@ -328,13 +328,13 @@ def test_plan_predicts_and_recommends(tiny_config, tmp_path, capsys):
     assert "nothing fits" in capsys.readouterr().out
 
 
-def _estimate(name, checkpoint, peak):
-    return Estimate(name, checkpoint, None, None, model_state_bytes=peak, kept_bytes=0, working_bytes=0)
+def _estimate(name, policy, peak):
+    return Estimate(name, policy, None, model_state_bytes=peak, kept_bytes=0, working_bytes=0)
 
 
 def test_recommend_takes_the_first_policy_that_fits_with_margin():
-    estimates = [_estimate("stock", "stock", 10), _estimate("step fp32", "step", 5000),
-                 _estimate("step bf16", "step", 1000), _estimate("revolve", "revolve", 500)]
+    estimates = [_estimate("stock", None, 10), _estimate("step fp32", Policy.every_step(), 5000),
+                 _estimate("step bf16", Policy.every_step(), 1000), _estimate("revolve", Policy.revolve(8), 500)]
     assert recommend(estimates, gpu_mem=10_000, reserve=0).name == "step fp32"  # stock is never recommended
     assert recommend(estimates, gpu_mem=5400, reserve=0).name == "step bf16"  # 5000 * 1.1 > 5400
     assert recommend(estimates, gpu_mem=1500, reserve=500).name == "revolve"

@@ -5,24 +5,21 @@ storing, and a complex-safe mixed-precision loss scaler. See README.md and docs/
 """
 
 # Three layers, each importing only those below it (docs/design.md, "Layout"): ops/ (the op
-# families over the native library, loaded by ops/__init__), the library modules here (rollout,
-# blocks, U-Net, scaler, integration), and trainer/ (the reference trainer and the qca-lowmem
+# families over the native library, loaded by ops/__init__), the library (the rollout/ package
+# and the modules here: blocks, U-Net, scaler, integration), and trainer/ (the reference trainer and the qca-lowmem
 # command), which this file does not import.
 from . import amp
 from ._version import __version__
-from .recompute import block_keeps_intermediates, keep_block_intermediates
 from .blocks import FusedConvBlock
 from .ops.groupnorm_elu import groupnorm_elu
 from .integration import disable, enable
 from .lowmem_config import enable_from_config
-from .memory import saved_bytes
 from .ops.noise import NoiseSchedule, bit_flip, noise_coin, phase_flip
 from .ops.qca_step import qca_pack, qca_update
-from .episode import rollout
-from .episode_reverse import RecomputeMismatchError
-from .step_graph import CaptureFallbackWarning, StepGraph
 from .unet import ConversionReport, UNetUnitary, convert
-from .weight_casts import shared_weight_casts
+# Last: binds `rollout` to the function, over the package of the same name imported above.
+from .rollout import (CaptureFallbackWarning, RecomputeMismatchError, StepGraph, block_keeps_intermediates,
+                      keep_block_intermediates, rollout, saved_bytes, shared_weight_casts)
 
 __all__ = [
     "CaptureFallbackWarning",

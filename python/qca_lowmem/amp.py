@@ -22,7 +22,7 @@ from typing import Any, Iterable, Optional, Tuple, Union
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
-from .ops._loader import has_cuda_kernels
+from .ops import has_cuda_kernels
 from .ops.scaler import mul_, unscale_, update_scale_
 
 _lib = torch.ops.qca_lowmem

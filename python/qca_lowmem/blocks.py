@@ -14,11 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops._checks import check_same_device, refuse_func_transforms
-from .ops._double_backward import reference_backward, second_order_requested
-from .recompute import block_keeps_intermediates
+from .ops import check_same_device, reference_backward, refuse_func_transforms, second_order_requested
+from .rollout.intermediates import block_keeps_intermediates
 from .amp import autocast_dtype
-from .weight_casts import cast_weight
+from .rollout.weight_casts import cast_weight
 from . import stock
 from .ops.groupnorm_elu import output_layout, stat_dtype
 from .ops.groupnorm_elu import reference as groupnorm_elu_reference
@@ -265,7 +264,7 @@ class FusedConvBlock(nn.Module):
         compute_dtype = autocast_dtype(x.device.type)
         if compute_dtype is not None:
             # What autocast does for the stock convolutions: float64 is left alone. The weights
-            # come from the episode's copies when a rollout runs the block (weight_casts.py).
+            # come from the episode's copies when a rollout runs the block (rollout/weight_casts.py).
             if x.dtype != torch.float64:
                 x = x.to(compute_dtype)
             conv1_weight, conv2_weight = (

@@ -18,8 +18,8 @@ from . import amp, stock
 from .amp import autocast, parse_amp_dtype
 from .ops.noise import NoiseSchedule
 from .engine_step import lowmem_steps, memory_of, store_memory
-from .episode import check_checkpoint, rollout
-from .step_graph import StepGraph
+from .rollout import Policy, StepGraph, rollout
+from .rollout.policy import STEP
 from .unet import convert
 
 _STATE_ATTR = "_qca_lowmem_state"
@@ -143,9 +143,8 @@ def _lowmem_train_episode(trainer, episode_num):
     memory = {} if state.memory_step is None else dict(carry=memory_of(trainer.motor))
     with autocast(device.type, opts["amp_dtype"]):
         # rollout's default history is the stock one: t == 0, T-1 and every max(1, T // 10) steps.
-        psi, history, *memory_T = rollout(step, psi0, trainer.qca_steps,
-                                          checkpoint=opts["checkpoint"], slots=opts["slots"], budget=opts["budget"],
-                                          noise=noise, **memory)
+        psi, history, *memory_T = rollout(step, psi0, trainer.qca_steps, noise=noise, **memory,
+                                          **opts["policy"].options())
         loss, metrics = trainer.loss_fn(history, psi0)
 
     parameters = [p for p in operator.parameters() if p.requires_grad]
@@ -194,7 +193,7 @@ def _check_contract(trainer):
 
 def enable(
     trainer,
-    checkpoint: str = "step",
+    checkpoint: str = STEP,
     amp_dtype=None,
     fused_blocks: bool = True,
     slots: Optional[int] = None,
@@ -240,11 +239,12 @@ def enable(
     _check_contract(trainer)
     if hasattr(trainer, _STATE_ATTR):
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
-    check_checkpoint(checkpoint, slots, "enable()", budget=budget)
+    policy = Policy.of(checkpoint, slots, budget, "enable()")
+    policy.check_device(next(trainer.motor.operator.parameters()).device, "enable()")
     state = _Saved(options=_episode_options(
-        trainer, checkpoint=checkpoint, slots=slots, amp_dtype=amp_dtype, grid_size=grid_size, batch_size=batch_size,
+        trainer, policy=policy, amp_dtype=amp_dtype, grid_size=grid_size, batch_size=batch_size,
         d_state=d_state, initial_state=initial_state, max_grad_norm=max_grad_norm, fused_blocks=fused_blocks,
-        cuda_graph=cuda_graph, budget=budget,
+        cuda_graph=cuda_graph,
     ))
     # Everything that can fail is decided before the trainer changes.
     new_scaler = _lowmem_scaler_for(trainer, state.options["amp_dtype"]) if lowmem_scaler else None
@@ -258,8 +258,8 @@ def enable(
     return trainer
 
 
-def _episode_options(trainer, *, checkpoint, slots, amp_dtype, grid_size, batch_size, d_state, initial_state,
-                     max_grad_norm, fused_blocks, cuda_graph, budget) -> dict:
+def _episode_options(trainer, *, policy, amp_dtype, grid_size, batch_size, d_state, initial_state,
+                     max_grad_norm, fused_blocks, cuda_graph) -> dict:
     """enable()'s arguments resolved against the trainer: what each lowmem episode reads."""
     if amp_dtype is None and getattr(trainer, "use_amp", False):
         compute_dtype = torch.float16
@@ -279,9 +279,9 @@ def _episode_options(trainer, *, checkpoint, slots, amp_dtype, grid_size, batch_
     if initial_state is None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"enable(): batch_size must be a positive int, got {batch_size!r}")
     return dict(
-        checkpoint=checkpoint, slots=slots, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
+        policy=policy, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
         d_state=d_state or _infer_d_state(trainer, trainer.motor.operator), initial_state=initial_state,
-        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, cuda_graph=cuda_graph, budget=budget,
+        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, cuda_graph=cuda_graph,
     )
 
 

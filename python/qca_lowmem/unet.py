@@ -8,10 +8,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import stock
-from .recompute import block_keeps_intermediates
+from .rollout.intermediates import block_keeps_intermediates
 from .blocks import FusedConvBlock
-from .ops._checks import refuse_func_transforms
-from .weight_casts import checkpoint_kwargs
+from .ops import refuse_func_transforms
+from .rollout.weight_casts import checkpoint_kwargs
 
 
 RECOMPUTE_MODES = ("unet", "blocks", "none")

@@ -2,11 +2,19 @@
 and autograd (one module per C/CUDA family), and the helpers they share.
 
 The lowest layer of the package: it imports only torch, the native library and `stock` (the
-reference the ops' double backward runs through).
+reference the ops' double backward runs through). The helpers that the library above uses too
+(input checks, second order, the native library's build) are named here; their modules, whose
+names start with an underscore, are this package's own.
 """
 
-from ._loader import load_native
+from ._loader import REBUILD_COMMAND, has_cuda_kernels, load_native
 
 # The one place the native library is loaded: it registers torch.ops.qca_lowmem, which the op
 # modules wrap. Importing any op module runs this first.
 load_native()
+
+from ._checks import check_same_device, refuse_func_transforms  # noqa: E402
+from ._double_backward import reference_backward, second_order_requested  # noqa: E402
+
+__all__ = ["REBUILD_COMMAND", "check_same_device", "has_cuda_kernels", "load_native", "reference_backward",
+           "refuse_func_transforms", "second_order_requested"]

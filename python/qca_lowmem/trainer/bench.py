@@ -22,9 +22,9 @@ import torch
 from .. import stock
 from ..amp import autocast, parse_amp_dtype
 from .distributed import resolve_device
-from ..memory import format_bytes, saved_bytes
+from ..rollout.memory import format_bytes, saved_bytes
 from ..ops.qca_step import fused_step
-from ..episode import rollout
+from ..rollout import Policy, rollout
 from .config import TrainConfig, build_model
 
 
@@ -81,14 +81,12 @@ class EpisodeRunner:
         if variant == "stock":
             def step(psi):
                 return stock.step(psi, self.stock_model, gamma, multiplicative=True)
-            policy = dict(checkpoint="none")
+            policy = Policy.plain()
         else:
             step = fused_step(self.model, gamma, multiplicative=True, channels_last=self.config.channels_last)
-            slots = self.config.slots if self.config.checkpoint == "revolve" else None
-            budget = self.config.budget if self.config.checkpoint == "auto" else None
-            policy = dict(checkpoint=self.config.checkpoint, slots=slots, budget=budget)
+            policy = self.config.policy()
         with autocast(self.device.type, self.amp_dtype):
-            psi, history = rollout(step, psi0, steps, **policy)  # history as stock records it (the default)
+            psi, history = rollout(step, psi0, steps, **policy.options())  # history as stock records it (the default)
             loss, _ = stock.evolutionary_loss(history, psi0)
         return loss
 
@@ -223,8 +221,8 @@ def default_steps(config: TrainConfig) -> List[int]:
 def main_bench(config: TrainConfig, steps: Optional[List[int]], out_dir: str, repeats: int) -> int:
     result = bench(config, steps or default_steps(config), out_dir, repeats)
     print(f"qca-lowmem bench on {result['device']} (torch {result['torch']}), grid {config.grid}, d {config.d_state}, "
-          f"hidden {config.hidden}, batch {config.batch}; lowmem = checkpoint={config.checkpoint}"
-          f"{' slots=' + str(config.slots) if config.checkpoint == 'revolve' else ''} amp={config.amp_dtype or 'fp32'}")
+          f"hidden {config.hidden}, batch {config.batch}; lowmem = {config.policy().describe()} "
+          f"amp={config.amp_dtype or 'fp32'}")
     print(format_table(result))
     print(f"wrote {result['json_path']}" + (f" and {result['png_path']}" if result["png_path"] else ""))
     return 0

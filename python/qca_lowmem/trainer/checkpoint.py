@@ -16,7 +16,7 @@ import torch
 from . import archive
 from .errors import UsageError, error_text
 from .metrics import METRICS_NAME
-from .oom import Policy
+from .oom import RunPolicy
 
 CHECKPOINT_NAME = "checkpoint.pt"
 FORMAT = "qca_lowmem.train/1"
@@ -160,7 +160,7 @@ def state_of(trainer) -> dict:
         "scheduler_state_dict": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
         "scaler_state_dict": trainer.scaler.state_dict() if trainer.scaler is not None else None,
         "rng_state": rng_state(),
-        "policy": dataclasses.asdict(trainer.policy),
+        "policy": trainer.policy.state_dict(),
         "config": dataclasses.asdict(trainer.config),
         "world_size": trainer.dist.world_size,
     }
@@ -253,9 +253,9 @@ def restore(trainer, path, state: Optional[dict] = None) -> int:
     if trainer.scaler is not None and state["scaler_state_dict"] is not None:
         trainer.scaler.load_state_dict(state["scaler_state_dict"])
     set_rng_state(state["rng_state"])
-    policy = Policy(**state["policy"])
+    policy = RunPolicy.from_state_dict(state["policy"])
     if (config.checkpoint, config.slots, config.budget) != (saved["checkpoint"], saved["slots"], saved.get("budget")):
-        policy = Policy(config.checkpoint, config.slots, policy.batch, config.budget)
+        policy = RunPolicy(config.policy(), policy.batch)
     trainer.policy = policy
     trainer.next_episode = trainer.saved_episode = state["episode"]
     return trainer.next_episode

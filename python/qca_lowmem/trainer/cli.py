@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from ..rollout.policy import AUTO, MODES, REVOLVE
+
 
 def _add_config_options(parser, training: bool):
     parser.add_argument("--config", help="YAML file, or a bundled config by name (default: the embedded small CPU "
@@ -24,7 +26,7 @@ def _add_config_options(parser, training: bool):
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--qca-steps", type=int)
     parser.add_argument("--batch", type=int)
-    parser.add_argument("--checkpoint", choices=("step", "revolve", "auto", "none"), help="recompute policy of the lowmem path")
+    parser.add_argument("--checkpoint", choices=MODES, help="recompute policy of the lowmem path")
     parser.add_argument("--slots", type=int, help="stored states for --checkpoint revolve")
     parser.add_argument("--budget", help="bytes the episode may keep for --checkpoint auto (e.g. 2GiB; free: the "
                                          "GPU's free memory): full graphs of as many steps as fit, the rest recomputed")
@@ -70,14 +72,12 @@ def _config(args):
     overrides = {name: getattr(args, name, None) for name in (
         "device", "threads", "grid", "d_state", "hidden", "qca_steps", "batch", "checkpoint", "slots", "budget", "amp_dtype",
         "cuda_graph", "channels_last", "episodes", "accumulate", "seed", "max_noise", "out_dir", "save_every")}
-    if overrides.get("slots") is not None and overrides.get("checkpoint") is None:
-        overrides["checkpoint"] = "revolve"
-    if overrides.get("checkpoint") not in (None, "revolve"):
-        overrides["slots"] = None
-    if overrides.get("budget") is not None and overrides.get("checkpoint") is None:
-        overrides["checkpoint"] = "auto"
-    if overrides.get("checkpoint") not in (None, "auto"):
-        overrides["budget"] = None
+    # --slots alone means revolve, --budget alone auto; a --checkpoint that takes neither drops them.
+    for option, mode in (("slots", REVOLVE), ("budget", AUTO)):
+        if overrides.get(option) is not None and overrides.get("checkpoint") is None:
+            overrides["checkpoint"] = mode
+        if overrides.get("checkpoint") not in (None, mode):
+            overrides[option] = None
     return load_config(args.config, flags={name: _flag(name) for name in overrides}, **overrides)
 
 
@@ -135,6 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise
             print(one_line(text), file=sys.stderr, flush=True)
             return status
+
 
 
 def _failure(command: str, error: BaseException):

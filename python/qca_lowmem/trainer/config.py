@@ -12,7 +12,8 @@ from typing import Callable, List, Optional, Union
 import torch
 
 from .. import configs as bundled, lowmem_config
-from ..episode import check_checkpoint
+from ..rollout import Policy
+from ..rollout.policy import STEP
 from ..amp import parse_amp_dtype
 from ..unet import UNetUnitary
 from .errors import UsageError, error_text
@@ -44,7 +45,7 @@ class TrainConfig:
     scheduler: str = "none"
     seed: int = 0
     # low-memory policy
-    checkpoint: str = "step"
+    checkpoint: str = STEP
     slots: Optional[int] = None
     budget: Union[int, str, None] = None  # checkpoint "auto": bytes of saved tensors, a size, or "free"
     amp_dtype: Optional[str] = None
@@ -98,7 +99,7 @@ class TrainConfig:
         if not isinstance(self.out_dir, str) or not self.out_dir:
             refuse("out_dir", "a folder name")
         try:
-            check_checkpoint(self.checkpoint, self.slots, label("checkpoint"), budget=self.budget)
+            self.policy(label("checkpoint"))
         except ValueError as error:
             raise UsageError(str(error)) from None
         try:
@@ -106,6 +107,11 @@ class TrainConfig:
         except ValueError:
             refuse("amp_dtype", "fp32, bf16, fp16 or null")
         return self
+
+    def policy(self, caller: str = "config") -> Policy:
+        """The rollout policy of checkpoint, slots and budget (ValueError naming `caller` unless
+        they make one)."""
+        return Policy.of(self.checkpoint, self.slots, self.budget, caller)
 
 
 

@@ -8,7 +8,7 @@ from typing import List, Tuple
 import torch
 
 from ..amp import native_amp_dtype
-from ..memory import format_bytes
+from ..rollout.memory import format_bytes
 
 SMALL_GPU = 4 * 2**30
 
@@ -17,7 +17,7 @@ def report() -> Tuple[List[Tuple[str, str]], List[str]]:
     """(facts as (name, value), things to fix)."""
     from .. import _build_info
     from .._version import __version__
-    from ..ops._loader import REBUILD_COMMAND, has_cuda_kernels
+    from ..ops import REBUILD_COMMAND, has_cuda_kernels
 
     facts, fixes = [], []
     facts.append(("python", sys.version.split()[0]))

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from ..memory import format_bytes
+from ..rollout.memory import format_bytes
 from .errors import TrainingStopped, UsageError
 
 METRICS_NAME = "metrics.csv"

@@ -3,41 +3,47 @@ the episode with the next lower-memory policy (revolve, then fewer slots, then h
 when none is left, save progress and stop with advice (exit status EXIT_OOM from the CLI). And
 before a CPU run, the refusal of a config that cannot fit at all."""
 
+import dataclasses
 import gc
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import List, Optional
 
 import torch
 
-from ..memory import format_bytes
-from . import footprint
+from ..rollout import Policy
+from ..rollout.memory import format_bytes, kept_bytes, model_state_bytes, psi_bytes
 
 EXIT_OOM = 3
 
 
-@dataclass
-class Policy:
-    """How an episode is run; the OOM guard lowers it step by step."""
+@dataclass(frozen=True)
+class RunPolicy:
+    """How the trainer runs an episode: the rollout's policy and the batch. The OOM guard lowers
+    it step by step."""
 
-    checkpoint: str = "step"
-    slots: Optional[int] = None
+    policy: Policy
     batch: int = 1
-    budget: Union[int, str, None] = None  # checkpoint "auto" only
 
-    def describe(self):
-        extra = {"revolve": f" slots={self.slots}", "auto": f" budget={self.budget}"}.get(self.checkpoint, "")
-        return f"checkpoint={self.checkpoint}{extra} batch={self.batch}"
+    def describe(self) -> str:
+        return f"{self.policy.describe()} batch={self.batch}"
 
-    def lowered(self, qca_steps: int) -> Optional["Policy"]:
-        """The next lower-memory policy: revolve (from step, auto or none), then fewer slots,
-        then half the batch."""
-        if self.checkpoint != "revolve":
-            return Policy("revolve", max(1, min(32, qca_steps // 4)), self.batch)
-        if self.slots > 2:
-            return Policy("revolve", max(2, self.slots // 4), self.batch)
+    def lowered(self, qca_steps: int) -> Optional["RunPolicy"]:
+        """The next lower-memory run: the policy's next (revolve, then fewer slots), then half the
+        batch."""
+        lower = self.policy.lowered(qca_steps)
+        if lower is not None:
+            return dataclasses.replace(self, policy=lower)
         if self.batch > 1:
-            return Policy("revolve", self.slots, self.batch // 2)
+            return dataclasses.replace(self, batch=self.batch // 2)
         return None
+
+    def state_dict(self) -> dict:
+        return {**self.policy.options(), "batch": self.batch}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "RunPolicy":
+        """Also reads checkpoints written before the budget was kept in bytes."""
+        return cls(Policy.of(state["checkpoint"], state["slots"], state.get("budget"), "checkpoint"), state["batch"])
 
 
 class OutOfMemoryStop(RuntimeError):
@@ -68,19 +74,21 @@ def check_cpu_memory(config, parameters: int, available: Optional[int] = None):
     available = available_cpu_memory() if available is None else available
     if available is None:
         return
-    state_bytes, kept_bytes = 16 * parameters, footprint.kept_bytes(config, config.checkpoint, config.slots,
-                                                                     config.budget)
-    if state_bytes + kept_bytes <= available:
+    policy = config.policy()
+    psi = psi_bytes(config.batch, config.grid, config.d_state)
+    state_bytes, kept = model_state_bytes(parameters), kept_bytes(policy, config.qca_steps, psi)
+    if state_bytes + kept <= available:
         return
-    advice = [f"--checkpoint revolve --slots {max(1, min(32, config.qca_steps // 4))}"] if kept_bytes > state_bytes \
-        and config.checkpoint != "revolve" else []
+    lower = policy.lowered(config.qca_steps)
+    advice = [" ".join(lower.cli_arguments())] if kept > state_bytes and lower is not None and \
+        lower.kept_states(config.qca_steps) < policy.kept_states(config.qca_steps) else []
     advice += [f"a smaller --batch (now {config.batch})"] * (config.batch > 1)
     advice.append(f"a smaller --grid (now {config.grid}), --qca-steps (now {config.qca_steps}) or --hidden "
                   f"(now {config.hidden})")
     raise OutOfMemoryStop(
-        f"qca-lowmem: this config needs at least {format_bytes(state_bytes + kept_bytes)} of CPU memory "
-        f"(model state {format_bytes(state_bytes)}, kept states {format_bytes(kept_bytes)} with "
-        f"checkpoint={config.checkpoint}) but {format_bytes(available)} is available: lower it with "
+        f"qca-lowmem: this config needs at least {format_bytes(state_bytes + kept)} of CPU memory "
+        f"(model state {format_bytes(state_bytes)}, kept states {format_bytes(kept)} with "
+        f"{policy.describe()}) but {format_bytes(available)} is available: lower it with "
         + "; ".join(advice) + " (`qca-lowmem plan` shows the peak)")
 
 
@@ -91,7 +99,7 @@ def release_cached_memory():
         torch.cuda.empty_cache()
 
 
-def no_policy_left(episode: int, device, policy: Policy, saved_through: int, checkpoint_path, advice: List[str]):
+def no_policy_left(episode: int, device, policy: RunPolicy, saved_through: int, checkpoint_path, advice: List[str]):
     """The stop after the lowest policy failed too; progress up to `saved_through` is in
     `checkpoint_path`."""
     saved = f"Episodes 0-{saved_through - 1} are saved in {checkpoint_path}" if saved_through else \
@@ -103,7 +111,7 @@ def no_policy_left(episode: int, device, policy: Policy, saved_through: int, che
     )
 
 
-def fitting_advice(amp_dtype, policy: Policy, grid: int, hidden: int, device) -> List[str]:
+def fitting_advice(amp_dtype, policy: RunPolicy, grid: int, hidden: int, device) -> List[str]:
     """What to change when even the lowest policy does not fit, cheapest first."""
     advice = []
     if amp_dtype is None:
@@ -128,7 +136,7 @@ def optimizer_step_failed(last_episode: int, device, parameters: int, out_dir):
     may have updated some parameters already)."""
     return OutOfMemoryStop(
         f"qca-lowmem: out of memory in the optimizer step after episode {last_episode} on {device}: "
-        f"the model state (weights, gradients, AdamW moments: {format_bytes(16 * parameters)}) does not fit "
+        f"the model state (weights, gradients, AdamW moments: {format_bytes(model_state_bytes(parameters))}) does not fit "
         f"next to the rest. The last checkpoint in {out_dir} holds the progress saved so far. "
         + ("Free the GPU of other processes, or see `qca-lowmem plan --gpu-mem <your GPU memory>`."
            if device.type == "cuda" else "Free memory held by other processes on this machine.")

@@ -5,7 +5,7 @@ states the policy keeps across the episode + one step's working set (the step's 
 backpropagated, plus gradients in flight, estimated as twice its largest tensor). Under autocast
 the step's graph holds the half-precision copy of the weights, which the rollout makes once per
 episode and keeps to its end (the trainer: once per optimizer step, shared by its episodes,
-weight_casts.py), so the copy is counted once, in the working set.
+rollout/weight_casts.py), so the copy is counted once, in the working set.
 
 A step's graph is measured on the CPU with `saved_bytes` at two small grids of the real model
 (activations grow with the grid's area and the batch) and extrapolated; nothing runs on the GPU.
@@ -20,14 +20,13 @@ from typing import List, Optional
 import torch
 
 from .. import stock
-from ..recompute import keep_block_intermediates
 from ..amp import autocast, native_amp_dtype, parse_amp_dtype
-from ..auto_checkpoint import SAFETY
-from ..memory import format_bytes, parse_bytes, saved_storage_sizes
 from ..ops.qca_step import fused_step
+from ..rollout import Policy, keep_block_intermediates
+from ..rollout.memory import (LOSS_STATES, SAFETY, format_bytes, kept_bytes, model_state_bytes, parse_bytes, psi_bytes,
+                              saved_storage_sizes)
 from .config import TrainConfig, build_model
 from .errors import UsageError
-from .footprint import LOSS_STATES, kept_bytes, psi_bytes
 
 _PROBE_GRIDS = (8, 16)
 
@@ -40,21 +39,28 @@ class StepMeasure:
     largest_bytes: int
 
 
+STOCK = "stock (for reference)"
+
+
 @dataclass
 class Estimate:
     name: str
-    checkpoint: str
-    slots: Optional[int]
+    policy: Optional[Policy]  # None: the users' stock trainer
     amp_dtype: Optional[str]
     model_state_bytes: int
     kept_bytes: int
     working_bytes: int
     from_config: bool = False  # the config's own policy
-    budget: Optional[int] = None  # checkpoint "auto"
 
     @property
     def peak_bytes(self) -> int:
         return self.model_state_bytes + self.kept_bytes + self.working_bytes
+
+    def as_dict(self) -> dict:
+        policy = self.policy.options() if self.policy is not None else dict(checkpoint="stock", slots=None, budget=None)
+        return dict(name=self.name, **policy, amp_dtype=self.amp_dtype, model_state_bytes=self.model_state_bytes,
+                    kept_bytes=self.kept_bytes, working_bytes=self.working_bytes, from_config=self.from_config,
+                    peak_bytes=self.peak_bytes)
 
 
 def _measure_one(model, config: TrainConfig, variant: str, amp_dtype, grid: int):
@@ -97,40 +103,35 @@ def default_half(config: TrainConfig) -> str:
     return config.amp_dtype if config.amp_dtype in ("bf16", "fp16") else "bf16"
 
 
-def _policy_name(checkpoint: str, slots: Optional[int], amp: Optional[str]) -> str:
-    return f"lowmem {checkpoint}{f' {slots}' if checkpoint == 'revolve' else ''} {amp or 'fp32'}"
+def _policy_name(policy: Policy, amp: Optional[str]) -> str:
+    return f"lowmem {policy.label()} {amp or 'fp32'}"
 
 
 def candidates(config: TrainConfig, half: str = "bf16"):
-    """(name, checkpoint, slots, amp) in order of preference: the config's own policy first, then
-    faithful and fast ones. The first, the users' stock trainer, is shown for reference and never
-    recommended."""
-    own = (config.checkpoint, config.slots if config.checkpoint == "revolve" else None, config.amp_dtype)
-    others = [("step", None, None), ("step", None, half)]
-    others += [("revolve", slots, half) for slots in (64, 32, 16, 8, 4) if slots < config.qca_steps]
-    return [("stock (for reference)", "stock", None, None)] + [
-        (_policy_name(*policy), *policy) for policy in [own] + [p for p in others if p != own]]
+    """(name, policy, amp) in order of preference: the config's own policy first, then faithful
+    and fast ones. The first, the users' stock trainer (policy None), is shown for reference and
+    never recommended."""
+    own = (config.policy(), config.amp_dtype)
+    others = [(Policy.every_step(), None), (Policy.every_step(), half)]
+    others += [(Policy.revolve(slots), half) for slots in (64, 32, 16, 8, 4) if slots < config.qca_steps]
+    return [(STOCK, None, None)] + [(_policy_name(*candidate), *candidate)
+                                    for candidate in [own] + [c for c in others if c != own]]
 
 
 def estimate_all(config: TrainConfig, parameters: int, measures: dict, half: str = "bf16") -> List[Estimate]:
     """measures[(variant, amp)]: StepMeasure of ("stock", None) and of ("lowmem", amp) for every
     amp among the candidates (None, `half`, the config's)."""
     estimates = []
-    for index, (name, checkpoint, slots, amp) in enumerate(candidates(config, half)):
-        variant = "stock" if checkpoint == "stock" else "lowmem"
-        m = measures[(variant, amp)]
-        state = 16 * parameters
+    psi = psi_bytes(config.batch, config.grid, config.d_state)
+    for index, (name, policy, amp) in enumerate(candidates(config, half)):
+        m = measures[("stock" if policy is None else "lowmem", amp)]
         working = m.saved_bytes + 2 * m.largest_bytes
-        if checkpoint in ("stock", "none"):  # plain autograd keeps every step's graph
+        if policy is None or not policy.recomputes:  # plain autograd keeps every step's graph
             kept, working = config.qca_steps * m.saved_bytes, 2 * m.largest_bytes
-        else:
-            kept = kept_bytes(config, checkpoint, slots)
-        budget = None
-        if checkpoint == "auto" and config.budget != "free":  # ("free" adapts to what is free: at least step's)
-            budget = config.budget if isinstance(config.budget, int) else parse_bytes(config.budget, allow_zero=True)
-            kept = max(kept, budget + LOSS_STATES * psi_bytes(config))
-        estimates.append(Estimate(name, checkpoint, slots, amp, state, kept, working, from_config=index == 1,
-                                  budget=budget))
+        else:  # ("auto" with budget "free" adapts to what is free: at least one state per step)
+            kept = kept_bytes(policy, config.qca_steps, psi)
+        estimates.append(Estimate(name, policy, amp, model_state_bytes(parameters), kept, working,
+                                  from_config=index == 1))
     return estimates
 
 
@@ -139,16 +140,16 @@ def with_auto(estimates: List[Estimate], config: TrainConfig, gpu_mem: int, rese
     graphs instead of recomputes where memory is left), when that budget holds one state per
     step. It needs more than "step", so the recommendation never falls on it first."""
     out = []
+    psi = psi_bytes(config.batch, config.grid, config.d_state)
     for e in estimates:
         out.append(e)
-        if e.checkpoint != "step":
+        if e.policy is None or not e.policy.keeps_one_state_per_step:
             continue
-        loss_states = LOSS_STATES * psi_bytes(config)
-        budget = int((gpu_mem - reserve) / SAFETY) - e.model_state_bytes - e.working_bytes - loss_states
-        if budget >= e.kept_bytes - loss_states:
-            out.append(dataclasses.replace(e, name=e.name.replace("step", "auto").replace(" (config)", ""),
-                                           checkpoint="auto", kept_bytes=budget + loss_states, budget=budget,
-                                           from_config=False))
+        budget = int((gpu_mem - reserve) / SAFETY) - e.model_state_bytes - e.working_bytes - LOSS_STATES * psi
+        if budget >= e.kept_bytes - LOSS_STATES * psi:
+            auto = Policy.auto(budget)
+            out.append(dataclasses.replace(e, name=_policy_name(auto, e.amp_dtype), policy=auto,
+                                           kept_bytes=kept_bytes(auto, config.qca_steps, psi), from_config=False))
     return out
 
 
@@ -156,7 +157,7 @@ def recommend(estimates: List[Estimate], gpu_mem: int, reserve: int) -> Optional
     """The first lowmem estimate (in preference order) whose peak, with the safety margin, fits."""
     usable = gpu_mem - reserve
     for estimate in estimates:
-        if estimate.checkpoint == "stock":
+        if estimate.policy is None:
             continue
         if estimate.peak_bytes * SAFETY <= usable:
             return estimate
@@ -186,7 +187,7 @@ def plan(config: TrainConfig, gpu_mem: int, reserve: int, half: Optional[str] = 
 
 
 def advice_when_nothing_fits(config: TrainConfig, estimates: List[Estimate], gpu_mem: int, reserve: int) -> str:
-    smallest = min((e for e in estimates if e.checkpoint != "stock"), key=lambda e: e.peak_bytes)
+    smallest = min((e for e in estimates if e.policy is not None), key=lambda e: e.peak_bytes)
     return (f"nothing fits in {format_bytes(gpu_mem - reserve)} usable: the smallest policy ({smallest.name}) needs "
             f"{format_bytes(smallest.peak_bytes * SAFETY)} with margin, of which "
             f"{format_bytes(smallest.model_state_bytes)} is model state (weights, gradients, AdamW) that no policy "
@@ -200,9 +201,7 @@ def train_command(estimate: Estimate, config: TrainConfig, config_flags: List[st
     config's own."""
     policy = []
     if not estimate.from_config:
-        policy = ["--checkpoint", estimate.checkpoint] + (["--slots", str(estimate.slots)] if estimate.slots else [])
-        policy += ["--budget", str(estimate.budget)] if estimate.budget is not None else []
-        policy += ["--amp-dtype", estimate.amp_dtype or "fp32"]
+        policy = estimate.policy.cli_arguments() + ["--amp-dtype", estimate.amp_dtype or "fp32"]
     return " ".join(["qca-lowmem", "train", *config_flags, *policy])
 
 
@@ -226,7 +225,7 @@ def main_plan(config: TrainConfig, gpu_mem_text: str, reserve_text: str, as_json
     if as_json:
         print(json.dumps({
             **{k: v for k, v in result.items() if k not in ("estimates", "recommendation")},
-            "estimates": [dict(dataclasses.asdict(e), peak_bytes=e.peak_bytes) for e in estimates],
+            "estimates": [e.as_dict() for e in estimates],
             "recommendation": choice.name if choice else None,
             "command": command,
         }, indent=2))
@@ -246,8 +245,9 @@ def main_plan(config: TrainConfig, gpu_mem_text: str, reserve_text: str, as_json
         print(advice_when_nothing_fits(config, estimates, gpu_mem, reserve))
         return 1
     print(f"recommended: {choice.name} -> {command}")
-    faster = next((e for e in estimates if e.checkpoint == "auto" and e.amp_dtype == choice.amp_dtype), None)
-    if choice.checkpoint == "step" and faster is not None:
+    faster = next((e for e in estimates if e.policy is not None and e.policy.byte_budget is not None
+                   and e.amp_dtype == choice.amp_dtype), None)
+    if choice.policy.keeps_one_state_per_step and faster is not None:
         print(f"faster with the memory left: {faster.name} -> {train_command(faster, config, config_flags or [])} "
               "(full graphs instead of recomputes for as many steps as the budget holds)")
     return 0

@@ -26,17 +26,14 @@ import torch
 from .. import amp, stock
 from . import checkpoint, divergence, oom
 from ..amp import autocast, parse_amp_dtype
-from ..episode import rollout
-from ..memory import saved_bytes
+from ..rollout import StepGraph, rollout, saved_bytes, shared_weight_casts
 from ..ops.noise import episode_noise
 from ..ops.qca_step import fused_step
-from ..step_graph import StepGraph
-from ..weight_casts import shared_weight_casts
 from .config import TrainConfig, build_model, parameter_count
 from .distributed import Distributed, resolve_device
 from .errors import Interrupted, TrainingStopped, UsageError, error_text
 from .metrics import METRIC_KEYS, EpisodeLog, message, record_of
-from .oom import Policy
+from .oom import RunPolicy
 from .run_folder import check_run_folder, set_aside
 from .runlock import FolderLock
 from .signals import Stop, interrupts_deferred
@@ -86,7 +83,7 @@ class Trainer:
         self.scaler = None
         if self.amp_dtype == torch.float16:
             self.scaler = amp.GradScaler(self.device.type)
-        self.policy = Policy(config.checkpoint, config.slots, config.batch, config.budget)
+        self.policy = RunPolicy(config.policy(), config.batch)
         self.next_episode = 0
         self.saved_episode = None  # the episode of the last checkpoint written or read
         self.skipped_in_row = 0  # optimizer steps skipped in a row for non-finite values
@@ -108,19 +105,16 @@ class Trainer:
     def noise_for(self, episode: int):
         return episode_noise(self.config.max_noise, episode, episode_key(self.config.seed, episode, 1))
 
-    def forward_episode(self, episode: int, policy: Policy):
+    def forward_episode(self, episode: int, policy: RunPolicy):
         """psi0 -> rollout -> loss for one episode; returns (loss, metrics, psi_T)."""
         psi0 = self.initial_state(episode, policy.batch)
         with autocast(self.device.type, self.amp_dtype):
-            psi, history = rollout(
-                self.step_fn, psi0, self.config.qca_steps, checkpoint=policy.checkpoint,
-                slots=policy.slots if policy.checkpoint == "revolve" else None,
-                budget=policy.budget if policy.checkpoint == "auto" else None, noise=self.noise_for(episode),
-            )
+            psi, history = rollout(self.step_fn, psi0, self.config.qca_steps, noise=self.noise_for(episode),
+                                   **policy.policy.options())
             loss, metrics = stock.evolutionary_loss(history, psi0)
         return loss, metrics, psi
 
-    def _run_local_episodes(self, episodes: List[int], policy: Policy):
+    def _run_local_episodes(self, episodes: List[int], policy: RunPolicy):
         """Forward and backward of this rank's episodes, gradients accumulated; one row each."""
         rows = []
         # The weights do not change until the optimizer step: under autocast their half-precision
@@ -142,11 +136,11 @@ class Trainer:
                 rows.append([episode, loss_value] + [metrics[k] for k in METRIC_KEYS] + [memory, seconds])
         return rows
 
-    def _saved_bytes(self, episode: int, policy: Policy) -> int:
+    def _saved_bytes(self, episode: int, policy: RunPolicy) -> int:
         """What an episode's graph keeps for backward (CPU memory column), measured by a separate
         forward whose graph is dropped, once per policy and noise state: the training forward runs
         without saved-tensor hooks, which can change how a custom Function's saved leaves unpack."""
-        key = (policy.checkpoint, policy.slots, policy.budget, policy.batch, self.noise_for(episode) is not None)
+        key = (policy, self.noise_for(episode) is not None)
         if key not in self._saved_bytes_cache:
             self._saved_bytes_cache[key] = saved_bytes(self.forward_episode, episode, policy)
         return self._saved_bytes_cache[key]
@@ -350,7 +344,7 @@ def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = 
         raise UsageError(f"--device {config.device}: {error}") from None
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise UsageError(f"--device {config.device}: only {torch.cuda.device_count()} CUDA devices are visible")
-    if config.checkpoint == "auto" and config.budget == "free" and device.type != "cuda":
+    if config.policy().reads_free_memory and device.type != "cuda":
         raise UsageError(f"--budget free reads a GPU's free memory, but the device is {device}: give the budget "
                          "in bytes (e.g. --budget 2GiB)")
     checkpoint.check_out_dir(config.out_dir, create and rank == 0)

@@ -40,8 +40,8 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .episode_reverse import differentiable
-from .recompute import keep_block_intermediates
+from .intermediates import keep_block_intermediates
+from .state import State, differentiable, signature
 
 WARMUP_STEPS = 3  # eager runs on a side stream before capture: lazy inits, cuDNN/cuBLAS handles
 
@@ -72,20 +72,21 @@ class StepGraph:
     def __call__(self, *args):
         return self.step_fn(*args)
 
-    def for_rollout(self, psi: torch.Tensor, carry: Optional[tuple], params: List[torch.Tensor],
+    def for_rollout(self, state: State, step: Callable, params: List[torch.Tensor],
                     autocast_state) -> Optional["_Capture"]:
-        """The capture for this psi, carry (None in a rollout without one), parameter set and
+        """The capture of `step(psi, carry) -> (psi, carry)` (the rollout's call of step_fn, the
+        carry () in a rollout without one) for a state like `state`, this parameter set and
         autocast state, made when missing; None where the rollout runs eagerly (psi not on CUDA,
         or this configuration failed to capture)."""
-        if not _captures(psi):
+        if not _captures(state.psi):
             return None
-        key = _capture_key(psi, carry, params, autocast_state)
+        key = _capture_key(state, params, autocast_state)
         if key in self.failed_keys:
             return None
         if self.capture is None or self.capture.key != key:
             self.capture = None  # release the old graphs and pool before capturing anew
             try:
-                self.capture = _Capture(self.step_fn, psi, carry, params, autocast_state, key)
+                self.capture = _Capture(step, state, params, autocast_state, key)
             except _CaptureFailed as failure:
                 self.failed_keys.add(key)
                 gc.collect()  # the half-made graphs and their pool
@@ -100,15 +101,8 @@ def _captures(psi: torch.Tensor) -> bool:
     return psi.is_cuda
 
 
-def carry_signature(carry: Optional[tuple]):
-    """What a capture fixes of a carry: each entry's shape, dtype and device, or None."""
-    if carry is None:
-        return None
-    return tuple(None if c is None else (tuple(c.shape), c.dtype, c.device) for c in carry)
-
-
-def _capture_key(psi, carry, params, autocast_state):
-    return (tuple(psi.shape), psi.dtype, psi.device, carry_signature(carry), tuple(autocast_state.states),
+def _capture_key(state: State, params, autocast_state):
+    return (state.signature(), tuple(autocast_state.states),
             tuple((id(p), p.data_ptr(), tuple(p.shape), p.dtype) for p in params))
 
 
@@ -178,20 +172,19 @@ class _Capture:
     the carry in, the step's psi and carry out; in the backward, the gradients flowing into those
     outputs, the gradients w.r.t. psi and the carry in, and per-parameter accumulators."""
 
-    def __init__(self, step_fn, psi, carry, params, autocast_state, key):
+    def __init__(self, step, state: State, params, autocast_state, key):
         self.key = key
         self.params = params
-        self.carry_signature = carry_signature(() if carry is None else carry)
-        self.static_in = psi.detach().clone().requires_grad_(True)
+        self.carry_signature = tuple(map(signature, state.carry))
+        self.static_in = state.psi.detach().clone().requires_grad_(True)
         self.static_carry_in = tuple(
-            None if c is None else c.detach().clone().requires_grad_(differentiable(c)) for c in carry or ())
+            None if c is None else c.detach().clone().requires_grad_(differentiable(c)) for c in state.carry)
         autocast = autocast_state.without_cache
+        psi = state.psi
 
         def forward():
             with torch.enable_grad(), autocast(), keep_block_intermediates():
-                if carry is None:
-                    return step_fn(self.static_in), ()
-                return _checked_carried_result(step_fn(self.static_in, self.static_carry_in), len(carry))
+                return step(self.static_in, self.static_carry_in)
 
         graphs = _graphs(psi.device)
         with _hooks_set_aside(params):
@@ -238,7 +231,7 @@ class _Capture:
     def takes(self, carry: tuple) -> bool:
         """Whether a step with this carry runs on the graphs (a first step whose memory is not made
         yet, None, does not)."""
-        return carry_signature(carry) == self.carry_signature
+        return tuple(map(signature, carry)) == self.carry_signature
 
     def _load(self, psi: torch.Tensor, carry: tuple) -> None:
         with torch.no_grad():
@@ -289,14 +282,6 @@ def _load_or_zero(static: torch.Tensor, value: Optional[torch.Tensor]) -> None:
         static.zero_()
     else:
         static.copy_(value)
-
-
-def _checked_carried_result(result, width: int):
-    if not isinstance(result, (tuple, list)) or len(result) != 2 or not isinstance(result[1], (tuple, list)) \
-            or len(result[1]) != width:
-        raise ValueError(f"StepGraph: with a carry of {width} entries, step_fn(psi, carry) must return "
-                         f"(psi, carry) with a carry of {width} entries; it returned {type(result).__name__}")
-    return result[0], tuple(result[1])
 
 
 def _check_output(out, psi):

@@ -1,5 +1,5 @@
 """Binomial checkpointing (Griewank & Walther, "Algorithm 799: revolve", ACM TOMS 2000): the
-schedule of the rollout's checkpoint="revolve" mode.
+arithmetic and the reverse order of the `Revolve` schedule (schedule.py).
 
 Reversing `length` steps whose first state is kept, with `slots` kept states in all (that one
 included), costs at least cost(length, slots) forward step evaluations without grad,
@@ -46,11 +46,10 @@ def first_sweep(steps: int, slots: int) -> List[int]:
     return positions
 
 
-def reverse(plan, states: dict, reverser) -> None:
-    """Reverse the episode with at most plan.slots kept states (states: step -> (psi, carry)),
-    optimally (binomial schedule)."""
-    held = dict(states)
-    tasks = [("reverse", 0, plan.steps, plan.slots)]
+def reverse(steps: int, slots: int, held: dict, reverser) -> None:
+    """Reverse the episode with at most `slots` kept states (held: step -> state, the first
+    sweep's), optimally (binomial schedule)."""
+    tasks = [("reverse", 0, steps, slots)]
     while tasks:
         task = tasks.pop()
         if task[0] == "free":
@@ -61,11 +60,11 @@ def reverse(plan, states: dict, reverser) -> None:
             reverser.backprop(start, held[start])
         elif slots == 1:
             for t in reversed(range(start, stop)):
-                reverser.backprop(t, plan.advance(held[start], start, t))
+                reverser.backprop(t, reverser.advance(held[start], start, t))
         else:
             middle = start + split(stop - start, slots)
             if middle not in held:
-                held[middle] = plan.advance(held[start], start, middle)
+                held[middle] = reverser.advance(held[start], start, middle)
             # Later steps first (they are reversed first), then free the middle, then the rest.
             tasks.append(("reverse", start, middle, slots))
             tasks.append(("free", middle))

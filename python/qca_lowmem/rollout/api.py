@@ -1,0 +1,204 @@
+"""`rollout()`: an episode that recomputes instead of storing, memory flat in the number of steps.
+
+`rollout(step_fn, psi0, steps)` runs `psi <- noise(step_fn(psi), t)` for t = 0 .. steps-1 like the
+stock trainer's episode. The arguments are checked here, the policy (policy.py) picks a schedule
+(schedule.py), and one autograd Function (episode.py) stands for the whole episode: its
+backward is the reverse pass (reverse.py). With checkpoint="none", or without grad, the steps
+run as the stock loop does.
+"""
+
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from .episode import Episode, EpisodeFunction, StepUnit, run_with_graph
+from .graph import StepGraph
+from .memory import step_graph_bytes
+from .policy import STEP, Policy
+from .replay import RngStates
+from .schedule import schedule_for
+from .state import State, checked_carry
+
+
+def rollout(
+    step_fn: Callable,
+    psi0: torch.Tensor,
+    steps: int,
+    *,
+    checkpoint: str = STEP,
+    slots: Optional[int] = None,
+    budget=None,
+    noise: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None,
+    record_every: Optional[int] = None,
+    preserve_rng_state: bool = True,
+    carry: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    check_recompute: bool = True,
+):
+    """Run an episode of `steps` steps from `psi0`; returns `(psi_T, history)`, and with `carry`
+    `(psi_T, history, carry_T)`.
+
+    step_fn(psi) -> psi: one step of the engine (the stock `motor.evolve_step` takes psi only);
+      it must return a tensor of psi's shape, dtype and device. Parameters it reaches through its
+      closure get their gradients. The backward runs it again, so it must compute the same
+      function again: random draws are replayed (see preserve_rng_state), other state is not.
+      A `qca_lowmem.StepGraph(step_fn)` runs, for psi on a GPU with checkpoint "step" or
+      "revolve", each step as replays of captured CUDA graphs (same kernels, no launch overhead).
+    noise(psi, t) -> psi: applied after step t, e.g. a `qca_lowmem.NoiseSchedule`, whose random
+      numbers are keyed by (seed, t) and replay by construction, with no generator state.
+    checkpoint: "none" (plain autograd, the stock behaviour: memory grows with steps), "step"
+      (keeps each step's input psi, recomputes each step once in backward) or "revolve"
+      (binomial checkpointing: keeps at most `slots` states, psi0 included, whatever `steps`;
+      recomputes more, following the optimal Griewank-Walther schedule), or "auto" (keeps the
+      full graph of as many of the last steps as `budget` bytes of saved tensors allow and
+      recomputes the others as "step"; revolve when not even one state per step fits).
+    budget: with checkpoint="auto", the bytes the episode may keep for backward: an int, a size
+      such as "2GiB", or "free" (psi on CUDA: the device's free memory after plan's 10% margin
+      and one step's working set).
+    record_every: history holds psi after steps t == 0, t == steps-1 and t % record_every == 0
+      (default max(1, steps // 10), as the stock trainer); history[-1] is psi_T. Its entries are
+      differentiable: a loss may use any of them.
+    preserve_rng_state: as torch.utils.checkpoint's: the CPU generator's state (and that of
+      psi's CUDA device) before each step is kept (on the host) and restored around the step's
+      recomputes, so steps or noise drawing from torch's generators (dropout, the stock
+      NoiseInjector) replay the same numbers; the global generators are left as the forward left
+      them. Not needed with a NoiseSchedule and deterministic steps.
+
+    carry: state the step keeps besides psi, as a tuple of tensors (None entries allowed, e.g. a
+      memory not made yet): step_fn is then called as step_fn(psi, carry) -> (psi, carry) with a
+      tuple of the same length. Each kept step keeps its carry with its psi, and a recompute gets
+      the carry the forward step got. Carried tensors that require grad get gradients through
+      the carry (carry_T may enter the loss, carry entries that require grad get theirs); a step
+      that detaches them (a memory outside the graph, as the users' engine) gets none, as stock.
+      A StepGraph captures the carried step too, for the carry of step 1 on (a first step whose
+      memory is None runs eagerly).
+    check_recompute: compare each recomputed step's output with the state the episode already
+      holds (every step with "step", the last and each step after a state the schedule holds
+      with "revolve"), and raise `qca_lowmem.RecomputeMismatchError` naming the step and the
+      difference when it exceeds sqrt(eps) of the dtype, relative to the state's largest
+      value: a step that is not a function of (psi, carry) alone would give wrong gradients.
+      The differences stay on the device and are read once at the end of the backward. With
+      "revolve" the check holds one state (psi and carry) more while reversing. False skips it.
+
+    Under torch.no_grad() (or when nothing requires grad) no state is kept at all.
+    """
+    if not callable(step_fn):
+        raise TypeError(f"rollout: step_fn must be callable, got {type(step_fn).__name__}")
+    if not isinstance(psi0, torch.Tensor):
+        raise TypeError(f"rollout: psi0 must be a tensor, got {type(psi0).__name__}")
+    if psi0.device.type == "meta":
+        raise ValueError(f"rollout: psi0 is on the meta device (shape {tuple(psi0.shape)}, no data): "
+                         "give a state on the CPU or a GPU")
+    if not (psi0.is_complex() or psi0.is_floating_point()):
+        raise TypeError(f"rollout: psi0 must be a complex or floating tensor, got dtype={psi0.dtype} shape={tuple(psi0.shape)}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"rollout: steps must be an int >= 1, got {steps!r}")
+    policy = Policy.of(checkpoint, slots, budget)
+    policy.check_device(psi0.device)
+    if record_every is None:
+        record_every = max(1, steps // 10)
+    elif isinstance(record_every, bool) or not isinstance(record_every, int) or record_every < 1:
+        raise ValueError(f"rollout: record_every must be an int >= 1 or None, got {record_every!r}")
+    if noise is not None and not callable(noise):
+        raise TypeError(f"rollout: noise must be callable as noise(psi, t) (e.g. a NoiseSchedule), got {type(noise).__name__}")
+    if not isinstance(check_recompute, bool):
+        raise TypeError(f"rollout: check_recompute must be True or False, got {check_recompute!r}")
+    carried = carry is not None
+    state0 = State(psi0, checked_carry(carry, "carry") if carried else ())
+    unit = StepUnit(step_fn, noise, carried)
+    psi_T, history, carry_T = _episode(unit, state0, steps, policy, history_steps(steps, record_every),
+                                       preserve_rng_state, check_recompute)
+    return (psi_T, history, carry_T) if carried else (psi_T, history)
+
+
+def history_steps(steps: int, record_every: int) -> List[int]:
+    """The steps whose output the history holds: 0, the last, and every `record_every`-th."""
+    return [t for t in range(steps) if t == 0 or t == steps - 1 or t % record_every == 0]
+
+
+def _episode(unit: StepUnit, state0: State, steps: int, policy: Policy, recorded: List[int],
+             preserve_rng_state: bool, check_recompute: bool):
+    """(psi_T, history, carry_T) of the episode under `policy`."""
+    if not policy.recomputes or not torch.is_grad_enabled():
+        return _run_plain(unit, state0, 0, steps, recorded, [])
+    schedule = schedule_for(policy, steps, lambda: step_graph_bytes(
+        unit.step_fn, state0.psi, state0.carry if unit.carried else None), state0.psi.device, check_recompute)
+
+    # Step 0 with grad enabled: its graph tells which leaves (parameters) the episode depends on.
+    # Unless the schedule keeps step 0's graph, only the graph's shape is needed, so nothing it
+    # would save for backward is kept.
+    marker = _next_sequence_nr()
+    rng = RngStates(state0.psi.device, preserve_rng_state)
+    rng.record()
+    if schedule.keeps_graph(0):
+        first = run_with_graph(unit, state0, 0)
+        inputs, outputs = first.inputs, first.outputs
+    else:
+        inputs = state0.as_inputs(True)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_discard, _discard):
+            outputs = unit(inputs, 0)
+        first = outputs.detached()
+    params = _leaves_reached([x for x in outputs.tensors() if x is not None], {id(x) for x in inputs.tensors()}, marker)
+    if not params and not any(state0.needs_grad()):
+        with torch.no_grad():
+            start = outputs.detached()
+            return _run_plain(unit, start, 1, steps, recorded, [start.psi] if steps > 1 else [])
+
+    plan = Episode(unit, schedule, rng, recorded, policy.checkpoint, first, params, state0, check_recompute)
+    if isinstance(unit.step_fn, StepGraph):
+        unit.capture = unit.step_fn.for_rollout(outputs.detached(), unit.step, params, plan.autocast)
+    result = EpisodeFunction.apply(plan, state0.psi, *state0.carry, *params)
+    n_history = len(plan.history_steps)
+    psi_T, history = result[0], list(result[1:1 + n_history])
+    history.append(psi_T)
+    carry_T = iter(result[1 + n_history:])
+    return psi_T, history, tuple(next(carry_T) if present else None for present in plan.carry_T_present)
+
+
+def _run_plain(unit: StepUnit, state: State, start: int, steps: int, recorded: List[int], history: list):
+    """The stock loop from step `start` (history holds the records before it) under the current
+    grad mode: (psi_T, history, carry_T); history[-1] is psi_T."""
+    recorded = set(recorded)
+    for t in range(start, steps):
+        state = unit(state, t)
+        if t in recorded and t != steps - 1:
+            history.append(state.psi)
+    history.append(state.psi)
+    return state.psi, history, state.carry
+
+
+def _discard(_):
+    return None
+
+
+def _next_sequence_nr() -> int:
+    """Autograd nodes created from now on in this thread have a sequence number >= this."""
+    with torch.enable_grad():
+        node = torch.zeros((), requires_grad=True).view(()).grad_fn
+    return node._sequence_nr() + 1
+
+
+def _leaves_reached(outputs, inputs: set, marker: int) -> List[torch.Tensor]:
+    """The leaf tensors requiring grad that the graphs of `outputs` reach, other than the
+    tensors whose ids are in `inputs`."""
+    leaves, seen_leaves, visited = [], set(), set()
+    stack = [out.grad_fn for out in outputs]
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: the edge into a leaf
+        if variable is not None:
+            if id(variable) not in inputs and id(variable) not in seen_leaves:
+                seen_leaves.add(id(variable))
+                leaves.append(variable)
+            continue
+        if node._sequence_nr() < marker:
+            raise RuntimeError(
+                "rollout: step_fn uses a tensor that requires grad but was computed outside "
+                f"step_fn (its autograd node {node.name()} predates the step). Only leaf tensors "
+                "(parameters) can be reached through the closure, since the recompute runs after "
+                "the rest of the graph may be freed: compute that tensor inside step_fn, or detach it."
+            )
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves

@@ -1,0 +1,208 @@
+"""The episode as one autograd Function, for every schedule that recomputes.
+
+Its forward runs the steps without a graph (a step whose graph the schedule keeps runs with one)
+and keeps what the schedule says; its backward hands the kept states to the schedule, which
+drives the reverse pass (reverse.py) one step at a time.
+
+Parameters are found, not listed: step 0 runs with grad enabled and its graph is walked to the
+leaf tensors it reaches (the parameters of step_fn's closure). They become inputs of the
+Function, so autograd accumulates each one's gradient once per backward (DDP's hooks fire once)
+and `torch.autograd.grad(loss, params)` works too.
+"""
+
+from typing import Callable, List, Optional
+
+import torch
+
+from ..ops import second_order_requested
+from . import weight_casts
+from .intermediates import keep_block_intermediates
+from .param_grads import ParamGradSink
+from .replay import AutocastState, RngStates
+from .reverse import StepReverser
+from .schedule import Schedule
+from .state import State, check_like_psi, checked_carry
+
+
+class StepUnit:
+    """One step of the episode: step_fn then noise, with the checks that keep the state's type.
+
+    With a capture (a StepGraph's, graph.py), steps taken without grad replay its forward graph;
+    the reverse pass asks the capture for the backward."""
+
+    def __init__(self, step_fn: Callable, noise: Optional[Callable], carried: bool):
+        self.step_fn = step_fn
+        self.noise = noise
+        self.carried = carried
+        self.capture = None
+        # The episode's half-precision weights, cast once (or once per shared_weight_casts() scope).
+        self.weight_casts = weight_casts.for_episode()
+
+    def step(self, psi: torch.Tensor, carry: tuple, t: Optional[int] = None):
+        """step_fn on (psi, carry) -> (psi, carry), whether or not the rollout carries state; t
+        names the step in errors."""
+        at = "" if t is None else f" at step {t}"
+        if not self.carried:
+            return self.step_fn(psi), ()
+        result = self.step_fn(psi, carry)
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            raise TypeError(f"rollout: with carry=..., step_fn(psi, carry) must return (psi, carry);{at} "
+                            f"it returned {type(result).__name__}")
+        return result[0], checked_carry(result[1], f"the carry step_fn returned{at}", len(carry))
+
+    def __call__(self, state: State, t: int) -> State:
+        if self.capture is not None and not torch.is_grad_enabled() and self.capture.takes(state.carry):
+            out, carry = self.capture.forward(*state)
+            return State(self.add_noise(out, t), carry)
+        with self.weight_casts.active():
+            out, carry = self.step(*state, t)
+        check_like_psi(out, state.psi, "step_fn", t)
+        return State(self.add_noise(out, t), carry)
+
+    def add_noise(self, out: torch.Tensor, t: int) -> torch.Tensor:
+        if self.noise is None:
+            return out
+        noisy = self.noise(out, t)
+        check_like_psi(noisy, out, "noise", t)
+        return noisy
+
+
+class KeptGraph:
+    """A step whose graph the forward kept: its input leaves and its outputs."""
+
+    def __init__(self, inputs: State, outputs: State):
+        self.inputs = inputs
+        self.outputs = outputs
+
+
+def run_with_graph(unit: StepUnit, state: State, t: int) -> KeptGraph:
+    """Step t with its whole graph kept (blocks keeping their intermediates)."""
+    inputs = state.as_inputs(True)
+    with torch.enable_grad(), keep_block_intermediates():
+        return KeptGraph(inputs, unit(inputs, t))
+
+
+class Episode:
+    """Everything the episode's Function needs besides tensors."""
+
+    def __init__(self, unit: StepUnit, schedule: Schedule, rng: RngStates, history_steps: List[int], mode: str,
+                 first, params: List[torch.Tensor], state0: State, check_recompute: bool):
+        self.unit = unit
+        self.schedule = schedule
+        self.rng = rng
+        self.steps = schedule.steps
+        self.history_steps = [t for t in history_steps if t != self.steps - 1]
+        self.mode = mode
+        self.first = first  # step 0's output state, or its kept graph
+        # The parameters stay here, not in save_for_backward: saved-tensor hooks (save_on_cpu,
+        # saved_bytes) would hand back copies, which the recomputed steps never use.
+        self.params = params
+        self.param_versions = [p._version for p in params]
+        self.input_needs_grad = state0.needs_grad()  # psi0 then each carry entry
+        self.carry_width = len(state0.carry)
+        self.carry_T_present: List[bool] = []  # which carry_T entries are outputs (not None)
+        # The check compares the last step's recompute with the final state, kept for it.
+        self.keeps_final_state = check_recompute and schedule.recomputes(self.steps - 1)
+        self.check_recompute = check_recompute
+        self.autocast = AutocastState(sorted({"cpu", state0.psi.device.type}))
+        self.kept_steps: List[int] = []  # which states are saved, in saved order
+        self.graphs = {}  # step -> KeptGraph
+
+    def advance(self, state: State, start: int, stop: int) -> State:
+        """The state at step `stop` from the one at step `start`, without a graph (as the
+        forward ran)."""
+        with torch.no_grad(), self.autocast():
+            for t in range(start, stop):
+                with self.rng.replay(t):
+                    state = self.unit(state, t)
+        return state
+
+
+class EpisodeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan: Episode, psi0: torch.Tensor, *inputs: Optional[torch.Tensor]):
+        steps, schedule = plan.steps, plan.schedule
+        stored, history = [(0, State(psi0, tuple(inputs[:plan.carry_width])))], []
+        history_steps = set(plan.history_steps)
+        step_out = plan.first
+        plan.first = None
+        for t in range(1, steps + 1):
+            if isinstance(step_out, KeptGraph):
+                plan.graphs[t - 1] = step_out
+                step_out = step_out.outputs.detached()
+            state = step_out  # the state after step t-1, the input of step t
+            if t - 1 in history_steps:
+                history.append(state.psi)
+            if t == steps:
+                break
+            plan.rng.record()
+            if schedule.keeps_graph(t):
+                step_out = run_with_graph(plan.unit, state, t)
+                continue
+            if schedule.keeps_state(t):
+                stored.append((t, state))
+            step_out = plan.unit(state, t)
+        plan.kept_steps = [t for t, _ in stored]
+        plan.carry_T_present = [c is not None for c in state.carry]
+        outputs = [state.psi, *history, *(c for c in state.carry if c is not None)]
+        # An output must not be an input or another output (an identity step would make it so).
+        seen = {id(x) for x in (psi0, *inputs) if x is not None}
+        for i, out in enumerate(outputs):
+            if id(out) in seen:
+                outputs[i] = out.clone()
+            seen.add(id(outputs[i]))
+        if plan.keeps_final_state:
+            carry_out = iter(outputs[1 + len(history):])
+            stored.append((steps, State(outputs[0], tuple(next(carry_out) if c is not None else None
+                                                          for c in state.carry))))
+        ctx.plan = plan
+        ctx.save_for_backward(*(x for _, kept in stored for x in kept.tensors()))
+        ctx.set_materialize_grads(False)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, grad_psi_T, *grads):
+        plan: Episode = ctx.plan
+        if second_order_requested():
+            # Each step's graph lives only while its reverse step runs: no graph can span them.
+            raise RuntimeError(f"rollout(checkpoint={plan.mode!r}): no second-order gradients (create_graph=True): "
+                               "this mode keeps no graph across steps; use checkpoint='none' (plain autograd)")
+        for p, version in zip(plan.params, plan.param_versions):
+            if p._version != version:
+                raise RuntimeError(
+                    f"rollout: a parameter of shape {tuple(p.shape)} was modified by an inplace operation "
+                    f"between the episode's forward and its backward (version {version} -> {p._version}), "
+                    "e.g. an optimizer step; the recompute would not reproduce the forward"
+                )
+        width = 1 + plan.carry_width
+        saved = ctx.saved_tensors
+        states = [State(saved[i], tuple(saved[i + 1:i + width])) for i in range(0, len(saved), width)]
+        kept = dict(zip(plan.kept_steps, states))
+        kept.update(plan.graphs)
+        plan.graphs = {}
+        final_state = states[-1] if plan.keeps_final_state else None
+        del states, saved
+
+        n_history = len(plan.history_steps)
+        no_carry_grads = (None,) * plan.carry_width
+        incoming = {t: State(g, no_carry_grads) for t, g in zip(plan.history_steps, grads[:n_history]) if g is not None}
+        carry_grads = iter(grads[n_history:])
+        grad_carry_T = tuple(next(carry_grads) if present else None for present in plan.carry_T_present)
+        if grad_psi_T is not None or any(g is not None for g in grad_carry_T):
+            incoming[plan.steps - 1] = State(grad_psi_T, grad_carry_T)
+
+        capture = plan.unit.capture
+        if capture is not None:
+            capture.zero_accumulators()
+        sink = ParamGradSink(plan.params)  # steps run eagerly (all, or a capture's first) add theirs here
+        reverser = StepReverser(plan, incoming, final_state)
+        with sink:
+            plan.schedule.reverse(kept, reverser)
+        del kept, final_state
+        reverser.verify()
+        if capture is not None:
+            for i, grad in enumerate(capture.parameter_grads()):
+                if grad is not None:
+                    sink.add(i, grad)
+        grad_psi0, *grad_carry0 = reverser.grads_of_inputs()
+        return (None, grad_psi0, *grad_carry0, *sink.take())

@@ -1,0 +1,94 @@
+"""The check that each recomputed step reproduces its forward.
+
+A step is recomputed from the state it saw in the forward. When the step is not a pure function
+of that state (it reads memory kept on an object, a counter, a nondeterministic kernel), the
+recompute silently differs and so do the gradients. So the reverse pass compares each recomputed
+step's output with the next state when that is at hand: with one state per step every step's
+(the forward kept them all, and the final state), with revolve each step's whose successor is the
+input of the step reversed just before (held one step longer for that). The differences stay on
+the device; one read at the end of the backward raises `RecomputeMismatchError` before any
+gradient is handed back.
+"""
+
+from typing import List
+
+import torch
+
+from .state import State, describe, differentiable
+
+
+class RecomputeMismatchError(RuntimeError):
+    """A step recomputed in backward gave another result than the forward's."""
+
+
+def _tolerance(tensor: torch.Tensor) -> float:
+    """Rounding, even amplified a thousandfold, stays under sqrt(eps) of the dtype; a step that
+    depends on state outside its inputs differs by far more."""
+    if not differentiable(tensor):
+        return 0.0
+    real = tensor.real if tensor.is_complex() else tensor
+    return torch.finfo(real.dtype).eps ** 0.5
+
+
+def _relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """max|actual - expected| / max|expected| as a float32 scalar on the device; NaN where only
+    one side is NaN, 0 where both are."""
+    if not differentiable(expected):
+        return (actual != expected).any().to(torch.float32)
+    same = (actual == expected) | (actual.isnan() & expected.isnan())
+    difference = torch.where(same, 0.0, (actual - expected).abs()).amax()
+    scale = expected.abs().nan_to_num(0.0, 0.0, 0.0).amax().clamp_min(torch.finfo(torch.float32).tiny)
+    return (difference / scale).to(torch.float32)
+
+
+class RecomputeCheck:
+    """The per-step differences of one backward, read once at its end."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.steps: List[int] = []
+        self.names: List[List[str]] = []
+        self.differences: List[torch.Tensor] = []
+        self.tolerances: List[List[float]] = []
+
+    def add(self, t: int, recomputed: State, expected: State) -> None:
+        names, differences, tolerances = [], [], []
+        for (name, actual), (_, wanted) in zip(recomputed.entries(), expected.entries()):
+            if (actual is None) != (wanted is None) or (actual is not None and (
+                    actual.shape != wanted.shape or actual.dtype != wanted.dtype)):
+                raise self.error(t, f"{name} {describe(actual)} where the forward had {describe(wanted)}")
+            if actual is None:
+                continue
+            names.append(name)
+            difference = _relative_difference(actual.detach(), wanted.detach())
+            differences.append(difference.to(differences[0].device) if differences else difference)
+            tolerances.append(_tolerance(wanted))
+        self.steps.append(t)
+        self.names.append(names)
+        self.differences.append(torch.stack(differences))
+        self.tolerances.append(tolerances)
+
+    def verify(self) -> None:
+        if not self.steps:
+            return
+        values = torch.cat(self.differences).tolist()  # the check's only host sync
+        failures, i = [], 0
+        for t, names, tolerances in zip(self.steps, self.names, self.tolerances):
+            for name, tolerance in zip(names, tolerances):
+                if not values[i] <= tolerance:  # NaN fails too
+                    failures.append((t, name, values[i], tolerance))
+                i += 1
+        if failures:
+            t, name, value, tolerance = min(failures)
+            more = f" ({len(failures)} step outputs differ in all)" if len(failures) > 1 else ""
+            raise self.error(t, f"{name} differs from the forward's by max|diff|/max|forward| = {value:.3g} "
+                                f"(tolerance {tolerance:.3g}){more}")
+
+    def error(self, t: int, what: str) -> RecomputeMismatchError:
+        return RecomputeMismatchError(
+            f"rollout(checkpoint={self.mode!r}): the recompute of step {t} in backward does not reproduce the "
+            f"forward: {what}. The step is not a function of its inputs alone, so its gradients would be wrong. "
+            "Likely causes: state kept outside psi (a memory such as ConvLSTM h/c read from and written to an "
+            "object, a counter): pass it through rollout(..., carry=...); or a nondeterministic kernel. "
+            "checkpoint='none' recomputes nothing; check_recompute=False switches this check off."
+        )

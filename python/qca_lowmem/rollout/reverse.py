@@ -1,0 +1,132 @@
+"""The reverse pass of an episode: one step at a time, last step first, whatever the schedule.
+
+For each step the schedule hands over what the forward kept for it. The pass gets the step's
+outputs and a vector-Jacobian product from one of three ways of running a step:
+
+- recomputed eagerly: the step runs again with grad from its kept input state (same autocast
+  state, same random numbers, blocks keeping their intermediates);
+- replayed on a capture (a StepGraph, graph.py): the captured forward and backward graphs, the
+  noise after the step eager;
+- a kept graph (checkpoint="auto"'s last steps): the graph the forward built, nothing recomputed.
+
+The pass itself owns what they share: the gradients flowing into each step's outputs, the
+recompute check (recompute_check.py), and the first step's inputs, whose gradients are returned
+only where psi0 or a carry entry requires grad. Parameter gradients reach the episode's
+ParamGradSink through the parameters' hooks, or the capture's accumulators.
+"""
+
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from .intermediates import keep_block_intermediates
+from .recompute_check import RecomputeCheck
+from .state import State
+
+
+def _add(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a + b
+
+
+def graph_vjp(inputs: State, outputs: State, params) -> Callable[[State], State]:
+    """The vector-Jacobian product of a step whose graph runs from `inputs` to `outputs`."""
+
+    def vjp(grads: State) -> State:
+        pairs = [(value, grad) for value, grad in zip(outputs.tensors(), grads.tensors())
+                 if grad is not None and value is not None and value.requires_grad]
+        wrt = [x for x in inputs.tensors() if x is not None and x.requires_grad]
+        if pairs and (wrt or params):
+            found = torch.autograd.grad([v for v, _ in pairs], wrt + params, [g for _, g in pairs], allow_unused=True)
+        else:
+            found = [None] * len(wrt)
+        by_input = {id(x): g for x, g in zip(wrt, found)}
+        return State(by_input.get(id(inputs.psi)),
+                     tuple(None if c is None else by_input.get(id(c)) for c in inputs.carry))
+
+    return vjp
+
+
+class StepReverser:
+    """The gradients flowing back along the episode: w.r.t. the state after the step being
+    reversed, then, once it is reversed, w.r.t. its input state."""
+
+    def __init__(self, plan, incoming: dict, final_state: Optional[State] = None):
+        self.plan = plan
+        self.incoming = incoming  # step -> State of the gradients flowing into its output
+        self.grads = State(None, (None,) * plan.carry_width)
+        self.check = RecomputeCheck(plan.mode) if plan.check_recompute else None
+        # The state after the step reversed next, when known: (step index, state).
+        self.next_state: Optional[Tuple[int, State]] = (plan.steps, final_state) if final_state else None
+
+    def advance(self, state: State, start: int, stop: int) -> State:
+        return self.plan.advance(state, start, stop)
+
+    def backprop(self, t: int, kept) -> None:
+        """Reverse step t given what the forward kept for it (its input state or its graph): the
+        gradients then refer to its input."""
+        g = self.incoming.pop(t, None)
+        if g is not None:
+            self.grads = State(_add(self.grads.psi, g.psi), tuple(map(_add, self.grads.carry, g.carry)))
+        graph = kept if not isinstance(kept, State) else None
+        state = kept if graph is None else graph.inputs
+        expected = self.next_state[1] if self.next_state is not None and self.next_state[0] == t + 1 else None
+        self.next_state = (t, state) if self.check is not None else None
+        if all(g is None for g in self.grads.tensors()):
+            return  # nothing of the loss depends on this step's output
+        if graph is not None:
+            outputs, vjp = graph.outputs, graph_vjp(graph.inputs, graph.outputs, self.plan.params)
+        elif self.plan.unit.capture is not None and self.plan.unit.capture.takes(state.carry):
+            outputs, vjp = self._replayed(t, state)
+        else:
+            outputs, vjp = self._recomputed(t, state)
+        if expected is not None and graph is None:
+            self.check.add(t, outputs, expected)
+        grads = vjp(self.grads)
+        if t == 0:  # psi0 and the carry entries that do not require grad get none
+            needs = self.plan.input_needs_grad
+            grads = State(grads.psi if needs[0] else None,
+                          tuple(g if n else None for g, n in zip(grads.carry, needs[1:])))
+        self.grads = grads
+
+    def _recomputed(self, t: int, state: State):
+        plan = self.plan
+        inputs = state.as_inputs([True] * len(plan.input_needs_grad) if t else plan.input_needs_grad)
+        with torch.enable_grad(), plan.autocast(), keep_block_intermediates(), plan.rng.replay(t):
+            outputs = plan.unit(inputs, t)
+        return outputs, graph_vjp(inputs, outputs, plan.params)
+
+    def _replayed(self, t: int, state: State):
+        """Step t on the capture's graphs: its forward replayed, the noise after it eager."""
+        plan = self.plan
+        unit = plan.unit
+        out, out_carry = unit.capture.output_for_backward(*state)
+        noisy = out
+        if unit.noise is not None:
+            out = out.requires_grad_(True)
+            with torch.enable_grad(), plan.autocast(), plan.rng.replay(t):
+                noisy = unit.add_noise(out, t)
+
+        def vjp(grads: State) -> State:
+            grad_out = grads.psi
+            if noisy is not out and grad_out is not None:
+                grad_out = torch.autograd.grad(noisy, out, grad_out, allow_unused=True)[0] if noisy.requires_grad \
+                    else None
+            if grad_out is None and all(g is None for g in grads.carry):
+                return State(None, (None,) * len(grads.carry))
+            return State(*unit.capture.backward(grad_out, grads.carry))
+
+        return State(noisy, out_carry), vjp
+
+    def grads_of_inputs(self):
+        """After the last step reversed: the gradients of psi0 and each carry entry (None where
+        it does not require grad)."""
+        return self.grads.tensors()
+
+    def verify(self) -> None:
+        """Raise RecomputeMismatchError when a checked recompute differed from the forward."""
+        if self.check is not None:
+            self.check.verify()

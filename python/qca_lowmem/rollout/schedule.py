@@ -1,0 +1,108 @@
+"""Schedules: which states an episode keeps in its forward and in which order the reverse pass
+visits its steps. Each policy that recomputes is one of them, over the same episode Function
+(episode.py) and the same reverse pass (reverse.py):
+
+- `EveryStep`: the input state of every step is kept and each step is recomputed once, last
+  step first. With `full_graphs=k` (checkpoint="auto") the last k steps keep their whole graph
+  instead (blocks keeping their intermediates) and are differentiated through it, nothing
+  recomputed: the first steps the backward needs, and frees.
+- `Revolve`: at most `slots` states (psi0 included), placed and re-advanced by the binomial
+  schedule of revolve.py.
+
+A schedule tells the forward `keeps_state(t)` / `keeps_graph(t)` for the input of step t, and
+reverses by calling `reverser.backprop(t, kept)` for t from the last step down, each with what
+the forward kept for t (a state, or a kept graph), re-advancing states with
+`reverser.advance(state, start, stop)` where it keeps fewer.
+"""
+
+from typing import Callable, Tuple
+
+import torch
+
+from . import revolve
+from .memory import free_budget
+from .policy import Policy
+
+
+class Schedule:
+    steps: int
+
+    def keeps_state(self, t: int) -> bool:
+        raise NotImplementedError
+
+    def keeps_graph(self, t: int) -> bool:
+        return False
+
+    def recomputes(self, t: int) -> bool:
+        """Whether step t is recomputed in backward (its recompute is then checked)."""
+        return not self.keeps_graph(t)
+
+    def reverse(self, kept: dict, reverser) -> None:
+        raise NotImplementedError
+
+
+class EveryStep(Schedule):
+    def __init__(self, steps: int, full_graphs: int = 0):
+        self.steps = steps
+        self.graphs_from = steps - full_graphs
+
+    def keeps_state(self, t: int) -> bool:
+        return t < self.graphs_from
+
+    def keeps_graph(self, t: int) -> bool:
+        return t >= self.graphs_from
+
+    def reverse(self, kept: dict, reverser) -> None:
+        for t in reversed(range(self.steps)):
+            reverser.backprop(t, kept.pop(t))  # popped: each state or graph freed once reversed
+
+
+class Revolve(Schedule):
+    def __init__(self, steps: int, slots: int):
+        self.steps = steps
+        self.slots = slots
+        self.kept = {0, *revolve.first_sweep(steps, slots)}
+
+    def keeps_state(self, t: int) -> bool:
+        return t in self.kept
+
+    def reverse(self, kept: dict, reverser) -> None:
+        revolve.reverse(self.steps, self.slots, kept, reverser)
+
+
+def budget_split(steps: int, state_bytes: int, step_bytes: int, budget: int):
+    """(full_graphs, slots) for a budget of `budget` bytes: the full graphs of the last
+    `full_graphs` steps and one state per step before them; or, when one state per step does not
+    fit, revolve with `slots` (full_graphs 0)."""
+    if budget < steps * state_bytes:
+        return 0, max(1, budget // state_bytes)
+    if step_bytes <= state_bytes:
+        return steps, None
+    return min(steps, (budget - steps * state_bytes) // (step_bytes - state_bytes)), None
+
+
+def schedule_for_budget(steps: int, state_bytes: int, step_bytes: int, budget: int,
+                        keeps_final_state: bool) -> Schedule:
+    """checkpoint="auto": the schedule keeping the most full graphs that `budget` bytes hold.
+    `keeps_final_state`: the recompute check holds the last state too, within the budget."""
+    if keeps_final_state:
+        budget = max(0, budget - state_bytes)
+    full_graphs, slots = budget_split(steps, state_bytes, step_bytes, budget)
+    if slots is not None:
+        return Revolve(steps, slots)
+    return EveryStep(steps, full_graphs)
+
+
+def schedule_for(policy: Policy, steps: int, measure: Callable[[], Tuple[int, int]], device: torch.device,
+                 keeps_final_state: bool) -> Schedule:
+    """The schedule of a recomputing policy (plain autograd has none). `measure()` -> (bytes of
+    one step's full graph with its output state, bytes of a state), called only for a budget;
+    `keeps_final_state`: the recompute check holds the last state besides what is kept."""
+    if policy.slots is not None:
+        return Revolve(steps, policy.slots)
+    if policy.budget is None:
+        return EveryStep(steps)
+    step_bytes, state_bytes = measure()
+    budget = free_budget(device, step_bytes) if policy.reads_free_memory else policy.budget
+    return schedule_for_budget(steps, state_bytes, step_bytes, budget, keeps_final_state)
+
