@@ -44,6 +44,7 @@ import torch.utils.checkpoint
 import common
 import qca_lowmem
 from qca_lowmem import stock as reference
+from qca_lowmem.rollout.memory import step_graph_bytes
 
 RUNS = ["lowmem_fp32_step_graph", "lowmem_bf16_step_graph", "lowmem_fp16_step_graph", "stock_fp32",
         "stock_fp16_autocast", "stock_fp16_checkpoint", "lowmem_fp32_step", "lowmem_bf16_step", "lowmem_fp16_step",
@@ -197,7 +198,8 @@ class Run:
         self.budget = None
         if name.startswith("lowmem_fp32_auto"):
             self.step = lowmem_step_fn(self.model, args.gamma, None)  # one step_fn: its graph is measured once
-            whole = args.steps * qca_lowmem.auto_checkpoint.step_graph_bytes(self.step, initial_state(args, device, 0))
+            # step_graph_bytes -> (one step's full graph with its output state, the state alone)
+            whole = args.steps * step_graph_bytes(self.step, initial_state(args, device, 0))[0]
             self.budget = whole // 2 if name.endswith("_half") else whole
         self.times = []
         self.episode(seed=0)

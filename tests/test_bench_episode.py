@@ -37,3 +37,21 @@ def test_tiny_episode_writes_the_report(tmp_path):
     assert report["max_grad_rel_err_fp32"] < 1e-5
     for key in ("device", "torch", "cuda", "commit", "date"):
         assert key in report
+
+
+def test_every_run_kind_runs_on_a_tiny_config(tmp_path):
+    """Each run the script knows, the ones asked for by name included (checkpoint="auto" among
+    them), completes: a command docs/benchmarks.md gives cannot break unseen."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_episode
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    runs = bench_episode.RUNS + bench_episode.EXTRA_RUNS
+    out = tmp_path / "episode.json"
+    result = run("--device", "cpu", "--grid", "8", "--d-state", "2", "--hidden", "4", "--steps", "3", "--episodes", "1",
+                 "--runs", *runs, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert [r["name"] for r in report["runs"]] == runs
+    assert all("error" not in r and r["episode_s"] > 0 for r in report["runs"]), report["runs"]
