@@ -76,7 +76,7 @@ def cuda_arch_list():
 def write_build_info(with_cuda, arch_list):
     """Recorded build facts, checked at import against the running torch."""
     lines = [
-        "# Written by setup.py at build time; checked by qca_lowmem._loader at import.",
+        "# Written by setup.py at build time; checked by qca_lowmem.ops._loader at import.",
         f"TORCH_VERSION = {torch.__version__!r}",
         f"WITH_CUDA = {with_cuda!r}",
         f"CUDA_VERSION = {(torch.version.cuda if with_cuda else None)!r}",
