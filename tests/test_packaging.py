@@ -154,7 +154,7 @@ def test_wheel_holds_the_package_and_its_build_facts(wheel):
     assert modules | {"qca_lowmem/_build_info.py"} | {f"qca_lowmem/configs/{c}.yaml" for c in CONFIGS} <= names
     assert [n for n in names if n.startswith("qca_lowmem/_C.") and n.endswith(".so")]
     assert f"TORCH_VERSION = {TORCH_VERSION!r}" in build_info
-    assert "qca-lowmem = qca_lowmem.trainer.cli:main" in entry_points
+    assert "qca-lowmem = qca_lowmem.trainer.cli:entry" in entry_points
 
 
 def test_wheel_installs_imports_and_uninstalls_without_leftovers(work, torch_venv, wheel):

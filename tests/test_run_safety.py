@@ -319,3 +319,26 @@ def test_a_stop_signal_saves_and_exits_with_its_status(tmp_path, signals, status
     episode = read_checkpoint(out / CHECKPOINT_NAME)["episode"]
     assert episode >= 2 and f"{said} {episode}; episodes 0-{episode - 1} are in" in stderr
     assert len((out / "metrics.csv").read_text().splitlines()) - 1 == episode
+
+
+@pytest.mark.parametrize("until_exit", [True, False], ids=["process", "in-process"])
+def test_after_a_stop_the_process_ignores_stop_signals_through_its_exit(until_exit):
+    """The stop's save and report can end before a second signal arrives (the runs above send
+    it 20 ms later): then it lands in the interpreter's exit, and restored handlers would let it
+    kill the process or print a traceback there. A command that is the process keeps them
+    ignored; one run in-process (tests, a notebook) gets its handlers back."""
+    from qca_lowmem.trainer.signals import STOP_SIGNALS, Stop, stop_signals_handled
+
+    before = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    try:
+        for number in STOP_SIGNALS:
+            signal.signal(number, signal.SIG_DFL)
+        with stop_signals_handled(until_exit=until_exit):
+            with pytest.raises(Stop):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1)  # the handler runs at the next bytecode, before this returns
+        expected = signal.SIG_IGN if until_exit else signal.SIG_DFL
+        assert all(signal.getsignal(number) == expected for number in STOP_SIGNALS)
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)

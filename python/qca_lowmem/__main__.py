@@ -1,5 +1,3 @@
-import sys
+from .trainer.cli import entry
 
-from .trainer.cli import main
-
-sys.exit(main())
+entry()

@@ -120,11 +120,13 @@ def build_parser():
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, *, process: bool = False) -> int:
+    """The command `argv` (default: the process's arguments); its exit status. `process`: this
+    command is the whole process (entry())."""
     from .signals import stop_signals_handled
 
     args = build_parser().parse_args(argv)
-    with stop_signals_handled() if args.command == "train" else contextlib.nullcontext():
+    with stop_signals_handled(until_exit=process) if args.command == "train" else contextlib.nullcontext():
         try:
             return _run(args)
         except SystemExit:
@@ -137,6 +139,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             return status
 
 
+
+def entry():
+    """The `qca-lowmem` process."""
+    sys.exit(main(process=True))
 
 def _failure(command: str, error: BaseException):
     """(exit status, one line) for an exception that ended `command`."""
@@ -234,4 +240,4 @@ def _train(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

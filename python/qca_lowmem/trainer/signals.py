@@ -31,22 +31,26 @@ def _in_main_thread() -> bool:
 
 
 @contextlib.contextmanager
-def stop_signals_handled():
+def stop_signals_handled(until_exit: bool = False):
     """Within: the stop signals not ignored (nohup ignores SIGHUP) raise Stop, and after the
     first are ignored; the handlers before are restored at the end. The CLI holds it over a whole
-    command, its one-line report included."""
+    command, its one-line report included. `until_exit` (the command is the process): after a
+    stop they stay ignored, since the process is on its way out and a signal during its exit
+    would kill it or break the exit into a traceback."""
     if not _in_main_thread():
         yield
         return
     before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    for number, handler in before.items():
-        if handler in (signal.SIG_DFL, signal.default_int_handler):
-            signal.signal(number, _stop)
+    installed = [number for number, handler in before.items() if handler in (signal.SIG_DFL, signal.default_int_handler)]
+    for number in installed:
+        signal.signal(number, _stop)
     try:
         yield
     finally:
-        for number, handler in before.items():
-            signal.signal(number, handler)
+        stopped = any(signal.getsignal(number) == signal.SIG_IGN for number in installed)
+        if not (until_exit and stopped):
+            for number, handler in before.items():
+                signal.signal(number, handler)
 
 
 @contextlib.contextmanager
