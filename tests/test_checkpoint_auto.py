@@ -117,6 +117,23 @@ def test_an_error_in_the_full_graph_tail_names_the_episodes_step():
         rollout(step, initial_state().requires_grad_(), STEPS, checkpoint="auto", budget=budget, noise=noise)
 
 
+def test_a_second_backward_through_kept_full_graphs_is_refused():
+    params, step = fused_unet_step()
+    psi_T, _ = rollout(step, initial_state().requires_grad_(), STEPS, checkpoint="auto",
+                       budget=budgets(step)["3 full"])
+    loss = psi_T.abs().sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="full graphs kept for the episode's last steps were freed"):
+        loss.backward()
+
+
+def test_enable_refuses_budget_free_off_cuda():
+    trainer = QC_Trainer_v4(make_config(grid=8, qca_steps=3))
+    with pytest.raises(ValueError, match=r"enable\(\): budget='free' reads the free memory of a CUDA device.*cpu"):
+        qca_lowmem.enable(trainer, checkpoint="auto", budget="free")
+    assert not hasattr(trainer, "_qca_lowmem_state")
+
+
 def test_a_policy_is_normalised_once_and_said_the_same_everywhere():
     auto = Policy.auto("2KiB")
     assert auto == Policy.of("auto", budget=2048) and auto.budget == 2048 and auto.byte_budget == 2048

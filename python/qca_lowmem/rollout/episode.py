@@ -178,8 +178,12 @@ class EpisodeFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         states = [State(saved[i], tuple(saved[i + 1:i + width])) for i in range(0, len(saved), width)]
         kept = dict(zip(plan.kept_steps, states))
+        if plan.graphs is None:
+            raise RuntimeError(f"rollout(checkpoint={plan.mode!r}): the full graphs kept for the episode's last steps "
+                               "were freed by its first backward; retain_graph=True does not keep them: run the "
+                               "episode again, or use checkpoint='step' to backpropagate through it twice")
         kept.update(plan.graphs)
-        plan.graphs = {}
+        plan.graphs = None if plan.graphs else {}  # reversing frees their buffers
         final_state = states[-1] if plan.keeps_final_state else None
         del states, saved
 
