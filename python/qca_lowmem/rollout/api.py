@@ -41,8 +41,8 @@ def rollout(
       it must return a tensor of psi's shape, dtype and device. Parameters it reaches through its
       closure get their gradients. The backward runs it again, so it must compute the same
       function again: random draws are replayed (see preserve_rng_state), other state is not.
-      A `qca_lowmem.StepGraph(step_fn)` runs, for psi on a GPU with checkpoint "step" or
-      "revolve", each step as replays of captured CUDA graphs (same kernels, no launch overhead).
+      A `qca_lowmem.StepGraph(step_fn)` runs, for psi on a GPU, each step that is not kept as a
+      full graph as replays of captured CUDA graphs (same kernels, no launch overhead).
     noise(psi, t) -> psi: applied after step t, e.g. a `qca_lowmem.NoiseSchedule`, whose random
       numbers are keyed by (seed, t) and replay by construction, with no generator state.
     checkpoint: "none" (plain autograd, the stock behaviour: memory grows with steps), "step"
