@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-bash scripts/setup.sh pytest hypothesis matplotlib uv
+bash scripts/setup.sh pytest hypothesis matplotlib uv tensorboard
 "$PYTHON" -m pytest -q "$@" tests

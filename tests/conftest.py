@@ -51,6 +51,13 @@ TINY = {
 }
 
 
+def report_lines(stderr: str):
+    """A run's stderr less its own progress notes (where it trains, how long the first episode
+    took): what it reports besides them."""
+    notes = ("qca-lowmem: training episodes ", "qca-lowmem: first episode ")
+    return [line for line in stderr.splitlines() if not line.startswith(notes)]
+
+
 def write_config(path: Path, config=None, text=None) -> str:
     path.write_text(text if text is not None else yaml.safe_dump(config if config is not None else TINY))
     return str(path)

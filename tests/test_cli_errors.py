@@ -15,7 +15,7 @@ import yaml
 
 from qca_lowmem.trainer import cli
 from qca_lowmem.trainer.checkpoint import CHECKPOINT_NAME, previous_path
-from conftest import TINY, write_config
+from conftest import TINY, report_lines, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -151,7 +151,7 @@ def test_ctrl_c_saves_and_exits_130(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 130, stderr
-    assert "Traceback" not in stderr and len(stderr.splitlines()) == 1, stderr
+    assert "Traceback" not in stderr and len(report_lines(stderr)) == 1, stderr
     episode = torch.load(out / CHECKPOINT_NAME, weights_only=False)["episode"]
     assert episode >= 2
     assert f"interrupted at episode {episode}; episodes 0-{episode - 1} are in" in stderr
@@ -193,7 +193,7 @@ def test_a_failure_while_training_is_one_line_with_status_1(run_dir, monkeypatch
     status = cli.main(["train", "--config", str(run_dir.parent / "tiny.yaml"), "--out", str(run_dir), "--resume",
                        "--episodes", "4", "--no-progress"])
     err = capsys.readouterr().err
-    assert status == 1 and err.count("\n") == 1
+    assert status == 1 and len(report_lines(err)) == 1, err
     assert "failed: RuntimeError: injected failure with a second line" in err
     assert (run_dir / CHECKPOINT_NAME).read_bytes() == before
 

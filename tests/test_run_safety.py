@@ -20,7 +20,7 @@ from qca_lowmem.trainer import checkpoint as train_state, metrics as metrics_mod
 from qca_lowmem.trainer.checkpoint import CHECKPOINT_NAME, atomic_save, previous_path, read_checkpoint
 from qca_lowmem.trainer.errors import UsageError
 from qca_lowmem.trainer.runlock import LOCK_NAME
-from conftest import TINY, write_config
+from conftest import TINY, report_lines, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -234,7 +234,7 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_names_the_file(small_disk, tm
     capsys.readouterr()
     assert train("--config", config, "--out", out, "--resume", "--episodes", 2) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "No space left on device" in err, err
+    assert len(report_lines(err)) == 1 and "No space left on device" in err, err
     assert f"cannot write {out / CHECKPOINT_NAME} at episode 2" in err or f"cannot write {out / 'metrics.csv'}" in err
     assert "is untouched" in err and "Traceback" not in err
     assert (out / CHECKPOINT_NAME).read_bytes() == before
@@ -315,7 +315,7 @@ def test_a_stop_signal_saves_and_exits_with_its_status(tmp_path, signals, status
             time.sleep(0.02)
         stderr = finish(proc)
     assert proc.returncode == status, stderr
-    assert "Traceback" not in stderr and len(stderr.splitlines()) == 1, stderr
+    assert "Traceback" not in stderr and len(report_lines(stderr)) == 1, stderr
     episode = read_checkpoint(out / CHECKPOINT_NAME)["episode"]
     assert episode >= 2 and f"{said} {episode}; episodes 0-{episode - 1} are in" in stderr
     assert len((out / "metrics.csv").read_text().splitlines()) - 1 == episode

@@ -42,12 +42,14 @@ class EpisodeLog:
     def __init__(self, out_dir: Path, device, next_episode: int, episodes: int, rank: int, progress: bool):
         self.column = memory_column(device)
         self.csv_file = self.writer = self.board = self.bar = None
+        self.rows_written = 0
         if rank != 0:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / METRICS_NAME
+        self.created = not self.path.exists()  # a new run's file: removed again if no episode finishes
         self.csv_file, self.writer = self._open_csv(self.path, next_episode)
-        self.board = _tensorboard_writer(out_dir / "tensorboard")
+        self.board_dir = out_dir / "tensorboard"
         if progress:
             from tqdm import tqdm
 
@@ -70,16 +72,38 @@ class EpisodeLog:
                                  restval="")
 
     def write(self, record: dict):
-        if self.writer is not None:
-            try:
-                self.writer.writerow(record)
-                self.csv_file.flush()
-            except OSError as error:
-                raise _write_failed(self.path, error) from None
+        """One finished episode: a row of metrics.csv, its TensorBoard scalars, a step of the bar."""
+        if self.writer is None:
+            return
+        try:
+            self.writer.writerow(record)
+            self.csv_file.flush()
+        except OSError as error:
+            raise _write_failed(self.path, error) from None
+        self.rows_written += 1
+        if self.board is None:  # made at the first episode, so that a run stopped before it leaves no file
+            self.board = _tensorboard_writer(self.board_dir)
+        if self.board is not None:
+            for key in ("loss", *METRIC_KEYS, self.column, "seconds"):
+                self.board.add_scalar(f"episode/{key}", record[key], record["episode"])
+            self.board.flush()
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {record['loss']:.4f}", refresh=False)
+            self.bar.update(1)
+
+    def note(self, text: str):
+        """A message on stderr that the bar, when there is one, stays below."""
+        if self.bar is not None:
+            self.bar.write(f"qca-lowmem: {text}", file=sys.stderr)
+        elif self.writer is not None:
+            message(text)
+
     def close(self):
         for resource in (self.bar, self.csv_file, self.board):
             if resource is not None:
                 resource.close()
+        if self.writer is not None and self.created and self.rows_written == 0:
+            self.path.unlink(missing_ok=True)  # a new run stopped before its first episode: nothing to resume
 
     def __enter__(self):
         return self

@@ -282,6 +282,7 @@ class Trainer:
         if stop_after is not None and stop_after < 1:
             raise UsageError(f"--stop-after must be a positive number of episodes, got {stop_after}")
         total = config.episodes if stop_after is None else min(config.episodes, self.next_episode + stop_after)
+        start = self.next_episode
         results = []
         group = self.episodes_per_step()
         with EpisodeLog(self.out_dir, self.device, self.next_episode, config.episodes, self.dist.rank,
@@ -300,6 +301,8 @@ class Trainer:
                             log.write(record)
                             if callback is not None:
                                 callback(record)
+                        if first == start and self.next_episode < total:
+                            log.note(self._time_estimate(rows, total - self.next_episode))
                         if config.save_every and (self.next_episode // config.save_every) > (first // config.save_every):
                             self.save_checkpoint()
                 if self.saved_episode != self.next_episode:
@@ -310,8 +313,9 @@ class Trainer:
         return results
 
     def _interrupted(self, stop: KeyboardInterrupt) -> "Interrupted":
-        """A stop signal between optimizer steps: the progress since the last checkpoint saved."""
-        if self.saved_episode != self.next_episode:
+        """A stop signal between optimizer steps: the progress since the last checkpoint saved (a
+        new run stopped before its first episode saves nothing: the same command starts it again)."""
+        if self.saved_episode != self.next_episode and self.next_episode > 0:
             with interrupts_deferred():
                 self.save_checkpoint()
         path = self.out_dir / checkpoint.CHECKPOINT_NAME
@@ -320,6 +324,13 @@ class Trainer:
                 if self.next_episode else "no episode finished, nothing saved")
         by = f" by {stop.args[0]}" if isinstance(stop, Stop) and stop.signum != signal.SIGINT else ""
         return Interrupted(f"interrupted{by} at episode {self.next_episode}; {done}", getattr(stop, "status", 130))
+
+    def _time_estimate(self, rows, left: int) -> str:
+        """After the first optimizer step: its time per episode and per step, and the time left."""
+        seconds = max(row[-1] for row in rows)
+        per_step = seconds / self.config.qca_steps
+        return (f"first episode {_duration(seconds)} ({_duration(per_step)} a step, warm-up included); "
+                f"about {_duration(seconds * left / len(rows))} for the {left} episodes left")
 
     def replica_difference(self) -> float:
         """Largest |parameter difference| between this rank and rank 0 over all ranks (DDP check)."""
@@ -371,6 +382,18 @@ def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = 
 
 
 
+def _duration(seconds: float) -> str:
+    """3 ms, 2.5 s, 4 min 10 s, 2 h 05 min."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes = int(seconds // 60)
+    if minutes < 60:
+        return f"{minutes} min {int(seconds % 60)} s"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
+
+
 def device_note(config: TrainConfig) -> str:
     """Where the run will run, said when the config does not pin it, and a warning for fp16 on the
     CPU (a GPU config run where no GPU is)."""
@@ -395,12 +418,14 @@ def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, 
     try:
         state = check_run(config, resume, rank=distributed.rank, world_size=distributed.world_size, lock=lock,
                           overwrite=overwrite)
-        if "warning" in device_note(config):
-            message(device_note(config), distributed.rank)
         if state is not None and state["episode"] >= config.episodes:
             message(f"{resume} is at episode {state['episode']}, --episodes is {config.episodes}: nothing to do",
                     distributed.rank)
             return []
+        first = state["episode"] if state is not None else 0
+        last = config.episodes if stop_after is None else min(config.episodes, first + stop_after)
+        message(f"training episodes {first}-{last - 1} of {config.qca_steps} steps {device_note(config)}",
+                distributed.rank)
         trainer = Trainer(config, distributed, progress=progress)
         if state is not None:
             checkpoint.restore(trainer, resume, state)
