@@ -1,6 +1,7 @@
 """qca_lowmem.enable() on a QC_Trainer_v4-style trainer: same results as stock, and undoable."""
 
 import copy
+import math
 import re
 from types import SimpleNamespace
 
@@ -318,3 +319,22 @@ def test_enable_with_cuda_graph_equals_eager_on_cuda():
         qca_lowmem.enable(trainer, cuda_graph=cuda_graph)
         results.append([loss for loss, _, _ in run_episodes(trainer, range(3))])
     assert results[1] == pytest.approx(results[0], rel=1e-4)
+
+
+def test_the_lowmem_episode_trains_in_train_mode_as_stock():
+    """A model left in eval mode (a visualisation between episodes) is put back in train mode by
+    the episode, stock's and the low-memory one alike."""
+    trainer = QC_Trainer_v4(make_config(grid=8, qca_steps=2))
+    qca_lowmem.enable(trainer, checkpoint="step")
+    trainer.motor.operator.eval()
+    trainer.train_episode(0)
+    assert all(m.training for m in trainer.motor.operator.modules())
+
+
+def test_max_noise_above_one_trains_as_stock_does():
+    """Stock accepts any max_noise (a rate above 1 flips every cell); so does the low-memory episode."""
+    trainer = QC_Trainer_v4(make_config(grid=8, qca_steps=2))
+    trainer.max_noise = 1.5
+    qca_lowmem.enable(trainer, checkpoint="step")
+    loss, _, _ = trainer.train_episode(4000)
+    assert math.isfinite(loss)

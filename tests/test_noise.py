@@ -10,6 +10,7 @@ from torch.library import opcheck
 
 import qca_lowmem
 from qca_lowmem import NoiseSchedule, bit_flip, noise_coin, phase_flip
+from qca_lowmem import stock as reference
 
 MASK = 0xFFFFFFFF
 
@@ -258,10 +259,22 @@ def test_schedule_seed_reproducible_under_manual_seed():
     torch.manual_seed(3)
     assert NoiseSchedule(0.1, 10).seed == a
     assert NoiseSchedule(0.1, 10).seed != a
-    with pytest.raises(ValueError, match="max_noise must be in"):
-        NoiseSchedule(2.0, 1)
+    with pytest.raises(ValueError, match="max_noise must be a finite number >= 0, got -0.1"):
+        NoiseSchedule(-0.1, 1)
     with pytest.raises(ValueError, match="episode must be an int"):
         NoiseSchedule(0.1, -1)
+
+
+def test_a_rate_above_one_flips_every_cell_as_stock_does():
+    """Stock draws rand < rate: at a rate above 1 every cell's phase flips; the bit flip's rate is
+    a tenth of it."""
+    psi = reference.initial_state(2, 8, 3, "cpu", torch.Generator().manual_seed(0))
+    schedule = NoiseSchedule(1.5, 4000, seed=7)
+    assert schedule.rate == 1.5
+    noisy = schedule(psi, 0)
+    cell_changed = (noisy != psi).any(dim=-1)
+    assert cell_changed.all()
+    assert torch.allclose(noisy.abs(), psi.abs(), atol=1e-6)
 
 
 def test_exported():

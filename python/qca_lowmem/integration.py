@@ -125,6 +125,7 @@ def _lowmem_train_episode(trainer, episode_num):
     operator = trainer.motor.operator
     device = next(operator.parameters()).device
 
+    operator.train()  # as the stock episode: a model left in eval mode (by a visualisation) trains in train mode
     trainer.optimizer.zero_grad()
     psi0 = opts["initial_state"](trainer) if opts["initial_state"] is not None else stock.initial_state(
         opts["batch_size"], opts["grid"], opts["d_state"], device

@@ -68,7 +68,7 @@ class NoiseSchedule:
 
     rate r = min(max_noise, max_noise * episode / 2000). At each step, when r > 0.001: a phase
     flip with rate r, then, when the step's coin (`noise_coin(seed, step)`) is below 0.2, a bit
-    flip with rate 0.1 * r. All randoms come from (seed, step), so calling the schedule again on
+    flip with rate 0.1 * r; a rate above 1 flips every cell, as stock's `rand < r` does. All randoms come from (seed, step), so calling the schedule again on
     the same step (the rollout's recompute) applies exactly the same noise. Give each episode its
     own seed; `seed=None` draws one from torch's default generator (reproducible under
     torch.manual_seed).
@@ -78,8 +78,8 @@ class NoiseSchedule:
 
     def __init__(self, max_noise: float, episode: int, seed: Optional[int] = None):
         max_noise = float(max_noise)
-        if not (math.isfinite(max_noise) and 0.0 <= max_noise <= 1.0):
-            raise ValueError(f"max_noise must be in [0, 1], got {max_noise}")
+        if not (math.isfinite(max_noise) and max_noise >= 0.0):
+            raise ValueError(f"max_noise must be a finite number >= 0, got {max_noise}")
         if isinstance(episode, bool) or not isinstance(episode, int) or episode < 0:
             raise ValueError(f"episode must be an int >= 0, got {episode!r}")
         if seed is None:
@@ -104,9 +104,9 @@ class NoiseSchedule:
         if not self.active:
             return psi
         rate = self.rate
-        psi = phase_flip(psi, rate, self.seed, step)
+        psi = phase_flip(psi, min(1.0, rate), self.seed, step)
         if self.bit_flips_at(step):
-            psi = bit_flip(psi, stock.BIT_FLIP_SCALE * rate, self.seed, step)
+            psi = bit_flip(psi, min(1.0, stock.BIT_FLIP_SCALE * rate), self.seed, step)
         return psi
 
     def __repr__(self) -> str:
