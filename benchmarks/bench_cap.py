@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from qca_lowmem.trainer.bench import environment  # noqa: E402
 from qca_lowmem.rollout.memory import parse_bytes  # noqa: E402
-from qca_lowmem.trainer.oom import OutOfMemoryStop, RunPolicy  # noqa: E402
+from qca_lowmem.trainer.oom import OutOfMemoryStop  # noqa: E402
 from qca_lowmem.trainer.config import load_config
 from qca_lowmem.trainer.train import Trainer  # noqa: E402
 
@@ -65,6 +65,7 @@ def main():
                          cuda_graph=args.cuda_graph)
     records, oom, message = [], False, None
     trainer = Trainer(config, progress=True)
+    configured = trainer.policy_label()
     try:
         # A time limit (SIGTERM) still leaves a result file with the episodes done so far.
         signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
@@ -75,7 +76,6 @@ def main():
         message = f"interrupted after {len(records)} episodes"
     peak = max([r["peak_bytes"] for r in records], default=0)
     # The guard may have lowered the policy; an OOM that it absorbed still counts as one.
-    configured = RunPolicy(config.policy(), config.batch).describe()
     lowered = any(r["policy"] != configured for r in records)
 
     last = records[-10:]

@@ -175,8 +175,8 @@ def test_resume_honours_a_new_recompute_policy(tmp_path, capsys):
         assert cli.main(["train", "--config", config, "--out", str(split), "--resume", "--no-progress",
                          "--episodes", str(1 + len(read_rows(split / "metrics.csv"))), *policy]) == 0
     rows = read_rows(split / "metrics.csv")
-    assert [r["policy"] for r in rows] == ["checkpoint=step batch=1", "checkpoint=none batch=1",
-                                           "checkpoint=revolve slots=2 batch=1"]
+    assert [r["policy"] for r in rows] == ["checkpoint=step batch=1 fp32", "checkpoint=none batch=1 fp32",
+                                           "checkpoint=revolve slots=2 batch=1 fp32"]
     assert [float(r["loss"]) for r in rows] == pytest.approx([float(r["loss"]) for r in read_rows(full / "metrics.csv")],
                                                              rel=1e-6)
 
@@ -281,3 +281,32 @@ def test_resume_refuses_what_changes_the_results(tmp_path, capsys, training, fla
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "a resume cannot change" in err and refused in err, err
     assert (out / CHECKPOINT_NAME).read_bytes() == before
+
+
+def test_every_config_field_has_a_train_flag():
+    import dataclasses
+
+    from qca_lowmem.trainer.config import TrainConfig
+
+    train = cli.build_parser().commands["train"]
+    flags = {option for action in train._actions for option in action.option_strings}
+    missing = [f.name for f in dataclasses.fields(TrainConfig) if cli._flag(f.name) not in flags]
+    assert not missing, f"config fields without a train flag: {missing}"
+    assert set(cli.CONFIG_FLAGS) == {f.name for f in dataclasses.fields(TrainConfig)} - {"d_state"} | {"d_state"}
+
+
+def test_an_unknown_train_flag_points_at_trains_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--learning-rate", "1e-3"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("qca-lowmem train: unrecognized arguments: --learning-rate 1e-3 "
+                                       "(see qca-lowmem train --help)\n")
+
+
+def test_the_new_flags_reach_the_config(tmp_path):
+    args = cli.build_parser().parse_args(["train", "--lr", "3e-4", "--weight-decay", "0", "--max-grad-norm", "2",
+                                          "--max-skipped-steps", "3", "--scheduler", "cosine", "--no-fused-blocks",
+                                          "--gamma", "0.1"])
+    config = cli._config(args)
+    assert (config.lr, config.weight_decay, config.max_grad_norm, config.max_skipped_steps, config.scheduler,
+            config.fused_blocks, config.gamma) == (3e-4, 0.0, 2.0, 3, "cosine", False, 0.1)

@@ -106,5 +106,5 @@ def test_trainer_lowers_its_policy_after_an_oom_during_capture(simulated_cuda, t
     trainer.step_fn = qca_lowmem.StepGraph(trainer.step_fn)
     with pytest.warns(qca_lowmem.CaptureFallbackWarning, match="capture failed"):
         records = trainer.fit()
-    assert [r["policy"] for r in records] == ["checkpoint=revolve slots=1 batch=1"] * 2
+    assert [r["policy"] for r in records] == ["checkpoint=revolve slots=1 batch=1 fp32"] * 2
     assert len(attempts) == 2 and all(r["loss"] == r["loss"] for r in records)

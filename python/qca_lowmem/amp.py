@@ -27,7 +27,7 @@ from .ops.scaler import mul_, unscale_, update_scale_
 
 _lib = torch.ops.qca_lowmem
 
-__all__ = ["GradScaler", "autocast", "autocast_dtype", "mul_", "native_amp_dtype", "parse_amp_dtype", "unscale_", "update_scale_"]
+__all__ = ["GradScaler", "amp_name", "autocast", "autocast_dtype", "mul_", "native_amp_dtype", "parse_amp_dtype", "unscale_", "update_scale_"]
 
 _AMP_DTYPES = {
     None: None, "none": None, "fp32": None, "float32": None,
@@ -48,6 +48,11 @@ def parse_amp_dtype(value) -> Optional[torch.dtype]:
         if key in _AMP_DTYPES:
             return _AMP_DTYPES[key]
     raise ValueError(f"amp_dtype must be one of None, 'fp32', 'bf16', 'fp16' (or a torch dtype), got {value!r}")
+
+
+def amp_name(amp_dtype: Optional[torch.dtype]) -> str:
+    """The name parse_amp_dtype reads back: fp32 (no autocast), bf16 or fp16."""
+    return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp_dtype]
 
 
 def autocast(device_type: str, amp_dtype: Optional[torch.dtype]):

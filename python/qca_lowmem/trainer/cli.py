@@ -26,11 +26,14 @@ def _add_config_options(parser, training: bool):
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--qca-steps", type=int)
     parser.add_argument("--batch", type=int)
+    parser.add_argument("--gamma", type=float, help="the update's decay (GAMMA_DECAY)")
     parser.add_argument("--checkpoint", choices=MODES, help="recompute policy of the lowmem path")
     parser.add_argument("--slots", type=int, help="stored states for --checkpoint revolve")
     parser.add_argument("--budget", help="bytes the episode may keep for --checkpoint auto (e.g. 2GiB; free: the "
                                          "GPU's free memory): full graphs of as many steps as fit, the rest recomputed")
     parser.add_argument("--amp-dtype", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--fused-blocks", action=argparse.BooleanOptionalAction, default=None,
+                        help="the U-Net's ConvBlocks as fused kernels (default: the config's; on)")
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                         help="on CUDA, run each step as replays of captured CUDA graphs (default: the config's)")
     parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
@@ -42,6 +45,12 @@ def _add_config_options(parser, training: bool):
         parser.add_argument("--accumulate", type=int, help="episodes per optimizer step per process")
         parser.add_argument("--seed", type=int)
         parser.add_argument("--max-noise", type=float)
+        parser.add_argument("--lr", type=float, help="AdamW's learning rate")
+        parser.add_argument("--weight-decay", type=float, help="AdamW's weight decay")
+        parser.add_argument("--max-grad-norm", type=float, help="gradient clipping norm")
+        parser.add_argument("--max-skipped-steps", type=int,
+                            help="optimizer steps skipped in a row (non-finite loss or gradient) before the run stops")
+        parser.add_argument("--scheduler", choices=("none", "cosine"), help="learning-rate schedule")
         parser.add_argument("--out", dest="out_dir", help="folder for metrics.csv, checkpoint.pt, tensorboard/")
         parser.add_argument("--save-every", type=int, help="checkpoint every N episodes (0: only at the end)")
 
@@ -66,12 +75,17 @@ def _flag(name: str) -> str:
     return "--out" if name == "out_dir" else "--" + name.replace("_", "-")
 
 
+# The config fields with a flag (train has them all; bench and plan those that shape an episode).
+CONFIG_FLAGS = ("device", "threads", "grid", "d_state", "hidden", "qca_steps", "batch", "gamma", "checkpoint", "slots",
+                "budget", "amp_dtype", "fused_blocks", "cuda_graph", "channels_last", "episodes", "accumulate", "seed",
+                "max_noise", "lr", "weight_decay", "max_grad_norm", "max_skipped_steps", "scheduler", "out_dir",
+                "save_every")
+
+
 def _config(args):
     from .config import load_config
 
-    overrides = {name: getattr(args, name, None) for name in (
-        "device", "threads", "grid", "d_state", "hidden", "qca_steps", "batch", "checkpoint", "slots", "budget", "amp_dtype",
-        "cuda_graph", "channels_last", "episodes", "accumulate", "seed", "max_noise", "out_dir", "save_every")}
+    overrides = {name: getattr(args, name, None) for name in CONFIG_FLAGS}
     # --slots alone means revolve, --budget alone auto; a --checkpoint that takes neither drops them.
     for option, mode in (("slots", REVOLVE), ("budget", AUTO)):
         if overrides.get(option) is not None and overrides.get("checkpoint") is None:
@@ -117,6 +131,7 @@ def build_parser():
     plan.add_argument("--json", action="store_true")
 
     commands.add_parser("doctor", help="versions, CUDA kernels, GPU, allocator settings, and what to fix")
+    parser.commands = commands.choices
     return parser
 
 
@@ -125,7 +140,10 @@ def main(argv: Optional[List[str]] = None, *, process: bool = False) -> int:
     command is the whole process (entry())."""
     from .signals import stop_signals_handled
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's own parser, whose --help lists its flags
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     with stop_signals_handled(until_exit=process) if args.command == "train" else contextlib.nullcontext():
         try:
             return _run(args)

@@ -25,7 +25,7 @@ import torch
 
 from .. import amp, stock
 from . import checkpoint, divergence, oom
-from ..amp import autocast, parse_amp_dtype
+from ..amp import amp_name, autocast, parse_amp_dtype
 from ..rollout import StepGraph, rollout, saved_bytes, shared_weight_casts
 from ..ops.noise import episode_noise
 from ..ops.qca_step import fused_step
@@ -296,7 +296,7 @@ class Trainer:
                         rows = self._finish_step(first, count, local_rows)
                         self.next_episode = first + count
                         for row in rows:
-                            record = record_of(row, self.device, self.policy.describe() + " channels_last" * config.channels_last)
+                            record = record_of(row, self.device, self.policy_label())
                             results.append(record)
                             log.write(record)
                             if callback is not None:
@@ -324,6 +324,11 @@ class Trainer:
                 if self.next_episode else "no episode finished, nothing saved")
         by = f" by {stop.args[0]}" if isinstance(stop, Stop) and stop.signum != signal.SIGINT else ""
         return Interrupted(f"interrupted{by} at episode {self.next_episode}; {done}", getattr(stop, "status", 130))
+
+    def policy_label(self) -> str:
+        """How the episodes run now, as metrics.csv's policy column says: the policy, the batch, the
+        precision the U-Net computes in, and channels_last when on."""
+        return f"{self.policy.describe()} {amp_name(self.amp_dtype)}" + " channels_last" * self.config.channels_last
 
     def _time_estimate(self, rows, left: int) -> str:
         """After the first optimizer step: its time per episode and per step, and the time left."""
