@@ -194,14 +194,30 @@ def test_oom_guard_lowers_auto_like_step():
     assert RunPolicy(Policy.auto("1MiB"), 1).describe() == "checkpoint=auto budget=1MiB batch=1"
 
 
-def test_plan_shows_auto_with_the_budget_that_fills_the_gpu(tiny_config, capsys):
-    assert cli.main(["plan", "--config", tiny_config, "--gpu-mem", "1GiB", "--json"]) == 0
+def plan_json(tiny_config, capsys, gpu_mem):
+    assert cli.main(["plan", "--config", tiny_config, "--gpu-mem", gpu_mem, "--reserve", "0", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    by_name = {e["name"]: e for e in result["estimates"]}
+    return result, {e["name"]: e for e in result["estimates"]}
+
+
+def test_plan_shows_auto_with_what_it_would_keep(tiny_config, capsys):
+    """auto's row keeps every step's full graph when the GPU holds them (not the whole GPU as its
+    budget), else the budget that fills the GPU."""
+    result, by_name = plan_json(tiny_config, capsys, "1GiB")
     auto, step = by_name["lowmem auto fp32"], by_name["lowmem step fp32"]
     assert result["recommendation"] == "lowmem step fp32"
-    usable = result["gpu_mem"] - result["reserve"]
-    assert auto["budget"] > step["kept_bytes"] and auto["peak_bytes"] * 1.10 <= usable < (auto["peak_bytes"] + 1e6) * 1.10
+    loss_states = step["kept_bytes"] - TINY["training"]["qca_steps"] * (8 * 8 * 2 * 8)
+    whole = TINY["training"]["qca_steps"] * auto["full_graph_bytes"]
+    assert auto["budget"] == whole and auto["kept_bytes"] == whole + loss_states
+    assert auto["peak_bytes"] * 1.10 < result["gpu_mem"] / 100  # 1 GiB is far more than it needs
+
+    # A GPU that holds half the full graphs beyond one state per step: the budget fills it.
+    half = (step["kept_bytes"] - loss_states + whole) // 2
+    gpu_mem = int((auto["model_state_bytes"] + auto["working_bytes"] + loss_states + half) * 1.10) + 1
+    result, by_name = plan_json(tiny_config, capsys, f"{gpu_mem}B")
+    auto = by_name["lowmem auto fp32"]
+    assert step["kept_bytes"] - loss_states < auto["budget"] < whole
+    assert auto["peak_bytes"] * 1.10 <= gpu_mem < (auto["peak_bytes"] + 16) * 1.10
 
 
 def test_enable_with_checkpoint_auto_equals_step():

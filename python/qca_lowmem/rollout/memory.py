@@ -57,12 +57,15 @@ def saved_storage_sizes(fn, *args, **kwargs) -> List[int]:
     return [storage.nbytes() for storage in storages.values()]
 
 
-def kept_bytes(policy: Policy, steps: int, state_bytes: int) -> int:
+def kept_bytes(policy: Policy, steps: int, state_bytes: int, step_bytes: Optional[int] = None) -> int:
     """What a recomputing episode of `steps` steps keeps across them, and the loss's states: the
-    policy's states, or with a budget in bytes what it allows."""
+    policy's states, or with a budget in bytes what it allows, never more than every step's full
+    graph when `step_bytes` (one step's, with its output state) is known."""
     kept = policy.kept_states(steps) * state_bytes
     if policy.byte_budget is not None:
         kept = max(kept, policy.byte_budget)
+        if step_bytes is not None:
+            kept = min(kept, steps * max(step_bytes, state_bytes))
     return kept + LOSS_STATES * state_bytes
 
 

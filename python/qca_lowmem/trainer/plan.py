@@ -51,6 +51,7 @@ class Estimate:
     kept_bytes: int
     working_bytes: int
     from_config: bool = False  # the config's own policy
+    full_graph_bytes: int = 0  # one step's full graph with its output state (what "auto" keeps per step)
 
     @property
     def peak_bytes(self) -> int:
@@ -60,7 +61,7 @@ class Estimate:
         policy = self.policy.options() if self.policy is not None else dict(checkpoint="stock", slots=None, budget=None)
         return dict(name=self.name, **policy, amp_dtype=self.amp_dtype, model_state_bytes=self.model_state_bytes,
                     kept_bytes=self.kept_bytes, working_bytes=self.working_bytes, from_config=self.from_config,
-                    peak_bytes=self.peak_bytes)
+                    full_graph_bytes=self.full_graph_bytes, peak_bytes=self.peak_bytes)
 
 
 def _measure_one(model, config: TrainConfig, variant: str, amp_dtype, grid: int):
@@ -129,9 +130,9 @@ def estimate_all(config: TrainConfig, parameters: int, measures: dict, half: str
         if policy is None or not policy.recomputes:  # plain autograd keeps every step's graph
             kept, working = config.qca_steps * m.saved_bytes, 2 * m.largest_bytes
         else:  # ("auto" with budget "free" adapts to what is free: at least one state per step)
-            kept = kept_bytes(policy, config.qca_steps, psi)
+            kept = kept_bytes(policy, config.qca_steps, psi, m.saved_bytes + psi)
         estimates.append(Estimate(name, policy, amp, model_state_bytes(parameters), kept, working,
-                                  from_config=index == 1))
+                                  from_config=index == 1, full_graph_bytes=m.saved_bytes + psi))
     return estimates
 
 
@@ -147,9 +148,10 @@ def with_auto(estimates: List[Estimate], config: TrainConfig, gpu_mem: int, rese
             continue
         budget = int((gpu_mem - reserve) / SAFETY) - e.model_state_bytes - e.working_bytes - LOSS_STATES * psi
         if budget >= e.kept_bytes - LOSS_STATES * psi:
-            auto = Policy.auto(budget)
-            out.append(dataclasses.replace(e, name=_policy_name(auto, e.amp_dtype), policy=auto,
-                                           kept_bytes=kept_bytes(auto, config.qca_steps, psi), from_config=False))
+            # No more than every step's full graph: what the episode would keep, and all it needs.
+            auto = Policy.auto(min(budget, config.qca_steps * e.full_graph_bytes))
+            out.append(dataclasses.replace(e, name=_policy_name(auto, e.amp_dtype), policy=auto, from_config=False,
+                                           kept_bytes=kept_bytes(auto, config.qca_steps, psi, e.full_graph_bytes)))
     return out
 
 
