@@ -47,6 +47,46 @@ def test_the_readme_block_runs_as_pasted(line, code, tmp_path):
     assert "Warning" not in done.stderr, f"README.md line {line} warns:\n{done.stderr[-3000:]}"
 
 
+# Feeds a block to an interactive interpreter line by line, as a paste into `python` does; a
+# syntax error (a `with` body followed at once by a dedented line, say) or an exception exits.
+CONSOLE = """
+import code, sys
+
+class Console(code.InteractiveConsole):
+    def showsyntaxerror(self, filename=None, **kwargs):
+        super().showsyntaxerror(filename)
+        sys.exit(3)
+
+    def showtraceback(self):
+        super().showtraceback()
+        sys.exit(4)
+
+console = Console()
+for line in sys.stdin.read().splitlines():
+    console.push(line)
+console.push("")
+"""
+
+
+@pytest.mark.parametrize("line, code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
+def test_the_readme_block_runs_pasted_into_the_interpreter(line, code, tmp_path):
+    if NEEDS_GPU in code and not torch.cuda.is_available():
+        pytest.skip("the block needs a GPU and none is visible")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "QCA_LOWMEM")}
+    env.update(PYTHONPATH=str(Path(qca_lowmem.__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    if "cuda" not in code:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    done = subprocess.run([sys.executable, "-c", CONSOLE], input=code, cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, f"README.md line {line}, pasted:\n{code}\n{done.stderr[-3000:]}"
+
+
+def test_the_console_sees_what_a_paste_breaks(tmp_path):
+    done = subprocess.run([sys.executable, "-c", CONSOLE], input="import contextlib\nwith contextlib.nullcontext():\n"
+                          "    pass\nprint(1)\n", cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3 and "SyntaxError" in done.stderr
+
+
 def test_the_readme_names_no_commit():
     hashes = [h for h in re.findall(r"\b[0-9a-f]{7,40}\b", README.read_text()) if re.search(r"[a-f]", h)
               and re.search(r"\d", h)]
