@@ -34,11 +34,29 @@ def test_bench_plot_ticks_are_the_measured_steps():
 
     result = {"rows": [{"qca_steps": s, "stock_bytes": 10 * s, "lowmem_bytes": 2 * s} for s in (1, 2, 4, 8)],
               "measure": "saved_bytes", "config": {"grid": 8, "d_state": 2, "hidden": 8}, "device": "cpu"}
+    for r in result["rows"]:
+        r.update(stock_s=0.1 * r["qca_steps"], lowmem_s=0.15 * r["qca_steps"])
     fig = bench_mod.plot_figure(result)
     try:
-        assert list(fig.axes[0].get_xticks()) == [1, 2, 4, 8]
+        memory, time = fig.axes
+        assert list(memory.get_xticks()) == [1, 2, 4, 8] and list(time.get_xticks()) == [1, 2, 4, 8]
+        assert memory.get_yscale() == "log" and "time" in time.get_ylabel()
     finally:
         plt.close(fig)
+
+
+def test_bench_per_step_column_is_what_one_more_step_adds(monkeypatch, tmp_path):
+    """The README's "stock keeps 56 MiB more per step": the slope between rows, not the average
+    (which folds in what does not grow with the steps)."""
+    def run(self, variant, steps):
+        return {"bytes": (1000 if variant == "stock" else 500) + (56 if variant == "stock" else 1) * steps,
+                "seconds": 1.0}
+
+    monkeypatch.setattr(bench_mod.EpisodeRunner, "run", run)
+    result = bench_mod.bench(config_mod.config_from_dict(TINY), [1, 2, 4], str(tmp_path), plot=False)
+    assert [r["stock_bytes_per_step"] for r in result["rows"]] == [1056, 56, 56]
+    assert [r["lowmem_bytes_per_step"] for r in result["rows"]] == [501, 1, 1]
+    assert "+step" in bench_mod.format_table(result)
 
 
 def test_check_says_where_the_run_runs_and_warns_of_fp16_on_the_cpu(tmp_path, capsys):

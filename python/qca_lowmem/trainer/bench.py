@@ -129,7 +129,7 @@ def bench(config: TrainConfig, steps_list: List[int], out_dir: str, repeats: int
                     warm.add(variant)
                 runs = [runner.run(variant, steps) for _ in range(max(1, repeats))]
                 row[f"{variant}_bytes"] = max(r["bytes"] for r in runs)
-                row[f"{variant}_bytes_per_step"] = row[f"{variant}_bytes"] / steps
+                row[f"{variant}_bytes_per_step"] = _per_step(rows, variant, steps, row[f"{variant}_bytes"])
                 row[f"{variant}_s"] = statistics.median(r["seconds"] for r in runs)
             except torch.OutOfMemoryError:
                 torch.cuda.empty_cache()
@@ -157,6 +157,15 @@ def bench(config: TrainConfig, steps_list: List[int], out_dir: str, repeats: int
     return result
 
 
+def _per_step(rows: List[dict], variant: str, steps: int, total: int) -> float:
+    """What one more step adds: the slope from the previous measured row (a first row: the
+    average, which includes what does not grow with the steps)."""
+    previous = next((r for r in reversed(rows) if r.get(f"{variant}_bytes") is not None), None)
+    if previous is None:
+        return total / steps
+    return (total - previous[f"{variant}_bytes"]) / (steps - previous["qca_steps"])
+
+
 def write_plot(result: dict, path: Path) -> Optional[str]:
     try:
         import matplotlib
@@ -174,29 +183,37 @@ def write_plot(result: dict, path: Path) -> Optional[str]:
 
 
 def plot_figure(result: dict):
-    """Memory against qca_steps, stock and lowmem; ticks at the step counts measured."""
+    """Memory (log scale: lowmem's is a hundred times below stock's) and time per episode against
+    qca_steps, stock and lowmem side by side; ticks at the step counts measured."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (memory, time) = plt.subplots(1, 2, figsize=(10, 4))
     for variant in ("stock", "lowmem"):
-        points = [(r["qca_steps"], r[f"{variant}_bytes"]) for r in result["rows"] if r.get(f"{variant}_bytes")]
-        if points:
-            ax.plot([p[0] for p in points], [p[1] / 2**20 for p in points], marker="o", label=variant)
-    ax.set_xticks([r["qca_steps"] for r in result["rows"]])
-    ax.set_xlabel("qca_steps")
-    ax.set_ylabel(("peak allocated" if result["measure"] == "peak_bytes" else "bytes saved for backward") + " (MiB)")
+        rows = [r for r in result["rows"] if r.get(f"{variant}_bytes")]
+        if rows:
+            steps = [r["qca_steps"] for r in rows]
+            memory.plot(steps, [r[f"{variant}_bytes"] / 2**20 for r in rows], marker="o", label=variant)
+            time.plot(steps, [r[f"{variant}_s"] for r in rows], marker="o", label=variant)
+    memory.set_yscale("log")
+    memory.set_ylabel(("peak allocated" if result["measure"] == "peak_bytes" else "bytes saved for backward")
+                      + " (MiB, log scale)")
+    time.set_ylabel("episode time (s)")
+    for ax in (memory, time):
+        ax.set_xticks([r["qca_steps"] for r in result["rows"]])
+        ax.set_xlabel("qca_steps")
+        ax.legend()
+        ax.grid(True, alpha=0.3)
     cfg = result["config"]
-    ax.set_title(f"grid {cfg['grid']}, d {cfg['d_state']}, hidden {cfg['hidden']} on {result['device']}")
-    ax.legend()
-    ax.grid(True, alpha=0.3)
+    fig.suptitle(f"grid {cfg['grid']}, d {cfg['d_state']}, hidden {cfg['hidden']} on {result['device']}")
     fig.tight_layout()
     return fig
 
 
 def format_table(result: dict) -> str:
     what = "peak memory" if result["measure"] == "peak_bytes" else "saved bytes"
-    lines = [f"{'qca_steps':>9}  {'stock ' + what:>20}  {'lowmem ' + what:>20}  {'stock/step':>11}  "
-             f"{'lowmem/step':>11}  {'ratio':>7}  {'stock s':>8}  {'lowmem s':>8}"]
+    # per step: what one more step adds (the slope from the row above; the first row's average)
+    lines = [f"{'qca_steps':>9}  {'stock ' + what:>20}  {'lowmem ' + what:>20}  {'stock +step':>11}  "
+             f"{'lowmem +step':>12}  {'ratio':>7}  {'stock s':>8}  {'lowmem s':>8}"]
 
     def fmt(value, f):
         return "OOM" if value is None else f(value)
@@ -205,7 +222,7 @@ def format_table(result: dict) -> str:
         ratio = (r["stock_bytes"] / r["lowmem_bytes"]) if r.get("stock_bytes") and r.get("lowmem_bytes") else None
         lines.append(
             f"{r['qca_steps']:>9}  {fmt(r['stock_bytes'], format_bytes):>20}  {fmt(r['lowmem_bytes'], format_bytes):>20}  "
-            f"{fmt(r['stock_bytes_per_step'], format_bytes):>11}  {fmt(r['lowmem_bytes_per_step'], format_bytes):>11}  "
+            f"{fmt(r['stock_bytes_per_step'], format_bytes):>11}  {fmt(r['lowmem_bytes_per_step'], format_bytes):>12}  "
             f"{fmt(ratio, lambda x: f'{x:.1f}x'):>7}  {fmt(r['stock_s'], lambda x: f'{x:.3f}'):>8}  "
             f"{fmt(r['lowmem_s'], lambda x: f'{x:.3f}'):>8}"
         )
