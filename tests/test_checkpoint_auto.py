@@ -138,7 +138,8 @@ def test_a_policy_is_normalised_once_and_said_the_same_everywhere():
     auto = Policy.auto("2KiB")
     assert auto == Policy.of("auto", budget=2048) and auto.budget == 2048 and auto.byte_budget == 2048
     assert auto.describe() == "checkpoint=auto budget=2KiB" and auto.label() == "auto"
-    assert Policy.auto(3_291_795_274).cli_arguments() == ["--checkpoint", "auto", "--budget", "3.06GiB"]
+    assert Policy.auto(3_291_795_274).cli_arguments() == ["--checkpoint", "auto", "--budget", "3.07GiB"]
+    assert Policy.auto("3.07GiB").describe() == "checkpoint=auto budget=3.07GiB"  # said as typed
     assert Policy.revolve(8).describe() == "checkpoint=revolve slots=8" and Policy.revolve(8).label() == "revolve 8"
     assert Policy.auto("free").reads_free_memory and Policy.auto("free").byte_budget is None
     for policy in (Policy.every_step(), Policy.revolve(8), Policy.auto("2KiB"), Policy.plain()):

@@ -28,10 +28,11 @@ def parse_bytes(text: str, allow_zero: bool = False) -> int:
 
 def size_text(n: int) -> str:
     """Bytes as a size parse_bytes reads back: exact in the largest unit that divides them
-    ('1MiB'), else rounded down to two decimals of the largest unit below them ('3.06GiB')."""
+    ('1MiB'), else to two decimals of the largest unit below them ('3.07GiB': a size typed as
+    such is said back as typed)."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             if n % size == 0:
                 return f"{n // size}{unit}"
-            return f"{int(n * 100 / size) / 100:.2f}{unit}"
+            return f"{n / size:.2f}{unit}"
     return str(n)
