@@ -193,7 +193,7 @@ def _leaves_reached(outputs, inputs: set, marker: int) -> List[torch.Tensor]:
                 seen_leaves.add(id(variable))
                 leaves.append(variable)
             continue
-        if node._sequence_nr() < marker:
+        if node._sequence_nr() < marker and not _cast_of_a_leaf(node):
             raise RuntimeError(
                 "rollout: step_fn uses a tensor that requires grad but was computed outside "
                 f"step_fn (its autograd node {node.name()} predates the step). Only leaf tensors "
@@ -202,3 +202,11 @@ def _leaves_reached(outputs, inputs: set, marker: int) -> List[torch.Tensor]:
             )
         stack.extend(next_node for next_node, _ in node.next_functions)
     return leaves
+
+
+def _cast_of_a_leaf(node) -> bool:
+    """A dtype cast of a parameter made before the step: autocast's cache hands a step the cast an
+    earlier op in the same autocast block made (a model call, the rollout before). Its node keeps
+    nothing for backward, and a recompute, under its own autocast, casts afresh."""
+    return node.name() == "ToCopyBackward0" and all(
+        next_node is not None and hasattr(next_node, "variable") for next_node, _ in node.next_functions)

@@ -1,0 +1,56 @@
+"""Steps as users write them, against plain autograd: every policy gives its answer or refuses by
+name. Here: rollouts inside one autocast block, the step called by nobody but the episode
+(checkpoint="auto" measures its real first steps), and weight casts that follow every change of
+a weight."""
+
+import pytest
+import torch
+
+import qca_lowmem
+from qca_lowmem import stock
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+POLICIES = [dict(checkpoint="step"), dict(checkpoint="revolve", slots=1), dict(checkpoint="revolve", slots=2),
+            dict(checkpoint="auto", budget=0), dict(checkpoint="auto", budget=30_000),
+            dict(checkpoint="auto", budget=10**9)]
+IDS = ["step", "revolve1", "revolve2", "auto0", "auto-some", "auto-all"]
+
+
+def unet_and_conv():
+    torch.manual_seed(0)
+    unet = qca_lowmem.UNetUnitary(d_state=2, hidden_channels=8)
+    conv = torch.nn.Conv2d(4, 4, 1)  # a plain torch layer: autocast's cache casts its weight
+    with torch.no_grad():
+        unet.outc.weight.normal_(0.0, 0.1)
+    params = list(unet.parameters()) + list(conv.parameters())
+
+    def step(psi):
+        x = qca_lowmem.qca_pack(psi)
+        return qca_lowmem.qca_update(psi, unet(x) + 0.1 * conv(x), 0.05)
+
+    return params, conv, step
+
+
+def weighted(psi):
+    return psi.abs().square().mul(torch.linspace(0.5, 2.0, psi.numel()).reshape(psi.shape)).sum()
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_rollouts_and_a_model_call_in_one_autocast_block(policy):
+    """Autocast caches a cast of a plain layer's weight for the rest of its block: a model call
+    before the rollout, or an earlier rollout (accumulation, the stock pattern), hands step 0 a
+    cast made before it, which is a cast of a parameter and nothing else."""
+    params, conv, step = unet_and_conv()
+    psi0 = stock.initial_state(1, 8, 2, generator=torch.Generator().manual_seed(1))
+    grads = {}
+    for name, options in (("plain", dict(checkpoint="none")), ("policy", policy)):
+        for p in params:
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            conv(qca_lowmem.qca_pack(psi0))
+            loss = sum(weighted(qca_lowmem.rollout(step, psi0, 4, **options)[0]) for _ in range(2))
+        loss.backward()
+        grads[name] = [p.grad for p in params]
+    for got, expected in zip(grads["policy"], grads["plain"]):  # within bf16's rounding
+        assert ((got - expected).abs().max() / expected.abs().max()).item() < 2e-2
