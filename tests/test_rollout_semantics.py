@@ -3,6 +3,8 @@ name. Here: rollouts inside one autocast block, the step called by nobody but th
 (checkpoint="auto" measures its real first steps), and weight casts that follow every change of
 a weight."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -54,3 +56,43 @@ def test_rollouts_and_a_model_call_in_one_autocast_block(policy):
         grads[name] = [p.grad for p in params]
     for got, expected in zip(grads["policy"], grads["plain"]):  # within bf16's rounding
         assert ((got - expected).abs().max() / expected.abs().max()).item() < 2e-2
+
+
+def bf16_episodes(unet, optimizer, steps, scope, edit=None):
+    """Three optimizer steps of one bf16 episode each, all inside one shared_weight_casts() scope
+    when `scope`; `edit(unet)` after each step. Returns the losses."""
+    psi0 = stock.initial_state(1, 8, 2, generator=torch.Generator().manual_seed(2))
+
+    def step(psi):
+        return qca_lowmem.qca_update(psi, unet(qca_lowmem.qca_pack(psi)), 0.05)
+
+    losses = []
+    with qca_lowmem.shared_weight_casts() if scope else contextlib.nullcontext():
+        for _ in range(steps):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = weighted(qca_lowmem.rollout(step, psi0, 3)[0])
+            loss.backward()
+            optimizer.step()
+            if edit is not None:
+                edit(unet)
+            losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("change", ["fused AdamW", "p.data = ...", "load_state_dict"])
+def test_shared_weight_casts_follow_every_change_of_a_weight(change):
+    """A fused optimizer changes weights without bumping their versions; `p.data = new` gives them
+    new memory; load_state_dict copies in place. The scope's copies follow all three, so the
+    losses are those of casting per episode."""
+    runs = []
+    for scope in (False, True):
+        torch.manual_seed(0)
+        unet = qca_lowmem.UNetUnitary(d_state=2, hidden_channels=8)
+        optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-2, fused=change == "fused AdamW")
+        saved = {k: v.clone() * 0.9 for k, v in unet.state_dict().items()}
+        edit = {"fused AdamW": None,
+                "p.data = ...": lambda m: setattr(m.inc.conv_block[0].weight, "data", m.inc.conv_block[0].weight.data * 1.1),
+                "load_state_dict": lambda m: m.load_state_dict(saved)}[change]
+        runs.append(bf16_episodes(unet, optimizer, 3, scope, edit))
+    assert runs[1] == runs[0]

@@ -10,10 +10,14 @@ later step, recompute and backward reuses the copy while the weight's version is
 
 With gradient accumulation the weights do not change between the episodes of one optimizer
 step either: inside `with qca_lowmem.shared_weight_casts():` every rollout uses the scope's one
-`WeightCasts`, so the copies are made once for all of them. A weight changed in place inside
-the scope (an optimizer step) is cast again at its next use. Leaving the scope drops its copies
-(a rollout whose backward runs after it casts again what it needs), so close it before the
-optimizer step, whose memory then does not hold them.
+`WeightCasts`, so the copies are made once for all of them. A weight changed inside the scope is
+cast again at its next use: in place (its version), given new memory (`p.data = ...`, its
+address), or by any optimizer's step, fused ones included, which change weights without their
+versions (a global optimizer step hook, installed with the first scope, drops every scope's
+copies). Only an in-place edit through `.data` outside an optimizer goes unseen: leave the
+scope first. Leaving the scope drops its copies (a rollout whose backward runs after it casts
+again what it needs), so close it before the optimizer step, whose memory then does not hold
+them.
 
 Each use gets its own autograd node (`_CachedCast`), whose backward is what the per-call cast's
 is (the gradient cast to the weight's dtype), so values and gradients are bitwise the same as
@@ -26,13 +30,17 @@ operand in its kernel (on the CPU torch still casts it to a temporary inside the
 
 import contextlib
 import threading
+import weakref
 from typing import Dict
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .param_grads import deposit
 
 _state = threading.local()
+_scopes = weakref.WeakSet()  # the WeightCasts of open shared_weight_casts() scopes, any thread
+_step_hook = None  # the optimizer step hook that drops their copies, once installed
 
 
 class WeightCasts:
@@ -54,9 +62,9 @@ class WeightCasts:
     def copy_of(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         key = (id(weight), dtype)
         entry = self._copies.get(key)
-        if entry is None or entry[0] is not weight or entry[1] != weight._version:
+        if entry is None or entry[0] is not weight or entry[1] != (weight._version, weight.data_ptr()):
             with torch.no_grad():
-                entry = (weight, weight._version, weight.to(dtype))
+                entry = (weight, (weight._version, weight.data_ptr()), weight.to(dtype))
             self._copies[key] = entry
         return entry[2]
 
@@ -65,19 +73,30 @@ class WeightCasts:
 def shared_weight_casts():
     """Rollouts run inside share one set of half-precision weight copies (in this thread): each
     fused block's weight is cast once for all their episodes, forward, recompute and backward,
-    and again only after it changed in place. Results are bitwise those of casting per episode.
+    and again after it changed (in place, given new memory, or by any optimizer's step). Results
+    are bitwise those of casting per episode.
     Open it around the episodes of one optimizer step and close it before `optimizer.step()`;
     leaving it drops the copies. Nested scopes are the outermost one."""
     if getattr(_state, "shared", None) is not None:
         yield
         return
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(_drop_shared_copies)
     casts = WeightCasts()
     _state.shared = casts
+    _scopes.add(casts)
     try:
         yield
     finally:
         _state.shared = None
         casts._copies.clear()  # freed even while an episode's graph, holding `casts`, lives on
+
+
+def _drop_shared_copies(optimizer, args, kwargs) -> None:
+    """After any optimizer step: its weights changed, perhaps without a version bump (fused)."""
+    for casts in list(_scopes):
+        casts._copies.clear()
 
 
 def for_episode() -> WeightCasts:
