@@ -53,8 +53,9 @@ class EpisodeLog:
         if progress:
             from tqdm import tqdm
 
+            # Redrawn at every episode, however fast: an episode is the unit a user waits for.
             self.bar = tqdm(total=episodes, initial=next_episode, desc="qca-lowmem train", unit="episode",
-                            dynamic_ncols=True)
+                            dynamic_ncols=True, mininterval=0, miniters=1)
 
     def _open_csv(self, path: Path, next_episode: int):
         """The file rewritten atomically with the rows to keep (a kill mid-way leaves the old file
