@@ -96,3 +96,64 @@ def test_shared_weight_casts_follow_every_change_of_a_weight(change):
                 "load_state_dict": lambda m: m.load_state_dict(saved)}[change]
         runs.append(bf16_episodes(unet, optimizer, 3, scope, edit))
     assert runs[1] == runs[0]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_the_episode_calls_the_step_as_plain_autograd_does(policy):
+    """No call of the step that the episode does not make: "auto" measures its real first steps,
+    so a step drawing random numbers (dropout) gets the same draws, the loss and gradients are
+    plain autograd's, and the generator is left where plain autograd leaves it."""
+    torch.manual_seed(0)
+    unet = qca_lowmem.UNetUnitary(d_state=2, hidden_channels=8).double()
+    with torch.no_grad():
+        unet.outc.weight.normal_(0.0, 0.1)
+    calls = []
+
+    def step(psi):
+        calls.append(torch.is_grad_enabled())
+        x = qca_lowmem.qca_pack(psi)
+        return qca_lowmem.qca_update(psi, torch.nn.functional.dropout(unet(x), 0.3), 0.05)
+
+    psi0 = stock.initial_state(1, 8, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(1))
+    results = {}
+    for name, options in (("plain", dict(checkpoint="none")), ("policy", policy)):
+        unet.zero_grad(set_to_none=True)
+        calls.clear()
+        torch.manual_seed(7)
+        loss = weighted(qca_lowmem.rollout(step, psi0, 5, **options)[0])
+        forward_calls = len(calls)
+        loss.backward()
+        results[name] = (loss.item(), [p.grad for p in unet.parameters()], torch.get_rng_state(), forward_calls)
+    (loss, grads, rng, forward_calls), (plain_loss, plain_grads, plain_rng, _) = results["policy"], results["plain"]
+    assert forward_calls == 5 and loss == pytest.approx(plain_loss, rel=1e-12)
+    for got, expected in zip(grads, plain_grads):
+        assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-10
+    assert torch.equal(rng, plain_rng)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_a_memory_made_by_the_first_step_reaches_its_parameters(policy):
+    """The users' ConvLSTM engine hands a first step h = None and runs its hidden-to-hidden conv
+    only from the second step on: the episode finds that conv's parameters by probing up to the
+    first step with the whole carry, so they get plain autograd's gradients."""
+    torch.manual_seed(0)
+    into = torch.nn.Conv2d(4, 4, 3, padding=1).double()
+    hidden = torch.nn.Conv2d(4, 4, 3, padding=1).double()  # used from step 1 on
+    params = list(into.parameters()) + list(hidden.parameters())
+
+    def step(psi, carry):
+        x = qca_lowmem.qca_pack(psi)
+        h = carry[0]
+        h = torch.tanh(into(x) + (hidden(h) if h is not None else 0))
+        return qca_lowmem.qca_update(psi, 0.1 * h, 0.05), (h,)
+
+    psi0 = stock.initial_state(1, 8, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(1))
+    grads = {}
+    for name, options in (("plain", dict(checkpoint="none")), ("policy", policy)):
+        for p in params:
+            p.grad = None
+        psi_T, _, (h_T,) = qca_lowmem.rollout(step, psi0, 5, carry=(None,), **options)
+        (weighted(psi_T) + h_T.square().sum()).backward()
+        grads[name] = [p.grad for p in params]
+    for got, expected in zip(grads["policy"], grads["plain"]):
+        assert got is not None and ((got - expected).abs().max() / expected.abs().max()).item() < 1e-10

@@ -11,9 +11,10 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .episode import Episode, EpisodeFunction, StepUnit, run_with_graph
+from .episode import Episode, EpisodeFunction, StepUnit
 from .graph import StepGraph
-from .memory import step_graph_bytes
+from .intermediates import keep_block_intermediates
+from .memory import counted_and_dropped
 from .policy import STEP, Policy
 from .replay import RngStates
 from .schedule import schedule_for
@@ -120,38 +121,51 @@ def _episode(unit: StepUnit, state0: State, steps: int, policy: Policy, recorded
     """(psi_T, history, carry_T) of the episode under `policy`."""
     if not policy.recomputes or not torch.is_grad_enabled():
         return _run_plain(unit, state0, 0, steps, recorded, [])
-    schedule = schedule_for(policy, steps, lambda: step_graph_bytes(
-        unit.step_fn, state0.psi, state0.carry if unit.carried else None), state0.psi.device, check_recompute)
-
-    # Step 0 with grad enabled: its graph tells which leaves (parameters) the episode depends on.
-    # Unless the schedule keeps step 0's graph, only the graph's shape is needed, so nothing it
-    # would save for backward is kept.
-    marker = _next_sequence_nr()
     rng = RngStates(state0.psi.device, preserve_rng_state)
-    rng.record()
-    if schedule.keeps_graph(0):
-        first = run_with_graph(unit, state0, 0)
-        inputs, outputs = first.inputs, first.outputs
-    else:
-        inputs = state0.as_inputs(True)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_discard, _discard):
-            outputs = unit(inputs, 0)
-        first = outputs.detached()
-    params = _leaves_reached([x for x in outputs.tensors() if x is not None], {id(x) for x in inputs.tensors()}, marker)
+    probed, params, step_bytes = _probe(unit, state0, steps, rng, measure=policy.budget is not None)
     if not params and not any(state0.needs_grad()):
         with torch.no_grad():
-            start = outputs.detached()
-            return _run_plain(unit, start, 1, steps, recorded, [start.psi] if steps > 1 else [])
-
-    plan = Episode(unit, schedule, rng, recorded, policy.checkpoint, first, params, state0, check_recompute)
+            history = [state.psi for t, state in enumerate(probed) if t in recorded and t != steps - 1]
+            return _run_plain(unit, probed[-1], len(probed), steps, recorded, history)
+    schedule = schedule_for(policy, steps, lambda: (step_bytes, probed[-1].nbytes()), state0.psi.device,
+                            check_recompute, probed=len(probed))
+    plan = Episode(unit, schedule, rng, recorded, policy.checkpoint, probed, params, state0, check_recompute)
     if isinstance(unit.step_fn, StepGraph):
-        unit.capture = unit.step_fn.for_rollout(outputs.detached(), unit.step, params, plan.autocast)
+        unit.capture = unit.step_fn.for_rollout(probed[-1], unit.step, params, plan.autocast)
     result = EpisodeFunction.apply(plan, state0.psi, *state0.carry, *params)
     n_history = len(plan.history_steps)
     psi_T, history = result[0], list(result[1:1 + n_history])
     history.append(psi_T)
     carry_T = iter(result[1 + n_history:])
     return psi_T, history, tuple(next(carry_T) if present else None for present in plan.carry_T_present)
+
+
+def _probe(unit: StepUnit, state0: State, steps: int, rng: RngStates, measure: bool):
+    """The episode's first steps run with grad enabled: their graphs tell which leaves
+    (parameters) the episode depends on, and, with `measure`, what one step's full graph keeps
+    (blocks keeping their intermediates), each storage counted once. Nothing they would save for
+    backward is kept. Step 0 alone, or, while its carry is not made yet (None entries: a first
+    step that skips what later ones run), up to the first step with the whole carry.
+    Returns (their output states, the leaves, bytes of the largest full graph with its output)."""
+    probed, params, step_bytes = [], [], 0
+    state = state0
+    for t in range(steps):
+        marker = _next_sequence_nr()
+        rng.record()
+        inputs = state.as_inputs(True)
+        saved = []
+        with torch.enable_grad(), keep_block_intermediates(measure), counted_and_dropped(saved if measure else None):
+            outputs = unit(inputs, t)
+        found = {id(p) for p in params}
+        params += [leaf for leaf in _leaves_reached([x for x in outputs.tensors() if x is not None],
+                                                    {id(x) for x in inputs.tensors()}, marker)
+                   if id(leaf) not in found]
+        state = outputs.detached()
+        probed.append(state)
+        step_bytes = max(step_bytes, sum(saved) + state.nbytes())
+        if all(c is not None for c in inputs.carry):
+            break
+    return probed, params, step_bytes
 
 
 def _run_plain(unit: StepUnit, state: State, start: int, steps: int, recorded: List[int], history: list):
@@ -164,10 +178,6 @@ def _run_plain(unit: StepUnit, state: State, start: int, steps: int, recorded: L
             history.append(state.psi)
     history.append(state.psi)
     return state.psi, history, state.carry
-
-
-def _discard(_):
-    return None
 
 
 def _next_sequence_nr() -> int:

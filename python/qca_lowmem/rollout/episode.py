@@ -68,32 +68,36 @@ class StepUnit:
 
 
 class KeptGraph:
-    """A step whose graph the forward kept: its input leaves and its outputs."""
+    """Steps start .. start + len(outputs) - 1 run with their whole graph kept, as one chain (as
+    plain autograd runs them, and reversed by one backward): the input leaves of the first, the
+    output state of each."""
 
-    def __init__(self, inputs: State, outputs: State):
+    def __init__(self, start: int, inputs: State):
+        self.start = start
         self.inputs = inputs
-        self.outputs = outputs
+        self.outputs: List[State] = []
 
-
-def run_with_graph(unit: StepUnit, state: State, t: int) -> KeptGraph:
-    """Step t with its whole graph kept (blocks keeping their intermediates)."""
-    inputs = state.as_inputs(True)
-    with torch.enable_grad(), keep_block_intermediates():
-        return KeptGraph(inputs, unit(inputs, t))
+    def run(self, unit: StepUnit, t: int) -> State:
+        """Step t (the next one) on the chain, blocks keeping their intermediates; its output
+        state detached, for the steps and history that do not differentiate it."""
+        state = self.outputs[-1] if self.outputs else self.inputs
+        with torch.enable_grad(), keep_block_intermediates():
+            self.outputs.append(unit(state, t))
+        return self.outputs[-1].detached()
 
 
 class Episode:
     """Everything the episode's Function needs besides tensors."""
 
     def __init__(self, unit: StepUnit, schedule: Schedule, rng: RngStates, history_steps: List[int], mode: str,
-                 first, params: List[torch.Tensor], state0: State, check_recompute: bool):
+                 probed: List[State], params: List[torch.Tensor], state0: State, check_recompute: bool):
         self.unit = unit
         self.schedule = schedule
         self.rng = rng
         self.steps = schedule.steps
         self.history_steps = [t for t in history_steps if t != self.steps - 1]
         self.mode = mode
-        self.first = first  # step 0's output state, or its kept graph
+        self.probed = probed  # the output states of the first steps, run before the Function
         # The parameters stay here, not in save_for_backward: saved-tensor hooks (save_on_cpu,
         # saved_bytes) would hand back copies, which the recomputed steps never use.
         self.params = params
@@ -106,7 +110,7 @@ class Episode:
         self.check_recompute = check_recompute
         self.autocast = AutocastState(sorted({"cpu", state0.psi.device.type}))
         self.kept_steps: List[int] = []  # which states are saved, in saved order
-        self.graphs = {}  # step -> KeptGraph
+        self.graphs: Optional[KeptGraph] = None
 
     def advance(self, state: State, start: int, stop: int) -> State:
         """The state at step `stop` from the one at step `start`, without a graph (as the
@@ -122,26 +126,25 @@ class EpisodeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: Episode, psi0: torch.Tensor, *inputs: Optional[torch.Tensor]):
         steps, schedule = plan.steps, plan.schedule
-        stored, history = [(0, State(psi0, tuple(inputs[:plan.carry_width])))], []
+        state = State(psi0, tuple(inputs[:plan.carry_width]))  # the input of step t below
+        stored, history = [], []
         history_steps = set(plan.history_steps)
-        step_out = plan.first
-        plan.first = None
-        for t in range(1, steps + 1):
-            if isinstance(step_out, KeptGraph):
-                plan.graphs[t - 1] = step_out
-                step_out = step_out.outputs.detached()
-            state = step_out  # the state after step t-1, the input of step t
-            if t - 1 in history_steps:
-                history.append(state.psi)
-            if t == steps:
-                break
-            plan.rng.record()
-            if schedule.keeps_graph(t):
-                step_out = run_with_graph(plan.unit, state, t)
-                continue
+        probed, plan.probed = plan.probed, None
+        for t in range(steps):
             if schedule.keeps_state(t):
                 stored.append((t, state))
-            step_out = plan.unit(state, t)
+            if t < len(probed):
+                state = probed[t]
+            else:
+                plan.rng.record()
+                if schedule.keeps_graph(t):
+                    if plan.graphs is None:
+                        plan.graphs = KeptGraph(t, state.as_inputs(True))
+                    state = plan.graphs.run(plan.unit, t)
+                else:
+                    state = plan.unit(state, t)
+            if t in history_steps:
+                history.append(state.psi)
         plan.kept_steps = [t for t, _ in stored]
         plan.carry_T_present = [c is not None for c in state.carry]
         outputs = [state.psi, *history, *(c for c in state.carry if c is not None)]
@@ -178,12 +181,13 @@ class EpisodeFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         states = [State(saved[i], tuple(saved[i + 1:i + width])) for i in range(0, len(saved), width)]
         kept = dict(zip(plan.kept_steps, states))
-        if plan.graphs is None:
-            raise RuntimeError(f"rollout(checkpoint={plan.mode!r}): the full graphs kept for the episode's last steps "
-                               "were freed by its first backward; retain_graph=True does not keep them: run the "
-                               "episode again, or use checkpoint='step' to backpropagate through it twice")
-        kept.update(plan.graphs)
-        plan.graphs = None if plan.graphs else {}  # reversing frees their buffers
+        if plan.graphs is not None:
+            if not plan.graphs.outputs:
+                raise RuntimeError(f"rollout(checkpoint={plan.mode!r}): the full graphs kept for the episode's last "
+                                   "steps were freed by its first backward; retain_graph=True does not keep them: run "
+                                   "the episode again, or use checkpoint='step' to backpropagate through it twice")
+            kept[plan.graphs.start] = plan.graphs
+            plan.graphs = KeptGraph(plan.graphs.start, plan.graphs.inputs)  # reversing frees their buffers
         final_state = states[-1] if plan.keeps_final_state else None
         del states, saved
 

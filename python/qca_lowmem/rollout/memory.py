@@ -3,6 +3,7 @@ the OOM guard, so they agree: what an autograd graph keeps for backward (a devic
 measure), one step's full graph, a state, the model state, and byte sizes written for people and
 read from them."""
 
+import contextlib
 import weakref
 from typing import Callable, List, Optional
 
@@ -55,6 +56,25 @@ def saved_storage_sizes(fn, *args, **kwargs) -> List[int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         fn(*args, **kwargs)
     return [storage.nbytes() for storage in storages.values()]
+
+
+@contextlib.contextmanager
+def counted_and_dropped(sizes: Optional[list]):
+    """Tensors saved for backward inside are dropped (the graph is only walked, never
+    differentiated); with `sizes`, the bytes of their storages, each counted once as saved_bytes
+    counts them, are appended to it on exit (the storages live until then)."""
+    storages = {}
+
+    def pack(tensor):
+        if sizes is not None and not isinstance(tensor, torch.nn.Parameter) and tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            storages[(tensor.device, storage.data_ptr())] = storage
+        return None
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+        yield
+    if sizes is not None:
+        sizes.append(sum(storage.nbytes() for storage in storages.values()))
 
 
 def kept_bytes(policy: Policy, steps: int, state_bytes: int, step_bytes: Optional[int] = None) -> int:

@@ -7,7 +7,8 @@ outputs and a vector-Jacobian product from one of three ways of running a step:
   state, same random numbers, blocks keeping their intermediates);
 - replayed on a capture (a StepGraph, graph.py): the captured forward and backward graphs, the
   noise after the step eager;
-- a kept graph (checkpoint="auto"'s last steps): the graph the forward built, nothing recomputed.
+- kept graphs (checkpoint="auto"'s last steps): the chain of graphs the forward built, reversed in
+  one backward as plain autograd would, nothing recomputed.
 
 The pass itself owns what they share: the gradients flowing into each step's outputs, the
 recompute check (recompute_check.py), and the first step's inputs, whose gradients are returned
@@ -32,20 +33,24 @@ def _add(a, b):
     return a + b
 
 
+def _vjp(inputs: State, pairs, params) -> State:
+    """The gradients w.r.t. `inputs` of a graph whose outputs get gradients as (output, gradient)
+    `pairs`; the parameters' go to their hooks (the episode's ParamGradSink)."""
+    wrt = [x for x in inputs.tensors() if x is not None and x.requires_grad]
+    if pairs and (wrt or params):
+        found = torch.autograd.grad([v for v, _ in pairs], wrt + params, [g for _, g in pairs], allow_unused=True)
+    else:
+        found = [None] * len(wrt)
+    by_input = {id(x): g for x, g in zip(wrt, found)}
+    return State(by_input.get(id(inputs.psi)), tuple(None if c is None else by_input.get(id(c)) for c in inputs.carry))
+
+
 def graph_vjp(inputs: State, outputs: State, params) -> Callable[[State], State]:
     """The vector-Jacobian product of a step whose graph runs from `inputs` to `outputs`."""
 
     def vjp(grads: State) -> State:
-        pairs = [(value, grad) for value, grad in zip(outputs.tensors(), grads.tensors())
-                 if grad is not None and value is not None and value.requires_grad]
-        wrt = [x for x in inputs.tensors() if x is not None and x.requires_grad]
-        if pairs and (wrt or params):
-            found = torch.autograd.grad([v for v, _ in pairs], wrt + params, [g for _, g in pairs], allow_unused=True)
-        else:
-            found = [None] * len(wrt)
-        by_input = {id(x): g for x, g in zip(wrt, found)}
-        return State(by_input.get(id(inputs.psi)),
-                     tuple(None if c is None else by_input.get(id(c)) for c in inputs.carry))
+        return _vjp(inputs, [(value, grad) for value, grad in zip(outputs.tensors(), grads.tensors())
+                             if grad is not None and value is not None and value.requires_grad], params)
 
     return vjp
 
@@ -65,27 +70,45 @@ class StepReverser:
     def advance(self, state: State, start: int, stop: int) -> State:
         return self.plan.advance(state, start, stop)
 
-    def backprop(self, t: int, kept) -> None:
-        """Reverse step t given what the forward kept for it (its input state or its graph): the
-        gradients then refer to its input."""
-        g = self.incoming.pop(t, None)
-        if g is not None:
-            self.grads = State(_add(self.grads.psi, g.psi), tuple(map(_add, self.grads.carry, g.carry)))
-        graph = kept if not isinstance(kept, State) else None
-        state = kept if graph is None else graph.inputs
+    def backprop(self, t: int, state: State) -> None:
+        """Reverse step t given the input state the forward kept (or re-advanced): the gradients
+        then refer to it."""
+        self._take_incoming(t)
         expected = self.next_state[1] if self.next_state is not None and self.next_state[0] == t + 1 else None
         self.next_state = (t, state) if self.check is not None else None
         if all(g is None for g in self.grads.tensors()):
             return  # nothing of the loss depends on this step's output
-        if graph is not None:
-            outputs, vjp = graph.outputs, graph_vjp(graph.inputs, graph.outputs, self.plan.params)
-        elif self.plan.unit.capture is not None and self.plan.unit.capture.takes(state.carry):
+        if self.plan.unit.capture is not None and self.plan.unit.capture.takes(state.carry):
             outputs, vjp = self._replayed(t, state)
         else:
             outputs, vjp = self._recomputed(t, state)
-        if expected is not None and graph is None:
+        if expected is not None:
             self.check.add(t, outputs, expected)
-        grads = vjp(self.grads)
+        self._set_grads(t, vjp(self.grads))
+
+    def backprop_graph(self, kept) -> None:
+        """Reverse the steps whose graph the forward kept (an episode.KeptGraph), in one backward:
+        the gradient flowing into each step's output (the history's, the last step's) enters it
+        there, as in plain autograd. Nothing is recomputed, so nothing is checked."""
+        first, last = kept.start, kept.start + len(kept.outputs) - 1
+        pairs = []
+        for t, outputs in zip(range(first, last + 1), kept.outputs):
+            g = self.incoming.pop(t, None)
+            if t == last:
+                self._take_incoming(t, g)
+                g = self.grads
+            if g is not None:
+                pairs += [(value, grad) for value, grad in zip(outputs.tensors(), g.tensors())
+                          if grad is not None and value is not None and value.requires_grad]
+        self.next_state = (first, kept.inputs) if self.check is not None else None
+        self._set_grads(first, _vjp(kept.inputs, pairs, self.plan.params))
+
+    def _take_incoming(self, t: int, g: Optional[State] = None) -> None:
+        g = self.incoming.pop(t, None) if g is None else g
+        if g is not None:
+            self.grads = State(_add(self.grads.psi, g.psi), tuple(map(_add, self.grads.carry, g.carry)))
+
+    def _set_grads(self, t: int, grads: State) -> None:
         if t == 0:  # psi0 and the carry entries that do not require grad get none
             needs = self.plan.input_needs_grad
             grads = State(grads.psi if needs[0] else None,

@@ -10,12 +10,12 @@ visits its steps. Each policy that recomputes is one of them, over the same epis
   schedule of revolve.py.
 
 A schedule tells the forward `keeps_state(t)` / `keeps_graph(t)` for the input of step t, and
-reverses by calling `reverser.backprop(t, kept)` for t from the last step down, each with what
-the forward kept for t (a state, or a kept graph), re-advancing states with
-`reverser.advance(state, start, stop)` where it keeps fewer.
+reverses by calling `reverser.backprop(t, state)` for t from the last step down with the state
+the forward kept for t, re-advancing states with `reverser.advance(state, start, stop)` where it
+keeps fewer, and `reverser.backprop_graph(kept)` for steps whose graph the forward kept.
 """
 
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -53,8 +53,10 @@ class EveryStep(Schedule):
         return t >= self.graphs_from
 
     def reverse(self, kept: dict, reverser) -> None:
-        for t in reversed(range(self.steps)):
-            reverser.backprop(t, kept.pop(t))  # popped: each state or graph freed once reversed
+        if self.graphs_from < self.steps:
+            reverser.backprop_graph(kept.pop(self.graphs_from))
+        for t in reversed(range(self.graphs_from)):
+            reverser.backprop(t, kept.pop(t))  # popped: each state freed once reversed
 
 
 class Revolve(Schedule):
@@ -70,39 +72,34 @@ class Revolve(Schedule):
         revolve.reverse(self.steps, self.slots, kept, reverser)
 
 
-def budget_split(steps: int, state_bytes: int, step_bytes: int, budget: int):
+def budget_split(steps: int, state_bytes: int, step_bytes: int, budget: int, most_graphs: Optional[int] = None):
     """(full_graphs, slots) for a budget of `budget` bytes: the full graphs of the last
-    `full_graphs` steps and one state per step before them; or, when one state per step does not
-    fit, revolve with `slots` (full_graphs 0)."""
+    `full_graphs` steps (at most `most_graphs`) and one state per step before them; or, when one
+    state per step does not fit, revolve with `slots` (full_graphs 0)."""
+    most_graphs = steps if most_graphs is None else most_graphs
     if budget < steps * state_bytes:
         return 0, max(1, budget // state_bytes)
     if step_bytes <= state_bytes:
-        return steps, None
-    return min(steps, (budget - steps * state_bytes) // (step_bytes - state_bytes)), None
-
-
-def schedule_for_budget(steps: int, state_bytes: int, step_bytes: int, budget: int,
-                        keeps_final_state: bool) -> Schedule:
-    """checkpoint="auto": the schedule keeping the most full graphs that `budget` bytes hold.
-    `keeps_final_state`: the recompute check holds the last state too, within the budget."""
-    if keeps_final_state:
-        budget = max(0, budget - state_bytes)
-    full_graphs, slots = budget_split(steps, state_bytes, step_bytes, budget)
-    if slots is not None:
-        return Revolve(steps, slots)
-    return EveryStep(steps, full_graphs)
+        return most_graphs, None
+    return min(most_graphs, (budget - steps * state_bytes) // (step_bytes - state_bytes)), None
 
 
 def schedule_for(policy: Policy, steps: int, measure: Callable[[], Tuple[int, int]], device: torch.device,
-                 keeps_final_state: bool) -> Schedule:
+                 keeps_final_state: bool, probed: int) -> Schedule:
     """The schedule of a recomputing policy (plain autograd has none). `measure()` -> (bytes of
-    one step's full graph with its output state, bytes of a state), called only for a budget;
-    `keeps_final_state`: the recompute check holds the last state besides what is kept."""
+    one step's full graph with its output state, bytes of a state), called only for a budget,
+    which the recompute check's last state comes out of (`keeps_final_state`). The first
+    `probed` steps, which ran before it was chosen, keep no graph: they are recomputed."""
     if policy.slots is not None:
         return Revolve(steps, policy.slots)
     if policy.budget is None:
         return EveryStep(steps)
     step_bytes, state_bytes = measure()
     budget = free_budget(device, step_bytes) if policy.reads_free_memory else policy.budget
-    return schedule_for_budget(steps, state_bytes, step_bytes, budget, keeps_final_state)
+    if keeps_final_state:
+        budget = max(0, budget - state_bytes)
+    full_graphs, slots = budget_split(steps, state_bytes, step_bytes, budget, most_graphs=steps - probed)
+    if slots is not None:
+        return Revolve(steps, slots)
+    return EveryStep(steps, full_graphs)
 
