@@ -157,3 +157,30 @@ def test_a_memory_made_by_the_first_step_reaches_its_parameters(policy):
         grads[name] = [p.grad for p in params]
     for got, expected in zip(grads["policy"], grads["plain"]):
         assert got is not None and ((got - expected).abs().max() / expected.abs().max()).item() < 1e-10
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_batchnorm_statistics_end_as_plain_autograd_leaves_them(policy):
+    """A BatchNorm in train mode updates its running statistics in every forward: recomputes start
+    from the values their forward step saw, and the episode ends with the values plain autograd
+    leaves, with its loss and gradients."""
+    results = {}
+    for name, options in (("plain", dict(checkpoint="none")), ("policy", policy)):
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(4, 4, 3, padding=1).double()
+        norm = torch.nn.BatchNorm2d(4).double()
+
+        def step(psi):
+            x = qca_lowmem.qca_pack(psi)
+            return qca_lowmem.qca_update(psi, 0.1 * torch.tanh(norm(conv(x))), 0.05)
+
+        psi0 = stock.initial_state(2, 8, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(1))
+        loss = weighted(qca_lowmem.rollout(step, psi0, 4, **options)[0])
+        loss.backward()
+        results[name] = (loss.item(), [p.grad for p in [*conv.parameters(), *norm.parameters()]],
+                         [b.clone() for b in norm.buffers()])
+    (loss, grads, buffers), (plain_loss, plain_grads, plain_buffers) = results["policy"], results["plain"]
+    assert loss == pytest.approx(plain_loss, rel=1e-12)
+    for got, expected in zip(grads, plain_grads):
+        assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-10
+    assert [b.tolist() for b in buffers] == [b.tolist() for b in plain_buffers]  # num_batches_tracked 4, not more

@@ -142,3 +142,26 @@ def test_enable_with_cuda_graph_on_a_memory_engine_equals_stock(replayed_graphs)
     assert_same_run(actual, expected)
     graph = getattr(trainer, "_qca_lowmem_state").step_graph
     assert graph is not None and graph.captures_made >= 1 and replays(replayed_graphs) >= EPISODES
+
+
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2), ("auto", None)])
+def test_a_captured_step_leaves_batchnorm_statistics_as_plain_autograd(replayed_graphs, checkpoint, slots):
+    """The capture's warm-up and recording run the step, as do the replays of recomputes: none of
+    them counts as a BatchNorm update; the episode ends with plain autograd's statistics."""
+    buffers = {}
+    for name, graph in (("plain", False), ("captured", True)):
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(4, 4, 3, padding=1).double()
+        norm = torch.nn.BatchNorm2d(4).double()
+
+        def step(psi):
+            x = qca_lowmem.qca_pack(psi)
+            return qca_lowmem.qca_update(psi, 0.1 * torch.tanh(norm(conv(x))), 0.05)
+
+        options = dict(checkpoint=checkpoint, slots=slots, budget=20_000 if checkpoint == "auto" else None)
+        psi_T, _ = qca_lowmem.rollout(qca_lowmem.StepGraph(step) if graph else step, psi_state(), 4,
+                                      **(options if graph else dict(checkpoint="none")))
+        psi_T.abs().sum().backward()
+        buffers[name] = [b.tolist() for b in norm.buffers()]
+    assert buffers["captured"] == buffers["plain"]
+    assert replays(replayed_graphs) > 0

@@ -71,11 +71,23 @@ def test_bitwise_the_same_as_casting_per_call(checkpoint, slots, cast_per_call):
 
 def _weight_casts_in(episode):
     """aten::_to_copy calls from float32 3x3 conv weights (the fused blocks'), by the profiler; the
-    gradients' casts back to float32, one per use as per call, are not weight casts."""
+    gradients' casts back to float32, one per use as per call, are not weight casts. A cast made
+    under a dispatch mode (the rollout's probe watches its first step's ops) is one cast that the
+    profiler lists twice, once inside the other."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         episode()
     return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
-               and len(e.input_shapes[0]) == 4 and e.input_shapes[0][2:] == [3, 3] and e.input_dtypes[0] == "float")
+               and len(e.input_shapes[0]) == 4 and e.input_shapes[0][2:] == [3, 3] and e.input_dtypes[0] == "float"
+               and not _inside(e, "PythonDispatchMode"))
+
+
+def _inside(event, name: str) -> bool:
+    event = event.cpu_parent
+    while event is not None:
+        if event.name == name:
+            return True
+        event = event.cpu_parent
+    return False
 
 
 @pytest.mark.parametrize("checkpoint,slots", MODES)
@@ -94,17 +106,9 @@ def _gradient_casts_in(episode):
     first; a CUDA add reads the half-precision operand in its kernel)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         episode()
-
-    def inside_an_add(event):
-        while event is not None:
-            if event.name == "aten::add_":
-                return True
-            event = event.cpu_parent
-        return False
-
     return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
                and len(e.input_shapes[0]) == 4 and e.input_shapes[0][2:] == [3, 3]
-               and e.input_dtypes[0] == "c10::BFloat16" and not inside_an_add(e))
+               and e.input_dtypes[0] == "c10::BFloat16" and not _inside(e, "aten::add_"))
 
 
 @pytest.mark.parametrize("checkpoint,slots", MODES)

@@ -7,10 +7,12 @@ backward is the reverse pass (reverse.py). With checkpoint="none", or without gr
 run as the stock loop does.
 """
 
+import contextlib
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from .buffers import StepBuffers
 from .episode import Episode, EpisodeFunction, StepUnit
 from .graph import StepGraph
 from .intermediates import keep_block_intermediates
@@ -122,16 +124,18 @@ def _episode(unit: StepUnit, state0: State, steps: int, policy: Policy, recorded
     if not policy.recomputes or not torch.is_grad_enabled():
         return _run_plain(unit, state0, 0, steps, recorded, [])
     rng = RngStates(state0.psi.device, preserve_rng_state)
-    probed, params, step_bytes = _probe(unit, state0, steps, rng, measure=policy.budget is not None)
+    probed, params, step_bytes, buffers = _probe(unit, state0, steps, rng, measure=policy.budget is not None)
     if not params and not any(state0.needs_grad()):
         with torch.no_grad():
             history = [state.psi for t, state in enumerate(probed) if t in recorded and t != steps - 1]
             return _run_plain(unit, probed[-1], len(probed), steps, recorded, history)
     schedule = schedule_for(policy, steps, lambda: (step_bytes, probed[-1].nbytes()), state0.psi.device,
                             check_recompute, probed=len(probed))
-    plan = Episode(unit, schedule, rng, recorded, policy.checkpoint, probed, params, state0, check_recompute)
+    plan = Episode(unit, schedule, rng, recorded, policy.checkpoint, probed, params, state0, check_recompute,
+                   buffers)
     if isinstance(unit.step_fn, StepGraph):
-        unit.capture = unit.step_fn.for_rollout(probed[-1], unit.step, params, plan.autocast)
+        with buffers.unchanged() if buffers is not None else contextlib.nullcontext():
+            unit.capture = unit.step_fn.for_rollout(probed[-1], unit.step, params, plan.autocast)
     result = EpisodeFunction.apply(plan, state0.psi, *state0.carry, *params)
     n_history = len(plan.history_steps)
     psi_T, history = result[0], list(result[1:1 + n_history])
@@ -145,17 +149,22 @@ def _probe(unit: StepUnit, state0: State, steps: int, rng: RngStates, measure: b
     (parameters) the episode depends on, and, with `measure`, what one step's full graph keeps
     (blocks keeping their intermediates), each storage counted once. Nothing they would save for
     backward is kept. Step 0 alone, or, while its carry is not made yet (None entries: a first
-    step that skips what later ones run), up to the first step with the whole carry.
-    Returns (their output states, the leaves, bytes of the largest full graph with its output)."""
-    probed, params, step_bytes = [], [], 0
+    step that skips what later ones run), up to the first step with the whole carry. They also
+    find the tensors a step writes that outlive it (buffers.py).
+    Returns (their output states, the leaves, bytes of the largest full graph with its output,
+    the written tensors as StepBuffers or None)."""
+    probed, params, step_bytes, writes = [], [], 0, []
     state = state0
     for t in range(steps):
         marker = _next_sequence_nr()
         rng.record()
         inputs = state.as_inputs(True)
         saved = []
-        with torch.enable_grad(), keep_block_intermediates(measure), counted_and_dropped(saved if measure else None):
+        finder = StepBuffers.finder()
+        with torch.enable_grad(), keep_block_intermediates(measure), counted_and_dropped(saved if measure else None), \
+                finder:
             outputs = unit(inputs, t)
+        writes.append(finder.written())
         found = {id(p) for p in params}
         params += [leaf for leaf in _leaves_reached([x for x in outputs.tensors() if x is not None],
                                                     {id(x) for x in inputs.tensors()}, marker)
@@ -165,7 +174,7 @@ def _probe(unit: StepUnit, state0: State, steps: int, rng: RngStates, measure: b
         step_bytes = max(step_bytes, sum(saved) + state.nbytes())
         if all(c is not None for c in inputs.carry):
             break
-    return probed, params, step_bytes
+    return probed, params, step_bytes, StepBuffers.of_probes(writes)
 
 
 def _run_plain(unit: StepUnit, state: State, start: int, steps: int, recorded: List[int], history: list):

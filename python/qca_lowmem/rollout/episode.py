@@ -16,6 +16,7 @@ import torch
 
 from ..ops import second_order_requested
 from . import weight_casts
+from .buffers import StepBuffers
 from .intermediates import keep_block_intermediates
 from .param_grads import ParamGradSink
 from .replay import AutocastState, RngStates
@@ -90,7 +91,8 @@ class Episode:
     """Everything the episode's Function needs besides tensors."""
 
     def __init__(self, unit: StepUnit, schedule: Schedule, rng: RngStates, history_steps: List[int], mode: str,
-                 probed: List[State], params: List[torch.Tensor], state0: State, check_recompute: bool):
+                 probed: List[State], params: List[torch.Tensor], state0: State, check_recompute: bool,
+                 buffers: Optional[StepBuffers]):
         self.unit = unit
         self.schedule = schedule
         self.rng = rng
@@ -111,15 +113,22 @@ class Episode:
         self.autocast = AutocastState(sorted({"cpu", state0.psi.device.type}))
         self.kept_steps: List[int] = []  # which states are saved, in saved order
         self.graphs: Optional[KeptGraph] = None
+        self.buffers = buffers  # tensors the steps write that outlive them (BatchNorm's statistics)
 
     def advance(self, state: State, start: int, stop: int) -> State:
         """The state at step `stop` from the one at step `start`, without a graph (as the
         forward ran)."""
         with torch.no_grad(), self.autocast():
             for t in range(start, stop):
+                self.load_buffers(t)
                 with self.rng.replay(t):
                     state = self.unit(state, t)
         return state
+
+    def load_buffers(self, t: int) -> None:
+        """Before step t runs again: the buffers as its forward saw them."""
+        if self.buffers is not None:
+            self.buffers.load(t)
 
 
 class EpisodeFunction(torch.autograd.Function):
@@ -137,6 +146,8 @@ class EpisodeFunction(torch.autograd.Function):
                 state = probed[t]
             else:
                 plan.rng.record()
+                if plan.buffers is not None and schedule.recomputes(t):
+                    plan.buffers.record(t)
                 if schedule.keeps_graph(t):
                     if plan.graphs is None:
                         plan.graphs = KeptGraph(t, state.as_inputs(True))
@@ -145,6 +156,8 @@ class EpisodeFunction(torch.autograd.Function):
                     state = plan.unit(state, t)
             if t in history_steps:
                 history.append(state.psi)
+        if plan.buffers is not None:
+            plan.buffers.forward_done()
         plan.kept_steps = [t for t, _ in stored]
         plan.carry_T_present = [c is not None for c in state.carry]
         outputs = [state.psi, *history, *(c for c in state.carry if c is not None)]
@@ -204,8 +217,12 @@ class EpisodeFunction(torch.autograd.Function):
             capture.zero_accumulators()
         sink = ParamGradSink(plan.params)  # steps run eagerly (all, or a capture's first) add theirs here
         reverser = StepReverser(plan, incoming, final_state)
-        with sink:
-            plan.schedule.reverse(kept, reverser)
+        try:
+            with sink:
+                plan.schedule.reverse(kept, reverser)
+        finally:
+            if plan.buffers is not None:
+                plan.buffers.restore()
         del kept, final_state
         reverser.verify()
         if capture is not None:

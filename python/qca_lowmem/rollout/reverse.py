@@ -117,6 +117,7 @@ class StepReverser:
 
     def _recomputed(self, t: int, state: State):
         plan = self.plan
+        plan.load_buffers(t)
         inputs = state.as_inputs([True] * len(plan.input_needs_grad) if t else plan.input_needs_grad)
         with torch.enable_grad(), plan.autocast(), keep_block_intermediates(), plan.rng.replay(t):
             outputs = plan.unit(inputs, t)
@@ -126,6 +127,7 @@ class StepReverser:
         """Step t on the capture's graphs: its forward replayed, the noise after it eager."""
         plan = self.plan
         unit = plan.unit
+        plan.load_buffers(t)
         out, out_carry = unit.capture.output_for_backward(*state)
         noisy = out
         if unit.noise is not None:

@@ -1,0 +1,118 @@
+"""Tensors a step writes that outlive it: BatchNorm's running statistics and step count, any
+registered buffer, a counter kept in a tensor.
+
+Plain autograd runs each step once, so such a buffer ends the episode having seen T updates. A
+recomputing episode runs steps again: each recompute would update the buffer once more, and
+read values the forward had already moved on from. So the probe (api.py) finds the tensors a
+step writes, the forward keeps their values before each step (they are small: statistics, not
+activations), every recompute starts from the values its forward step saw, and the end of the
+backward puts back the values the forward left.
+
+Found by value: BatchNorm updates its statistics inside one kernel, without bumping their
+versions or declaring the write in the op's schema, so the probe copies every tensor a step's ops
+read that the step did not make, and compares after the step. A step that writes a tensor only
+on some steps (not on the probed ones) is not seen.
+"""
+
+import contextlib
+import weakref
+from typing import Dict, List, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class _WriteFinder(TorchDispatchMode):
+    """Copies each tensor an op reads that no op inside made, at its first read."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: Dict[int, weakref.ref] = {}
+        self.before: Dict[int, tuple] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for tensor in tree_leaves((args, kwargs)):
+            # Tensors requiring grad (parameters, the step's inputs) cannot be written in place.
+            if isinstance(tensor, torch.Tensor) and not tensor.requires_grad and id(tensor) not in self.before \
+                    and not self._made(tensor) and tensor.device.type != "meta":
+                self.before[id(tensor)] = (tensor, tensor.clone())
+        out = func(*args, **kwargs)
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self.made[id(tensor)] = weakref.ref(tensor)
+        return out
+
+    def _made(self, tensor: torch.Tensor) -> bool:
+        ref = self.made.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def written(self):
+        """(tensor, its value before the step) for each tensor the step changed."""
+        return [(tensor, old) for tensor, old in self.before.values() if not _same(tensor, old)]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() or a.is_complex()
+                                        else (a == b)).all())
+
+
+class StepBuffers:
+    """The tensors the episode's steps write, with their values before each step."""
+
+    def __init__(self, tensors: List[torch.Tensor]):
+        self.tensors = tensors
+        self.before: Dict[int, List[torch.Tensor]] = {}  # step -> values before it
+        self.after: Optional[List[torch.Tensor]] = None  # the values the forward left
+
+    @staticmethod
+    def finder() -> _WriteFinder:
+        """A dispatch mode to run a probed step under; its written() is what the step wrote."""
+        return _WriteFinder()
+
+    @classmethod
+    def of_probes(cls, writes: List[list]) -> Optional["StepBuffers"]:
+        """From each probed step's written() (steps 0, 1, ...): the tensors any of them wrote, with
+        their values before each probed step; None when none wrote any."""
+        tensors = list({id(x): x for step in writes for x, _ in step}.values())
+        if not tensors:
+            return None
+        buffers = cls(tensors)
+        later = [x.detach().clone() for x in tensors]  # after the last probed step: now
+        for t in reversed(range(len(writes))):
+            old = {id(x): value for x, value in writes[t]}
+            later = [old.get(id(x), value) for x, value in zip(tensors, later)]  # unwritten: as after it
+            buffers.record(t, later)
+        return buffers
+
+    def record(self, t: int, values: Optional[List[torch.Tensor]] = None) -> None:
+        """The values before step t (copies of the tensors now, unless given)."""
+        self.before[t] = values if values is not None else [x.detach().clone() for x in self.tensors]
+
+    def forward_done(self) -> None:
+        self.after = [x.detach().clone() for x in self.tensors]
+
+    def load(self, t: int) -> None:
+        """The values step t saw in the forward, before it runs again."""
+        with torch.no_grad():
+            for tensor, value in zip(self.tensors, self.before[t]):
+                tensor.copy_(value)
+
+    def restore(self) -> None:
+        """The values the forward left, after the recomputes."""
+        with torch.no_grad():
+            for tensor, value in zip(self.tensors, self.after):
+                tensor.copy_(value)
+
+    @contextlib.contextmanager
+    def unchanged(self):
+        """Whatever runs inside (a capture's warm-up and recording runs the step) leaves them as
+        they were."""
+        values = [x.detach().clone() for x in self.tensors]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for tensor, value in zip(self.tensors, values):
+                    tensor.copy_(value)
