@@ -30,6 +30,18 @@ def record_of(row: List[float], device, policy: str) -> dict:
     return record
 
 
+def duration_text(seconds: float) -> str:
+    """3 ms, 2.5 s, 4 min 10 s, 2 h 05 min."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes = int(seconds // 60)
+    if minutes < 60:
+        return f"{minutes} min {int(seconds % 60)} s"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
+
+
 def message(text: str, rank: int = 0):
     if rank == 0:
         print(f"qca-lowmem: {text}", file=sys.stderr, flush=True)

@@ -32,7 +32,7 @@ from ..ops.qca_step import fused_step
 from .config import TrainConfig, build_model, parameter_count
 from .distributed import Distributed, resolve_device
 from .errors import Interrupted, TrainingStopped, UsageError, error_text
-from .metrics import METRIC_KEYS, EpisodeLog, message, record_of
+from .metrics import METRIC_KEYS, EpisodeLog, duration_text, message, record_of
 from .oom import RunPolicy
 from .run_folder import check_run_folder, set_aside
 from .runlock import FolderLock
@@ -334,8 +334,8 @@ class Trainer:
         """After the first optimizer step: its time per episode and per step, and the time left."""
         seconds = max(row[-1] for row in rows)
         per_step = seconds / self.config.qca_steps
-        return (f"first episode {_duration(seconds)} ({_duration(per_step)} a step, warm-up included); "
-                f"about {_duration(seconds * left / len(rows))} for the {left} episodes left")
+        return (f"first episode {duration_text(seconds)} ({duration_text(per_step)} a step, warm-up included); "
+                f"about {duration_text(seconds * left / len(rows))} for the {left} episodes left")
 
     def replica_difference(self) -> float:
         """Largest |parameter difference| between this rank and rank 0 over all ranks (DDP check)."""
@@ -385,18 +385,6 @@ def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = 
         message(f"--overwrite: the previous run's files are now in {aside}")
     return state
 
-
-
-def _duration(seconds: float) -> str:
-    """3 ms, 2.5 s, 4 min 10 s, 2 h 05 min."""
-    if seconds < 1:
-        return f"{seconds * 1000:.0f} ms"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes = int(seconds // 60)
-    if minutes < 60:
-        return f"{minutes} min {int(seconds % 60)} s"
-    return f"{minutes // 60} h {minutes % 60:02d} min"
 
 
 def device_note(config: TrainConfig) -> str:
