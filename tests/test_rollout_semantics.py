@@ -184,3 +184,36 @@ def test_batchnorm_statistics_end_as_plain_autograd_leaves_them(policy):
     for got, expected in zip(grads, plain_grads):
         assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-10
     assert [b.tolist() for b in buffers] == [b.tolist() for b in plain_buffers]  # num_batches_tracked 4, not more
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_a_parameter_first_used_by_a_later_step_gets_its_gradient(policy):
+    """A step that routes on psi's values uses `late` only once psi has grown (from step 1 on):
+    the first step's graph does not reach it, a recompute (or the kept chain) does, and it gets
+    plain autograd's gradient, through its own hooks once."""
+    torch.manual_seed(0)
+    early = torch.nn.Conv2d(4, 4, 3, padding=1).double()
+    late = torch.nn.Conv2d(4, 4, 3, padding=1).double()
+    params = [*early.parameters(), *late.parameters()]
+    hook_calls = []
+    late.weight.register_hook(lambda grad: hook_calls.append(1))
+
+    def step(psi):
+        h = early(psi)
+        if psi.abs().mean().item() > 1.1:  # False at step 0 only
+            h = h + late(psi)
+        return 1.2 * psi + 0.01 * torch.tanh(h)
+
+    psi0 = torch.rand(1, 4, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) + 0.5
+    psi0 = psi0 / psi0.abs().mean()
+    grads = {}
+    for name, options in (("plain", dict(checkpoint="none")), ("policy", policy)):
+        for p in params:
+            p.grad = None
+        hook_calls.clear()
+        psi_T, history = qca_lowmem.rollout(step, psi0, 5, record_every=2, **options)
+        (weighted(psi_T) + history[1].sum()).backward()
+        grads[name] = [p.grad for p in params]
+        assert hook_calls == [1], name
+    for got, expected in zip(grads["policy"], grads["plain"]):
+        assert got is not None and ((got - expected).abs().max() / expected.abs().max()).item() < 1e-10

@@ -16,6 +16,7 @@ from .buffers import StepBuffers
 from .episode import Episode, EpisodeFunction, StepUnit
 from .graph import StepGraph
 from .intermediates import keep_block_intermediates
+from .leaves import leaves_reached, next_sequence_nr
 from .memory import counted_and_dropped
 from .policy import STEP, Policy
 from .replay import RngStates
@@ -156,7 +157,7 @@ def _probe(unit: StepUnit, state0: State, steps: int, rng: RngStates, measure: b
     probed, params, step_bytes, writes = [], [], 0, []
     state = state0
     for t in range(steps):
-        marker = _next_sequence_nr()
+        marker = next_sequence_nr()
         rng.record()
         inputs = state.as_inputs(True)
         saved = []
@@ -166,7 +167,7 @@ def _probe(unit: StepUnit, state0: State, steps: int, rng: RngStates, measure: b
             outputs = unit(inputs, t)
         writes.append(finder.written())
         found = {id(p) for p in params}
-        params += [leaf for leaf in _leaves_reached([x for x in outputs.tensors() if x is not None],
+        params += [leaf for leaf in leaves_reached([x for x in outputs.tensors() if x is not None],
                                                     {id(x) for x in inputs.tensors()}, marker)
                    if id(leaf) not in found]
         state = outputs.detached()
@@ -187,45 +188,3 @@ def _run_plain(unit: StepUnit, state: State, start: int, steps: int, recorded: L
             history.append(state.psi)
     history.append(state.psi)
     return state.psi, history, state.carry
-
-
-def _next_sequence_nr() -> int:
-    """Autograd nodes created from now on in this thread have a sequence number >= this."""
-    with torch.enable_grad():
-        node = torch.zeros((), requires_grad=True).view(()).grad_fn
-    return node._sequence_nr() + 1
-
-
-def _leaves_reached(outputs, inputs: set, marker: int) -> List[torch.Tensor]:
-    """The leaf tensors requiring grad that the graphs of `outputs` reach, other than the
-    tensors whose ids are in `inputs`."""
-    leaves, seen_leaves, visited = [], set(), set()
-    stack = [out.grad_fn for out in outputs]
-    while stack:
-        node = stack.pop()
-        if node is None or node in visited:
-            continue
-        visited.add(node)
-        variable = getattr(node, "variable", None)  # AccumulateGrad: the edge into a leaf
-        if variable is not None:
-            if id(variable) not in inputs and id(variable) not in seen_leaves:
-                seen_leaves.add(id(variable))
-                leaves.append(variable)
-            continue
-        if node._sequence_nr() < marker and not _cast_of_a_leaf(node):
-            raise RuntimeError(
-                "rollout: step_fn uses a tensor that requires grad but was computed outside "
-                f"step_fn (its autograd node {node.name()} predates the step). Only leaf tensors "
-                "(parameters) can be reached through the closure, since the recompute runs after "
-                "the rest of the graph may be freed: compute that tensor inside step_fn, or detach it."
-            )
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return leaves
-
-
-def _cast_of_a_leaf(node) -> bool:
-    """A dtype cast of a parameter made before the step: autocast's cache hands a step the cast an
-    earlier op in the same autocast block made (a model call, the rollout before). Its node keeps
-    nothing for backward, and a recompute, under its own autocast, casts afresh."""
-    return node.name() == "ToCopyBackward0" and all(
-        next_node is not None and hasattr(next_node, "variable") for next_node, _ in node.next_functions)

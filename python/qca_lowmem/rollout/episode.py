@@ -18,6 +18,7 @@ from ..ops import second_order_requested
 from . import weight_casts
 from .buffers import StepBuffers
 from .intermediates import keep_block_intermediates
+from .leaves import next_sequence_nr
 from .param_grads import ParamGradSink
 from .replay import AutocastState, RngStates
 from .reverse import StepReverser
@@ -77,6 +78,7 @@ class KeptGraph:
         self.start = start
         self.inputs = inputs
         self.outputs: List[State] = []
+        self.marker = next_sequence_nr()  # the chain's nodes come after this
 
     def run(self, unit: StepUnit, t: int) -> State:
         """Step t (the next one) on the chain, blocks keeping their intermediates; its output
@@ -216,7 +218,7 @@ class EpisodeFunction(torch.autograd.Function):
         if capture is not None:
             capture.zero_accumulators()
         sink = ParamGradSink(plan.params)  # steps run eagerly (all, or a capture's first) add theirs here
-        reverser = StepReverser(plan, incoming, final_state)
+        reverser = StepReverser(plan, incoming, sink, final_state)
         try:
             with sink:
                 plan.schedule.reverse(kept, reverser)
@@ -229,5 +231,18 @@ class EpisodeFunction(torch.autograd.Function):
             for i, grad in enumerate(capture.parameter_grads()):
                 if grad is not None:
                     sink.add(i, grad)
+        grads = sink.take()
+        _accumulate_late(sink.params[len(plan.params):], grads[len(plan.params):])
         grad_psi0, *grad_carry0 = reverser.grads_of_inputs()
-        return (None, grad_psi0, *grad_carry0, *sink.take())
+        return (None, grad_psi0, *grad_carry0, *grads[:len(plan.params)])
+
+
+def _accumulate_late(leaves, grads) -> None:
+    """Leaves found after the episode's Function was made are not its inputs: their summed
+    gradients go to them through a backward of their own, so their .grad and hooks get them once,
+    as from plain autograd's (a leaf the loss also reaches directly gets that part separately)."""
+    late = [(leaf, grad) for leaf, grad in zip(leaves, grads) if grad is not None]
+    if late:
+        with torch.enable_grad():
+            views = [leaf.view_as(leaf) for leaf, _ in late]
+        torch.autograd.backward(views, [grad for _, grad in late])

@@ -34,23 +34,34 @@ class ParamGradSink:
     """
 
     def __init__(self, params):
-        self.params = params
+        self.params = list(params)
         self.buffers: List[Optional[torch.Tensor]] = [None] * len(params)
         self._set_aside = []
         self._zeros = {}  # a scalar zero broadcast to each (dtype, device, shape), made once
 
     def __enter__(self):
         for i, p in enumerate(self.params):
-            if p._backward_hooks is None:
-                p.register_hook(_identity_hook).remove()  # creates the hook dict, as register_hook does
-            hooks = p._backward_hooks
-            original = list(hooks.items())
-            hooks.clear()
-            handle = RemovableHandle(hooks)
-            hooks[handle.id] = functools.partial(self._accumulate, i)
-            self._set_aside.append((hooks, original, _collecting.get(id(p))))
-            _collecting[id(p)] = (self, i)
+            self._collect(i, p)
         return self
+
+    def extend(self, params) -> None:
+        """Collect these parameters too, from now on (while active): leaves a step reaches that
+        the episode's first steps did not."""
+        for p in params:
+            self.params.append(p)
+            self.buffers.append(None)
+            self._collect(len(self.params) - 1, p)
+
+    def _collect(self, i: int, p: torch.Tensor) -> None:
+        if p._backward_hooks is None:
+            p.register_hook(_identity_hook).remove()  # creates the hook dict, as register_hook does
+        hooks = p._backward_hooks
+        original = list(hooks.items())
+        hooks.clear()
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = functools.partial(self._accumulate, i)
+        self._set_aside.append((hooks, original, _collecting.get(id(p))))
+        _collecting[id(p)] = (self, i)
 
     def __exit__(self, *exc):
         for p, (hooks, original, outer) in zip(self.params, self._set_aside):

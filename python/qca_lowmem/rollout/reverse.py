@@ -21,6 +21,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from .intermediates import keep_block_intermediates
+from .leaves import leaves_reached, next_sequence_nr
 from .recompute_check import RecomputeCheck
 from .state import State
 
@@ -59,8 +60,9 @@ class StepReverser:
     """The gradients flowing back along the episode: w.r.t. the state after the step being
     reversed, then, once it is reversed, w.r.t. its input state."""
 
-    def __init__(self, plan, incoming: dict, final_state: Optional[State] = None):
+    def __init__(self, plan, incoming: dict, sink, final_state: Optional[State] = None):
         self.plan = plan
+        self.sink = sink  # the episode's ParamGradSink: its params grow by the leaves found late
         self.incoming = incoming  # step -> State of the gradients flowing into its output
         self.grads = State(None, (None,) * plan.carry_width)
         self.check = RecomputeCheck(plan.mode) if plan.check_recompute else None
@@ -101,7 +103,8 @@ class StepReverser:
                 pairs += [(value, grad) for value, grad in zip(outputs.tensors(), g.tensors())
                           if grad is not None and value is not None and value.requires_grad]
         self.next_state = (first, kept.inputs) if self.check is not None else None
-        self._set_grads(first, _vjp(kept.inputs, pairs, self.plan.params))
+        self._find_leaves([x for state in kept.outputs for x in state.tensors()], kept.inputs, kept.marker)
+        self._set_grads(first, _vjp(kept.inputs, pairs, self.sink.params))
 
     def _take_incoming(self, t: int, g: Optional[State] = None) -> None:
         g = self.incoming.pop(t, None) if g is None else g
@@ -119,9 +122,20 @@ class StepReverser:
         plan = self.plan
         plan.load_buffers(t)
         inputs = state.as_inputs([True] * len(plan.input_needs_grad) if t else plan.input_needs_grad)
+        marker = next_sequence_nr()
         with torch.enable_grad(), plan.autocast(), keep_block_intermediates(), plan.rng.replay(t):
             outputs = plan.unit(inputs, t)
-        return outputs, graph_vjp(inputs, outputs, plan.params)
+        self._find_leaves(outputs.tensors(), inputs, marker)
+        return outputs, graph_vjp(inputs, outputs, self.sink.params)
+
+    def _find_leaves(self, outputs, inputs: State, marker: int) -> None:
+        """Leaves this step reaches that the episode's first steps did not (a parameter a later
+        step uses, a branch on psi's values): collected from now on, like the others."""
+        known = {id(p) for p in self.sink.params}
+        found = leaves_reached([x for x in outputs if x is not None and x.grad_fn is not None],
+                               {id(x) for x in inputs.tensors()} | known, marker)
+        if found:
+            self.sink.extend(found)
 
     def _replayed(self, t: int, state: State):
         """Step t on the capture's graphs: its forward replayed, the noise after it eager."""

@@ -1,0 +1,48 @@
+"""Which leaves (parameters) a step reaches: its graph walked from its outputs to the leaves,
+refusing a tensor that requires grad but was computed before the step."""
+
+from typing import List
+
+import torch
+
+
+def next_sequence_nr() -> int:
+    """Autograd nodes created from now on in this thread have a sequence number >= this."""
+    with torch.enable_grad():
+        node = torch.zeros((), requires_grad=True).view(()).grad_fn
+    return node._sequence_nr() + 1
+
+
+def leaves_reached(outputs, inputs: set, marker: int) -> List[torch.Tensor]:
+    """The leaf tensors requiring grad that the graphs of `outputs` reach, other than the
+    tensors whose ids are in `inputs`."""
+    leaves, seen_leaves, visited = [], set(), set()
+    stack = [out.grad_fn for out in outputs]
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: the edge into a leaf
+        if variable is not None:
+            if id(variable) not in inputs and id(variable) not in seen_leaves:
+                seen_leaves.add(id(variable))
+                leaves.append(variable)
+            continue
+        if node._sequence_nr() < marker and not _cast_of_a_leaf(node):
+            raise RuntimeError(
+                "rollout: step_fn uses a tensor that requires grad but was computed outside "
+                f"step_fn (its autograd node {node.name()} predates the step). Only leaf tensors "
+                "(parameters) can be reached through the closure, since the recompute runs after "
+                "the rest of the graph may be freed: compute that tensor inside step_fn, or detach it."
+            )
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
+
+
+def _cast_of_a_leaf(node) -> bool:
+    """A dtype cast of a parameter made before the step: autocast's cache hands a step the cast an
+    earlier op in the same autocast block made (a model call, the rollout before). Its node keeps
+    nothing for backward, and a recompute, under its own autocast, casts afresh."""
+    return node.name() == "ToCopyBackward0" and all(
+        next_node is not None and hasattr(next_node, "variable") for next_node, _ in node.next_functions)
