@@ -217,3 +217,53 @@ def test_a_parameter_first_used_by_a_later_step_gets_its_gradient(policy):
         assert hook_calls == [1], name
     for got, expected in zip(grads["policy"], grads["plain"]):
         assert got is not None and ((got - expected).abs().max() / expected.abs().max()).item() < 1e-10
+
+
+class ForgottenMemory:
+    """A step that keeps a memory on itself (as the users' engine keeps h on motor.state) and was
+    not given carry=...: each call reads the memory the previous call left."""
+
+    def __init__(self, unet, weight: float):
+        self.unet, self.weight, self.memory = unet, weight, None
+
+    def __call__(self, psi):
+        x = qca_lowmem.qca_pack(psi)
+        delta = self.unet(x)
+        if self.memory is not None:
+            delta = delta + self.weight * self.memory
+        self.memory = delta.detach()
+        return qca_lowmem.qca_update(psi, delta, 0.0)
+
+
+@pytest.mark.parametrize("policy", POLICIES[:3], ids=IDS[:3])
+def test_the_check_sees_a_forgotten_memory_at_the_stock_heads_initialisation(policy):
+    """The stock U-Net's output layer starts at N(0, 1e-5): a step moves psi by about 1e-5, so a
+    difference relative to psi hid under complex64's rounding; relative to the step's change, it
+    shows."""
+    torch.manual_seed(0)
+    unet = qca_lowmem.UNetUnitary(d_state=2, hidden_channels=8)
+    with torch.no_grad():
+        unet.outc.weight.normal_(0.0, 1e-5)
+    psi0 = stock.initial_state(1, 8, 2, generator=torch.Generator().manual_seed(1))
+    psi_T, _ = qca_lowmem.rollout(ForgottenMemory(unet, 0.5), psi0, 4, **policy)
+    with pytest.raises(qca_lowmem.RecomputeMismatchError, match="what each recomputed step changed"):
+        weighted(psi_T).backward()
+
+
+@pytest.mark.parametrize("policy", POLICIES[:3], ids=IDS[:3])
+def test_the_check_sees_a_dependence_of_one_part_in_a_billion(policy):
+    torch.manual_seed(0)
+    unet = qca_lowmem.UNetUnitary(d_state=2, hidden_channels=8).double()
+    psi0 = stock.initial_state(1, 8, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(1))
+    psi_T, _ = qca_lowmem.rollout(ForgottenMemory(unet, 1e-9), psi0, 4, **policy)
+    with pytest.raises(qca_lowmem.RecomputeMismatchError, match=r"recompute of step \d+"):
+        weighted(psi_T).backward()
+
+
+def test_on_a_gpu_the_check_allows_rounding_of_the_compute_precision():
+    from qca_lowmem.rollout.recompute_check import ROUNDING_UNITS, _tolerance
+
+    on_gpu = torch.empty(2, dtype=torch.complex64, device="meta")
+    assert _tolerance(on_gpu, torch.bfloat16) == ROUNDING_UNITS * torch.finfo(torch.bfloat16).eps
+    assert _tolerance(on_gpu, None) == ROUNDING_UNITS * torch.finfo(torch.float32).eps
+    assert _tolerance(torch.empty(2, dtype=torch.complex64), torch.bfloat16) == 0.0  # the CPU: bit for bit

@@ -112,7 +112,8 @@ class Episode:
         # The check compares the last step's recompute with the final state, kept for it.
         self.keeps_final_state = check_recompute and schedule.recomputes(self.steps - 1)
         self.check_recompute = check_recompute
-        self.autocast = AutocastState(sorted({"cpu", state0.psi.device.type}))
+        self.state_device = state0.psi.device.type
+        self.autocast = AutocastState(sorted({"cpu", self.state_device}))
         self.kept_steps: List[int] = []  # which states are saved, in saved order
         self.graphs: Optional[KeptGraph] = None
         self.buffers = buffers  # tensors the steps write that outlive them (BatchNorm's statistics)

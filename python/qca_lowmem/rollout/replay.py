@@ -2,6 +2,7 @@
 generators' states."""
 
 import contextlib
+from typing import Optional
 
 import torch
 
@@ -15,6 +16,10 @@ class AutocastState:
 
     def __call__(self):
         return self._entered(self.cache_enabled)
+
+    def dtype(self, device_type: str) -> Optional[torch.dtype]:
+        """The dtype autocast computes in on this device type, None where it is off."""
+        return next((dtype for dt, enabled, dtype in self.states if dt == device_type and enabled), None)
 
     def without_cache(self):
         """The same state with autocast's cast cache off, as CUDA graph capture requires (the

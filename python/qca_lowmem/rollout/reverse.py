@@ -65,7 +65,7 @@ class StepReverser:
         self.sink = sink  # the episode's ParamGradSink: its params grow by the leaves found late
         self.incoming = incoming  # step -> State of the gradients flowing into its output
         self.grads = State(None, (None,) * plan.carry_width)
-        self.check = RecomputeCheck(plan.mode) if plan.check_recompute else None
+        self.check = RecomputeCheck(plan.mode, plan.autocast.dtype(plan.state_device)) if plan.check_recompute else None
         # The state after the step reversed next, when known: (step index, state).
         self.next_state: Optional[Tuple[int, State]] = (plan.steps, final_state) if final_state else None
 
@@ -85,7 +85,7 @@ class StepReverser:
         else:
             outputs, vjp = self._recomputed(t, state)
         if expected is not None:
-            self.check.add(t, outputs, expected)
+            self.check.add(t, outputs, expected, state)
         self._set_grads(t, vjp(self.grads))
 
     def backprop_graph(self, kept) -> None:
