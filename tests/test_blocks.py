@@ -662,3 +662,23 @@ def test_benchmark_script_runs_its_help_without_a_gpu():
     result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "--batches" in result.stdout and "block_<device>.json" in result.stdout
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 4, 3, 3), (2, 32, 64, 64)])
+def test_groupnorm_elu_with_a_non_finite_value_gives_what_torch_gives_group_by_group(value, channels_last, dtype, shape):
+    """An inf or NaN anywhere in a group, not only first: the whole group NaN, as torch's."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).to(dtype)
+    per_group = shape[1] // 2
+    x[0, per_group - 1, shape[2] // 2, shape[3] - 1] = value
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    affine = torch.float32 if dtype == torch.bfloat16 else dtype
+    weight, bias = torch.rand(shape[1], generator=g).to(affine) + 0.5, torch.randn(shape[1], generator=g).to(affine)
+    ours = qca_lowmem.groupnorm_elu(x, weight, bias, 2, 1e-5).float()
+    theirs = F.elu(F.group_norm(x.to(affine), 2, weight, bias, 1e-5)).float()
+    assert torch.equal(ours.isnan(), theirs.isnan())
+    assert bool(ours[0, :per_group].isnan().all()) and not bool(ours[1].isnan().any())

@@ -332,6 +332,25 @@ def test_groupnorm_elu_forward(emu, path, dtypes):
 
 
 @pytest.mark.parametrize("path", SPLIT_SETTINGS)
+@pytest.mark.parametrize("dtypes", GN_DTYPES[:2] + GN_DTYPES[4:5], ids=lambda d: f"{d[0]}-{d[1]}".replace("torch.", ""))
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+def test_groupnorm_elu_forward_with_a_non_finite_value_spoils_its_group_only(emu, path, dtypes, value):
+    """As torch: an inf or NaN anywhere in a group makes the whole group's output NaN (its
+    statistics are NaN) and leaves the other groups as they are; C and CUDA alike."""
+    with emu.settings(sms=SPLIT_SETTINGS[path]):
+        for i, case in enumerate([c for c in GN_CASES if c[0][0] > 0 and c[0][2] > 0][:6]):
+            x, weight, bias, groups, channels_last, stat_dtype = gn_inputs(case, dtypes, seed=i)
+            per_group = x.shape[1] // groups
+            x[0, per_group - 1, x.shape[2] // 2, x.shape[3] - 1] = value  # inside group 0, not its first element
+            c, cuda = gn_forward(emu, x, weight, bias, groups, channels_last, stat_dtype)
+            for y in (c[0], cuda[0]):
+                spoiled = y[0, :per_group].isnan()
+                assert bool(spoiled.all()), f"{case}: {int((~spoiled).sum())} values of the group are not NaN"
+                assert not bool(y[:, per_group:].isnan().any()) and not bool(y[1:].isnan().any()), case
+            assert_close_gn(c[0], cuda[0], x.dtype, stat_dtype, f"non-finite {case}")
+
+
+@pytest.mark.parametrize("path", SPLIT_SETTINGS)
 @pytest.mark.parametrize("dtypes", GN_DTYPES, ids=lambda d: f"{d[0]}-{d[1]}".replace("torch.", ""))
 def test_groupnorm_elu_backward(emu, path, dtypes):
     split_by_case = {}
