@@ -681,7 +681,7 @@ def test_clip_grad_norm_uses_unscale_norm_and_matches_torch(max_norm):
     model, twin = scaled_grads_twice()
     scaler = unscale_ours_and_by_hand(model, twin)
     with mock.patch.object(torch.nn.utils, "clip_grad_norm_", side_effect=AssertionError("took torch's path")):
-        ours = scaler.clip_grad_norm_(model.parameters(), max_norm)  # the fused path only
+        ours = scaler.clip_grad_norm_(model.parameters(), max_norm, reuse_unscale_norm=True)  # the fused path only
     theirs = torch.nn.utils.clip_grad_norm_(twin.parameters(), max_norm)
     assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
     torch.testing.assert_close(ours, theirs, rtol=2e-7, atol=0)
@@ -692,7 +692,7 @@ def test_clip_grad_norm_uses_unscale_norm_and_matches_torch(max_norm):
     # clipping changed the gradients: a second clip measures them again
     torch_clip = torch.nn.utils.clip_grad_norm_
     with mock.patch.object(torch.nn.utils, "clip_grad_norm_", wraps=torch_clip) as spy:
-        again = scaler.clip_grad_norm_(model.parameters(), max_norm)
+        again = scaler.clip_grad_norm_(model.parameters(), max_norm, reuse_unscale_norm=True)
     assert spy.call_count == 1
     torch.testing.assert_close(again, torch_clip(twin.parameters(), max_norm), rtol=2e-7, atol=0)
 
@@ -703,7 +703,7 @@ def test_clip_grad_norm_bf16_matches_torch():
     model.bfloat16()
     twin.bfloat16()
     scaler = unscale_ours_and_by_hand(model, twin)
-    ours = scaler.clip_grad_norm_(model.parameters(), 1.0)
+    ours = scaler.clip_grad_norm_(model.parameters(), 1.0, reuse_unscale_norm=True)
     theirs = torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
     assert ours.dtype == theirs.dtype == torch.bfloat16
     torch.testing.assert_close(ours, theirs)
@@ -740,7 +740,7 @@ def test_clip_grad_norm_nonfinite_error_like_torch():
     scaler.scale(torch.ones(()))
     model.b.bias.grad[0] = float("inf")
     scaler.unscale_(opt)
-    assert torch.isnan(scaler.clip_grad_norm_(model.parameters(), 1.0))  # torch: inf or nan
+    assert torch.isnan(scaler.clip_grad_norm_(model.parameters(), 1.0, reuse_unscale_norm=True))  # torch: inf or nan
     with pytest.raises(RuntimeError, match="is non-finite, so it cannot be clipped"):
         scaler.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
 
@@ -873,7 +873,7 @@ def test_cuda_clip_grad_norm_matches_torch():
     scaler = GradScaler("cuda", init_scale=1.0)
     scaler.scale(torch.ones((), device="cuda"))
     scaler.unscale_(opt)
-    ours = scaler.clip_grad_norm_(model.parameters(), 1.0)
+    ours = scaler.clip_grad_norm_(model.parameters(), 1.0, reuse_unscale_norm=True)
     theirs = torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
     assert ours.device.type == "cuda"  # the norm stays on the GPU: no sync
     torch.testing.assert_close(ours.cpu(), theirs.cpu(), rtol=1e-6, atol=0)
@@ -1005,7 +1005,7 @@ def test_cuda_no_host_sync_outside_step():
         scaled = scaler.scale(loss)
         scaled.backward()
         scaler.unscale_(opt)
-        scaler.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.clip_grad_norm_(model.parameters(), 1.0, reuse_unscale_norm=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     scaler.step(opt)  # the one synchronization: the skip decision
@@ -1026,7 +1026,7 @@ def test_clip_grad_norm_subsets_and_several_optimizers():
     scaler.scale(torch.ones(()))
     scaler.unscale_(first)
     # a subset of one optimizer's parameters
-    ours = scaler.clip_grad_norm_([model.a.weight, model.extra], 0.5)
+    ours = scaler.clip_grad_norm_([model.a.weight, model.extra], 0.5, reuse_unscale_norm=True)
     theirs = torch.nn.utils.clip_grad_norm_([twin.a.weight, twin.extra], 0.5)
     torch.testing.assert_close(ours, theirs, rtol=2e-7, atol=0)
     # parameters of an optimizer not unscaled yet: torch's path on the scaled grads
@@ -1050,3 +1050,20 @@ def test_without_native_kernels_falls_back_to_torch():
     assert scales == run_training(twin, twin_opt, theirs, 20, INJECT, True, True)
     assert all(bits_equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
     assert ours.overflow_report() == []
+
+
+def test_clip_grad_norm_measures_by_default_a_gradient_changed_through_data():
+    """Old-style value clipping edits gradients through .data, which keeps their versions: only
+    measuring them again sees it, so that is the default; reuse_unscale_norm=True is the caller's
+    word that nothing did."""
+    model, twin = scaled_grads_twice()
+    scaler = unscale_ours_and_by_hand(model, twin)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        if not p.grad.is_complex():
+            p.grad.data.clamp_(-0.01, 0.01)
+            q.grad.clamp_(-0.01, 0.01)
+    ours = scaler.clip_grad_norm_(model.parameters(), 1.0)
+    theirs = torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
+    torch.testing.assert_close(ours, theirs, rtol=2e-7, atol=0)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert bits_equal(p.grad, q.grad)

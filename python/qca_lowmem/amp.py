@@ -7,8 +7,8 @@ its state_dict and vice versa), and replaces the arithmetic with the C/CUDA kern
 
 - unscale + non-finite check in one multi-tensor pass (`torch.ops.qca_lowmem.amp_unscale_`),
   for float32, float64, float16, bfloat16 and complex gradients (torch's kernel rejects complex);
-  the same pass keeps each gradient's sum of squares, so `GradScaler.clip_grad_norm_` clips
-  without a second pass over the gradients;
+  the same pass keeps each gradient's sum of squares, so `GradScaler.clip_grad_norm_(...,
+  reuse_unscale_norm=True)` clips without a second pass over the gradients;
 - the scale update (`torch.ops.qca_lowmem.amp_update_scale_`), torch's rule bit for bit.
 
 The low-level ops (scaler.py) are also exposed here as `unscale_`, `mul_` and `update_scale_`.
@@ -116,7 +116,7 @@ class GradScaler(torch.amp.GradScaler):
 
     - ``allow_fp16_grads=False``: torch refuses to unscale float16 gradients (pure-fp16
       training); pass True to allow them.
-    - :meth:`clip_grad_norm_`: clips with the gradient norm computed while unscaling.
+    - :meth:`clip_grad_norm_`: clips, with the gradient norm computed while unscaling when asked.
     - :meth:`overflow_report`: which parameters had non-finite gradients in a skipped step.
 
     Synchronization: :meth:`scale`, :meth:`unscale_` and :meth:`update` never wait for the device
@@ -320,19 +320,26 @@ class GradScaler(torch.amp.GradScaler):
         norm_type: float = 2.0,
         error_if_nonfinite: bool = False,
         foreach: Optional[bool] = None,
+        *,
+        reuse_unscale_norm: bool = False,
     ) -> torch.Tensor:
-        """:func:`torch.nn.utils.clip_grad_norm_` reusing the norms computed by :meth:`unscale_`.
+        """:func:`torch.nn.utils.clip_grad_norm_`; with ``reuse_unscale_norm=True``, from the
+        norms computed by :meth:`unscale_`.
 
-        After ``scaler.unscale_(optimizer)``, the total 2-norm comes from the sums of squares
-        kept during unscaling (accumulated in float64, so it equals torch's to the rounding of
-        the norm's dtype) and only the clipping multiply touches the gradients (and not even that
-        when the clip factor is 1). Otherwise (other norms, gradients not unscaled by this
-        scaler, changed since, or sparse) this is ``torch.nn.utils.clip_grad_norm_`` itself.
-        Returns the total norm, as torch does. Never synchronizes unless ``error_if_nonfinite``.
+        By default the norm is measured from the gradients, as torch does: a gradient changed
+        since ``unscale_`` through ``.data`` (old-style value clipping) keeps its version, so no
+        check could prove a kept norm current. With ``reuse_unscale_norm=True`` (the caller
+        vouches that nothing touched the gradients since ``unscale_`` but in-place ops, which the
+        versions show), the total 2-norm comes from the sums of squares kept during unscaling
+        (accumulated in float64, so it equals torch's to the rounding of the norm's dtype) and
+        only the clipping multiply touches the gradients (and not even that when the clip factor
+        is 1); for other norms, gradients not unscaled by this scaler, changed in place since, or
+        sparse, it is ``torch.nn.utils.clip_grad_norm_`` all the same. Returns the total norm, as
+        torch does. Never synchronizes unless ``error_if_nonfinite``.
         """
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         reusable = None
-        if self._enabled and float(norm_type) == 2.0:
+        if reuse_unscale_norm and self._enabled and float(norm_type) == 2.0:
             reusable = self._reusable_sums(params)
         if reusable is None:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)

@@ -168,8 +168,8 @@ def _lowmem_train_episode(trainer, episode_num):
 
 def _clip(scaler, parameters, max_norm):
     clip = getattr(scaler, "clip_grad_norm_", None)
-    if clip is not None:
-        return clip(parameters, max_norm)
+    if clip is not None:  # right after unscale_: the gradients are as it measured them
+        return clip(parameters, max_norm, reuse_unscale_norm=True)
     return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
 
 

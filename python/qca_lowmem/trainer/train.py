@@ -218,7 +218,7 @@ class Trainer:
                 return f"loss {bad_loss}"
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
-                self.scaler.clip_grad_norm_(params, self.config.max_grad_norm)
+                self.scaler.clip_grad_norm_(params, self.config.max_grad_norm, reuse_unscale_norm=True)
                 scale = self.scaler.get_scale()
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
