@@ -42,6 +42,22 @@ def randomize_affine(module: nn.Module, generator=None) -> nn.Module:
     return module
 
 
+def batchnorm_step():
+    """(conv, norm, step): a float64 step through a conv and a BatchNorm in train mode, which
+    updates its running statistics at every call; made afresh from seed 0."""
+    import qca_lowmem
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 4, 3, padding=1).double()
+    norm = nn.BatchNorm2d(4).double()
+
+    def step(psi):
+        x = qca_lowmem.qca_pack(psi)
+        return qca_lowmem.qca_update(psi, 0.1 * torch.tanh(norm(conv(x))), 0.05)
+
+    return conv, norm, step
+
+
 # The tiny CLI run the trainer's error and safety tests share.
 TINY = {
     "model": {"d_state": 2, "hidden": 8},

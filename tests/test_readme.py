@@ -33,16 +33,22 @@ def test_the_readme_has_python_blocks_and_the_extractor_finds_them():
     assert python_blocks(text) == [(3, "print(1)\n"), (9, "# needs a GPU\nx = 2\n")]
 
 
-@pytest.mark.parametrize("line, code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
-def test_the_readme_block_runs_as_pasted(line, code, tmp_path):
+def block_environment(code: str) -> dict:
+    """A fresh interpreter's environment for a block: only the package importable, one thread, no
+    GPU visible unless the block uses one; skips a block that needs a GPU where there is none."""
     if NEEDS_GPU in code and not torch.cuda.is_available():
         pytest.skip("the block needs a GPU and none is visible")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "QCA_LOWMEM")}
     env.update(PYTHONPATH=str(Path(qca_lowmem.__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
     if "cuda" not in code:
         env["CUDA_VISIBLE_DEVICES"] = ""  # as on a CPU-only machine
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return env
+
+
+@pytest.mark.parametrize("line, code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
+def test_the_readme_block_runs_as_pasted(line, code, tmp_path):
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=block_environment(code),
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"README.md line {line}:\n{code}\n{done.stderr[-3000:]}"
     assert "Warning" not in done.stderr, f"README.md line {line} warns:\n{done.stderr[-3000:]}"
 
@@ -70,14 +76,8 @@ console.push("")
 
 @pytest.mark.parametrize("line, code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
 def test_the_readme_block_runs_pasted_into_the_interpreter(line, code, tmp_path):
-    if NEEDS_GPU in code and not torch.cuda.is_available():
-        pytest.skip("the block needs a GPU and none is visible")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "QCA_LOWMEM")}
-    env.update(PYTHONPATH=str(Path(qca_lowmem.__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
-    if "cuda" not in code:
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    done = subprocess.run([sys.executable, "-c", CONSOLE], input=code, cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", CONSOLE], input=code, cwd=tmp_path, env=block_environment(code),
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"README.md line {line}, pasted:\n{code}\n{done.stderr[-3000:]}"
 
 

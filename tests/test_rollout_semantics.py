@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import qca_lowmem
+from conftest import batchnorm_step
 from qca_lowmem import stock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -166,14 +167,7 @@ def test_batchnorm_statistics_end_as_plain_autograd_leaves_them(policy):
     leaves, with its loss and gradients."""
     results = {}
     for name, options in (("plain", dict(checkpoint="none")), ("policy", policy)):
-        torch.manual_seed(0)
-        conv = torch.nn.Conv2d(4, 4, 3, padding=1).double()
-        norm = torch.nn.BatchNorm2d(4).double()
-
-        def step(psi):
-            x = qca_lowmem.qca_pack(psi)
-            return qca_lowmem.qca_update(psi, 0.1 * torch.tanh(norm(conv(x))), 0.05)
-
+        conv, norm, step = batchnorm_step()
         psi0 = stock.initial_state(2, 8, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(1))
         loss = weighted(qca_lowmem.rollout(step, psi0, 4, **options)[0])
         loss.backward()

@@ -9,6 +9,7 @@ import contextlib
 
 import pytest
 import torch
+from conftest import batchnorm_step
 from test_rollout import episode_grads, fused_step, make_conv_net, max_relative_error, noisy_schedule
 from test_rollout import initial_state as psi_state
 from test_rollout_carry import STEPS, MemoryCell, grads, initial_memory, initial_state, memory_step
@@ -150,14 +151,7 @@ def test_a_captured_step_leaves_batchnorm_statistics_as_plain_autograd(replayed_
     them counts as a BatchNorm update; the episode ends with plain autograd's statistics."""
     buffers = {}
     for name, graph in (("plain", False), ("captured", True)):
-        torch.manual_seed(0)
-        conv = torch.nn.Conv2d(4, 4, 3, padding=1).double()
-        norm = torch.nn.BatchNorm2d(4).double()
-
-        def step(psi):
-            x = qca_lowmem.qca_pack(psi)
-            return qca_lowmem.qca_update(psi, 0.1 * torch.tanh(norm(conv(x))), 0.05)
-
+        _, norm, step = batchnorm_step()
         options = dict(checkpoint=checkpoint, slots=slots, budget=20_000 if checkpoint == "auto" else None)
         psi_T, _ = qca_lowmem.rollout(qca_lowmem.StepGraph(step) if graph else step, psi_state(), 4,
                                       **(options if graph else dict(checkpoint="none")))
