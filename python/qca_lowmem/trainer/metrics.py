@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from ..rollout.memory import format_bytes
 from .errors import TrainingStopped, UsageError
 
 METRICS_NAME = "metrics.csv"
