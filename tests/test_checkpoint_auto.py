@@ -88,6 +88,18 @@ def test_policy_for_budget_keeps_as_many_full_graphs_as_fit():
 def test_budget_free_reads_the_devices_free_memory(monkeypatch):
     monkeypatch.setattr(memory, "free_bytes", lambda device: 11_000)
     assert memory.free_budget(torch.device("cuda", 0), step_bytes=1_000) == 9_000
+
+
+@pytest.mark.parametrize("fraction, expected", [(1.0, 63_000), (0.5, 48_000), (0.04, 3_000)])
+def test_free_memory_counts_the_process_cap_and_the_allocators_unused_blocks(monkeypatch, fraction, expected):
+    """A 100 kB card with 60 kB free; this process has 5 kB reserved, 2 kB of them in use. No cap:
+    the free 60 kB and the 3 kB reserved but unused. Capped at half (the small-GPU emulation):
+    50 kB less the 5 kB reserved, and the 3 kB. Capped below what is reserved: the 3 kB alone."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60_000, 100_000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5_000)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2_000)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction)
+    assert memory.free_bytes(torch.device("cuda", 0)) == expected
     assert Policy.auto("2KiB").budget == 2048
 
 

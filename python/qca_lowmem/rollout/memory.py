@@ -99,7 +99,13 @@ def psi_bytes(batch: int, grid: int, d_state: int) -> int:
 
 
 def free_bytes(device: torch.device) -> int:
-    return torch.cuda.mem_get_info(device)[0]
+    """What new tensors on this CUDA device can still get: the device's free memory, within this
+    process's cap (set_per_process_memory_fraction: the small-GPU emulation on a large card), plus
+    what the caching allocator holds reserved but unused."""
+    device_free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    cap = torch.cuda.get_per_process_memory_fraction(device) * total
+    return max(0, int(min(device_free, cap - reserved))) + reserved - torch.cuda.memory_allocated(device)
 
 
 def free_budget(device: torch.device, step_bytes: int) -> int:
