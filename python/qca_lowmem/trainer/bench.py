@@ -24,7 +24,7 @@ from ..amp import autocast, parse_amp_dtype
 from .distributed import resolve_device
 from ..rollout.memory import format_bytes, saved_bytes
 from ..ops.qca_step import fused_step
-from ..rollout import Policy, rollout
+from ..rollout import Policy, StepGraph, rollout
 from .config import TrainConfig, build_model
 
 
@@ -74,6 +74,10 @@ class EpisodeRunner:
         self.amp_dtype = parse_amp_dtype(config.amp_dtype)
         self.model = model if model is not None else build_model(config, device)
         self.stock_model = stock.StockForward(self.model)
+        # lowmem's step, as the trainer runs it: on CUDA with cuda_graph, captured (once, reused)
+        self.lowmem_step = fused_step(self.model, config.gamma, multiplicative=True, channels_last=config.channels_last)
+        if config.cuda_graph and device.type == "cuda":
+            self.lowmem_step = StepGraph(self.lowmem_step)
 
     def episode_loss(self, variant: str, steps: int, psi0):
         """The evolutionary loss of one episode from psi0, "stock" or "lowmem", with its graph."""
@@ -83,7 +87,7 @@ class EpisodeRunner:
                 return stock.step(psi, self.stock_model, gamma, multiplicative=True)
             policy = Policy.plain()
         else:
-            step = fused_step(self.model, gamma, multiplicative=True, channels_last=self.config.channels_last)
+            step = self.lowmem_step
             policy = self.config.policy()
         with autocast(self.device.type, self.amp_dtype):
             psi, history = rollout(step, psi0, steps, **policy.options())  # history as stock records it (the default)
@@ -143,7 +147,10 @@ def bench(config: TrainConfig, steps_list: List[int], out_dir: str, repeats: int
         "config": {"grid": config.grid, "d_state": config.d_state, "hidden": config.hidden, "batch": config.batch,
                    "gamma": config.gamma},
         "policy": {"checkpoint": config.checkpoint, "slots": config.slots, "amp_dtype": config.amp_dtype,
-                   "fused_blocks": config.fused_blocks},
+                   "fused_blocks": config.fused_blocks, "cuda_graph": config.cuda_graph},
+        # lowmem's captures: how many were made, and whether one failed and ran eagerly
+        "captures": ({"made": runner.lowmem_step.captures_made, "fell_back": bool(runner.lowmem_step.failed_keys)}
+                     if isinstance(runner.lowmem_step, StepGraph) else None),
         "rows": rows,
     }
     out = Path(out_dir)
