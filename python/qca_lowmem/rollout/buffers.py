@@ -79,40 +79,42 @@ class StepBuffers:
         if not tensors:
             return None
         buffers = cls(tensors)
-        later = [x.detach().clone() for x in tensors]  # after the last probed step: now
+        later = buffers._values()  # after the last probed step: now
         for t in reversed(range(len(writes))):
             old = {id(x): value for x, value in writes[t]}
             later = [old.get(id(x), value) for x, value in zip(tensors, later)]  # unwritten: as after it
             buffers.record(t, later)
         return buffers
 
+    def _values(self) -> List[torch.Tensor]:
+        return [x.detach().clone() for x in self.tensors]
+
+    def _set(self, values: List[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for tensor, value in zip(self.tensors, values):
+                tensor.copy_(value)
+
     def record(self, t: int, values: Optional[List[torch.Tensor]] = None) -> None:
         """The values before step t (copies of the tensors now, unless given)."""
-        self.before[t] = values if values is not None else [x.detach().clone() for x in self.tensors]
+        self.before[t] = values if values is not None else self._values()
 
     def forward_done(self) -> None:
-        self.after = [x.detach().clone() for x in self.tensors]
+        self.after = self._values()
 
     def load(self, t: int) -> None:
         """The values step t saw in the forward, before it runs again."""
-        with torch.no_grad():
-            for tensor, value in zip(self.tensors, self.before[t]):
-                tensor.copy_(value)
+        self._set(self.before[t])
 
     def restore(self) -> None:
         """The values the forward left, after the recomputes."""
-        with torch.no_grad():
-            for tensor, value in zip(self.tensors, self.after):
-                tensor.copy_(value)
+        self._set(self.after)
 
     @contextlib.contextmanager
     def unchanged(self):
         """Whatever runs inside (a capture's warm-up and recording runs the step) leaves them as
         they were."""
-        values = [x.detach().clone() for x in self.tensors]
+        values = self._values()
         try:
             yield
         finally:
-            with torch.no_grad():
-                for tensor, value in zip(self.tensors, values):
-                    tensor.copy_(value)
+            self._set(values)

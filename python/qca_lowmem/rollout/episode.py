@@ -4,10 +4,11 @@ Its forward runs the steps without a graph (a step whose graph the schedule keep
 and keeps what the schedule says; its backward hands the kept states to the schedule, which
 drives the reverse pass (reverse.py) one step at a time.
 
-Parameters are found, not listed: step 0 runs with grad enabled and its graph is walked to the
-leaf tensors it reaches (the parameters of step_fn's closure). They become inputs of the
-Function, so autograd accumulates each one's gradient once per backward (DDP's hooks fire once)
-and `torch.autograd.grad(loss, params)` works too.
+Parameters are found, not listed: the probe (api.py) runs the first steps with grad enabled and
+walks their graphs to the leaf tensors they reach (the parameters of step_fn's closure). They
+become inputs of the Function, so autograd accumulates each one's gradient once per backward
+(DDP's hooks fire once) and `torch.autograd.grad(loss, params)` works too; leaves that only later
+steps reach are found by the reverse pass and given their gradients at the end of the backward.
 """
 
 from typing import Callable, List, Optional
