@@ -130,8 +130,8 @@ def _episode(unit: StepUnit, state0: State, steps: int, policy: Policy, recorded
         with torch.no_grad():
             history = [state.psi for t, state in enumerate(probed) if t in recorded and t != steps - 1]
             return _run_plain(unit, probed[-1], len(probed), steps, recorded, history)
-    schedule = schedule_for(policy, steps, lambda: (step_bytes, probed[-1].nbytes()), state0.psi.device,
-                            check_recompute, probed=len(probed))
+    schedule = schedule_for(policy, steps, step_bytes, probed[-1].nbytes(), state0.psi.device, check_recompute,
+                            probed=len(probed))
     plan = Episode(unit, schedule, rng, recorded, policy.checkpoint, probed, params, state0, check_recompute,
                    buffers)
     if isinstance(unit.step_fn, StepGraph):

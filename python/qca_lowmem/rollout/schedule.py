@@ -15,7 +15,7 @@ the forward kept for t, re-advancing states with `reverser.advance(state, start,
 keeps fewer, and `reverser.backprop_graph(kept)` for steps whose graph the forward kept.
 """
 
-from typing import Callable, Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -84,17 +84,16 @@ def budget_split(steps: int, state_bytes: int, step_bytes: int, budget: int, mos
     return min(most_graphs, (budget - steps * state_bytes) // (step_bytes - state_bytes)), None
 
 
-def schedule_for(policy: Policy, steps: int, measure: Callable[[], Tuple[int, int]], device: torch.device,
+def schedule_for(policy: Policy, steps: int, step_bytes: int, state_bytes: int, device: torch.device,
                  keeps_final_state: bool, probed: int) -> Schedule:
-    """The schedule of a recomputing policy (plain autograd has none). `measure()` -> (bytes of
-    one step's full graph with its output state, bytes of a state), called only for a budget,
-    which the recompute check's last state comes out of (`keeps_final_state`). The first
-    `probed` steps, which ran before it was chosen, keep no graph: they are recomputed."""
+    """The schedule of a recomputing policy (plain autograd has none). A budget is spent on
+    states (`state_bytes` each) and full graphs (`step_bytes` each, with the output state), and
+    the recompute check's last state comes out of it (`keeps_final_state`). The first `probed`
+    steps, which ran before it was chosen, keep no graph: they are recomputed."""
     if policy.slots is not None:
         return Revolve(steps, policy.slots)
     if policy.budget is None:
         return EveryStep(steps)
-    step_bytes, state_bytes = measure()
     budget = free_budget(device, step_bytes) if policy.reads_free_memory else policy.budget
     if keeps_final_state:
         budget = max(0, budget - state_bytes)
