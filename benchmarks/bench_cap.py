@@ -5,7 +5,8 @@
 Caps this process with torch.cuda.set_per_process_memory_fraction, runs the reference trainer
 (qca_lowmem.trainer.train) and writes benchmarks/results/cap_<device>.json:
 {"kind": "cap", "cap_bytes", "episodes", "oom", "peak_bytes", "losses", "device", "commit", "date", ...}
-plus the metrics of every episode and the stock quality bars (survival < 1.0, symmetry < 0.5).
+plus the metrics of every episode, the stock quality bars (survival < 1.0, symmetry < 0.5) and
+`qca-lowmem plan`'s prediction of the peak for the config's policy against the measured one.
 """
 
 import argparse
@@ -25,7 +26,8 @@ import torch  # noqa: E402
 from qca_lowmem.trainer.bench import environment  # noqa: E402
 from qca_lowmem.rollout.memory import parse_bytes  # noqa: E402
 from qca_lowmem.trainer.oom import OutOfMemoryStop  # noqa: E402
-from qca_lowmem.trainer.config import load_config
+from qca_lowmem.trainer.config import load_config  # noqa: E402
+from qca_lowmem.trainer.plan import plan  # noqa: E402
 from qca_lowmem.trainer.train import Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+def plan_of(config, cap):
+    """`qca-lowmem plan`'s estimate for the config's own policy on a GPU of `cap` bytes."""
+    try:
+        estimates = plan(config, gpu_mem=cap, reserve=0)["estimates"]
+        return next(e for e in estimates if e.from_config).as_dict()
+    except Exception as error:  # the run goes on; the result says why there is no prediction
+        return {"error": f"{type(error).__name__}: {error}"}
 
 
 def main():
@@ -63,6 +74,7 @@ def main():
     config = load_config(args.config, episodes=args.episodes, device="cuda", out_dir=run_dir, save_every=0,
                          amp_dtype=args.amp_dtype, grid=args.grid, checkpoint=args.checkpoint, slots=args.slots,
                          cuda_graph=args.cuda_graph)
+    predicted = plan_of(config, cap)
     records, oom, message = [], False, None
     trainer = Trainer(config, progress=True)
     configured = trainer.policy_label()
@@ -88,6 +100,9 @@ def main():
         "episodes": len(records),
         "oom": oom or lowered,
         "peak_bytes": peak,
+        "last_episode_peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        "plan": predicted,
+        "plan_over_measured": predicted["peak_bytes"] / peak if predicted.get("peak_bytes") and peak else None,
         "losses": [r["loss"] for r in records],
         "device": env["device"],
         "commit": env["commit"],

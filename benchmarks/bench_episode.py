@@ -14,9 +14,11 @@ lowmem_fp32_forward (lowmem_fp32_step's forward and loss under no_grad, no backw
 step recompute runs again); lowmem_fp32_step_unchecked (lowmem_fp32_step with check_recompute=False:
 against lowmem_fp32_step, what the check that each recompute reproduces the forward costs). Two more,
 also by name, are checkpoint="auto": lowmem_fp32_auto with a budget that holds every step's full
-graph, lowmem_fp32_auto_half with half of it. Each run gets a
-fresh copy of the same initial weights and its own optimizer; it reports the peak of torch.cuda.max_memory_allocated over the measured
-episodes (after a warm-up episode, so AdamW's state exists) and the median episode time.
+graph, lowmem_fp32_auto_half with half of it, lowmem_fp32_auto_free with budget="free" (what the
+device has left). Each run gets a fresh copy of the same initial weights and its own optimizer; it
+reports the peaks of torch.cuda.max_memory_allocated and max_memory_reserved over the measured
+episodes (after a warm-up episode, so AdamW's state exists) and the median episode time; a
+StepGraph run also the captures it made and whether it fell back to eager steps.
 The fp32 gradients of stock and lowmem_fp32_step are compared on the same weights, psi0 and
 noise. A run that runs out of memory is reported with an "error" and no numbers.
 
@@ -52,7 +54,8 @@ RUNS = ["lowmem_fp32_step_graph", "lowmem_bf16_step_graph", "lowmem_fp16_step_gr
 # Asked for by name: they take the CPU episode's time apart (what the recompute costs stock, the
 # fused kernels without any recompute, the forward pass a recompute repeats).
 EXTRA_RUNS = ["stock_fp32_checkpoint", "lowmem_fp32_keep", "lowmem_fp32_forward", "lowmem_fp32_step_unchecked",
-              "lowmem_fp32_auto", "lowmem_fp32_auto_half"]
+              "lowmem_fp32_auto", "lowmem_fp32_auto_half", "lowmem_fp32_auto_free"]
+CUDA_ONLY_RUNS = ["lowmem_fp32_auto_free"]  # budget="free" reads a GPU's free memory
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -72,7 +75,11 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--skip-grad-check", action="store_true")
     p.add_argument("--out", default=None, help="output JSON (default benchmarks/results/episode_<device>.json)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    cuda_only = [name for name in args.runs if name in CUDA_ONLY_RUNS]
+    if cuda_only and not args.device.startswith("cuda"):
+        p.error(f"{', '.join(cuda_only)} need a CUDA device (budget='free' reads its free memory), got --device {args.device}")
+    return args
 
 
 def lowmem_model(stock_model, args):
@@ -196,7 +203,9 @@ class Run:
         if name.endswith("_step_graph"):
             self.step = qca_lowmem.StepGraph(lowmem_step_fn(self.model, args.gamma, AMP[name.split("_")[1]]))
         self.budget = None
-        if name.startswith("lowmem_fp32_auto"):
+        if name == "lowmem_fp32_auto_free":
+            self.budget = "free"
+        elif name.startswith("lowmem_fp32_auto"):
             self.step = lowmem_step_fn(self.model, args.gamma, None)  # one step_fn: its graph is measured once
             # step_graph_bytes -> (one step's full graph with its output state, the state alone)
             whole = args.steps * step_graph_bytes(self.step, initial_state(args, device, 0))[0]
@@ -211,6 +220,12 @@ class Run:
                       episode_seed=seed, step=self.step, budget=self.budget)
         synchronize(self.device)
         return time.perf_counter() - start
+
+    def capture_record(self):
+        """A StepGraph run's captures and whether it fell back (then it is no captured row)."""
+        if not isinstance(self.step, qca_lowmem.StepGraph):
+            return {}
+        return {"captures_made": self.step.captures_made, "fell_back": bool(self.step.failed_keys)}
 
     def release(self):
         del self.model, self.optimizer, self.step
@@ -233,8 +248,11 @@ def measure_run(name, stock_model, args, device):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         times = [run.episode(seed=1 + episode) for episode in range(args.episodes)]
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        return {"name": name, "peak_bytes": peak, "episode_s": statistics.median(times)}
+        result = {"name": name, "peak_bytes": None, "episode_s": statistics.median(times)}
+        if device.type == "cuda":
+            result.update(peak_bytes=torch.cuda.max_memory_allocated(device),
+                          peak_reserved_bytes=torch.cuda.max_memory_reserved(device))
+        return {**result, **run.capture_record()}
     except (torch.OutOfMemoryError, RuntimeError) as e:
         return failed(name, e)
     finally:
@@ -257,7 +275,7 @@ def measure_interleaved(names, stock_model, args, device):
             times[name].append(run.episode(seed=1 + episode))
     for name, run in runs.items():
         results[name] = {"name": name, "peak_bytes": None, "episode_s": statistics.median(times[name]),
-                         "episodes_s": times[name]}
+                         "episodes_s": times[name], **run.capture_record()}
         run.release()
     return [results[name] for name in names]
 
@@ -319,8 +337,13 @@ def main(argv=None):
             print(f"{name:24s} {result['error']}")
         else:
             peak = "n/a" if result["peak_bytes"] is None else f"{result['peak_bytes'] / 2**30:.3f} GiB"
+            if result.get("peak_reserved_bytes") is not None:
+                peak += f" (reserved {result['peak_reserved_bytes'] / 2**30:.3f})"
             ratio = f"   {result['vs_stock_fp32']:.2f}x stock fp32" if "vs_stock_fp32" in result else ""
-            print(f"{name:24s} peak {peak:>12s}   episode {result['episode_s']:.3f} s{ratio}")
+            graph = ""
+            if "captures_made" in result:
+                graph = f"   captures {result['captures_made']}" + (", FELL BACK to eager" if result["fell_back"] else "")
+            print(f"{name:24s} peak {peak:>12s}   episode {result['episode_s']:.3f} s{ratio}{graph}")
     grad_errors = {}
     if not args.skip_grad_check:
         try:

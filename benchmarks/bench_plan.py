@@ -3,7 +3,7 @@
     python benchmarks/bench_plan.py [--config configs/default.yaml] [--qca-steps N]
 
 For each policy plan lists, runs one training episode (forward, backward, AdamW step) of the
-reference trainer on CUDA, measures torch.cuda.max_memory_allocated and writes
+reference trainer on CUDA, measures torch.cuda.max_memory_allocated (and max_memory_reserved beside it) and writes
 benchmarks/results/plan_<device>.json with predicted and measured bytes and their ratio
 (target: within 15%). The stock row runs the users' forward with full autograd when it fits.
 """
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def measure_policy(config, estimate):
-    """Peak allocated bytes of one training episode under the estimate's policy."""
+    """(peak allocated, peak reserved) bytes of one training episode under the estimate's policy."""
     torch.cuda.empty_cache()
     if estimate.policy is None:  # the users' stock trainer
         runner = EpisodeRunner(config, torch.device("cuda"))
@@ -40,7 +40,7 @@ def measure_policy(config, estimate):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             del loss
-        return torch.cuda.max_memory_allocated()
+        return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     policy_config = dataclasses.replace(config, **estimate.policy.options(), amp_dtype=estimate.amp_dtype, episodes=2,
                                         save_every=0)
     trainer = Trainer(policy_config, progress=False)
@@ -48,7 +48,7 @@ def measure_policy(config, estimate):
     for episode in range(2):
         torch.cuda.reset_peak_memory_stats()
         trainer.train_step(episode, 1)
-        peaks.append(torch.cuda.max_memory_allocated())
+        peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
     return peaks[-1]
 
 
@@ -79,7 +79,7 @@ def main():
             row["skipped"] = "predicted peak exceeds this GPU"
         else:
             try:
-                row["measured_bytes"] = measure_policy(config, estimate)
+                row["measured_bytes"], row["measured_reserved_bytes"] = measure_policy(config, estimate)
                 row["predicted_over_measured"] = estimate.peak_bytes / row["measured_bytes"]
                 row["within_15_percent"] = abs(row["predicted_over_measured"] - 1.0) <= 0.15
             except torch.OutOfMemoryError:

@@ -1,24 +1,42 @@
 #!/usr/bin/env bash
-# Everything that needs a CUDA GPU, in phases, so one device call can run several:
-#   bash scripts/gpu_checks.sh build test sanitize bench cap
+# Everything that needs a CUDA GPU, in phases, so that a GPU lent for a few ten-minute commands
+# answers the most in the first:
+#   bash scripts/gpu_checks.sh build probe test        # first command, about 5 minutes on an H100
+#   bash scripts/gpu_checks.sh bench                    # second: kernels, episode, plan
+#   bash scripts/gpu_checks.sh sanitize cap             # third
 # build:    pip install with the CUDA kernels (QCA_LOWMEM_CUDA=1: fails loudly if it cannot)
-# test:     the whole suite, CUDA variants included
-# sanitize: compute-sanitizer memcheck over the CUDA op tests, racecheck over GN+ELU
-# bench:    kernels (QCA step, blocks, scaler), episode and plan (plan vs measured peaks);
-#           each also a phase of its own; results in benchmarks/results/
+# probe:    benchmarks/gpu_probe.py: capture per dtype and layout, the state after a failed
+#           capture, forward determinism, GroupNorm at the U-Net's shapes, budget="free" (2 min)
+# test:     the tests marked `cuda` (conftest marks every test that runs on a GPU), on
+#           TEST_WORKERS workers (pytest-xdist) with a per-test TEST_TIMEOUT (pytest-timeout)
+# sanitize: compute-sanitizer memcheck (caching allocator off, so a write into a neighbouring
+#           tensor is seen) and initcheck over the CUDA op tests, racecheck over GN+ELU's kernels,
+#           both the one-block and the split-group paths
+# bench:    kernels (QCA step, blocks, scaler), episode and plan (plan vs measured peaks); each
+#           also a phase of its own; results in benchmarks/results/
 # cap:      100 default-config episodes under a 3.68 GiB cap (benchmarks/results/cap_<device>.json)
 # cap128:   the small-GPU profile at grid 128 under the same cap, step and revolve (a few episodes)
-# PYTEST_ARGS adds arguments to the test phase, SANITIZE_PYTEST_ARGS to memcheck's (`-n 8` with pytest-xdist: a crashing test
-# costs its worker, not the run). Phases joined by '+' run at the same time (`test+sanitize`: neither is timed); the others one
-# after another. TIMEOUT_<step> (seconds, e.g. TIMEOUT_memcheck=240) bounds one step.
-# Logs go to $OUT when set (the device tool's output folder, as one archive with the result
-# files), else to /tmp/qca_gpu_logs.
+# PYTEST_ARGS adds arguments to the test phase, SANITIZE_PYTEST_ARGS to memcheck's, EPISODE_ARGS
+# to bench_episode's. Phases joined by '+' run at the same time (`test+sanitize`: neither is
+# timed); the others one after another. TIMEOUT_<step> (seconds, e.g. TIMEOUT_memcheck=240)
+# bounds one step. After every step the logs and result files so far are packed into
+# $OUT/gpu_checks.tgz (the device tool's output folder; else /tmp/qca_gpu_logs.*), so a command
+# killed at its time limit still returns all that finished. Without a GPU each phase says what
+# it would run and skips.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/qca_gpu_logs.XXXX")
 export PYTHONUNBUFFERED=1
 FAILED="$LOGS/failed"
+GPU=$("$PYTHON" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
+save() {  # pack what is done so far where the caller gets it back, even if a later step is killed
+  mkdir -p "$LOGS/results"
+  cp benchmarks/results/*.json "$LOGS/results/" 2>/dev/null
+  if [ -n "${OUT:-}" ]; then
+    tar -czf "$OUT/gpu_checks.tgz.part" -C "$LOGS" . && mv "$OUT/gpu_checks.tgz.part" "$OUT/gpu_checks.tgz"
+  fi
+}
 run() {  # name, command...: run (bounded by TIMEOUT_<name>), log, remember failure, keep going
   local name=$1
   shift
@@ -26,6 +44,10 @@ run() {  # name, command...: run (bounded by TIMEOUT_<name>), log, remember fail
   local limit=${!limit_var:-0}
   local start=$SECONDS
   echo "=== $name: $*"
+  if [ "$GPU" != 1 ]; then
+    echo "=== $name skipped: no CUDA GPU"
+    return
+  fi
   if ! timeout -k 15 "$limit" "$@" >"$LOGS/$name.log" 2>&1; then
     echo "$name" >>"$FAILED"
     echo "=== $name FAILED after $((SECONDS - start)) s; last lines:"
@@ -34,17 +56,31 @@ run() {  # name, command...: run (bounded by TIMEOUT_<name>), log, remember fail
     echo "=== $name passed in $((SECONDS - start)) s; last lines:"
     tail -n 8 "$LOGS/$name.log"
   fi
+  save
+}
+has_module() { "$PYTHON" -c "import $1" 2>/dev/null; }
+test_args() {  # parallel workers and per-test timeouts where the plugins are installed
+  local args=()
+  has_module xdist && args+=(-n "${TEST_WORKERS:-8}")
+  has_module pytest_timeout && args+=(--timeout "${TEST_TIMEOUT:-300}")
+  echo "${args[@]}"
 }
 phase() {
   case $1 in
     build) run build env QCA_LOWMEM_CUDA=1 "$PYTHON" -m pip install -v --no-build-isolation --no-deps --force-reinstall . ;;
-    test) run test "$PYTHON" -m pytest -q -rs ${PYTEST_ARGS:-} tests ;;
+    probe) run probe "$PYTHON" benchmarks/gpu_probe.py ;;
+    # shellcheck disable=SC2046
+    test) run test "$PYTHON" -m pytest -q -rs -m cuda $(test_args) ${PYTEST_ARGS:-} tests ;;
     sanitize)
-      # the op tests (workers in parallel: the sanitizer follows child processes)
-      run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$PYTHON" -m pytest -q ${SANITIZE_PYTEST_ARGS:-} \
-        tests/test_qca_step.py tests/test_noise.py tests/test_blocks.py tests/test_scaler.py tests/test_c_api.py -k cuda
-      # racecheck is slow: the GN+ELU kernels (the ones sharing memory between threads) on both
-      # paths, fp32 and bf16, without the largest shape
+      # the op tests, without the caching allocator (it would hide writes past a tensor's end
+      # inside a larger cached block); workers in parallel: the sanitizer follows child processes
+      run memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        "$PYTHON" -m pytest -q ${SANITIZE_PYTEST_ARGS:-} \
+        tests/test_qca_step.py tests/test_noise.py tests/test_blocks.py tests/test_scaler.py tests/test_c_api.py -m cuda
+      run initcheck compute-sanitizer --tool initcheck --error-exitcode 1 "$PYTHON" -m pytest -q \
+        tests/test_qca_step.py tests/test_noise.py tests/test_blocks.py -m cuda -k "not 128"
+      # racecheck is slow: the GN+ELU kernels (the ones sharing memory between threads), fp32
+      # and bf16, one shape on the one-block path and one on the split-group path
       run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 "$PYTHON" -m pytest -q tests/test_blocks.py \
         -k "groupnorm_elu_cuda_is_deterministic or (groupnorm_elu_matches_stock_cuda and (float32 or bfloat16) and not 128)"
       ;;
@@ -54,17 +90,18 @@ phase() {
       run bench_block "$PYTHON" benchmarks/bench_block.py
       run bench_scaler "$PYTHON" benchmarks/bench_scaler.py
       ;;
-    episode) run bench_episode "$PYTHON" benchmarks/bench_episode.py ;;
+    # shellcheck disable=SC2086
+    episode) run bench_episode "$PYTHON" benchmarks/bench_episode.py ${EPISODE_ARGS:-} ;;
     plan) run bench_plan "$PYTHON" benchmarks/bench_plan.py ;;
     cap) run bench_cap "$PYTHON" benchmarks/bench_cap.py ;;
     cap128)
       run cap128_step "$PYTHON" benchmarks/bench_cap.py --config configs/small_gpu.yaml --grid 128 --episodes 5 --name cap128_fp16_step
       run cap128_revolve "$PYTHON" benchmarks/bench_cap.py --config configs/small_gpu.yaml --grid 128 --episodes 5 --checkpoint revolve --slots 32 --name cap128_fp16_revolve32
       ;;
-    *) echo "unknown phase: $1 (build, test, sanitize, bench, kernels, episode, plan, cap, cap128)"; exit 2 ;;
+    *) echo "unknown phase: $1 (build, probe, test, sanitize, bench, kernels, episode, plan, cap, cap128)"; exit 2 ;;
   esac
 }
-echo "=== $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1); $("$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1); $(nproc) CPUs"
+echo "=== $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -n 1); $("$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1); $(nproc) CPUs; $(git rev-parse --short HEAD 2>/dev/null)"
 for group in "$@"; do
   IFS=+ read -ra parallel <<<"$group"
   if [ ${#parallel[@]} -eq 1 ]; then
@@ -74,10 +111,7 @@ for group in "$@"; do
     wait
   fi
 done
-cp benchmarks/results/*.json "$LOGS/" 2>/dev/null
-if [ -n "${OUT:-}" ]; then
-  tar -czf "$OUT/gpu_checks.tgz" -C "$LOGS" .
-fi
+save
 if [ -s "$FAILED" ]; then
   echo "=== failed: $(tr '\n' ' ' <"$FAILED")"
   exit 1

@@ -17,6 +17,19 @@ cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 
 
+def pytest_collection_modifyitems(items):
+    """Mark every test that runs on a GPU `cuda` (`pytest -m cuda`, the GPU run's test phase): the
+    ones skipped without a GPU and the cuda cases of device-parametrised ones."""
+    for item in items:
+        skipped_without_gpu = any(mark.kwargs.get("reason") == cuda_only.kwargs["reason"]
+                                  for mark in item.iter_markers("skipif"))
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        on_cuda = any(str(value) == "cuda" or (isinstance(value, torch.device) and value.type == "cuda")
+                      for value in params.values())
+        if skipped_without_gpu or on_cuda:
+            item.add_marker(pytest.mark.cuda)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -47,7 +47,7 @@ def test_every_run_kind_runs_on_a_tiny_config(tmp_path):
         import bench_episode
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    runs = bench_episode.RUNS + bench_episode.EXTRA_RUNS
+    runs = [name for name in bench_episode.RUNS + bench_episode.EXTRA_RUNS if name not in bench_episode.CUDA_ONLY_RUNS]
     out = tmp_path / "episode.json"
     result = run("--device", "cpu", "--grid", "8", "--d-state", "2", "--hidden", "4", "--steps", "3", "--episodes", "1",
                  "--runs", *runs, "--out", str(out))
@@ -55,3 +55,5 @@ def test_every_run_kind_runs_on_a_tiny_config(tmp_path):
     report = json.loads(out.read_text())
     assert [r["name"] for r in report["runs"]] == runs
     assert all("error" not in r and r["episode_s"] > 0 for r in report["runs"]), report["runs"]
+    refused = run("--device", "cpu", "--runs", *bench_episode.CUDA_ONLY_RUNS, "--out", str(tmp_path / "refused.json"))
+    assert refused.returncode == 2 and "need a CUDA device" in refused.stderr

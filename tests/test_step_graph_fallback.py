@@ -108,3 +108,71 @@ def test_trainer_lowers_its_policy_after_an_oom_during_capture(simulated_cuda, t
         records = trainer.fit()
     assert [r["policy"] for r in records] == ["checkpoint=revolve slots=1 batch=1 fp32"] * 2
     assert len(attempts) == 2 and all(r["loss"] == r["loss"] for r in records)
+
+
+class FakeCudaCapture:
+    """torch.cuda's stream context, CUDAGraph and the allocator's pool routing, recorded: enough
+    to see what CudaGraphs.capture leaves behind when a capture fails, without a GPU."""
+
+    def __init__(self, monkeypatch, end_error=None):
+        self.current, self.events, self.end_error = "default", [], end_error
+        fake = self
+
+        class StreamContext:
+            def __init__(self, stream):
+                self.stream = stream
+
+            def __enter__(self):
+                self.before, fake.current = fake.current, self.stream
+
+            def __exit__(self, *exc):
+                fake.current = self.before
+
+        class Graph:
+            def capture_begin(self, pool, capture_error_mode):
+                fake.events.append(("begin", fake.current, capture_error_mode))
+
+            def capture_end(self):
+                fake.events.append(("end", fake.current))
+                if fake.end_error:
+                    raise RuntimeError(fake.end_error)
+
+            def replay(self):
+                fake.events.append("replay")
+
+        monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool",
+                            lambda device, pool: fake.events.append(("pool released", device, pool)), raising=False)
+        self.graphs = object.__new__(step_graph.CudaGraphs)
+        self.graphs.device, self.graphs.side, self.graphs.pool = torch.device("cuda", 0), "side", (0, 7)
+
+
+def test_a_capture_whose_body_fails_restores_the_stream_and_the_allocator(monkeypatch):
+    fake = FakeCudaCapture(monkeypatch, end_error="operation failed due to a previous error during capture")
+
+    def body():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(RuntimeError, match="not permitted when stream is capturing") as raised:
+        fake.graphs.capture(body)
+    assert "previous error" not in str(raised.value)  # the body's error, not the end's
+    assert fake.current == "default"
+    assert fake.events == [("begin", "side", "thread_local"), ("end", "side"), ("pool released", 0, (0, 7))]
+
+
+def test_a_capture_whose_end_fails_restores_the_stream_and_the_allocator(monkeypatch):
+    fake = FakeCudaCapture(monkeypatch, end_error="invalidated capture")
+    with pytest.raises(RuntimeError, match="invalidated capture"):
+        fake.graphs.capture(lambda: "outputs")
+    assert fake.current == "default"
+    assert fake.events[-1] == ("pool released", 0, (0, 7))
+
+
+def test_a_capture_that_succeeds_leaves_the_pool_to_torch(monkeypatch):
+    fake = FakeCudaCapture(monkeypatch)
+    outputs, replay = fake.graphs.capture(lambda: "outputs")
+    replay()
+    assert outputs == "outputs" and fake.current == "default"
+    assert fake.events == [("begin", "side", "thread_local"), ("end", "side"), "replay"]

@@ -145,11 +145,38 @@ class CudaGraphs:
         torch.cuda.current_stream(self.device).wait_stream(self.side)
 
     def capture(self, body: Callable):
-        """(what body returned, a function replaying it)."""
+        """(what body returned, a function replaying it). However the capture ends, the caller's
+        stream is current again and the allocator no longer routes allocations to the pool
+        (torch.cuda.graph leaves both behind when ending a failed capture raises)."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.side, capture_error_mode="thread_local"):
-            outputs = body()
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.stream(self.side):
+            graph.capture_begin(self.pool, capture_error_mode="thread_local")
+            try:
+                outputs = body()
+            except BaseException:
+                self._end_failed(graph)  # the body's error is the one to report
+                raise
+            try:
+                graph.capture_end()
+            except BaseException:
+                self._stop_routing_to_pool()
+                raise
         return outputs, graph.replay
+
+    def _end_failed(self, graph) -> None:
+        try:
+            graph.capture_end()
+        except Exception:
+            self._stop_routing_to_pool()
+
+    def _stop_routing_to_pool(self) -> None:
+        # capture_end raises before it tells the allocator that the capture is over; untold, the
+        # allocator sends this stream's allocations to the pool and empty_cache() asserts.
+        try:
+            torch._C._cuda_endAllocateToPool(self.device.index, self.pool)
+        except RuntimeError:
+            pass  # it had been told
 
     @staticmethod
     def live(outputs):

@@ -1,0 +1,327 @@
+"""The GPU run's first phase: the questions a GPU answers in about two minutes, each on its own.
+
+1. capture: the default-config step (grid 64, d_state 14, hidden 128) as a StepGraph in fp32,
+   bf16 and fp16 autocast, NCHW and channels_last: captured or fell back (the first error first),
+   the rollout's gradients against the same rollout run eagerly, the current stream afterwards.
+2. fallback: a step that reads a value on the host (`.item()`) cannot be captured: one warning,
+   the eager rollout's answer, the default stream current again, `empty_cache()` still working
+   and a good step capturing afterwards.
+3. determinism: the step's forward run twice on the same input (the recompute check assumes a
+   recompute gives the forward's bits up to rounding) with cudnn.benchmark off and on, and from a
+   second host thread; the recompute check's margin (its measured difference over its tolerance)
+   with the output head at a trained size.
+4. groupnorm: the fused GroupNorm+ELU forward and backward at the U-Net's own GroupNorm shapes
+   (read off the model with hooks), against torch's group_norm + elu and a `copy_` of the input.
+5. budget: budget="free" under a 3.68 GiB per-process cap (the small-GPU emulation): what
+   `free_bytes` reads against the cap, and that an "auto" rollout under it runs.
+
+Each section is written to benchmarks/results/probe_<device>.json as soon as it ends (a killed
+run keeps what it had); a section that fails records its error and the next one runs. Without a
+GPU it prints what it would measure and exits 0.
+    python benchmarks/gpu_probe.py [--sections capture fallback ...]
+"""
+
+import argparse
+import copy
+import sys
+import threading
+import time
+import traceback
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import common
+import qca_lowmem
+from qca_lowmem import stock
+from qca_lowmem.ops.qca_step import fused_step
+from qca_lowmem.rollout import memory
+from qca_lowmem.rollout.graph import CaptureFallbackWarning
+from qca_lowmem.rollout.recompute_check import ROUNDING_UNITS, _relative_difference
+
+SECTIONS = ["capture", "fallback", "determinism", "groupnorm", "budget"]
+AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+CAP_BYTES = int(3.68 * 2**30)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS)
+    p.add_argument("--grid", type=int, default=64)
+    p.add_argument("--d-state", type=int, default=14)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--steps", type=int, default=6, help="rollout steps per capture check")
+    p.add_argument("--device", default="cuda", help="cpu: a dry run of the code paths at tiny shapes (no budget section)")
+    p.add_argument("--out", default=None, help="output JSON (default benchmarks/results/probe_<device>.json)")
+    return p.parse_args(argv)
+
+
+def model(args, device, channels_last=False, head_scale=0.05):
+    """The lowmem U-Net with an output head of a trained size (stock initialises it near zero,
+    where every step changes psi by rounding alone)."""
+    torch.manual_seed(0)
+    unet = qca_lowmem.UNetUnitary(args.d_state, args.hidden)
+    with torch.no_grad():
+        unet.outc.weight.normal_(0.0, head_scale)
+    unet = unet.to(device)
+    return unet.to(memory_format=torch.channels_last) if channels_last else unet
+
+
+def psi0(args, device, seed=1):
+    return stock.initial_state(1, args.grid, args.d_state, device, torch.Generator().manual_seed(seed))
+
+
+def episode_grads(unet, step, args, device, amp):
+    """One rollout with the stock loss and backward: (loss, [param grads], warnings raised)."""
+    for p in unet.parameters():
+        p.grad = None
+    start = psi0(args, device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
+            _, history = qca_lowmem.rollout(step, start, args.steps, checkpoint="step",
+                                            noise=qca_lowmem.NoiseSchedule(0.1, 1000, seed=3))
+        loss, _ = stock.evolutionary_loss(history, start)
+        loss.backward()
+    synchronize(device)
+    return loss.item(), [p.grad.detach().clone() for p in unet.parameters()], caught
+
+
+def max_rel(grads, reference):
+    return max(((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for g, r in zip(grads, reference))
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def stream_state(device):
+    if device.type != "cuda":
+        return {}
+    return {"current_is_default": torch.cuda.current_stream(device) == torch.cuda.default_stream(device)}
+
+
+def empty_cache_works(device):
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.empty_cache()
+        return True
+    except Exception as e:  # the allocator left mid-capture asserts here
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+
+
+def section_capture(args, device):
+    rows = []
+    for name, amp in AMP.items():
+        for channels_last in (False, True):
+            row = {"amp": name, "channels_last": channels_last}
+            try:
+                unet = model(args, device, channels_last)
+                eager = fused_step(unet, 0.0, True, channels_last=channels_last)
+                loss_e, grads_e, _ = episode_grads(unet, eager, args, device, amp)
+                graph = qca_lowmem.StepGraph(eager)
+                t0 = time.perf_counter()
+                loss_g, grads_g, caught = episode_grads(unet, graph, args, device, amp)
+                row["first_episode_s"] = time.perf_counter() - t0
+                fallbacks = [str(w.message) for w in caught if issubclass(w.category, CaptureFallbackWarning)]
+                row.update(captures_made=graph.captures_made, fell_back=bool(graph.failed_keys),
+                           fallback_warnings=len(fallbacks), first_error=fallbacks[0] if fallbacks else None,
+                           loss_eager=loss_e, loss_graph=loss_g, grad_rel_err_vs_eager=max_rel(grads_g, grads_e),
+                           **stream_state(device))
+                _, grads_g2, _ = episode_grads(unet, graph, args, device, amp)
+                row["captures_after_second_episode"] = graph.captures_made
+                row["replays_bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(grads_g, grads_g2))
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"
+                row["traceback"] = traceback.format_exc(limit=6)
+            row["empty_cache"] = empty_cache_works(device)
+            print(f"capture {name} channels_last={channels_last}: {short(row)}")
+            rows.append(row)
+    return rows
+
+
+def section_fallback(args, device):
+    unet = model(args, device)
+    good = fused_step(unet, 0.0, True)
+
+    def syncing_step(psi):
+        if psi.abs().amax().item() > 1e9:  # a host read: cannot be captured
+            raise AssertionError("unreachable")
+        return good(psi)
+
+    row = {}
+    _, grads_e, _ = episode_grads(unet, good, args, device, None)
+    graph = qca_lowmem.StepGraph(syncing_step)
+    _, grads_f, caught = episode_grads(unet, graph, args, device, None)
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, CaptureFallbackWarning)]
+    row.update(fallback_warnings=len(fallbacks), first_error=fallbacks[0] if fallbacks else None,
+               fell_back=bool(graph.failed_keys), grad_rel_err_vs_eager=max_rel(grads_f, grads_e), **stream_state(device))
+    row["empty_cache"] = empty_cache_works(device)
+    _, _, caught = episode_grads(unet, graph, args, device, None)
+    row["warnings_second_episode"] = sum(issubclass(w.category, CaptureFallbackWarning) for w in caught)
+    after = qca_lowmem.StepGraph(good)
+    _, grads_after, _ = episode_grads(unet, after, args, device, None)
+    row.update(good_step_captures_after=after.captures_made, good_step_grad_rel_err=max_rel(grads_after, grads_e))
+    print(f"fallback: {short(row)}")
+    return row
+
+
+def forward_twice(step, x):
+    with torch.no_grad():
+        return step(x), step(x)
+
+
+def section_determinism(args, device):
+    rows = []
+    benchmark = torch.backends.cudnn.benchmark
+    try:
+        for cudnn_benchmark in (False, True):
+            torch.backends.cudnn.benchmark = cudnn_benchmark
+            for name, amp in AMP.items():
+                unet = model(args, device)
+                step = fused_step(unet, 0.0, True)
+                x = psi0(args, device)
+                autocast = lambda: torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None)  # noqa: E731
+                with autocast():
+                    a, b = forward_twice(step, x)
+                other = {}
+
+                def in_other_thread():  # autocast is per thread
+                    with autocast():
+                        other["out"] = forward_twice(step, x)[0]
+
+                thread = threading.Thread(target=in_other_thread)
+                thread.start()
+                thread.join()
+                synchronize(device)
+                tolerance = ROUNDING_UNITS * max(torch.finfo(amp or torch.float32).eps, torch.finfo(torch.float32).eps)
+                real = lambda z: torch.view_as_real(z)  # noqa: E731
+                diff_same = _relative_difference(real(b), real(a), real(x)).item()
+                diff_thread = _relative_difference(real(other["out"]), real(a), real(x)).item()
+                row = {"cudnn_benchmark": cudnn_benchmark, "amp": name, "bitwise_same_thread": torch.equal(a, b),
+                       "bitwise_other_thread": torch.equal(a, other["out"]), "check_difference_same_thread": diff_same,
+                       "check_difference_other_thread": diff_thread, "check_tolerance": tolerance,
+                       "margin": max(diff_same, diff_thread) / tolerance}
+                print(f"determinism {name} cudnn.benchmark={cudnn_benchmark}: {short(row)}")
+                rows.append(row)
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
+    return rows
+
+
+def unet_groupnorm_shapes(args, device):
+    """(shape of x, groups) of every GroupNorm in the stock U-Net's forward, in order, deduplicated."""
+    net = stock.UNetUnitary(args.d_state, args.hidden).to(device)
+    seen = []
+
+    def hook(module, inputs, output):
+        key = (tuple(inputs[0].shape), module.num_groups)
+        if key not in seen:
+            seen.append(key)
+
+    handles = [m.register_forward_hook(hook) for m in net.modules() if isinstance(m, torch.nn.GroupNorm)]
+    with torch.no_grad():
+        net(torch.randn(1, 2 * args.d_state, args.grid, args.grid, device=device))
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def section_groupnorm(args, device):
+    rows = []
+    for shape, groups in unet_groupnorm_shapes(args, device):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+            w = torch.randn(shape[1], device=device, dtype=dtype, requires_grad=True)
+            b = torch.randn(shape[1], device=device, dtype=dtype, requires_grad=True)
+            g = torch.randn(shape, device=device, dtype=dtype)
+            fused_y = qca_lowmem.groupnorm_elu(x, w, b, groups)
+            torch_y = F.elu(F.group_norm(x, groups, w, b, 1e-5))
+            candidates = {
+                "fused_forward": lambda: qca_lowmem.groupnorm_elu(x.detach(), w.detach(), b.detach(), groups),
+                "torch_forward": lambda: F.elu(F.group_norm(x.detach(), groups, w.detach(), b.detach(), 1e-5)),
+                "fused_backward": lambda: torch.autograd.grad(fused_y, (x, w, b), g, retain_graph=True),
+                "torch_backward": lambda: torch.autograd.grad(torch_y, (x, w, b), g, retain_graph=True),
+                "copy_of_x": common.copy_of(x.numel() * x.element_size() * 2, device),
+            }
+            times = common.interleaved_medians(candidates, device, warmup=5, reps=30)
+            row = {"shape": list(shape), "groups": groups, "dtype": str(dtype).replace("torch.", ""),
+                   **{f"{k}_us": v * 1e6 for k, v in times.items()},
+                   "max_abs_diff_vs_torch": (fused_y.float() - torch_y.float()).abs().max().item()}
+            print(f"groupnorm {shape} g={groups} {row['dtype']}: {short(row)}")
+            rows.append(row)
+    return rows
+
+
+def section_budget(args, device):
+    total = torch.cuda.get_device_properties(device).total_memory
+    before = torch.cuda.get_per_process_memory_fraction(device)
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(min(1.0, CAP_BYTES / total), device)
+    try:
+        row = {"cap_bytes": CAP_BYTES, "free_bytes_under_cap": memory.free_bytes(device),
+               "allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device)}
+        unet = model(args, device)
+        step = fused_step(unet, 0.0, True)
+        long_args = copy.copy(args)
+        long_args.steps = 60
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            episode_grads(unet, step, long_args, device, None)  # checkpoint="step", the baseline
+            row["step_peak_allocated"] = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            for p in unet.parameters():
+                p.grad = None
+            start = psi0(args, device)
+            _, history = qca_lowmem.rollout(step, start, long_args.steps, checkpoint="auto", budget="free")
+            stock.evolutionary_loss(history, start)[0].backward()
+            torch.cuda.synchronize(device)
+            row.update(auto_free_ran=True, auto_peak_allocated=torch.cuda.max_memory_allocated(device),
+                       auto_peak_reserved=torch.cuda.max_memory_reserved(device))
+        except torch.OutOfMemoryError as e:
+            row.update(auto_free_ran=False, error=f"out of memory: {str(e).splitlines()[0]}")
+    finally:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(before, device)
+    print(f"budget: {short(row)}")
+    return row
+
+
+def short(row):
+    return {k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in row.items() if k != "traceback"}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_probe: no CUDA GPU; it would measure, each into benchmarks/results/probe_<device>.json:")
+        for line in __doc__.split("\n\n")[1].splitlines():
+            print("  " + line.strip())
+        return 0
+    device = torch.device(args.device)
+    payload = {"config": {"grid": args.grid, "d_state": args.d_state, "hidden": args.hidden, "steps": args.steps},
+               "cudnn": torch.backends.cudnn.version(), "sections": {}}
+    if device.type == "cuda":
+        payload["multiprocessors"] = torch.cuda.get_device_properties(device).multi_processor_count
+    print(f"device {common.device_name(device)}, torch {torch.__version__}")
+    failed = []
+    for name in args.sections:
+        start = time.perf_counter()
+        try:
+            payload["sections"][name] = globals()[f"section_{name}"](args, device)
+        except Exception as e:
+            failed.append(name)
+            payload["sections"][name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=8)}
+            print(f"{name} FAILED: {type(e).__name__}: {e}")
+        payload["sections"][name + "_seconds"] = time.perf_counter() - start
+        path = common.write_result("probe", device, payload, args.out)
+    print(f"wrote {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
