@@ -4,8 +4,8 @@
    bf16 and fp16 autocast, NCHW and channels_last: captured or fell back (the first error first),
    the rollout's gradients against the same rollout run eagerly, the current stream afterwards.
 2. fallback: a step that reads a value on the host (`.item()`) cannot be captured: one warning,
-   the eager rollout's answer, the default stream current again, `empty_cache()` still working
-   and a good step capturing afterwards.
+   the eager rollout's answer, the default stream current again, `empty_cache()` and random
+   draws still working, and a good step capturing afterwards.
 3. determinism: the step's forward run twice on the same input (the recompute check assumes a
    recompute gives the forward's bits up to rounding) with cudnn.benchmark off and on, and from a
    second host thread; the recompute check's margin (its measured difference over its tolerance)
@@ -114,6 +114,15 @@ def empty_cache_works(device):
         return f"{type(e).__name__}: {str(e).splitlines()[0]}"
 
 
+def random_draw_works(device):
+    """A failed capture can leave the default generator in capture mode: every draw then raises."""
+    try:
+        torch.randn(4, device=device)
+        return True
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+
+
 def section_capture(args, device):
     rows = []
     for name, amp in AMP.items():
@@ -139,6 +148,7 @@ def section_capture(args, device):
                 row["error"] = f"{type(e).__name__}: {e}"
                 row["traceback"] = traceback.format_exc(limit=6)
             row["empty_cache"] = empty_cache_works(device)
+            row["random_draw_after"] = random_draw_works(device)
             print(f"capture {name} channels_last={channels_last}: {short(row)}")
             rows.append(row)
     return rows
@@ -161,6 +171,7 @@ def section_fallback(args, device):
     row.update(fallback_warnings=len(fallbacks), first_error=fallbacks[0] if fallbacks else None,
                fell_back=bool(graph.failed_keys), grad_rel_err_vs_eager=max_rel(grads_f, grads_e), **stream_state(device))
     row["empty_cache"] = empty_cache_works(device)
+    row["random_draw_after"] = random_draw_works(device)
     _, _, caught = episode_grads(unet, graph, args, device, None)
     row["warnings_second_episode"] = sum(issubclass(w.category, CaptureFallbackWarning) for w in caught)
     after = qca_lowmem.StepGraph(good)
@@ -303,6 +314,8 @@ def main(argv=None):
             print("  " + line.strip())
         return 0
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # set_per_process_memory_fraction needs one
+        device = torch.device("cuda", torch.cuda.current_device())
     payload = {"config": {"grid": args.grid, "d_state": args.d_state, "hidden": args.hidden, "steps": args.steps},
                "cudnn": torch.backends.cudnn.version(), "sections": {}}
     if device.type == "cuda":

@@ -59,18 +59,14 @@ run() {  # name, command...: run (bounded by TIMEOUT_<name>), log, remember fail
   save
 }
 has_module() { "$PYTHON" -c "import $1" 2>/dev/null; }
-test_args() {  # parallel workers and per-test timeouts where the plugins are installed
-  local args=()
-  has_module xdist && args+=(-n "${TEST_WORKERS:-8}")
-  has_module pytest_timeout && args+=(--timeout "${TEST_TIMEOUT:-300}")
-  echo "${args[@]}"
-}
+TEST_ARGS=()  # parallel workers and per-test timeouts where the plugins are installed
+has_module xdist && TEST_ARGS+=(-n "${TEST_WORKERS:-8}")
+has_module pytest_timeout && TEST_ARGS+=(--timeout "${TEST_TIMEOUT:-300}")
 phase() {
   case $1 in
     build) run build env QCA_LOWMEM_CUDA=1 "$PYTHON" -m pip install -v --no-build-isolation --no-deps --force-reinstall . ;;
     probe) run probe "$PYTHON" benchmarks/gpu_probe.py ;;
-    # shellcheck disable=SC2046
-    test) run test "$PYTHON" -m pytest -q -rs -m cuda $(test_args) ${PYTEST_ARGS:-} tests ;;
+    test) run test "$PYTHON" -m pytest -q -rfEs -m cuda "${TEST_ARGS[@]}" ${PYTEST_ARGS:-} tests ;;
     sanitize)
       # the op tests, without the caching allocator (it would hide writes past a tensor's end
       # inside a larger cached block); workers in parallel: the sanitizer follows child processes

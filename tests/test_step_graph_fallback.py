@@ -111,7 +111,7 @@ def test_trainer_lowers_its_policy_after_an_oom_during_capture(simulated_cuda, t
 
 
 class FakeCudaCapture:
-    """torch.cuda's stream context, CUDAGraph and the allocator's pool routing, recorded: enough
+    """torch.cuda's stream context, CUDAGraph, default generator and the allocator's pool routing, recorded: enough
     to see what CudaGraphs.capture leaves behind when a capture fails, without a GPU."""
 
     def __init__(self, monkeypatch, end_error=None):
@@ -145,11 +145,20 @@ class FakeCudaCapture:
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
         monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool",
                             lambda device, pool: fake.events.append(("pool released", device, pool)), raising=False)
+
+        class Generator:
+            def clone_state(self):
+                return "a copy of the state, not capturing"
+
+            def graphsafe_set_state(self, state):
+                fake.events.append(("generator state", state))
+
+        monkeypatch.setattr(torch.cuda, "default_generators", (Generator(),))
         self.graphs = object.__new__(step_graph.CudaGraphs)
         self.graphs.device, self.graphs.side, self.graphs.pool = torch.device("cuda", 0), "side", (0, 7)
 
 
-def test_a_capture_whose_body_fails_restores_the_stream_and_the_allocator(monkeypatch):
+def test_a_capture_whose_body_fails_restores_the_stream_the_allocator_and_the_generator(monkeypatch):
     fake = FakeCudaCapture(monkeypatch, end_error="operation failed due to a previous error during capture")
 
     def body():
@@ -159,15 +168,16 @@ def test_a_capture_whose_body_fails_restores_the_stream_and_the_allocator(monkey
         fake.graphs.capture(body)
     assert "previous error" not in str(raised.value)  # the body's error, not the end's
     assert fake.current == "default"
-    assert fake.events == [("begin", "side", "thread_local"), ("end", "side"), ("pool released", 0, (0, 7))]
+    assert fake.events == [("begin", "side", "thread_local"), ("end", "side"), ("pool released", 0, (0, 7)),
+                           ("generator state", "a copy of the state, not capturing")]
 
 
-def test_a_capture_whose_end_fails_restores_the_stream_and_the_allocator(monkeypatch):
+def test_a_capture_whose_end_fails_restores_the_stream_the_allocator_and_the_generator(monkeypatch):
     fake = FakeCudaCapture(monkeypatch, end_error="invalidated capture")
     with pytest.raises(RuntimeError, match="invalidated capture"):
         fake.graphs.capture(lambda: "outputs")
     assert fake.current == "default"
-    assert fake.events[-1] == ("pool released", 0, (0, 7))
+    assert fake.events[-2:] == [("pool released", 0, (0, 7)), ("generator state", "a copy of the state, not capturing")]
 
 
 def test_a_capture_that_succeeds_leaves_the_pool_to_torch(monkeypatch):

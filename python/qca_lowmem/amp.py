@@ -80,7 +80,9 @@ def native_amp_dtype(amp_dtype: Optional[torch.dtype], device) -> Tuple[Optional
 def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     """The dtype autocast computes in on `device_type` right now; None when autocast is off or
     the device has none (meta)."""
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    # cpu and cuda always have autocast; asking costs a call torch.compile cannot trace on CUDA
+    available = device_type in ("cpu", "cuda") or torch.amp.is_autocast_available(device_type)
+    if available and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
 

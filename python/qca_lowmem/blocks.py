@@ -49,8 +49,15 @@ def _below_autograd():
     return torch._C._AutoDispatchBelowAutograd()
 
 
+def _check_block_devices(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias):
+    for name, t in dict(conv1_weight=conv1_weight, norm1_weight=norm1_weight, norm1_bias=norm1_bias,
+                        conv2_weight=conv2_weight, norm2_weight=norm2_weight, norm2_bias=norm2_bias).items():
+        check_same_device(x, "x", t, name, "conv_block")
+
+
 def _block_forward(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias,
                    groups1, groups2, eps1, eps2):
+    _check_block_devices(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias)
     layout = output_layout(x)
     with _below_autograd():
         h1 = _conv3x3(x, conv1_weight).contiguous(memory_format=layout)
@@ -87,9 +94,7 @@ conv_block_keep = torch.library.custom_op("qca_lowmem::conv_block_keep", mutates
 
 def _block_fake(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias,
                 groups1, groups2, eps1, eps2):
-    for name, t in dict(conv1_weight=conv1_weight, norm1_weight=norm1_weight, norm1_bias=norm1_bias,
-                        conv2_weight=conv2_weight, norm2_weight=norm2_weight, norm2_bias=norm2_bias).items():
-        check_same_device(x, "x", t, name, "conv_block")
+    _check_block_devices(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias)
     torch._check(x.dim() == 4, lambda: f"conv_block: x must have 4 dimensions (N, C, H, W), got shape {tuple(x.shape)}")
     torch._check(conv1_weight.shape[1] == x.shape[1],
                  lambda: f"conv_block: conv1_weight expects {conv1_weight.shape[1]} input channels, x has {x.shape[1]}")

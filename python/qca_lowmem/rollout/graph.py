@@ -160,7 +160,7 @@ class CudaGraphs:
             try:
                 graph.capture_end()
             except BaseException:
-                self._stop_routing_to_pool()
+                self._undo_capture_state()
                 raise
         return outputs, graph.replay
 
@@ -168,15 +168,19 @@ class CudaGraphs:
         try:
             graph.capture_end()
         except Exception:
-            self._stop_routing_to_pool()
+            self._undo_capture_state()
 
-    def _stop_routing_to_pool(self) -> None:
-        # capture_end raises before it tells the allocator that the capture is over; untold, the
-        # allocator sends this stream's allocations to the pool and empty_cache() asserts.
+    def _undo_capture_state(self) -> None:
+        """What capture_end undoes after it ends the stream's capture, done when ending raised
+        before it got there: untold, the allocator sends this stream's allocations to the pool
+        (empty_cache() then asserts), and the default generator stays in capture mode (every
+        later random draw raises "Offset increment outside graph capture")."""
         try:
             torch._C._cuda_endAllocateToPool(self.device.index, self.pool)
         except RuntimeError:
             pass  # it had been told
+        generator = torch.cuda.default_generators[self.device.index]
+        generator.graphsafe_set_state(generator.clone_state())  # the same seed and offset, not capturing
 
     @staticmethod
     def live(outputs):

@@ -102,6 +102,9 @@ def free_bytes(device: torch.device) -> int:
     """What new tensors on this CUDA device can still get: the device's free memory, within this
     process's cap (set_per_process_memory_fraction: the small-GPU emulation on a large card), plus
     what the caching allocator holds reserved but unused."""
+    device = torch.device(device)
+    if device.index is None:  # the per-process fraction is asked for by index
+        device = torch.device("cuda", torch.cuda.current_device())
     device_free, total = torch.cuda.mem_get_info(device)
     reserved = torch.cuda.memory_reserved(device)
     cap = torch.cuda.get_per_process_memory_fraction(device) * total
