@@ -57,3 +57,25 @@ def test_every_run_kind_runs_on_a_tiny_config(tmp_path):
     assert all("error" not in r and r["episode_s"] > 0 for r in report["runs"]), report["runs"]
     refused = run("--device", "cpu", "--runs", *bench_episode.CUDA_ONLY_RUNS, "--out", str(tmp_path / "refused.json"))
     assert refused.returncode == 2 and "need a CUDA device" in refused.stderr
+
+
+def test_a_result_names_its_commit_and_says_when_the_files_differ_from_it(tmp_path, monkeypatch):
+    """Result files record the commit that ran: a tree changed since its last commit (or a copy
+    whose .git is stale, as on a lent GPU machine) is marked -dirty, unless QCA_LOWMEM_COMMIT names
+    the commit."""
+    import subprocess
+
+    from qca_lowmem.trainer.bench import library_commit
+
+    monkeypatch.delenv("QCA_LOWMEM_COMMIT", raising=False)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "-C", str(tmp_path), "add", "a.py"], check=True)
+    subprocess.run([*git, "-C", str(tmp_path), "commit", "-q", "-m", "a"], check=True)
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert library_commit(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert library_commit(tmp_path) == head + "-dirty"
+    monkeypatch.setenv("QCA_LOWMEM_COMMIT", "abc123")
+    assert library_commit(tmp_path) == "abc123"

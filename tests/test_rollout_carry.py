@@ -76,7 +76,10 @@ def grads(step, cell, psi0, memory0, checkpoint, slots=None, noise=None, memory_
         loss = loss + memory_T[1].square().sum()
     loss.backward()
     inputs = [psi0, *(m for m in memory0 if m is not None and m.requires_grad)]
-    return loss.detach(), [x.grad for x in inputs] + [p.grad for p in cell.parameters()], memory_T
+    # memory_T detached: kept with its graph, it would hold the parameters' gradient accumulators,
+    # made on the default stream, and a later StepGraph's backward capture cannot sync with it
+    return loss.detach(), [x.grad for x in inputs] + [p.grad for p in cell.parameters()], tuple(
+        None if m is None else m.detach() for m in memory_T)
 
 
 def assert_same(actual, expected, rel=1e-10):

@@ -159,3 +159,20 @@ def test_a_captured_step_leaves_batchnorm_statistics_as_plain_autograd(replayed_
         buffers[name] = [b.tolist() for b in norm.buffers()]
     assert buffers["captured"] == buffers["plain"]
     assert replays(replayed_graphs) > 0
+
+
+def test_the_capture_starts_from_an_empty_autocast_cache(replayed_graphs, monkeypatch):
+    """Autocast's cached weight casts from the eager steps hold the weights' gradient accumulators,
+    made on the caller's stream; a CUDA backward capture that reaches one must sync that stream
+    with the capture, which CUDA refuses (every bf16 and fp16 capture fell back so on an H200).
+    The capture drops the cache first, before its warm-up makes the accumulators anew."""
+    events = []
+    monkeypatch.setattr(torch, "clear_autocast_cache", lambda: events.append("cache cleared"))
+    warming_up = ReplayedGraphs.warming_up
+    monkeypatch.setattr(ReplayedGraphs, "warming_up", lambda self: events.append("warm-up") or warming_up(self))
+    net = make_conv_net()
+    graph = qca_lowmem.StepGraph(fused_step(net))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        episode_grads(graph, list(net.parameters()), psi_state(), "step", None, noisy_schedule(), history_loss=True)
+    assert graph.captures_made == 1
+    assert events[:2] == ["cache cleared", "warm-up"]

@@ -217,6 +217,11 @@ class _Capture:
             with torch.enable_grad(), autocast(), keep_block_intermediates():
                 return step(self.static_in, self.static_carry_in)
 
+        # Autocast's cache holds the weights' casts from the eager steps so far, and through them
+        # the weights' gradient accumulators, made on the caller's stream: a backward capture that
+        # reaches one syncs that stream with the capture, which CUDA refuses (every bf16 and fp16
+        # capture failed so on an H200). Dropped, the accumulators are made anew on the side stream.
+        torch.clear_autocast_cache()
         graphs = _graphs(psi.device)
         with _hooks_set_aside(params):
             with graphs.warming_up():
@@ -350,10 +355,14 @@ def _capture_errors_explained():
         if any(isinstance(e, torch.OutOfMemoryError) for e in chain):
             raise torch.OutOfMemoryError(
                 f"StepGraph: out of memory while capturing the step as a CUDA graph ({story})") from error
+        cause = ("A captured step must not synchronise with the host (.item(), printing tensors, data-dependent "
+                 "branches or shapes).")
+        if "cudaErrorStreamCaptureImplicit" in story or "legacy stream depend on a capturing" in story:
+            cause = ("A graph made before the capture on another stream still holds the parameters' gradient "
+                     "accumulators (an earlier episode's output kept with its graph: keep it .detach()ed).")
         raise _CaptureFailed(
             f"StepGraph: capturing the step as a CUDA graph failed; rolling this configuration out eagerly. "
-            f"Errors, first first: {story}. A captured step must not synchronise with the host (.item(), "
-            "printing tensors, data-dependent branches or shapes).") from error
+            f"Errors, first first: {story}. {cause}") from error
 
 
 def _exception_chain(error: BaseException) -> List[BaseException]:

@@ -30,12 +30,20 @@ from .config import TrainConfig, build_model
 
 def library_commit(repo=None) -> Optional[str]:
     """$QCA_LOWMEM_COMMIT when set (a copied tree whose .git, if any, may be stale, as on a lent
-    GPU machine), else the git commit of `repo` (default: the checkout qca_lowmem runs from)."""
+    GPU machine), else the git commit of `repo` (default: the checkout qca_lowmem runs from),
+    with "-dirty" when tracked files differ from it (then the commit is not what ran)."""
     if os.environ.get("QCA_LOWMEM_COMMIT"):
         return os.environ["QCA_LOWMEM_COMMIT"]
+    cwd = repo or Path(__file__).resolve().parent
+    head, changes = _git(cwd, "rev-parse", "HEAD"), _git(cwd, "status", "--porcelain", "--untracked-files=no")
+    if not head:
+        return None
+    return head + ("-dirty" if changes else "")
+
+
+def _git(cwd, *args) -> Optional[str]:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo or Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
