@@ -338,3 +338,17 @@ def test_max_noise_above_one_trains_as_stock_does():
     qca_lowmem.enable(trainer, checkpoint="step")
     loss, _, _ = trainer.train_episode(4000)
     assert math.isfinite(loss)
+
+
+def test_options_that_cannot_work_on_the_cpu_are_decided_at_enable(recwarn):
+    """fp16 on the CPU would train without a loss scaler: refused; cuda_graph on the CPU runs eager
+    steps: said once, at enable(), not silently at every episode."""
+    trainer = make_trainer()
+    with pytest.raises(ValueError, match="fp16 on the CPU.*amp_dtype='bf16'"):
+        qca_lowmem.enable(trainer, amp_dtype="fp16")
+    assert not hasattr(trainer, "_qca_lowmem_state")
+    qca_lowmem.enable(trainer, cuda_graph=True)
+    said = [str(w.message) for w in recwarn if "cuda_graph" in str(w.message)]
+    assert said == ["enable(): cuda_graph captures CUDA graphs, but the operator is on cpu: its steps run eagerly"]
+    trainer.train_episode(0)
+    assert [str(w.message) for w in recwarn if "cuda_graph" in str(w.message)] == said

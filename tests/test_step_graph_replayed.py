@@ -66,7 +66,7 @@ class ReplayedGraphs:
 
 @pytest.fixture
 def replayed_graphs(monkeypatch):
-    monkeypatch.setattr(step_graph, "_captures", lambda psi: True)
+    monkeypatch.setattr(step_graph, "_captures_on", lambda device: True)
     monkeypatch.setattr(step_graph, "_graphs", ReplayedGraphs)
     ReplayedGraphs.made = []
     return ReplayedGraphs.made

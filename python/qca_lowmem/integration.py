@@ -266,9 +266,17 @@ def _episode_options(trainer, *, policy, amp_dtype, grid_size, batch_size, d_sta
         compute_dtype = torch.float16
     else:
         compute_dtype = parse_amp_dtype(amp_dtype)
-    compute_dtype, note = amp.native_amp_dtype(compute_dtype, next(trainer.motor.operator.parameters()).device)
+    device = next(trainer.motor.operator.parameters()).device
+    if compute_dtype == torch.float16 and device.type == "cpu":
+        raise ValueError("enable(): fp16 on the CPU (amp_dtype='fp16', or the trainer's use_amp) would train without a "
+                         "loss scaler, and slower than fp32; use amp_dtype='bf16' (the CPU's half precision) or 'fp32'")
+    compute_dtype, note = amp.native_amp_dtype(compute_dtype, device)
     if note:
         warnings.warn(f"enable(): {note}", stacklevel=4)
+    if cuda_graph and not StepGraph.captures_on(device):
+        warnings.warn(f"enable(): cuda_graph captures CUDA graphs, but the operator is on {device}: its steps run "
+                      "eagerly", stacklevel=4)
+        cuda_graph = False
     if isinstance(grid_size, int):
         grid = (grid_size, grid_size)
     elif grid_size is not None:

@@ -72,6 +72,11 @@ class StepGraph:
     def __call__(self, *args):
         return self.step_fn(*args)
 
+    @staticmethod
+    def captures_on(device: torch.device) -> bool:
+        """Whether rollouts on this device run on captured graphs (elsewhere, steps run eagerly)."""
+        return _captures_on(torch.device(device))
+
     def for_rollout(self, state: State, step: Callable, params: List[torch.Tensor],
                     autocast_state) -> Optional["_Capture"]:
         """The capture of `step(psi, carry) -> (psi, carry)` (the rollout's call of step_fn, the
@@ -98,7 +103,11 @@ class StepGraph:
 
 def _captures(psi: torch.Tensor) -> bool:
     """Whether a rollout of psi runs on captured graphs (tests simulate CUDA by replacing it)."""
-    return psi.is_cuda
+    return _captures_on(psi.device)
+
+
+def _captures_on(device: torch.device) -> bool:
+    return device.type == "cuda"
 
 
 def _capture_key(state: State, params, autocast_state):
