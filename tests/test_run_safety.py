@@ -20,6 +20,7 @@ from qca_lowmem.trainer import checkpoint as train_state, metrics as metrics_mod
 from qca_lowmem.trainer.checkpoint import CHECKPOINT_NAME, atomic_save, previous_path, read_checkpoint
 from qca_lowmem.trainer.errors import UsageError
 from qca_lowmem.trainer.runlock import LOCK_NAME
+from qca_lowmem.trainer.signals import STOP_SIGNALS
 from conftest import TINY, report_lines, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -243,16 +244,25 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_names_the_file(small_disk, tm
 
 # -- two runs, signals ------------------------------------------------------------------------------
 
+def signals_as_from(ignored=()):
+    """A child's stop signals as a terminal's shell leaves them (default), but `ignored`: the
+    suite's own may be inherited ignored (SIGINT by a shell without job control, SIGHUP by
+    nohup), and the trainer honours an ignored signal."""
+    def preexec():
+        for number in STOP_SIGNALS:
+            signal.signal(number, signal.SIG_IGN if number in ignored else signal.SIG_DFL)
+    return preexec
+
+
 @contextlib.contextmanager
-def training(config, out):
+def training(config, out, ignored=()):
     """A `qca-lowmem train` process writing `out`, handed over once two episodes are in its
     metrics.csv; killed on the way out, whatever the test did with it."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("QCA_LOWMEM_TRACEBACK", None)
-    # A shell without job control starts background jobs with SIGINT ignored; a terminal's would not.
     proc = subprocess.Popen([sys.executable, "-m", "qca_lowmem", "train", "--no-progress", "--config", config,
                              "--out", str(out)], stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=signals_as_from(ignored))
     try:
         deadline = time.monotonic() + 240
         while not ((out / "metrics.csv").exists() and len((out / "metrics.csv").read_text().splitlines()) > 2):
@@ -319,6 +329,24 @@ def test_a_stop_signal_saves_and_exits_with_its_status(tmp_path, signals, status
     episode = read_checkpoint(out / CHECKPOINT_NAME)["episode"]
     assert episode >= 2 and f"{said} {episode}; episodes 0-{episode - 1} are in" in stderr
     assert len((out / "metrics.csv").read_text().splitlines()) - 1 == episode
+
+
+def test_under_nohup_a_hangup_does_not_stop_training(tmp_path):
+    """nohup's SIGHUP, inherited ignored, stays ignored: the user asked for the run to outlive
+    the terminal. Other stop signals still stop it."""
+    config = write_config(tmp_path / "long.yaml", {**LONG, "output": {"save_every": 0}})
+    out = tmp_path / "run"
+    with training(config, out, ignored=(signal.SIGHUP,)) as proc:
+        rows = len((out / "metrics.csv").read_text().splitlines())
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 240
+        while len((out / "metrics.csv").read_text().splitlines()) < rows + 2:  # two more episodes: still training
+            assert proc.poll() is None and time.monotonic() < deadline, "training stopped after a SIGHUP under nohup"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        stderr = finish(proc)
+    assert proc.returncode == 143, stderr
+    assert "interrupted by SIGTERM at episode" in stderr
 
 
 @pytest.mark.parametrize("until_exit", [True, False], ids=["process", "in-process"])
