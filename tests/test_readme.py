@@ -1,6 +1,6 @@
-"""Every Python block in README.md runs as pasted, each in a fresh interpreter with only the
-package importable, from an empty folder. A block carrying `# needs a GPU` is skipped only where
-there is no GPU."""
+"""Every Python block in README.md and docs/api.md runs as pasted, each in a fresh interpreter with
+only the package importable, from an empty folder. A block carrying `# needs a GPU` is skipped
+only where there is no GPU."""
 
 import os
 import re
@@ -15,6 +15,7 @@ import qca_lowmem
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCUMENTS = [README, ROOT / "docs" / "api.md"]
 NEEDS_GPU = "# needs a GPU"
 
 
@@ -24,11 +25,12 @@ def python_blocks(text: str):
             for m in re.finditer(r"^```python\n(.*?)^```$", text, flags=re.M | re.S)]
 
 
-BLOCKS = python_blocks(README.read_text())
+BLOCKS = [(f"{path.relative_to(ROOT)}:{line}", code) for path in DOCUMENTS for line, code in
+          python_blocks(path.read_text())]
 
 
-def test_the_readme_has_python_blocks_and_the_extractor_finds_them():
-    assert len(BLOCKS) >= 3
+def test_each_document_has_python_blocks_and_the_extractor_finds_them():
+    assert all(python_blocks(path.read_text()) for path in DOCUMENTS)
     text = "intro\n```python\nprint(1)\n```\n```bash\nls\n```\n```python\n# needs a GPU\nx = 2\n```\n"
     assert python_blocks(text) == [(3, "print(1)\n"), (9, "# needs a GPU\nx = 2\n")]
 
@@ -45,12 +47,12 @@ def block_environment(code: str) -> dict:
     return env
 
 
-@pytest.mark.parametrize("line, code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
-def test_the_readme_block_runs_as_pasted(line, code, tmp_path):
+@pytest.mark.parametrize("where, code", BLOCKS, ids=[where for where, _ in BLOCKS])
+def test_the_block_runs_as_pasted(where, code, tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=block_environment(code),
                           capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"README.md line {line}:\n{code}\n{done.stderr[-3000:]}"
-    assert "Warning" not in done.stderr, f"README.md line {line} warns:\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"{where}:\n{code}\n{done.stderr[-3000:]}"
+    assert "Warning" not in done.stderr, f"{where} warns:\n{done.stderr[-3000:]}"
 
 
 # Feeds a block to an interactive interpreter line by line, as a paste into `python` does; a
@@ -74,11 +76,11 @@ console.push("")
 """
 
 
-@pytest.mark.parametrize("line, code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
-def test_the_readme_block_runs_pasted_into_the_interpreter(line, code, tmp_path):
+@pytest.mark.parametrize("where, code", BLOCKS, ids=[where for where, _ in BLOCKS])
+def test_the_block_runs_pasted_into_the_interpreter(where, code, tmp_path):
     done = subprocess.run([sys.executable, "-c", CONSOLE], input=code, cwd=tmp_path, env=block_environment(code),
                           capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"README.md line {line}, pasted:\n{code}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"{where}, pasted:\n{code}\n{done.stderr[-3000:]}"
 
 
 def test_the_console_sees_what_a_paste_breaks(tmp_path):
@@ -91,3 +93,8 @@ def test_the_readme_names_no_commit():
     hashes = [h for h in re.findall(r"\b[0-9a-f]{7,40}\b", README.read_text()) if re.search(r"[a-f]", h)
               and re.search(r"\d", h)]
     assert not hashes, f"commit hashes belong in docs/benchmarks.md, not the README: {hashes}"
+
+
+def test_the_readme_stays_short():
+    """What users read first; the API reference lives in docs/api.md."""
+    assert len(README.read_text().splitlines()) < 200
