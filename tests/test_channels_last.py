@@ -7,7 +7,7 @@ import csv
 import pytest
 import torch
 import yaml
-from conftest import randomize_affine
+from conftest import cuda_only, randomize_affine
 
 import qca_lowmem
 from qca_lowmem import rollout
@@ -27,13 +27,17 @@ def unet_pair(dtype):
     return nchw, nhwc.to(memory_format=torch.channels_last)
 
 
-def episode(unet, channels_last, dtype, checkpoint):
+def episode(unet, channels_last, dtype, checkpoint, device="cpu", graph=False):
     for p in unet.parameters():
         p.grad = None
     torch.manual_seed(3)
-    psi0 = qca_lowmem.stock.initial_state(1, 8, 2, dtype=dtype).requires_grad_()
-    psi_T, history = rollout(fused_step(unet, 0.0, True, channels_last=channels_last), psi0, 5, checkpoint=checkpoint,
+    psi0 = qca_lowmem.stock.initial_state(1, 8, 2, dtype=dtype).to(device).requires_grad_()
+    step = fused_step(unet, 0.0, True, channels_last=channels_last)
+    stepper = qca_lowmem.StepGraph(step) if graph else step
+    psi_T, history = rollout(stepper, psi0, 5, checkpoint=checkpoint,
                              noise=qca_lowmem.NoiseSchedule(0.5, 2000, seed=1), record_every=2)
+    if graph:
+        assert stepper.captures_made == 1 and not stepper.failed_keys  # replayed, not fallen back
     loss, _ = qca_lowmem.stock.evolutionary_loss(history, psi0)
     loss.backward()
     return [psi_T.detach(), psi0.grad] + [p.grad for p in unet.parameters()]
@@ -48,6 +52,20 @@ def test_channels_last_equals_nchw(checkpoint, dtype, tolerance):
     # The same function (float64); NHWC convolutions sum in another order, so float32 differs by rounding.
     for g, e in zip(got, expected):
         assert (torch.linalg.vector_norm(g - e) / torch.linalg.vector_norm(e)).item() < tolerance
+    assert all(p.grad.is_contiguous(memory_format=torch.channels_last) for p in nhwc.parameters() if p.dim() == 4)
+
+
+@cuda_only
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "captured"])
+def test_channels_last_equals_nchw_on_cuda(graph, monkeypatch):
+    """cuDNN's NHWC kernels, the CUDA pack's NHWC output and the GroupNorm+ELU kernels on NHWC
+    tensors, eager and captured: the NCHW episode's gradients, to fp32 rounding (TF32 off)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    nchw, nhwc = (unet.cuda() for unet in unet_pair(torch.float32))
+    expected = episode(nchw, False, torch.complex64, "step", "cuda")
+    got = episode(nhwc, True, torch.complex64, "step", "cuda", graph=graph)
+    for g, e in zip(got, expected):
+        assert (torch.linalg.vector_norm(g - e) / torch.linalg.vector_norm(e)).item() < 1e-4
     assert all(p.grad.is_contiguous(memory_format=torch.channels_last) for p in nhwc.parameters() if p.dim() == 4)
 
 

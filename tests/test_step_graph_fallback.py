@@ -1,5 +1,5 @@
 """A StepGraph whose capture fails: the rollout goes on eagerly after one warning that tells the
-whole story, and an OOM while capturing reaches the trainer's OOM guard as an OOM. CUDA is
+whole story, an OOM while capturing included (the trainer keeps its policy). CUDA is
 simulated on the CPU: the capture is replaced by one that fails like torch.cuda.graph does."""
 
 import warnings
@@ -76,38 +76,52 @@ def test_failed_capture_warns_once_with_the_first_error_first_and_rolls_out_eage
     graph = qca_lowmem.StepGraph(step)
     with pytest.warns(qca_lowmem.CaptureFallbackWarning) as caught:
         grads = grads_of(graph, params, psi0, checkpoint=checkpoint, slots=slots)
-    assert len(caught) == 1
-    text = str(caught[0].message)
+    # pytest.warns records every warning in the block: the fallback's gc.collect() also runs the
+    # finalizers of earlier tests' garbage (an unclosed file's ResourceWarning), so count ours only.
+    fallbacks = fallback_warnings(caught)
+    assert len(fallbacks) == 1
+    text = str(fallbacks[0].message)
     first, later = text.index("operation not permitted"), text.index("previous error during capture")
     assert first < later and "rolling this configuration out eagerly" in text
     assert all(torch.equal(g, e) for g, e in zip(grads, expected))
     assert graph.capture is None and graph.captures_made == 0 and len(attempts) == 1
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the same configuration: no second warning, no second try
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # the same configuration: no second warning, no second try
         grads = grads_of(graph, params, psi0, checkpoint=checkpoint, slots=slots)
+    assert not fallback_warnings(caught)
     assert len(attempts) == 1 and all(torch.equal(g, e) for g, e in zip(grads, expected))
 
 
-def test_oom_while_capturing_is_an_out_of_memory_error(simulated_cuda):
-    simulated_cuda(lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+def fallback_warnings(caught):
+    return [w for w in caught if issubclass(w.category, qca_lowmem.CaptureFallbackWarning)]
+
+
+def test_oom_while_capturing_rolls_out_eagerly(simulated_cuda):
+    """The eager steps need less than a capture (no pool of their own); lowering the policy, as an
+    OOM guard would, does not change what the capture needs."""
+    attempts = simulated_cuda(lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     params, step = conv_step()
+    psi0 = initial_state()
+    expected = grads_of(step, params, psi0)
     graph = qca_lowmem.StepGraph(step)
-    with pytest.raises(torch.OutOfMemoryError, match="while capturing.*Tried to allocate 2.00 GiB.*previous error"):
-        grads_of(graph, params, initial_state())
-    assert not graph.failed_keys  # memory may be found after the guard lowers its policy
+    with pytest.warns(qca_lowmem.CaptureFallbackWarning) as caught:
+        grads = grads_of(graph, params, psi0)
+    text = str(fallback_warnings(caught)[0].message)
+    assert "out of memory while capturing" in text and "rolling this configuration out eagerly" in text
+    assert text.index("Tried to allocate 2.00 GiB") < text.index("previous error")  # the first error first
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected)) and len(attempts) == 1 and graph.failed_keys
 
 
-def test_trainer_lowers_its_policy_after_an_oom_during_capture(simulated_cuda, tmp_path):
-    errors = [lambda: torch.OutOfMemoryError("CUDA out of memory"), lambda: RuntimeError("capture failed")]
-    attempts = simulated_cuda(lambda: errors[min(len(attempts) - 1, 1)]())
+def test_the_trainer_keeps_its_policy_after_an_oom_during_capture(simulated_cuda, tmp_path):
+    attempts = simulated_cuda(lambda: torch.OutOfMemoryError("CUDA out of memory"))
     config = config_mod.TrainConfig(grid=8, d_state=2, hidden=8, qca_steps=5, episodes=2, seed=3,
                                     out_dir=str(tmp_path / "run"), device="cpu", save_every=0)
     trainer = train_mod.Trainer(config, progress=False)
     trainer.step_fn = qca_lowmem.StepGraph(trainer.step_fn)
-    with pytest.warns(qca_lowmem.CaptureFallbackWarning, match="capture failed"):
+    with pytest.warns(qca_lowmem.CaptureFallbackWarning, match="out of memory while capturing"):
         records = trainer.fit()
-    assert [r["policy"] for r in records] == ["checkpoint=revolve slots=1 batch=1 fp32"] * 2
-    assert len(attempts) == 2 and all(r["loss"] == r["loss"] for r in records)
+    assert [r["policy"] for r in records] == ["checkpoint=step batch=1 fp32"] * 2  # not lowered
+    assert len(attempts) == 1 and all(r["loss"] == r["loss"] for r in records)
 
 
 class FakeCudaCapture:

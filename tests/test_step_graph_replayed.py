@@ -176,3 +176,25 @@ def test_the_capture_starts_from_an_empty_autocast_cache(replayed_graphs, monkey
         episode_grads(graph, list(net.parameters()), psi_state(), "step", None, noisy_schedule(), history_loss=True)
     assert graph.captures_made == 1
     assert events[:2] == ["cache cleared", "warm-up"]
+
+
+def test_a_step_that_draws_random_numbers_rolls_out_eagerly_with_the_draws_of_no_capture(replayed_graphs):
+    """A capture would repeat its draw at every replay: the warm-up's draws are undone and the
+    configuration rolls out eagerly after one warning, with what a rollout without a StepGraph
+    draws, so the loss and gradients are its own."""
+    net = make_conv_net()
+    params = list(net.parameters())
+    step = fused_step(net)
+
+    def dropping_step(psi):
+        keep = (torch.rand(psi.shape[:-1] + (1,), dtype=torch.float64) > 0.2).to(psi.real.dtype)
+        return step(psi) * keep + psi * (1 - keep)
+
+    torch.manual_seed(11)
+    expected = [g.clone() for g in episode_grads(dropping_step, params, psi_state(), "step", None, None)]
+    graph = qca_lowmem.StepGraph(dropping_step)
+    torch.manual_seed(11)
+    with pytest.warns(qca_lowmem.CaptureFallbackWarning, match="draws random numbers") as caught:
+        actual = episode_grads(graph, params, psi_state(), "step", None, None)
+    assert len([w for w in caught if issubclass(w.category, qca_lowmem.CaptureFallbackWarning)]) == 1
+    assert graph.captures_made == 0 and max_relative_error(actual, expected) == 0

@@ -17,16 +17,16 @@ What a capture assumes, checked where it can be:
   keep their storage (an optimizer's in-place update is fine; `.to()` or reassignment makes a
   new capture: the key holds every parameter's address);
 - step_fn draws no random numbers from torch's generators (a replay would repeat the captured
-  draw): checked while warming up, with an error that says what to do;
+  draw): checked while warming up; such a step falls back as below;
 - step_fn does nothing on the host that depends on the data (no `.item()`, no branches on
   values): such a step fails to capture.
 Noise between steps stays outside the graphs (its keys change every step).
 
 A capture that fails does not stop the rollout: the StepGraph warns once per configuration with
-the whole exception chain, first error first (torch.cuda.graph's exit ends the capture even when
-the body raised, so the cause survives only as the context of a later error), and rolls that
-configuration out eagerly from then on. Running out of memory while capturing is raised as
-torch.OutOfMemoryError, so that an OOM guard lowers its policy instead of losing the speed-up.
+the whole exception chain, first error first, and rolls that configuration out eagerly from then
+on; so does running out of memory while capturing (the eager steps need less, while an OOM guard
+lowering the policy would not change what the capture needs), and a step that draws random
+numbers (its warm-up's draws undone, so the eager steps draw what they would have).
 
 Memory: the graphs' pool holds one step's activations and one set of per-parameter gradients;
 the accumulators one more set. The rollout's eager path needs the first and one gradient set
@@ -51,7 +51,13 @@ class CaptureFallbackWarning(RuntimeWarning):
 
 
 class _CaptureFailed(RuntimeError):
-    """A capture failed for a reason other than memory; the message holds the whole chain."""
+    """A capture failed; the message holds the whole chain. Out of memory too: the eager steps
+    need less than a capture (no pool of its own), and an OOM guard lowering the policy would
+    not change the capture's memory."""
+
+    def __init__(self, message: str, out_of_memory: bool = False):
+        super().__init__(message)
+        self.out_of_memory = out_of_memory
 
 
 class StepGraph:
@@ -95,6 +101,8 @@ class StepGraph:
             except _CaptureFailed as failure:
                 self.failed_keys.add(key)
                 gc.collect()  # the half-made graphs and their pool
+                if failure.out_of_memory:
+                    torch.cuda.empty_cache()  # the pool's memory, for the eager steps
                 warnings.warn(str(failure), CaptureFallbackWarning, stacklevel=3)
                 return None
             self.captures_made += 1
@@ -149,9 +157,11 @@ class CudaGraphs:
     def warming_up(self):
         """Eager runs before capturing (lazy inits, cuDNN/cuBLAS handles), on the side stream."""
         self.side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.side), _random_draws_refused(self.device):
-            yield
-        torch.cuda.current_stream(self.device).wait_stream(self.side)
+        try:
+            with torch.cuda.stream(self.side):
+                yield
+        finally:  # also when the warm-up refuses the step: its work is in flight on the side stream
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
 
     def capture(self, body: Callable):
         """(what body returned, a function replaying it). However the capture ends, the caller's
@@ -233,7 +243,7 @@ class _Capture:
         torch.clear_autocast_cache()
         graphs = _graphs(psi.device)
         with _hooks_set_aside(params):
-            with graphs.warming_up():
+            with graphs.warming_up(), _random_draws_refused(psi.device):
                 for _ in range(WARMUP_STEPS):
                     out, carry_out = forward()
                     _check_output(out, psi)
@@ -341,29 +351,36 @@ def _check_output(out, psi):
 
 @contextlib.contextmanager
 def _random_draws_refused(device):
+    """A step that draws from torch's generators cannot be captured (every replay would repeat
+    the captured draw): the warm-up's draws are undone, so the eager steps that follow draw what
+    they would have drawn without a StepGraph."""
     cpu_before = torch.get_rng_state()
-    cuda_before = torch.cuda.get_rng_state(device)
+    cuda_before = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     yield
-    if not (torch.equal(cpu_before, torch.get_rng_state()) and torch.equal(cuda_before, torch.cuda.get_rng_state(device))):
-        raise RuntimeError(
-            "StepGraph: step_fn draws random numbers from torch's generators; a captured graph would "
-            "replay the same draw at every step. Keep random draws out of step_fn (a rollout's noise= "
-            "with a qca_lowmem.NoiseSchedule is keyed by step), or roll out without a StepGraph."
-        )
+    drew = not torch.equal(cpu_before, torch.get_rng_state()) or (
+        cuda_before is not None and not torch.equal(cuda_before, torch.cuda.get_rng_state(device)))
+    if drew:
+        torch.set_rng_state(cpu_before)
+        if cuda_before is not None:
+            torch.cuda.set_rng_state(cuda_before, device)
+        raise _CaptureFailed(
+            "StepGraph: step_fn draws random numbers from torch's generators, which a captured graph would "
+            "repeat at every replay; rolling this configuration out eagerly. Keep random draws out of step_fn "
+            "(a rollout's noise= with a qca_lowmem.NoiseSchedule is keyed by step) to have it captured.")
 
 
 @contextlib.contextmanager
 def _capture_errors_explained():
-    """A failed capture raised as torch.OutOfMemoryError when memory ran out anywhere in the
-    chain, else as _CaptureFailed; either way with every error of the chain, first first."""
+    """A failed capture raised as _CaptureFailed with every error of the chain, first first."""
     try:
         yield
     except Exception as error:
         chain = _exception_chain(error)
         story = " <- then: ".join(f"{type(e).__name__}: {str(e).strip()}" for e in chain)
         if any(isinstance(e, torch.OutOfMemoryError) for e in chain):
-            raise torch.OutOfMemoryError(
-                f"StepGraph: out of memory while capturing the step as a CUDA graph ({story})") from error
+            raise _CaptureFailed(
+                f"StepGraph: out of memory while capturing the step as a CUDA graph; rolling this configuration out "
+                f"eagerly, which needs less. Errors, first first: {story}.", out_of_memory=True) from error
         cause = ("A captured step must not synchronise with the host (.item(), printing tensors, data-dependent "
                  "branches or shapes).")
         if "cudaErrorStreamCaptureImplicit" in story or "legacy stream depend on a capturing" in story:
