@@ -220,7 +220,11 @@ def enable(
     fused_blocks: convert the operator's ConvBlocks to FusedConvBlock in place (same Parameters).
     cuda_graph: on CUDA, with checkpoint "step" or "revolve", run each step as replays of
       captured CUDA graphs (qca_lowmem.StepGraph): the same kernels without launch overhead.
-    fused_step_ops: replace `motor.evolve_step` by the fused pack/update ops.
+    fused_step_ops: replace `motor.evolve_step` by the fused pack/update ops. Only where that is
+      exact: an engine whose state psi is not a complex tensor, or whose own evolve_step (run once
+      on a random psi with the operator's output fixed, leaving the trainer as found) is not the
+      Cartesian step, is refused naming its class. False rolls out the engine's own step, which
+      needs only the complex tensor state.
     An engine with `motor.has_memory` True (operator(x, h, c) -> (delta, h, c), the memory on
       motor.state.h_state / c_state, detached) has its memory carried through the rollout, so
       each recompute sees the memory its forward step saw; after each episode motor.state holds
@@ -249,7 +253,8 @@ def enable(
     ))
     # Everything that can fail is decided before the trainer changes.
     new_scaler = _lowmem_scaler_for(trainer, state.options["amp_dtype"]) if lowmem_scaler else None
-    evolve_step, state.memory_step = lowmem_steps(trainer.motor, fused_step_ops)
+    evolve_step, state.memory_step = lowmem_steps(trainer.motor, fused_step_ops, state.options["grid"],
+                                                  state.options["d_state"])
     if fused_blocks:
         _convert_blocks(trainer.motor.operator, state)
     _swap_step(trainer, state, evolve_step)

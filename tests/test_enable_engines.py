@@ -1,0 +1,231 @@
+"""enable() installs the fused Cartesian step only on an engine where it is exact: an engine whose
+state is not a complex tensor, or whose own evolve_step is not the Cartesian step, is refused in
+one line naming the engine class, and the trainer is left as it was. Small stand-in engines,
+each the shape of one way an engine can differ."""
+
+import random
+
+import numpy
+import pytest
+import torch
+
+import qca_lowmem
+from fixtures.model_families import make_operator
+from qca_lowmem.examples.qc_trainer_v4 import MemoryMotor, Motor, QC_Trainer_v4, QuantumState, make_config
+from qca_lowmem.stock import pack, step, update
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+D_STATE, HIDDEN = 2, 4
+
+
+def make_trainer(engine=Motor, gamma=0.05, dtype=torch.complex128, memory=False, **config):
+    """A stand-in trainer whose engine is `engine(operator, cfg, state)`, its state already reset."""
+    cfg = make_config(grid=8, d_state=D_STATE, hidden=HIDDEN, qca_steps=4, gamma=gamma, dtype=dtype, **config)
+    operator = make_operator("convlstm" if memory else "unet_groupnorm", D_STATE, HIDDEN)
+    if dtype == torch.complex128:
+        operator = operator.double()
+    trainer = QC_Trainer_v4(cfg, state_object=True, operator=operator, memory=memory)
+    trainer.motor = engine(operator, cfg, trainer.motor.state)
+    trainer.motor.state._reset_state_random()
+    return trainer
+
+
+def snapshot(trainer):
+    """What enable() may not change when it refuses, or change by probing when it accepts."""
+    motor, state = trainer.motor, getattr(trainer.motor, "state", None)
+    attributes = dict(vars(state)) if state is not None else {}
+    tensors = {name: value.clone() for name, value in attributes.items() if isinstance(value, torch.Tensor)}
+    return dict(
+        trainer=dict(vars(trainer)), motor=dict(vars(motor)), state=attributes, tensors=tensors,
+        blocks=[type(m) for m in motor.operator.modules()],
+        weights=[p.detach().clone() for p in motor.operator.parameters()],
+        torch_rng=torch.get_rng_state(), python_rng=random.getstate(), numpy_rng=numpy.random.get_state()[1].copy(),
+    )
+
+
+def assert_unchanged(trainer, before, *, installed=False):
+    after = snapshot(trainer)
+    if installed:  # enable() sets exactly these when it accepts
+        for name in ("train_episode", "scaler", "_qca_lowmem_state"):
+            after["trainer"].pop(name, None), before["trainer"].pop(name, None)
+        after["motor"].pop("evolve_step", None)
+    for part in ("trainer", "motor", "state"):
+        assert after[part].keys() == before[part].keys(), part
+        assert all(after[part][k] is v for k, v in before[part].items()), part
+    assert after["tensors"].keys() == before["tensors"].keys()
+    assert all(torch.equal(after["tensors"][k], v) for k, v in before["tensors"].items())
+    if not installed:
+        assert after["blocks"] == before["blocks"]
+    assert all(torch.equal(a, b) for a, b in zip(after["weights"], before["weights"], strict=True))
+    assert torch.equal(after["torch_rng"], before["torch_rng"])
+    assert after["python_rng"] == before["python_rng"]
+    assert (after["numpy_rng"] == before["numpy_rng"]).all()
+
+
+def refused(trainer, match, **options):
+    before = snapshot(trainer)
+    with pytest.raises(TypeError, match=match) as error:
+        qca_lowmem.enable(trainer, **options)
+    assert "\n" not in str(error.value)
+    assert "qca_lowmem supports engines whose state psi is a complex (B, H, W, d) tensor" in str(error.value)
+    assert_unchanged(trainer, before)
+    return str(error.value)
+
+
+def accepted(trainer, **options):
+    before = snapshot(trainer)
+    qca_lowmem.enable(trainer, **options)
+    assert_unchanged(trainer, before, installed=True)
+
+
+def run(trainer, episodes=range(2), seed=5):
+    torch.manual_seed(seed)
+    return [trainer.train_episode(e) for e in episodes]
+
+
+def assert_same_runs(actual, expected, rel=1e-10):
+    for (loss, _, psi), (stock_loss, _, stock_psi) in zip(actual, expected, strict=True):
+        assert loss == pytest.approx(stock_loss, rel=rel, abs=0)
+        assert ((psi - stock_psi).abs().max() / stock_psi.abs().max()).item() <= rel
+
+
+class HalfStepMotor(Motor):
+    """Another update rule: half an Euler step of the operator's delta."""
+
+    def evolve_step(self, psi):
+        return update(psi, 0.5 * self.operator(pack(psi)), self.cfg.GAMMA_DECAY)
+
+
+class NoDecayMotor(Motor):
+    """The Cartesian step without the GAMMA_DECAY term."""
+
+    def evolve_step(self, psi):
+        return step(psi, self.operator, 0.0)
+
+
+class PhaseKickMotor(Motor):
+    """A subclass that adds its own term after the Cartesian step."""
+
+    def evolve_step(self, psi):
+        return super().evolve_step(psi) * torch.exp(torch.tensor(0.01j, dtype=psi.dtype))
+
+
+class FieldMotor(Motor):
+    """Its own physics: steps a counter and draws from every RNG, never calls the operator."""
+
+    steps = 0
+
+    def evolve_step(self, psi):
+        self.steps += 1
+        self.kick = torch.rand(()) + random.random() + numpy.random.random()
+        return psi
+
+
+class LayoutMotor(Motor):
+    """Feeds the operator (B, 2d, W, H) (transposed) and reads delta back the same way."""
+
+    def evolve_step(self, psi):
+        delta = self.operator(pack(psi).transpose(2, 3)).transpose(2, 3)
+        return update(psi, delta, self.cfg.GAMMA_DECAY)
+
+
+class ForgetfulMemoryMotor(MemoryMotor):
+    """An engine with memory that starts every step from no memory."""
+
+    def evolve_step(self, psi):
+        delta, h, c = self.operator(pack(psi), None, None)
+        self.state.h_state, self.state.c_state = h.detach(), c.detach()
+        return update(psi, delta, self.cfg.GAMMA_DECAY)
+
+
+class MagnitudePhase:
+    """A state kept as magnitude and phase, not as a complex tensor."""
+
+    def __init__(self, psi):
+        self.magnitude, self.phase = psi.abs(), psi.angle()
+
+
+class PolarState(QuantumState):
+    def _reset_state_random(self):
+        super()._reset_state_random()
+        self.psi = MagnitudePhase(self.psi)
+
+
+class SubclassKeepingTheStep(Motor):
+    """Adds views, not physics: the Cartesian step is exact here."""
+
+    def bulk(self):
+        return self.state.psi.abs()
+
+
+@pytest.mark.parametrize("engine,reason", [
+    (HalfStepMotor, r"its new psi differs by \d\.\de-\d\d, tolerance 1e-14"),
+    (NoDecayMotor, r"its new psi differs by"),
+    (PhaseKickMotor, r"its new psi differs by"),
+    (FieldMotor, r"it called the operator 0 times, the Cartesian step once"),
+    (LayoutMotor, r"it called the operator on another input than pack\(psi\)"),
+])
+def test_an_engine_stepping_otherwise_is_refused(engine, reason):
+    trainer = make_trainer(engine)
+    refused(trainer, rf"^enable\(\): {engine.__name__}\.evolve_step is not the Cartesian engine step that "
+                     rf"fused_step_ops=True computes \({reason}[^)]*\); .*; fused_step_ops=False rolls out the engine's "
+                     r"own evolve_step instead$")
+
+
+def test_the_probe_is_tight_in_complex64():
+    refused(make_trainer(NoDecayMotor, gamma=1e-4, dtype=torch.complex64),
+            r"NoDecayMotor\.evolve_step .*its new psi differs by \d\.\de-05, tolerance 8e-06")
+    accepted(make_trainer(Motor, gamma=1e-4, dtype=torch.complex64))
+
+
+def test_a_memory_engine_stepping_otherwise_is_refused():
+    trainer = make_trainer(ForgetfulMemoryMotor, memory=True)
+    trainer.motor.state.h_state = torch.zeros(1, HIDDEN, 4, 4, dtype=torch.float64)
+    trainer.motor.state.c_state = torch.ones(1, HIDDEN, 4, 4, dtype=torch.float64)
+    refused(trainer, r"^enable\(\): ForgetfulMemoryMotor\.evolve_step .*it called the operator on another input "
+                     r"than \(pack\(psi\), h, c\)")
+
+
+@pytest.mark.parametrize("fused_step_ops", [True, False])
+def test_a_state_that_is_not_a_complex_tensor_is_refused(fused_step_ops):
+    trainer = make_trainer()
+    trainer.motor.state = PolarState(trainer.cfg, trainer.device)
+    trainer.motor.state._reset_state_random()
+    message = refused(trainer, r"^enable\(\): Motor\.state\.psi is a MagnitudePhase, not a complex \(B, H, W, d\) "
+                               r"tensor; ", fused_step_ops=fused_step_ops)
+    assert message.endswith("(or, with fused_step_ops=False, their own evolve_step)")
+    trainer.motor.state.psi = torch.ones(1, 8, 8, D_STATE)
+    refused(trainer, r"Motor\.state\.psi is a torch\.float32 tensor of shape \(1, 8, 8, 2\), not a complex",
+            fused_step_ops=fused_step_ops)
+
+
+@pytest.mark.parametrize("engine,memory", [(Motor, False), (SubclassKeepingTheStep, False), (MemoryMotor, True)])
+def test_a_cartesian_engine_is_accepted_and_left_as_found(engine, memory):
+    trainer = make_trainer(engine, memory=memory)
+    if memory:  # the probe sets its own memory on the state; enable() puts this one back
+        trainer.motor.state.h_state = torch.zeros(1, HIDDEN, 4, 4, dtype=torch.float64)
+        trainer.motor.state.c_state = torch.ones(1, HIDDEN, 4, 4, dtype=torch.float64)
+    accepted(trainer)
+    stock = make_trainer(engine, memory=memory)
+    if memory:
+        stock.motor.state.h_state = torch.zeros(1, HIDDEN, 4, 4, dtype=torch.float64)
+        stock.motor.state.c_state = torch.ones(1, HIDDEN, 4, 4, dtype=torch.float64)
+    assert_same_runs(run(trainer), run(stock))
+
+
+def test_an_engine_without_a_state_is_probed_on_the_trainer_grid():
+    trainer = make_trainer(HalfStepMotor)
+    del trainer.motor.state
+    refused(trainer, r"^enable\(\): HalfStepMotor\.evolve_step .*its new psi differs by")
+    trainer = make_trainer(Motor)
+    del trainer.motor.state
+    accepted(trainer)
+
+
+def test_fused_step_ops_false_rolls_out_the_engines_own_step():
+    """Refused fused, an engine whose state is a complex tensor trains exactly on its own step."""
+    trainer, stock = make_trainer(HalfStepMotor), make_trainer(HalfStepMotor)
+    accepted(trainer, fused_step_ops=False)
+    assert "evolve_step" not in vars(trainer.motor)
+    assert_same_runs(run(trainer), run(stock))
