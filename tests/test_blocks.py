@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import qca_lowmem
 from qca_lowmem import stock as R
-from qca_lowmem.blocks import conv_block, conv_block_keep
+from qca_lowmem.ops.conv_block import conv_block, conv_block_keep
 
 OPS = torch.ops.qca_lowmem
 

@@ -125,7 +125,7 @@ def test_fused_unet_recomputes_each_step_once(checkpoint, slots, monkeypatch):
     """With qca_lowmem.UNetUnitary, gradients equal the stock model's full graph, and inside the
     rollout's recompute the fused blocks keep their intermediates: each convolution runs once per
     recomputed step, never a third time."""
-    blocks = importlib.import_module("qca_lowmem.blocks")
+    blocks = importlib.import_module("qca_lowmem.ops.conv_block")
     stock = make_unet()
     fused = qca_lowmem.UNetUnitary(2, 4).to(torch.float64)
     fused.load_state_dict(stock.state_dict())

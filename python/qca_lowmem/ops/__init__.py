@@ -1,5 +1,6 @@
 """The op families' Python faces: typed wrappers over torch.ops.qca_lowmem.*, their fake kernels
-and autograd (one module per C/CUDA family), and the helpers they share.
+and autograd (one module per C/CUDA family, and conv_block.py for the block ops defined in Python
+around them), and the helpers they share.
 
 The lowest layer of the package: it imports only torch, the native library and `stock` (the
 reference the ops' double backward runs through). The helpers that the library above uses too
