@@ -7,6 +7,7 @@ An engine with memory (`motor.has_memory`, a ConvLSTM) has its memory carried by
 (engine_step.py). `disable(trainer)` puts everything back.
 """
 
+import logging
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from .engine_step import lowmem_steps, memory_of, store_memory
 from .rollout import Policy, StepGraph, rollout
 from .rollout.policy import STEP
 from .unet import convert
+
+log = logging.getLogger("qca_lowmem")  # enable()'s one line: on, and how
 
 _STATE_ATTR = "_qca_lowmem_state"
 
@@ -261,7 +264,17 @@ def enable(
     _swap_episode(trainer, state)
     _swap_scaler(trainer, state, new_scaler)
     setattr(trainer, _STATE_ATTR, state)
+    log.info("qca_lowmem: on, %s", _summary(state.options, fused_step_ops))
     return trainer
+
+
+def _summary(options: dict, fused_step_ops: bool) -> str:
+    """What the episodes run, in one line: checkpoint=step, fp32, fused blocks, fused step."""
+    dtype = options["amp_dtype"]
+    parts = [options["policy"].describe(), {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]]
+    parts += [name for name, on in (("fused blocks", options["fused_blocks"]), ("fused step", fused_step_ops),
+                                    ("cuda_graph", options["cuda_graph"])) if on]
+    return ", ".join(parts)
 
 
 def _episode_options(trainer, *, policy, amp_dtype, grid_size, batch_size, d_state, initial_state,

@@ -5,7 +5,7 @@ object's attributes, or a boolean) and the `QCA_LOWMEM` environment variable, an
 import os
 from typing import Optional
 
-from .integration import enable
+from .integration import enable, log
 
 _ENV_FLAG = "QCA_LOWMEM"
 
@@ -68,7 +68,7 @@ def enable_from_config(trainer, cfg=None, **overrides):
     `LOWMEM: true` alone means enabled with the defaults. Boolean settings take the spellings of
     `parse_flag`. `QCA_LOWMEM=1` in the environment switches it on (with the section's other
     settings, or the defaults) and `QCA_LOWMEM=0` off, whatever the config says. Returns True
-    when enabled.
+    when enabled; either way one line on the "qca_lowmem" logger says which and why.
     """
     section = _section(cfg, "LOWMEM")
     if isinstance(section, (bool, int, str)):
@@ -85,6 +85,10 @@ def enable_from_config(trainer, cfg=None, **overrides):
     if env is not None:
         enabled = env
     if not enabled:
+        why = (f"{_ENV_FLAG}={os.environ[_ENV_FLAG]} in the environment" if env is not None
+               else "LOWMEM is off in the config" if section is not None or _section(cfg, "LOWMEM") is not None
+               else f"no LOWMEM in the config and {_ENV_FLAG} unset")
+        log.info("qca_lowmem: off, %s", why)
         return False
     options = {}
     if section is not None:
