@@ -133,11 +133,11 @@ def test_the_checker_sees_upward_imports_and_circles(tmp_path, monkeypatch):
     assert circles_in(graph) == [[f"{NAME}.trainer.cli", f"{NAME}.trainer.run", f"{NAME}.trainer.cli"]]
 
 
-# The top level: the package faces, the model (blocks, U-Net), the precision switch (amp),
+# The top level: the package faces, the model (blocks, U-Net), the precision switches and the scaler,
 # enable() with the engine steps and the config switch it installs, the reference and the build;
 # the rest lives in the package folders (ops/, rollout/, trainer/, examples/, configs).
-TOP_LEVEL = {"__init__", "__main__", "_version", "_build_info", "stock", "blocks", "unet", "amp", "integration",
-             "engine_step", "lowmem_config"}
+TOP_LEVEL = {"__init__", "__main__", "_version", "_build_info", "stock", "blocks", "unet", "amp", "precision",
+             "integration", "engine_step", "lowmem_config"}
 
 
 def test_the_top_level_holds_the_face_and_the_model_only():

@@ -9,7 +9,7 @@ import torch
 from qca_lowmem.examples.qc_trainer_v4 import QC_Trainer_v4, make_config
 
 import qca_lowmem
-from qca_lowmem import amp, integration
+from qca_lowmem import amp, integration, precision
 from qca_lowmem.trainer import config as config_mod, doctor, plan as plan_mod, train as train_mod
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,7 +33,7 @@ def gpu(monkeypatch):
 @pytest.mark.parametrize("major,minor", [(7, 5), (6, 1)])
 def test_bf16_below_compute_capability_8_becomes_fp16_with_a_note(gpu, major, minor):
     gpu(major, minor)
-    dtype, note = amp.native_amp_dtype(torch.bfloat16, "cuda:0")
+    dtype, note = precision.native_amp_dtype(torch.bfloat16, "cuda:0")
     assert dtype == torch.float16
     assert f"Tesla T4 (compute capability {major}.{minor}" in note and "fp16 with the loss scaler" in note
 
@@ -41,15 +41,15 @@ def test_bf16_below_compute_capability_8_becomes_fp16_with_a_note(gpu, major, mi
 @pytest.mark.parametrize("asked", [torch.bfloat16, torch.float16, None])
 def test_native_precisions_are_kept(gpu, asked):
     gpu(8, 0, "NVIDIA A100")
-    assert amp.native_amp_dtype(asked, "cuda") == (asked, "")
+    assert precision.native_amp_dtype(asked, "cuda") == (asked, "")
     gpu(7, 5)
     for dtype in (torch.float16, None):
-        assert amp.native_amp_dtype(dtype, "cuda") == (dtype, "")
-    assert amp.native_amp_dtype(asked, "cpu") == (asked, "")  # the CPU's bf16 is what autocast has
+        assert precision.native_amp_dtype(dtype, "cuda") == (dtype, "")
+    assert precision.native_amp_dtype(asked, "cpu") == (asked, "")  # the CPU's bf16 is what autocast has
 
 
 def _pretend_pre_ampere(monkeypatch):
-    monkeypatch.setattr(amp, "native_amp_dtype", lambda dtype, device: (
+    monkeypatch.setattr(precision, "native_amp_dtype", lambda dtype, device: (
         (torch.float16, "bf16 was asked for, but a simulated GPU only emulates bf16") if dtype == torch.bfloat16
         else (dtype, "")))
 

@@ -1,5 +1,5 @@
-"""Mixed precision: the compute-dtype switches (`parse_amp_dtype`, `autocast`) and a drop-in
-`torch.amp.GradScaler` on the qca_lowmem loss-scaler kernels.
+"""A drop-in `torch.amp.GradScaler` on the qca_lowmem loss-scaler kernels (the compute-dtype
+switches, `parse_amp_dtype`, `autocast` and the rest, are precision.py's, also importable here).
 
 `GradScaler` keeps torch's constructor, methods, stage errors, per-optimizer state, disabled
 behaviour and state_dict format (it subclasses `torch.amp.GradScaler`, so torch's scaler loads
@@ -17,75 +17,16 @@ The low-level ops (scaler.py) are also exposed here as `unscale_`, `mul_` and `u
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Iterable, Optional, Tuple, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
 from .ops import has_cuda_kernels
 from .ops.scaler import mul_, unscale_, update_scale_
-
-_lib = torch.ops.qca_lowmem
+from .precision import amp_name, autocast, autocast_dtype, native_amp_dtype, parse_amp_dtype  # noqa: F401
 
 __all__ = ["GradScaler", "amp_name", "autocast", "autocast_dtype", "mul_", "native_amp_dtype", "parse_amp_dtype", "unscale_", "update_scale_"]
-
-_AMP_DTYPES = {
-    None: None, "none": None, "fp32": None, "float32": None,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-}
-
-
-def parse_amp_dtype(value) -> Optional[torch.dtype]:
-    """'bf16' / 'fp16' / 'fp32' / None / a torch dtype -> torch dtype or None (full precision)."""
-    if isinstance(value, torch.dtype):
-        if value == torch.float32:
-            return None
-        if value in (torch.bfloat16, torch.float16):
-            return value
-    elif value is None or isinstance(value, str):
-        key = value.lower() if isinstance(value, str) else value
-        if key in _AMP_DTYPES:
-            return _AMP_DTYPES[key]
-    raise ValueError(f"amp_dtype must be one of None, 'fp32', 'bf16', 'fp16' (or a torch dtype), got {value!r}")
-
-
-def amp_name(amp_dtype: Optional[torch.dtype]) -> str:
-    """The name parse_amp_dtype reads back: fp32 (no autocast), bf16 or fp16."""
-    return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp_dtype]
-
-
-def autocast(device_type: str, amp_dtype: Optional[torch.dtype]):
-    """Autocast to `amp_dtype` (a torch dtype from parse_amp_dtype), or off when it is None."""
-    return torch.autocast(device_type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
-
-
-def native_amp_dtype(amp_dtype: Optional[torch.dtype], device) -> Tuple[Optional[torch.dtype], str]:
-    """(the dtype to compute in on `device`, a one-line note when it is not `amp_dtype`).
-
-    Below compute capability 8.0 a GPU has no bf16 arithmetic: torch.cuda.is_bf16_supported()
-    still says True (emulation), but bf16 convolutions leave cuDNN and run slower than fp32.
-    There bf16 becomes fp16, which needs the loss scaler."""
-    device = torch.device(device)
-    if amp_dtype != torch.bfloat16 or device.type != "cuda":
-        return amp_dtype, ""
-    major, minor = torch.cuda.get_device_capability(device)
-    if major >= 8:
-        return amp_dtype, ""
-    return torch.float16, (
-        f"bf16 was asked for, but {torch.cuda.get_device_name(device)} (compute capability "
-        f"{major}.{minor}, below 8.0) only emulates bf16: using fp16 with the loss scaler instead")
-
-
-def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-    """The dtype autocast computes in on `device_type` right now; None when autocast is off or
-    the device has none (meta)."""
-    # cpu and cuda always have autocast; asking costs a call torch.compile cannot trace on CUDA
-    available = device_type in ("cpu", "cuda") or torch.amp.is_autocast_available(device_type)
-    if available and torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
-
 
 def _norm_dtype(grad_dtype: torch.dtype) -> torch.dtype:
     """dtype of torch.linalg.vector_norm of a gradient of this dtype."""
@@ -200,9 +141,7 @@ class GradScaler(torch.amp.GradScaler):
                     tensors.append(grad)
 
             for group_index, ((device, _), (params, tensors)) in enumerate(grouped.items()):
-                sumsq = _lib.amp_unscale_(
-                    tensors, per_device_found_inf.get(device), per_device_inv_scale.get(device), True
-                )
+                sumsq = unscale_(tensors, per_device_found_inf.get(device), per_device_inv_scale.get(device), True)
                 result.groups.append((tensors, sumsq))
                 for index, param in enumerate(params):
                     grad = param.grad
@@ -267,7 +206,7 @@ class GradScaler(torch.amp.GradScaler):
             if len(found_infs) > 1:
                 for i in range(1, len(found_infs)):
                     found_inf_combined += found_infs[i]
-            _lib.amp_update_scale_(
+            update_scale_(
                 _scale,
                 _growth_tracker,
                 found_inf_combined,
@@ -372,7 +311,7 @@ class GradScaler(torch.amp.GradScaler):
             clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
             for tensors, _, _ in groups:
                 # bumps the versions, so a later clip of the same grads measures them again
-                _lib.amp_mul_(tensors, clip_coef_clamped.to(device=tensors[0].device, dtype=torch.float32))
+                mul_(tensors, clip_coef_clamped.to(device=tensors[0].device, dtype=torch.float32))
         return total_norm
 
     def overflow_report(self, model: Optional[torch.nn.Module] = None) -> list[str]:

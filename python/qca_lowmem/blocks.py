@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from . import stock
-from .amp import autocast_dtype
+from .precision import autocast_dtype
 from .ops import refuse_func_transforms
 from .ops.conv_block import conv_block_forward
 from .rollout.intermediates import block_keeps_intermediates

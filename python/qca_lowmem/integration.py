@@ -15,8 +15,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from . import amp, stock
-from .amp import autocast, parse_amp_dtype
+from . import amp, precision, stock
+from .precision import autocast, parse_amp_dtype
 from .ops.noise import NoiseSchedule
 from .engine_step import lowmem_steps, memory_of, store_memory
 from .rollout import Policy, StepGraph, rollout
@@ -288,7 +288,7 @@ def _episode_options(trainer, *, policy, amp_dtype, grid_size, batch_size, d_sta
     if compute_dtype == torch.float16 and device.type == "cpu":
         raise ValueError("enable(): fp16 on the CPU (amp_dtype='fp16', or the trainer's use_amp) would train without a "
                          "loss scaler, and slower than fp32; use amp_dtype='bf16' (the CPU's half precision) or 'fp32'")
-    compute_dtype, note = amp.native_amp_dtype(compute_dtype, device)
+    compute_dtype, note = precision.native_amp_dtype(compute_dtype, device)
     if note:
         warnings.warn(f"enable(): {note}", stacklevel=4)
     if cuda_graph and not StepGraph.captures_on(device):

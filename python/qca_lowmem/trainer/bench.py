@@ -20,7 +20,7 @@ from typing import List, Optional
 import torch
 
 from .. import stock
-from ..amp import autocast, parse_amp_dtype
+from ..precision import autocast, parse_amp_dtype
 from .distributed import resolve_device
 from ..rollout.memory import format_bytes, saved_bytes
 from ..ops.qca_step import fused_step

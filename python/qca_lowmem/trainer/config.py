@@ -14,7 +14,7 @@ import torch
 from .. import configs as bundled, lowmem_config
 from ..rollout import Policy
 from ..rollout.policy import STEP
-from ..amp import parse_amp_dtype
+from ..precision import parse_amp_dtype
 from ..unet import UNetUnitary
 from .errors import UsageError, error_text
 

@@ -7,7 +7,7 @@ from typing import List, Tuple
 
 import torch
 
-from ..amp import native_amp_dtype
+from ..precision import native_amp_dtype
 from ..rollout.memory import format_bytes
 
 SMALL_GPU = 4 * 2**30

@@ -23,9 +23,9 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .. import amp, stock
+from .. import amp, precision, stock
 from . import checkpoint, divergence, oom
-from ..amp import amp_name, autocast, parse_amp_dtype
+from ..precision import amp_name, autocast, parse_amp_dtype
 from ..rollout import StepGraph, rollout, saved_bytes, shared_weight_casts
 from ..ops.noise import episode_noise
 from ..ops.qca_step import fused_step
@@ -68,7 +68,7 @@ class Trainer:
         self.config = config.validate()
         self.dist = distributed or Distributed(False)
         self.device = resolve_device(config.device, self.dist.local_rank)
-        self.amp_dtype, note = amp.native_amp_dtype(parse_amp_dtype(config.amp_dtype), self.device)
+        self.amp_dtype, note = precision.native_amp_dtype(parse_amp_dtype(config.amp_dtype), self.device)
         if note:
             message(note, self.dist.rank)
         self.model = build_model(config, self.device)

@@ -1,0 +1,66 @@
+"""The compute-dtype switches every layer reads: the names a config or enable() takes
+(`parse_amp_dtype`, `amp_name`), autocast on or off from them (`autocast`), what autocast computes
+in right now (`autocast_dtype`), and the dtype a device can compute in natively (`native_amp_dtype`:
+bf16 becomes fp16 below compute capability 8.0). The loss scaler is amp.py.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+_AMP_DTYPES = {
+    None: None, "none": None, "fp32": None, "float32": None,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_amp_dtype(value) -> Optional[torch.dtype]:
+    """'bf16' / 'fp16' / 'fp32' / None / a torch dtype -> torch dtype or None (full precision)."""
+    if isinstance(value, torch.dtype):
+        if value == torch.float32:
+            return None
+        if value in (torch.bfloat16, torch.float16):
+            return value
+    elif value is None or isinstance(value, str):
+        key = value.lower() if isinstance(value, str) else value
+        if key in _AMP_DTYPES:
+            return _AMP_DTYPES[key]
+    raise ValueError(f"amp_dtype must be one of None, 'fp32', 'bf16', 'fp16' (or a torch dtype), got {value!r}")
+
+
+def amp_name(amp_dtype: Optional[torch.dtype]) -> str:
+    """The name parse_amp_dtype reads back: fp32 (no autocast), bf16 or fp16."""
+    return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp_dtype]
+
+
+def autocast(device_type: str, amp_dtype: Optional[torch.dtype]):
+    """Autocast to `amp_dtype` (a torch dtype from parse_amp_dtype), or off when it is None."""
+    return torch.autocast(device_type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
+
+
+def native_amp_dtype(amp_dtype: Optional[torch.dtype], device) -> Tuple[Optional[torch.dtype], str]:
+    """(the dtype to compute in on `device`, a one-line note when it is not `amp_dtype`).
+
+    Below compute capability 8.0 a GPU has no bf16 arithmetic: torch.cuda.is_bf16_supported()
+    still says True (emulation), but bf16 convolutions leave cuDNN and run slower than fp32.
+    There bf16 becomes fp16, which needs the loss scaler."""
+    device = torch.device(device)
+    if amp_dtype != torch.bfloat16 or device.type != "cuda":
+        return amp_dtype, ""
+    major, minor = torch.cuda.get_device_capability(device)
+    if major >= 8:
+        return amp_dtype, ""
+    return torch.float16, (
+        f"bf16 was asked for, but {torch.cuda.get_device_name(device)} (compute capability "
+        f"{major}.{minor}, below 8.0) only emulates bf16: using fp16 with the loss scaler instead")
+
+
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype autocast computes in on `device_type` right now; None when autocast is off or
+    the device has none (meta)."""
+    # cpu and cuda always have autocast; asking costs a call torch.compile cannot trace on CUDA
+    available = device_type in ("cpu", "cuda") or torch.amp.is_autocast_available(device_type)
+    if available and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
