@@ -374,3 +374,29 @@ def test_enable_says_in_one_line_whether_it_is_on_and_why(caplog, monkeypatch):
     assert qca_lowmem.enable_from_config(make_trainer(), {"LOWMEM": {"enabled": True, "checkpoint": "revolve", "slots": 3}})
     assert [r.getMessage() for r in caplog.records] == [
         "qca_lowmem: on, checkpoint=revolve slots=3, fp32, fused blocks, fused step"]
+
+
+class Wrapped(torch.nn.Module):
+    """What torch.compile makes of an operator, for the question asked: a new module around it."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        return self.inner(*args)
+
+
+@pytest.mark.parametrize("fused_step_ops", [True, False])
+def test_an_operator_replaced_after_enable_is_said_once(fused_step_ops, recwarn):
+    """Their compile_model() rebinds motor.operator: the fused step enable() installed keeps
+    calling the operator it saw, so the user is told once how to order the two; the engine's own
+    step (fused_step_ops=False) calls the new operator and needs no word."""
+    trainer = make_trainer()
+    qca_lowmem.enable(trainer, fused_step_ops=fused_step_ops)
+    trainer.motor.operator = Wrapped(trainer.motor.operator)
+    run_episodes(trainer, range(2))
+    said = [str(w.message) for w in recwarn if "motor.operator was replaced" in str(w.message)]
+    assert len(said) == (1 if fused_step_ops else 0)
+    if said:
+        assert "call compile_model() before enable()" in said[0]

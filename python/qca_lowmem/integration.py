@@ -58,6 +58,8 @@ class _Saved:
     convert_report: Any = None
     step_graph: Any = None  # a StepGraph of the motor's step, made at the first CUDA episode
     memory_step: Any = None  # step(psi, (h, c)) -> (psi, (h, c)) for an engine with memory
+    stepped_operator: Any = None  # the operator the installed step calls (None: the engine's own step)
+    operator_change_said: bool = False
 
 
 def _children(root: torch.nn.Module):
@@ -127,6 +129,11 @@ def _lowmem_train_episode(trainer, episode_num):
     opts = state.options
     operator = trainer.motor.operator
     device = next(operator.parameters()).device
+    if state.stepped_operator is not None and operator is not state.stepped_operator and not state.operator_change_said:
+        state.operator_change_said = True
+        warnings.warn(f"qca_lowmem: motor.operator was replaced after enable() (as compile_model() does), but the "
+                      f"installed step calls the {type(state.stepped_operator).__name__} enable() saw, so the new "
+                      "one (compiled, say) does not run; call compile_model() before enable()", stacklevel=2)
 
     operator.train()  # as the stock episode: a model left in eval mode (by a visualisation) trains in train mode
     trainer.optimizer.zero_grad()
@@ -260,6 +267,8 @@ def enable(
                                                   state.options["d_state"])
     if fused_blocks:
         _convert_blocks(trainer.motor.operator, state)
+    if evolve_step is not None or state.memory_step is not None:
+        state.stepped_operator = trainer.motor.operator
     _swap_step(trainer, state, evolve_step)
     _swap_episode(trainer, state)
     _swap_scaler(trainer, state, new_scaler)
