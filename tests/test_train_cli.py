@@ -452,3 +452,18 @@ def test_train_on_cuda_with_captured_steps_equals_eager(tiny_config, tmp_path):
         assert run_cli("train", "--config", tiny_config, "--device", "cuda", flag, "--out", out, "--no-progress") == 0
         losses[flag] = [float(r["loss"]) for r in read_csv(out / "metrics.csv")]
     assert losses["--cuda-graph"] == pytest.approx(losses["--no-cuda-graph"], rel=1e-4)
+
+
+def test_ddp_on_cuda_with_more_ranks_than_gpus_says_so(monkeypatch):
+    """The CUDA branch of --ddp's setup, without a GPU: a rank beyond the visible GPUs is told in
+    one line (it once raised UnboundLocalError: a later `import torch.distributed.nn` in the same
+    function made `torch` a local name)."""
+    from qca_lowmem.trainer import distributed
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(distributed, "resolve_device", lambda name, local_rank=0: torch.device("cuda", local_rank))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError, match=r"--ddp: local rank 1 has no GPU \(1 visible\)"):
+        distributed.Distributed(True, "cuda")

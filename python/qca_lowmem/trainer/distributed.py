@@ -43,7 +43,8 @@ class Distributed:
                 # arguments at import, and a later import (check_run's meta-device model pulls it
                 # in) would keep the group alive past destroy_process_group, its gloo threads still
                 # running into interpreter exit, where they abort the process (std::terminate).
-                import torch.distributed.nn as distributed_nn  # noqa: F401  (bound apart: `import torch....` would make torch local)
+                # Bound to a name of its own: `import torch.distributed.nn` would make torch local here.
+                import torch.distributed.nn as distributed_nn  # noqa: F401
                 dist.init_process_group("nccl" if on_cuda else "gloo")
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
