@@ -5,7 +5,8 @@ evolutionary loss (docs/design.md), backward, clip_grad_norm_(1.0), AdamW(1e-4, 
 Runs: stock_fp32, stock_fp16_autocast (with a GradScaler), stock_fp16_checkpoint (autocast and
 one torch.utils.checkpoint per step, the users' proposed fix), lowmem_fp32_step,
 lowmem_bf16_step, lowmem_fp16_step (with qca_lowmem.amp.GradScaler), lowmem_bf16_revolve32, and
-lowmem_{fp32,bf16,fp16}_step_graph (each step as replays of captured CUDA graphs, StepGraph) (the lowmem runs: qca_lowmem.UNetUnitary with fused
+lowmem_{fp32,bf16,fp16}_step_graph (each step as replays of captured CUDA graphs, StepGraph) (the
+lowmem runs: qca_lowmem.UNetUnitary with fused
 blocks, fused pack/update, qca_lowmem.rollout with the replayable NoiseSchedule). Three more, run
 only when named, take a lowmem_fp32_step episode's time apart: stock_fp32_checkpoint (stock with
 that per-step recompute in fp32: what recomputing costs stock), lowmem_fp32_keep (the fused
@@ -60,7 +61,8 @@ AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--grid", type=int, default=64)
     p.add_argument("--d-state", type=int, default=14)
     p.add_argument("--hidden", type=int, default=128)
@@ -68,7 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--gamma", type=float, default=0.0, help="GAMMA_DECAY")
     p.add_argument("--max-noise", type=float, default=0.1)
-    p.add_argument("--episode", type=int, default=1000, help="episode number: sets the noise rate min(max_noise, max_noise*episode/2000)")
+    p.add_argument("--episode", type=int, default=1000,
+                   help="episode number: sets the noise rate min(max_noise, max_noise*episode/2000)")
     p.add_argument("--episodes", type=int, default=3, help="measured episodes per run (after one warm-up)")
     p.add_argument("--runs", nargs="+", default=RUNS, choices=RUNS + EXTRA_RUNS)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -301,10 +304,13 @@ def _gradient_errors(stock_model, args, device, kinds):
         model = (copy.deepcopy(stock_model) if kind == "stock" else lowmem_model(stock_model, args)).to(device)
         psi0 = initial_state(args, device, 123)
         if kind == "stock":
-            history = qca_lowmem.rollout(lambda psi: reference.step(psi, model, args.gamma), psi0, args.steps, checkpoint="none", noise=schedule)[1]
+            # model bound as a default: the loop deletes it at the end of each kind
+            history = qca_lowmem.rollout(lambda psi, model=model: reference.step(psi, model, args.gamma), psi0, args.steps,
+                                         checkpoint="none", noise=schedule)[1]
         else:
             step = lowmem_step_fn(model, args.gamma, None)
-            history = lowmem_forward(model, psi0, args, schedule, step=qca_lowmem.StepGraph(step) if kind == "lowmem_graph" else step)
+            history = lowmem_forward(model, psi0, args, schedule,
+                                     step=qca_lowmem.StepGraph(step) if kind == "lowmem_graph" else step)
         loss, _ = reference.evolutionary_loss(history, psi0)
         del history
         loss.backward()
@@ -354,13 +360,15 @@ def main(argv=None):
             print(f"fp32 gradient check ran out of memory: {str(e).splitlines()[0]}")
     grad_error = grad_errors.get("lowmem")
     payload = {
-        "config": {"grid": args.grid, "d_state": args.d_state, "hidden": args.hidden, "qca_steps": args.steps, "batch": args.batch},
+        "config": {"grid": args.grid, "d_state": args.d_state, "hidden": args.hidden, "qca_steps": args.steps,
+                   "batch": args.batch},
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "timing": "medians of episodes timed in turn across runs" if device.type == "cpu" else "medians, one run at a time",
         "runs": runs,
         "max_grad_rel_err_fp32": grad_error,
         "max_grad_rel_err_fp32_graph": grad_errors.get("lowmem_graph"),
-        "noise": {"max_noise": args.max_noise, "episode": args.episode, "rate": reference.noise_rate(args.episode, args.max_noise)},
+        "noise": {"max_noise": args.max_noise, "episode": args.episode,
+                  "rate": reference.noise_rate(args.episode, args.max_noise)},
     }
     print(f"wrote {common.write_result('episode', device, payload, args.out)}")
     if not all(math.isfinite(e) for e in grad_errors.values()):

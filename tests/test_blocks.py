@@ -69,7 +69,8 @@ def check_gn_elu(shape, dtype, device, channels_last):
     bias.requires_grad_(True)
     y = qca_lowmem.groupnorm_elu(x, weight, bias, groups)
     assert y.dtype == dtype and y.shape == x.shape
-    assert y.is_contiguous(memory_format=torch.channels_last if channels_last and not x.is_contiguous() else torch.contiguous_format)
+    assert y.is_contiguous(memory_format=torch.channels_last if channels_last and not x.is_contiguous()
+                           else torch.contiguous_format)
 
     # Reference on the same (rounded) values, in float64.
     xr = x.detach().double().requires_grad_(True)
@@ -256,19 +257,27 @@ def test_bad_inputs_raise_clear_errors():
     weight, bias = make_affine(12, torch.float32, "cpu")
     y, mean, rstd = OPS.groupnorm_elu(x, weight, bias, 3, 1e-5)
     cases = [
-        (lambda: OPS.groupnorm_elu(x[0], weight, bias, 3, 1e-5), r"x must have 4 dimensions \(N, C, H, W\), got Tensor\(dtype=Float, shape=\[12, 5, 7\]"),
-        (lambda: OPS.groupnorm_elu(x.int(), weight, bias, 3, 1e-5), r"x must be float32, float64, float16 or bfloat16, got Tensor\(dtype=Int"),
-        (lambda: OPS.groupnorm_elu(x, weight[:5], bias, 3, 1e-5), r"weight must have shape \(C,\) with C = 12 .*got Tensor\(dtype=Float, shape=\[5\]"),
+        (lambda: OPS.groupnorm_elu(x[0], weight, bias, 3, 1e-5),
+         r"x must have 4 dimensions \(N, C, H, W\), got Tensor\(dtype=Float, shape=\[12, 5, 7\]"),
+        (lambda: OPS.groupnorm_elu(x.int(), weight, bias, 3, 1e-5),
+         r"x must be float32, float64, float16 or bfloat16, got Tensor\(dtype=Int"),
+        (lambda: OPS.groupnorm_elu(x, weight[:5], bias, 3, 1e-5),
+         r"weight must have shape \(C,\) with C = 12 .*got Tensor\(dtype=Float, shape=\[5\]"),
         (lambda: OPS.groupnorm_elu(x, weight, bias.double(), 3, 1e-5), r"weight and bias must have the same dtype"),
-        (lambda: OPS.groupnorm_elu(x, weight, bias, 5, 1e-5), r"groups must be positive and divide the channels of x \(12\), got 5"),
+        (lambda: OPS.groupnorm_elu(x, weight, bias, 5, 1e-5),
+         r"groups must be positive and divide the channels of x \(12\), got 5"),
         (lambda: OPS.groupnorm_elu(x, weight, bias, 0, 1e-5), r"groups must be positive .* got 0"),
         (lambda: OPS.groupnorm_elu(x, weight, bias, 3, -1.0), r"eps must be finite and >= 0, got -1"),
         (lambda: OPS.groupnorm_elu(x, weight, bias, 3, float("nan")), r"eps must be finite"),
         (lambda: OPS.groupnorm_elu_apply(x, weight, bias, mean.double(), rstd), r"mean must be Float .*got Tensor\(dtype=Double"),
-        (lambda: OPS.groupnorm_elu_apply(x, weight, bias, mean, rstd[:, :2]), r"rstd must have shape|mean and rstd must have the same shape"),
-        (lambda: OPS.groupnorm_elu_apply(x, weight, bias, mean[:1], rstd[:1]), r"mean must have shape \(N, groups\) with N = 2, got Tensor\(dtype=Float, shape=\[1, 3\]"),
-        (lambda: OPS.groupnorm_elu_backward(y[:1], x, weight, bias, mean, rstd), r"grad_y must have the shape and dtype of x .*got Tensor\(dtype=Float, shape=\[1, 12, 5, 7\]"),
-        (lambda: OPS.groupnorm_elu_backward(y.double(), x, weight, bias, mean, rstd), r"grad_y must have the shape and dtype of x"),
+        (lambda: OPS.groupnorm_elu_apply(x, weight, bias, mean, rstd[:, :2]),
+         r"rstd must have shape|mean and rstd must have the same shape"),
+        (lambda: OPS.groupnorm_elu_apply(x, weight, bias, mean[:1], rstd[:1]),
+         r"mean must have shape \(N, groups\) with N = 2, got Tensor\(dtype=Float, shape=\[1, 3\]"),
+        (lambda: OPS.groupnorm_elu_backward(y[:1], x, weight, bias, mean, rstd),
+         r"grad_y must have the shape and dtype of x .*got Tensor\(dtype=Float, shape=\[1, 12, 5, 7\]"),
+        (lambda: OPS.groupnorm_elu_backward(y.double(), x, weight, bias, mean, rstd),
+         r"grad_y must have the shape and dtype of x"),
     ]
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
@@ -371,7 +380,8 @@ def test_block_parameters_and_keys_match_stock():
     assert list(fused.state_dict()) == list(stock.state_dict())
     assert [(n, p.shape) for n, p in fused.named_parameters()] == [(n, p.shape) for n, p in stock.named_parameters()]
     for channels in (1, 8, 12, 16, 24, 30, 128):
-        assert qca_lowmem.FusedConvBlock(3, channels).conv_block[4].num_groups == R.ConvBlock(3, channels).conv_block[4].num_groups
+        assert (qca_lowmem.FusedConvBlock(3, channels).conv_block[4].num_groups
+                == R.ConvBlock(3, channels).conv_block[4].num_groups)
 
 
 class CountOps(TorchDispatchMode):

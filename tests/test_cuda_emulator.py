@@ -4,8 +4,6 @@ it reports a real kernel of the library with one barrier removed."""
 
 import ctypes
 import re
-import struct
-from pathlib import Path
 
 import pytest
 import torch

@@ -77,7 +77,7 @@ def test_device_mix_names_the_argument_and_both_devices(case, moved, device):
     message = str(error.value)
     assert message.startswith(f"{op_name}: "), message
     # "<op>: A must be on the same device as B (dev_b), got Tensor(..., device=dev_a, ...)"
-    pattern = rf"(\w+) must be on the same device as (\w+) \((\w+)(?::\d+)?\), got Tensor\(.*device=(\w+)"
+    pattern = r"(\w+) must be on the same device as (\w+) \((\w+)(?::\d+)?\), got Tensor\(.*device=(\w+)"
     found = re.search(pattern, message)
     assert found, message
     assert moved in (found.group(1), found.group(2)), message

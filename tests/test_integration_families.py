@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import qca_lowmem
-from fixtures.model_families import FAMILIES, MEMORY_FAMILIES, ConvLSTMOperator, SpikingOperator, make_operator
+from fixtures.model_families import FAMILIES, MEMORY_FAMILIES, SpikingOperator, make_operator
 from qca_lowmem.examples.qc_trainer_v4 import QC_Trainer_v4, make_config
 from qca_lowmem import RecomputeMismatchError, saved_bytes
 from qca_lowmem.engine_step import fused_memory_step

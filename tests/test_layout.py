@@ -143,7 +143,8 @@ TOP_LEVEL = {"__init__", "__main__", "_version", "_build_info", "stock", "blocks
 def test_the_top_level_holds_the_face_and_the_model_only():
     modules = {p.stem for p in PACKAGE.glob("*.py")}
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert modules == TOP_LEVEL, f"unexpected top-level modules {sorted(modules - TOP_LEVEL)}; missing {sorted(TOP_LEVEL - modules)}"
+    assert modules == TOP_LEVEL, (f"unexpected top-level modules {sorted(modules - TOP_LEVEL)}; "
+                                  f"missing {sorted(TOP_LEVEL - modules)}")
     assert folders - {"configs"} == {"ops", "rollout", "trainer", "examples"}  # configs/: installed data
 
 

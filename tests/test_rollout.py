@@ -144,7 +144,8 @@ def test_fused_unet_recomputes_each_step_once(checkpoint, slots, monkeypatch):
     for p in fused.parameters():
         p.grad = None
     psi = psi0.detach().requires_grad_()
-    psi_T, history = rollout(fused_step_fn, psi, STEPS, checkpoint=checkpoint, slots=slots, noise=noisy_schedule(), record_every=RECORD_EVERY)
+    psi_T, history = rollout(fused_step_fn, psi, STEPS, checkpoint=checkpoint, slots=slots, noise=noisy_schedule(),
+                             record_every=RECORD_EVERY)
     forward_calls = len(conv_calls)
     conv_calls.clear()
     episode_loss(psi_T, history, psi, True).backward()
@@ -198,7 +199,8 @@ def test_gradcheck_through_the_episode(checkpoint, slots):
     psi0 = initial_state(grid=4).requires_grad_()
 
     def episode(psi):
-        psi_T, history = rollout(fused_step(net), psi, 4, checkpoint=checkpoint, slots=slots, noise=noisy_schedule(), record_every=2)
+        psi_T, history = rollout(fused_step(net), psi, 4, checkpoint=checkpoint, slots=slots, noise=noisy_schedule(),
+                                 record_every=2)
         return psi_T, history[0]
 
     assert torch.autograd.gradcheck(episode, (psi0,), fast_mode=True)
@@ -214,7 +216,8 @@ def test_short_episodes_and_more_slots_than_steps(steps):
         for p in params:
             p.grad = None
         psi = psi0.detach().requires_grad_()
-        psi_T, history = rollout(fused_step(net), psi, steps, checkpoint=checkpoint, slots=slots, noise=noisy_schedule(), record_every=1)
+        psi_T, history = rollout(fused_step(net), psi, steps, checkpoint=checkpoint, slots=slots, noise=noisy_schedule(),
+                                 record_every=1)
         assert len(history) == steps and history[-1] is psi_T
         (psi_T.abs().sum() + sum(h.real.sum() for h in history)).backward()
         return [psi.grad] + [p.grad for p in params]
@@ -268,7 +271,8 @@ def test_memory_flat_in_steps(grid, d_state, hidden):
     # The recompute check keeps psi_T too (the loss's psi_T: the same storage in a real episode).
     assert revolve[8] == revolve[64] <= 5 * psi_bytes
     assert kept("revolve", 64, 4, check_recompute=False) <= 4 * psi_bytes
-    print(f"\nsaved bytes per step, grid {grid}, d {d_state}, hidden {hidden} (psi = {psi_bytes} bytes): stock {(stock[16] - stock[8]) / 8:.0f}, "
+    print(f"\nsaved bytes per step, grid {grid}, d {d_state}, hidden {hidden} (psi = {psi_bytes} bytes): "
+          f"stock {(stock[16] - stock[8]) / 8:.0f}, "
           f"step {(step[24] - step[8]) / 16:.0f}, revolve(4 slots) {revolve[64] / 64:.0f} at 64 steps "
           f"({revolve[64]} bytes in all, {revolve[8]} at 8 steps)")
 
@@ -421,7 +425,8 @@ def test_autocast_replays():
     seen = []
 
     def step_fn(psi):
-        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_grad_enabled(), block_keeps_intermediates()))
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_grad_enabled(),
+                     block_keeps_intermediates()))
         return reference.step(psi, op)
 
     def run(checkpoint, cache_enabled, slots=None):

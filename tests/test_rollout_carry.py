@@ -72,7 +72,8 @@ def grads(step, cell, psi0, memory0, checkpoint, slots=None, noise=None, memory_
                                        record_every=2, carry=memory0, **kw)
     loss, _ = reference.evolutionary_loss(history, psi0)
     if memory_loss:
-        loss = loss + (memory_T[0] * torch.linspace(-1, 1, memory_T[0].numel(), device=memory_T[0].device).view_as(memory_T[0])).sum()
+        loss = loss + (memory_T[0] * torch.linspace(-1, 1, memory_T[0].numel(),
+                                                    device=memory_T[0].device).view_as(memory_T[0])).sum()
         loss = loss + memory_T[1].square().sum()
     loss.backward()
     inputs = [psi0, *(m for m in memory0 if m is not None and m.requires_grad)]

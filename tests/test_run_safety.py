@@ -13,7 +13,6 @@ import time
 
 import pytest
 import torch
-import yaml
 
 from qca_lowmem.trainer import cli
 from qca_lowmem.trainer import checkpoint as train_state, metrics as metrics_mod

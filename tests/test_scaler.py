@@ -289,7 +289,10 @@ int main() {
       });
   if (s != QCA_OK) { std::printf("bad batch\n"); return 1; }
   for (size_t t = 0; t < numel.size(); ++t)
-    if (covered[t] != numel[t]) { std::printf("tensor %zu covered %lld of %lld\n", t, (long long)covered[t], (long long)numel[t]); return 1; }
+    if (covered[t] != numel[t]) {
+      std::printf("tensor %zu covered %lld of %lld\n", t, (long long)covered[t], (long long)numel[t]);
+      return 1;
+    }
   for (size_t i = 0; i < slot_writes.size(); ++i)
     if (slot_writes[i] != 1) { std::printf("slot %zu written %d times\n", i, slot_writes[i]); return 1; }
   std::printf("ok %d\n", launches);

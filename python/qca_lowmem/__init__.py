@@ -9,7 +9,7 @@ storing, and a complex-safe mixed-precision loss scaler. See README.md and docs/
 # and the modules here: blocks, U-Net, scaler, integration), and trainer/ (the reference trainer and the qca-lowmem
 # command), which this file does not import.
 from . import amp
-from ._version import __version__
+from ._version import __version__  # noqa: F401  (re-exported: qca_lowmem.__version__)
 from .blocks import FusedConvBlock
 from .ops.groupnorm_elu import groupnorm_elu
 from .integration import disable, enable

@@ -26,7 +26,8 @@ from .ops import has_cuda_kernels
 from .ops.scaler import mul_, unscale_, update_scale_
 from .precision import amp_name, autocast, autocast_dtype, native_amp_dtype, parse_amp_dtype  # noqa: F401
 
-__all__ = ["GradScaler", "amp_name", "autocast", "autocast_dtype", "mul_", "native_amp_dtype", "parse_amp_dtype", "unscale_", "update_scale_"]
+__all__ = ["GradScaler", "amp_name", "autocast", "autocast_dtype", "mul_", "native_amp_dtype", "parse_amp_dtype", "unscale_",
+           "update_scale_"]
 
 def _norm_dtype(grad_dtype: torch.dtype) -> torch.dtype:
     """dtype of torch.linalg.vector_norm of a gradient of this dtype."""

@@ -24,7 +24,8 @@ def load_native():
             f"{torch.__version__} is running; {REBUILD_HINT}"
         )
     if importlib.util.find_spec(f"{_PACKAGE}._C") is None:
-        raise ImportError(f"qca_lowmem's native library _C is missing from {os.path.dirname(_build_info.__file__)}; {REBUILD_HINT}")
+        raise ImportError(f"qca_lowmem's native library _C is missing from {os.path.dirname(_build_info.__file__)}; "
+                          f"{REBUILD_HINT}")
     try:
         from .. import _C  # noqa: F401  (loading it registers torch.ops.qca_lowmem)
     except ImportError as e:  # undefined symbols: built for another torch than the one running

@@ -46,7 +46,8 @@ def _check_gn_args(x, weight, bias, groups, op, **others):
                  lambda: f"{op}: x must be float32, float64, float16 or bfloat16, got {x.dtype}")
     channels = x.shape[1]
     torch._check(weight.shape == (channels,) and bias.shape == (channels,),
-                 lambda: f"{op}: weight and bias must have shape ({channels},), got {tuple(weight.shape)} and {tuple(bias.shape)}")
+                 lambda: f"{op}: weight and bias must have shape ({channels},), got {tuple(weight.shape)} and "
+                         f"{tuple(bias.shape)}")
     torch._check(groups >= 1 and channels % groups == 0,
                  lambda: f"{op}: groups must be positive and divide the channels of x ({channels}), got {groups}")
 

@@ -68,10 +68,10 @@ class NoiseSchedule:
 
     rate r = min(max_noise, max_noise * episode / 2000). At each step, when r > 0.001: a phase
     flip with rate r, then, when the step's coin (`noise_coin(seed, step)`) is below 0.2, a bit
-    flip with rate 0.1 * r; a rate above 1 flips every cell, as stock's `rand < r` does. All randoms come from (seed, step), so calling the schedule again on
-    the same step (the rollout's recompute) applies exactly the same noise. Give each episode its
-    own seed; `seed=None` draws one from torch's default generator (reproducible under
-    torch.manual_seed).
+    flip with rate 0.1 * r; a rate above 1 flips every cell, as stock's `rand < r` does. All randoms
+    come from (seed, step), so calling the schedule again on the same step (the rollout's recompute)
+    applies exactly the same noise. Give each episode its own seed; `seed=None` draws one from torch's
+    default generator (reproducible under torch.manual_seed).
 
     Pass it to `qca_lowmem.rollout(..., noise=schedule)`.
     """
