@@ -5,9 +5,9 @@ evolutionary loss (docs/design.md), backward, clip_grad_norm_(1.0), AdamW(1e-4, 
 Runs: stock_fp32, stock_fp16_autocast (with a GradScaler), stock_fp16_checkpoint (autocast and
 one torch.utils.checkpoint per step, the users' proposed fix), lowmem_fp32_step,
 lowmem_bf16_step, lowmem_fp16_step (with qca_lowmem.amp.GradScaler), lowmem_bf16_revolve32, and
-lowmem_{fp32,bf16,fp16}_step_graph (each step as replays of captured CUDA graphs, StepGraph) (the
-lowmem runs: qca_lowmem.UNetUnitary with fused
-blocks, fused pack/update, qca_lowmem.rollout with the replayable NoiseSchedule). Three more, run
+lowmem_{fp32,bf16,fp16}_step_graph (each step as replays of captured CUDA graphs, StepGraph)
+(the lowmem runs: qca_lowmem.UNetUnitary with fused blocks, fused pack/update,
+qca_lowmem.rollout with the replayable NoiseSchedule). Three more, run
 only when named, take a lowmem_fp32_step episode's time apart: stock_fp32_checkpoint (stock with
 that per-step recompute in fp32: what recomputing costs stock), lowmem_fp32_keep (the fused
 kernels under plain autograd, blocks keeping their intermediates: nothing recomputed) and
