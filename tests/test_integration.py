@@ -400,3 +400,30 @@ def test_an_operator_replaced_after_enable_is_said_once(fused_step_ops, recwarn)
     assert len(said) == (1 if fused_step_ops else 0)
     if said:
         assert "call compile_model() before enable()" in said[0]
+
+
+class ScalarLog:
+    """A TensorBoard SummaryWriter's add_scalar, recorded."""
+
+    def __init__(self):
+        self.scalars = []
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, float(value), step))
+
+
+def test_the_episode_keeps_the_stock_tensorboard_scalars():
+    """The stock train_episode logs four scalars every 10 episodes; with the library on, the same
+    tags at the same episodes, with the same values (noise off: to fp32 rounding)."""
+    logs = {}
+    for lowmem in (False, True):
+        trainer = make_trainer(writer=ScalarLog())
+        if lowmem:
+            qca_lowmem.enable(trainer)
+        run_episodes(trainer, range(11))
+        logs[lowmem] = trainer.writer.scalars
+    tags = ["Loss/Total", "Metrics/Symmetry", "Metrics/Survival", "Environment/NoiseLevel"]
+    assert [(tag, step) for tag, _, step in logs[False]] == [(tag, step) for step in (0, 10) for tag in tags]
+    assert [(tag, step) for tag, _, step in logs[True]] == [(tag, step) for tag, _, step in logs[False]]
+    for (_, lowmem, _), (_, stock_value, _) in zip(logs[True], logs[False]):
+        assert lowmem == pytest.approx(stock_value, rel=1e-4, abs=1e-6)

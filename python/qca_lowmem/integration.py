@@ -173,6 +173,8 @@ def _lowmem_train_episode(trainer, episode_num):
     if memory_T:
         # After the backward, whose recomputes ran the steps again: the memory the last step left.
         store_memory(trainer.motor, memory_T[0])
+    stock.episode_bookkeeping(getattr(trainer, "writer", None), episode_num, loss.item(), metrics,
+                              stock.noise_rate(episode_num, trainer.max_noise))
     return loss.item(), metrics, psi.detach().cpu()
 
 

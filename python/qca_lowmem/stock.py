@@ -134,6 +134,20 @@ def noise_rate(episode, max_noise):
     return min(max_noise, max_noise * episode / NOISE_RAMP_EPISODES)
 
 
+def episode_bookkeeping(writer, episode_num: int, loss: float, metrics: dict, noise_level: float) -> None:
+    """What the stock train_episode does besides the episode, every 10 episodes: release the
+    CUDA cache and, given a TensorBoard writer, log the loss, symmetry, survival and noise level."""
+    if episode_num % 10:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if writer is not None:
+        writer.add_scalar("Loss/Total", loss, episode_num)
+        writer.add_scalar("Metrics/Symmetry", metrics["symmetry"], episode_num)
+        writer.add_scalar("Metrics/Survival", metrics["survival"], episode_num)
+        writer.add_scalar("Environment/NoiseLevel", noise_level, episode_num)
+
+
 class NoiseInjector:
     """The stock noise, on torch's generator: per-cell phase flips with independent phases,
     per-cell bit flips."""
