@@ -186,11 +186,6 @@ def train_episode(name, model, optimizer, scaler, args, device, episode_seed, st
     return loss.item()
 
 
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class Run:
     """One run's model, optimizer, scaler and step, warmed up by one episode (and, for a
     StepGraph, its capture)."""
@@ -217,11 +212,11 @@ class Run:
         self.episode(seed=0)
 
     def episode(self, seed):
-        synchronize(self.device)
+        common.synchronize(self.device)
         start = time.perf_counter()
         train_episode(self.name, self.model, self.optimizer, self.scaler, self.args, self.device,
                       episode_seed=seed, step=self.step, budget=self.budget)
-        synchronize(self.device)
+        common.synchronize(self.device)
         return time.perf_counter() - start
 
     def capture_record(self):

@@ -14,6 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+def synchronize(device):
+    """Wait for the device's queued work (CUDA); nothing to wait for elsewhere."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def median_seconds(fn, device, warmup=5, reps=20, setup=None):
     """Median wall time of fn(): CUDA events on a GPU, perf_counter after a sync elsewhere.
 

@@ -85,17 +85,12 @@ def episode_grads(unet, step, args, device, amp):
                                             noise=qca_lowmem.NoiseSchedule(0.1, 1000, seed=3))
         loss, _ = stock.evolutionary_loss(history, start)
         loss.backward()
-    synchronize(device)
+    common.synchronize(device)
     return loss.item(), [p.grad.detach().clone() for p in unet.parameters()], caught
 
 
 def max_rel(grads, reference):
     return max(((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for g, r in zip(grads, reference))
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def stream_state(device):
@@ -208,7 +203,7 @@ def section_determinism(args, device):
                 thread = threading.Thread(target=in_other_thread)
                 thread.start()
                 thread.join()
-                synchronize(device)
+                common.synchronize(device)
                 tolerance = ROUNDING_UNITS * max(torch.finfo(amp or torch.float32).eps, torch.finfo(torch.float32).eps)
                 real = lambda z: torch.view_as_real(z)  # noqa: E731
                 diff_same = _relative_difference(real(b), real(a), real(x)).item()

@@ -173,9 +173,10 @@ def _lowmem_train_episode(trainer, episode_num):
     if memory_T:
         # After the backward, whose recomputes ran the steps again: the memory the last step left.
         store_memory(trainer.motor, memory_T[0])
-    stock.episode_bookkeeping(getattr(trainer, "writer", None), episode_num, loss.item(), metrics,
+    loss_value = loss.item()
+    stock.episode_bookkeeping(getattr(trainer, "writer", None), episode_num, loss_value, metrics,
                               stock.noise_rate(episode_num, trainer.max_noise))
-    return loss.item(), metrics, psi.detach().cpu()
+    return loss_value, metrics, psi.detach().cpu()
 
 
 def _clip(scaler, parameters, max_norm):
@@ -281,8 +282,7 @@ def enable(
 
 def _summary(options: dict, fused_step_ops: bool) -> str:
     """What the episodes run, in one line: checkpoint=step, fp32, fused blocks, fused step."""
-    dtype = options["amp_dtype"]
-    parts = [options["policy"].describe(), {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]]
+    parts = [options["policy"].describe(), precision.amp_name(options["amp_dtype"])]
     parts += [name for name, on in (("fused blocks", options["fused_blocks"]), ("fused step", fused_step_ops),
                                     ("cuda_graph", options["cuda_graph"])) if on]
     return ", ".join(parts)
