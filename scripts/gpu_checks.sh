@@ -73,7 +73,11 @@ phase() {
       run memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
         "$PYTHON" -m pytest -q ${SANITIZE_PYTEST_ARGS:-} \
         tests/test_qca_step.py tests/test_noise.py tests/test_blocks.py tests/test_scaler.py tests/test_c_api.py -m cuda
-      run initcheck compute-sanitizer --tool initcheck --error-exitcode 1 "$PYTHON" -m pytest -q \
+      # initcheck over our kernels: torch's own (at::native) report reads of memory they allocate
+      # themselves (col2im with cuDNN off; a bf16-to-fp32 copy seen once in a comparison and not
+      # reproduced in a fresh process, with our U-Net or torch's: docs/benchmarks.md)
+      run initcheck compute-sanitizer --tool initcheck --kernel-name-exclude kns=at::native --error-exitcode 1 \
+        "$PYTHON" -m pytest -q \
         tests/test_qca_step.py tests/test_noise.py tests/test_blocks.py -m cuda -k "not 128"
       # racecheck is slow: the GN+ELU kernels (the ones sharing memory between threads), fp32
       # and bf16, one shape on the one-block path and one on the split-group path

@@ -6,11 +6,12 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from qca_lowmem.rollout.memory import format_bytes, parse_bytes
 from qca_lowmem.trainer import cli, config as config_mod
-from qca_lowmem.trainer.plan import plan
+from qca_lowmem.trainer.plan import measure_step, plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,3 +116,17 @@ def test_the_memory_left_is_offered_to_auto_with_what_it_gives_up(tmp_path, caps
         assert not advice.startswith("faster") and "without the captured replays cuda_graph gives step" in advice
     else:
         assert advice.startswith("faster with the memory left ")
+
+
+def test_autocast_weight_copies_are_counted_once_not_per_step(tmp_path):
+    """Under autocast a step's graph holds the weights' half-precision copies, made once per
+    episode: plan keeps them out of the per-step bytes that "auto" and plain autograd multiply by
+    the episode's steps (on an H200 that put "auto bf16" at 3x its measured peak)."""
+    config = config_mod.load_config(str(write_config(tmp_path, checkpoint="step")), device="cpu")
+    model = config_mod.build_model(config, "cpu")
+    half = measure_step(config, "lowmem", torch.bfloat16, model)
+    full = measure_step(config, "lowmem", None, model)
+    weights = sum(p.numel() for p in model.parameters() if p.dim() > 1)
+    assert half.weight_copy_bytes == pytest.approx(2 * weights, rel=0.05)
+    assert full.weight_copy_bytes < 0.05 * half.weight_copy_bytes
+    assert half.saved_bytes < full.saved_bytes

@@ -198,3 +198,15 @@ def test_a_step_that_draws_random_numbers_rolls_out_eagerly_with_the_draws_of_no
         actual = episode_grads(graph, params, psi_state(), "step", None, None)
     assert len([w for w in caught if issubclass(w.category, qca_lowmem.CaptureFallbackWarning)]) == 1
     assert graph.captures_made == 0 and max_relative_error(actual, expected) == 0
+
+
+def test_no_capture_without_the_caching_allocator(monkeypatch):
+    """memcheck runs with PYTORCH_NO_CUDA_MEMORY_CACHING: every allocation is then a cudaMalloc,
+    which a capture cannot make, so steps run eagerly and enable() says why."""
+    monkeypatch.delenv("PYTORCH_NO_CUDA_MEMORY_CACHING", raising=False)
+    assert step_graph.StepGraph.captures_on("cuda")
+    assert step_graph.StepGraph.why_not_captured("cuda") is None
+    assert "operator is on cpu" in step_graph.StepGraph.why_not_captured("cpu")
+    monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+    assert not step_graph.StepGraph.captures_on("cuda:0")
+    assert "PYTORCH_NO_CUDA_MEMORY_CACHING is set" in step_graph.StepGraph.why_not_captured("cuda:0")

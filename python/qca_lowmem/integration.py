@@ -303,8 +303,8 @@ def _episode_options(trainer, *, policy, amp_dtype, grid_size, batch_size, d_sta
     if note:
         warnings.warn(f"enable(): {note}", stacklevel=4)
     if cuda_graph and not StepGraph.captures_on(device):
-        warnings.warn(f"enable(): cuda_graph captures CUDA graphs, but the operator is on {device}: its steps run "
-                      "eagerly", stacklevel=4)
+        warnings.warn(f"enable(): cuda_graph captures CUDA graphs, but {StepGraph.why_not_captured(device)}: its "
+                      "steps run eagerly", stacklevel=4)
         cuda_graph = False
     if isinstance(grid_size, int):
         grid = (grid_size, grid_size)

@@ -35,6 +35,7 @@ too, so a StepGraph costs about one extra copy of the parameters.
 
 import contextlib
 import gc
+import os
 import warnings
 from typing import Callable, List, Optional
 
@@ -83,6 +84,17 @@ class StepGraph:
         """Whether rollouts on this device run on captured graphs (elsewhere, steps run eagerly)."""
         return _captures_on(torch.device(device))
 
+    @staticmethod
+    def why_not_captured(device: torch.device) -> Optional[str]:
+        """Why rollouts on this device run eagerly, or None where they run on captured graphs."""
+        device = torch.device(device)
+        if _captures_on(device):
+            return None
+        if device.type != "cuda":
+            return f"the operator is on {device}"
+        return ("PYTORCH_NO_CUDA_MEMORY_CACHING is set, and a capture allocates from torch's caching allocator "
+                "(cudaMalloc is not allowed while capturing)")
+
     def for_rollout(self, state: State, step: Callable, params: List[torch.Tensor],
                     autocast_state) -> Optional["_Capture"]:
         """The capture of `step(psi, carry) -> (psi, carry)` (the rollout's call of step_fn, the
@@ -115,7 +127,13 @@ def _captures(psi: torch.Tensor) -> bool:
 
 
 def _captures_on(device: torch.device) -> bool:
-    return device.type == "cuda"
+    return device.type == "cuda" and not caching_allocator_off()
+
+
+def caching_allocator_off() -> bool:
+    """PYTORCH_NO_CUDA_MEMORY_CACHING (set for compute-sanitizer's memcheck) makes every allocation
+    a cudaMalloc, which a capture cannot make."""
+    return os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "") not in ("", "0")
 
 
 def _capture_key(state: State, params, autocast_state):

@@ -35,8 +35,9 @@ _PROBE_GRIDS = (8, 16)
 class StepMeasure:
     """What one step's graph keeps at the planned grid and batch (extrapolated)."""
 
-    saved_bytes: int
+    saved_bytes: int  # the step's own tensors: grow with the grid's area and the batch
     largest_bytes: int
+    weight_copy_bytes: int = 0  # autocast's weight copies: made once per episode, not per step
 
 
 STOCK = "stock (for reference)"
@@ -91,12 +92,16 @@ def measure_step(config: TrainConfig, variant: str, amp_dtype=None, model=None) 
     s2, l2 = _measure_one(model, config, variant, amp_dtype, g2)
     area, a1, a2 = config.grid**2, g1**2, g2**2
 
-    def extrapolate(y1, y2):
+    def slope_and_intercept(y1, y2):
         # Activations grow with area and batch; the intercept (autocast's weight copies) does not.
         slope = (y2 - y1) / (a2 - a1)
-        return max(0, int(round(y1 - slope * a1 + slope * area * config.batch)))
+        return slope, max(0.0, y1 - slope * a1)
 
-    return StepMeasure(extrapolate(s1, s2), extrapolate(l1, l2))
+    saved_slope, weight_copies = slope_and_intercept(s1, s2)
+    largest_slope, largest_intercept = slope_and_intercept(l1, l2)
+    return StepMeasure(saved_bytes=max(0, int(round(saved_slope * area * config.batch))),
+                       largest_bytes=max(0, int(round(largest_intercept + largest_slope * area * config.batch))),
+                       weight_copy_bytes=int(round(weight_copies)))
 
 
 def default_half(config: TrainConfig) -> str:
@@ -126,9 +131,9 @@ def estimate_all(config: TrainConfig, parameters: int, measures: dict, half: str
     psi = psi_bytes(config.batch, config.grid, config.d_state)
     for index, (name, policy, amp) in enumerate(candidates(config, half)):
         m = measures[("stock" if policy is None else "lowmem", amp)]
-        working = m.saved_bytes + 2 * m.largest_bytes
+        working = m.weight_copy_bytes + m.saved_bytes + 2 * m.largest_bytes
         if policy is None or not policy.recomputes:  # plain autograd keeps every step's graph
-            kept, working = config.qca_steps * m.saved_bytes, 2 * m.largest_bytes
+            kept, working = config.qca_steps * m.saved_bytes, m.weight_copy_bytes + 2 * m.largest_bytes
         else:  # ("auto" with budget "free" adapts to what is free: at least one state per step)
             kept = kept_bytes(policy, config.qca_steps, psi, m.saved_bytes + psi)
         estimates.append(Estimate(name, policy, amp, model_state_bytes(parameters), kept, working,
