@@ -100,6 +100,28 @@ def test_weight_casts_per_episode_do_not_grow_with_steps(checkpoint, slots, cast
     assert _weight_casts_in(lambda: bf16_episode(unet, 3, checkpoint, slots)) > 3 * fused_convs
 
 
+@pytest.mark.parametrize("checkpoint,slots", MODES)
+def test_unfused_layers_weights_are_cast_once_per_episode_too(checkpoint, slots, cast_per_call):
+    """The transposed convolutions and the output convolution run outside the fused blocks: their
+    weights come from the episode's copies as well, not from autocast's cast at every call."""
+    unet = fused_unet()
+    unfused = [unet.up1, unet.up2, unet.outc]
+    shapes = [list(layer.weight.shape) for layer in unfused] + [list(layer.bias.shape) for layer in unfused]
+    counts = [_casts_of(shapes, lambda: bf16_episode(unet, steps, checkpoint, slots)) for steps in (3, 9)]
+    assert counts == [len(shapes), len(shapes)]
+    cast_per_call()
+    assert _casts_of(shapes, lambda: bf16_episode(unet, 3, checkpoint, slots)) > 3 * len(shapes)
+
+
+def _casts_of(shapes, episode):
+    """aten::_to_copy calls from float32 tensors of these shapes, by the profiler (as _weight_casts_in)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        episode()
+    return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
+               and e.input_shapes[0] in shapes and e.input_dtypes[0] == "float"
+               and not _inside(e, "PythonDispatchMode"))
+
+
 def _gradient_casts_in(episode):
     """aten::_to_copy calls from bfloat16 3x3 conv weight gradients back to float32, but for those
     an add_ of mixed dtypes makes inside itself (on the CPU torch casts its operand to a temporary
@@ -186,7 +208,7 @@ def test_leaving_the_scope_drops_its_copies():
             assert weight_casts.for_episode() is casts  # nested: the outer scope's copies
         with torch.autocast("cpu", dtype=torch.bfloat16):
             psi_T, _ = rollout(fused_step(unet, 0.0, True), psi0, 2)
-        assert len(casts._copies) == fused_convs_of(unet)
+        assert len(casts._copies) == fused_convs_of(unet) + 6  # and the unfused layers' weights and biases
     assert psi_T.grad_fn is not None and not casts._copies  # the episode's graph lives on, the copies do not
     assert weight_casts.for_episode() is not weight_casts.for_episode()  # outside a scope: one per episode
 

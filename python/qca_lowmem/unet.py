@@ -4,6 +4,7 @@ import dataclasses
 from typing import List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -11,7 +12,8 @@ from . import stock
 from .rollout.intermediates import block_keeps_intermediates
 from .blocks import FusedConvBlock
 from .ops import refuse_func_transforms
-from .rollout.weight_casts import checkpoint_kwargs
+from .precision import autocast_dtype
+from .rollout.weight_casts import cast_weight, checkpoint_kwargs
 
 
 RECOMPUTE_MODES = ("unet", "blocks", "none")
@@ -70,9 +72,23 @@ class UNetUnitary(nn.Module):
         x2 = run_block(self.down1[1], self.down1[0](x1))
         x3 = run_block(self.down2[1], self.down2[0](x2))
         b = run_block(self.bot, x3)
-        c1 = run_block(self.conv_up1, torch.cat([self.up1(b), x2], dim=1))
-        c2 = run_block(self.conv_up2, torch.cat([self.up2(c1), x1], dim=1))
-        return self.outc(c2)
+        c1 = run_block(self.conv_up1, torch.cat([_unfused(self.up1, b), x2], dim=1))
+        c2 = run_block(self.conv_up2, torch.cat([_unfused(self.up2, c1), x1], dim=1))
+        return _unfused(self.outc, c2)
+
+
+def _unfused(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """layer(x), under autocast with its weights from the episode's copies (cast once per episode,
+    as the fused blocks' are) instead of autocast's per-call casts: the same values and gradients."""
+    compute_dtype = autocast_dtype(x.device.type)
+    if compute_dtype is None or layer.weight.dtype == torch.float64:
+        return layer(x)
+    weight = cast_weight(layer.weight, compute_dtype)
+    bias = None if layer.bias is None else cast_weight(layer.bias, compute_dtype)
+    if isinstance(layer, nn.ConvTranspose2d):
+        return F.conv_transpose2d(x, weight, bias, layer.stride, layer.padding, layer.output_padding, layer.groups,
+                                  layer.dilation)
+    return layer._conv_forward(x, weight, bias)
 
 
 @dataclasses.dataclass

@@ -1,5 +1,6 @@
-"""Half-precision copies of the fused blocks' conv weights, made once per episode, or once for
-all the episodes run inside `shared_weight_casts()` (those of one optimizer step).
+"""Half-precision copies of the fused blocks' conv weights (and of `UNetUnitary`'s other conv
+layers), made once per episode, or once for all the episodes run inside `shared_weight_casts()`
+(those of one optimizer step).
 
 Under autocast a fused block casts its conv weights to the compute dtype. Cast at every call,
 an episode of T steps reads and writes every weight 2T times (forward and recompute), outside
