@@ -427,3 +427,16 @@ def test_the_episode_keeps_the_stock_tensorboard_scalars():
     assert [(tag, step) for tag, _, step in logs[True]] == [(tag, step) for tag, _, step in logs[False]]
     for (_, lowmem, _), (_, stock_value, _) in zip(logs[True], logs[False]):
         assert lowmem == pytest.approx(stock_value, rel=1e-4, abs=1e-6)
+
+
+def test_an_operator_left_off_the_trainers_device_is_refused():
+    """Their V4 builds a new model on the CPU whatever its device: stock fails at the first episode
+    on CUDA; the library must not quietly train on the CPU instead."""
+    trainer = make_trainer()
+    trainer.device = torch.device("cuda")
+    with pytest.raises(ValueError, match=r"trainer's device is cuda, but its operator's parameters are on cpu.*"
+                                         r"trainer.motor.operator.to\('cuda'\)"):
+        qca_lowmem.enable(trainer)
+    assert not hasattr(trainer, "_qca_lowmem_state")
+    trainer.device = "cpu"
+    qca_lowmem.enable(trainer)

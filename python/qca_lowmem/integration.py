@@ -205,6 +205,20 @@ def _check_contract(trainer):
         )
 
 
+def _check_placement(trainer):
+    """The episode runs where the operator's parameters are: on another device than the trainer's
+    it would train there, silently (stock fails at its first episode instead)."""
+    wanted = getattr(trainer, "device", None)
+    if wanted is None:
+        return
+    wanted = torch.device(wanted)
+    device = next(trainer.motor.operator.parameters()).device
+    if wanted.type != device.type or None not in (wanted.index, device.index) and wanted.index != device.index:
+        raise ValueError(f"enable(): the trainer's device is {wanted}, but its operator's parameters are on {device} "
+                         f"(QC_Trainer_v4 does not move a model it builds); move it first: "
+                         f"trainer.motor.operator.to({str(wanted)!r})")
+
+
 def enable(
     trainer,
     checkpoint: str = STEP,
@@ -258,6 +272,7 @@ def enable(
     if hasattr(trainer, _STATE_ATTR):
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
     policy = Policy.of(checkpoint, slots, budget, "enable()")
+    _check_placement(trainer)
     policy.check_device(next(trainer.motor.operator.parameters()).device, "enable()")
     state = _Saved(options=_episode_options(
         trainer, policy=policy, amp_dtype=amp_dtype, grid_size=grid_size, batch_size=batch_size,
