@@ -210,3 +210,19 @@ def test_no_capture_without_the_caching_allocator(monkeypatch):
     monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
     assert not step_graph.StepGraph.captures_on("cuda:0")
     assert "PYTORCH_NO_CUDA_MEMORY_CACHING is set" in step_graph.StepGraph.why_not_captured("cuda:0")
+
+
+def test_a_free_budget_is_read_after_the_capture(replayed_graphs, monkeypatch):
+    """budget="free" must see the memory the capture's pool takes: read before it, the first
+    episode would budget memory the graphs then hold."""
+    from qca_lowmem.rollout import policy as policy_mod, schedule as schedule_mod
+
+    read_with_graphs = []
+    monkeypatch.setattr(policy_mod.Policy, "check_device", lambda self, device, caller="rollout": None)
+    monkeypatch.setattr(schedule_mod, "free_budget",
+                        lambda device, step_bytes: read_with_graphs.append(len(replayed_graphs)) or 1 << 40)
+    net = make_conv_net()
+    graph = qca_lowmem.StepGraph(fused_step(net))
+    psi_T, _ = qca_lowmem.rollout(graph, psi_state().requires_grad_(True), 4, checkpoint="auto", budget="free")
+    psi_T.abs().sum().backward()
+    assert read_with_graphs == [1]

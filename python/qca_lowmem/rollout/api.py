@@ -19,7 +19,7 @@ from .intermediates import keep_block_intermediates
 from .leaves import leaves_reached, next_sequence_nr
 from .memory import counted_and_dropped
 from .policy import STEP, Policy
-from .replay import RngStates
+from .replay import AutocastState, RngStates
 from .schedule import schedule_for
 from .state import State, checked_carry
 
@@ -130,13 +130,15 @@ def _episode(unit: StepUnit, state0: State, steps: int, policy: Policy, recorded
         with torch.no_grad():
             history = [state.psi for t, state in enumerate(probed) if t in recorded and t != steps - 1]
             return _run_plain(unit, probed[-1], len(probed), steps, recorded, history)
+    autocast = AutocastState(sorted({"cpu", state0.psi.device.type}))
+    if isinstance(unit.step_fn, StepGraph):
+        with buffers.unchanged() if buffers is not None else contextlib.nullcontext():
+            unit.capture = unit.step_fn.for_rollout(probed[-1], unit.step, params, autocast)
+    # After the capture: a budget of "free" then sees the memory its graphs' pool took.
     schedule = schedule_for(policy, steps, step_bytes, probed[-1].nbytes(), state0.psi.device, check_recompute,
                             probed=len(probed))
     plan = Episode(unit, schedule, rng, recorded, policy.checkpoint, probed, params, state0, check_recompute,
-                   buffers)
-    if isinstance(unit.step_fn, StepGraph):
-        with buffers.unchanged() if buffers is not None else contextlib.nullcontext():
-            unit.capture = unit.step_fn.for_rollout(probed[-1], unit.step, params, plan.autocast)
+                   buffers, autocast)
     result = EpisodeFunction.apply(plan, state0.psi, *state0.carry, *params)
     n_history = len(plan.history_steps)
     psi_T, history = result[0], list(result[1:1 + n_history])

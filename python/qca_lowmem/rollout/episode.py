@@ -95,7 +95,7 @@ class Episode:
 
     def __init__(self, unit: StepUnit, schedule: Schedule, rng: RngStates, history_steps: List[int], mode: str,
                  probed: List[State], params: List[torch.Tensor], state0: State, check_recompute: bool,
-                 buffers: Optional[StepBuffers]):
+                 buffers: Optional[StepBuffers], autocast: AutocastState):
         self.unit = unit
         self.schedule = schedule
         self.rng = rng
@@ -114,7 +114,7 @@ class Episode:
         self.keeps_final_state = check_recompute and schedule.recomputes(self.steps - 1)
         self.check_recompute = check_recompute
         self.state_device = state0.psi.device.type
-        self.autocast = AutocastState(sorted({"cpu", self.state_device}))
+        self.autocast = autocast  # the forward's, re-entered around each recompute
         self.kept_steps: List[int] = []  # which states are saved, in saved order
         self.graphs: Optional[KeptGraph] = None
         self.buffers = buffers  # tensors the steps write that outlive them (BatchNorm's statistics)
