@@ -14,11 +14,11 @@
 // elementwise and the same code in every kernel. CUDA does not match the C kernels bit for bit:
 // they add in another order (tests/test_cuda_kernels_emulated.py states the tolerance).
 //
-// Threads are laid out as (pixel lane, channel lane): with NCHW one channel lane, so a warp reads
-// consecutive pixels of one channel; with channels_last up to one lane per channel of the group,
-// so a warp reads the group's consecutive channels of consecutive pixels. Either way each thread
-// keeps one channel at a time, so per-channel sums stay in registers. How the work is cut and
-// launched: groupnorm_elu_plan.cuh.
+// Threads are laid out as (pixel lane, channel lane): with NCHW pixel lanes vary fastest, at least
+// 32 of them, so a warp reads consecutive pixels of one channel; with channels_last up to one
+// lane per channel of the group, varying fastest, so a warp reads the group's consecutive
+// channels of consecutive pixels. Either way each thread keeps one channel at a time, so
+// per-channel sums stay in registers. How the work is cut and launched: groupnorm_elu_plan.cuh.
 #include <math.h>
 
 #include "qca_cuda_common.cuh"
@@ -55,9 +55,14 @@ struct Place {
       channel_stride = plan.pixels;
       pixel_stride = 1;
     }
-    channel_lane = (int)threadIdx.x % plan.channel_lanes;
-    pixel_lane = (int)threadIdx.x / plan.channel_lanes;
-    active = pixel_lane < plan.pixel_lanes;
+    if (s.channels_last) {
+      channel_lane = (int)threadIdx.x % plan.channel_lanes;
+      pixel_lane = (int)threadIdx.x / plan.channel_lanes;
+    } else {
+      pixel_lane = (int)threadIdx.x % plan.pixel_lanes;
+      channel_lane = (int)threadIdx.x / plan.pixel_lanes;
+    }
+    active = pixel_lane < plan.pixel_lanes;  // channels_last: lanes that do not divide kThreads
   }
 
   __device__ bool first_block() const { return first_chunk == 0; }
@@ -260,7 +265,7 @@ __device__ void chunk_channel_sums(const Place& t, const Plan& plan, const qca_g
     // Tree sum over the pixel lanes of each channel lane.
     for (int stride = pixel_lanes_pow2 / 2; stride > 0; stride >>= 1) {
       if (t.active && t.pixel_lane < stride && t.pixel_lane + stride < plan.pixel_lanes) {
-        const int other = threadIdx.x + stride * plan.channel_lanes;
+        const int other = threadIdx.x + stride * plan.pixel_lane_step;
         s_bias_grad[threadIdx.x] += s_bias_grad[other];
         s_weight_grad[threadIdx.x] += s_weight_grad[other];
       }
