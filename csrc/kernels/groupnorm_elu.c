@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "qca_scalar.h"
+#include "qca_shared.h"
 
 enum {
   /* NCHW: accumulators of a contiguous run, and the run's length (32 terms a lane). The

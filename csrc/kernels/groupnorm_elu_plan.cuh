@@ -2,7 +2,8 @@
 // (sample, group) pair's pixels are cut into chunks and over how many blocks, from the shape and
 // the device's size alone, and the checks a launch makes first. Host code; the kernels read the
 // Plan it fills.
-#pragma once
+#ifndef QCA_LOWMEM_GROUPNORM_ELU_PLAN_CUH
+#define QCA_LOWMEM_GROUPNORM_ELU_PLAN_CUH
 
 #include <stdint.h>
 
@@ -102,3 +103,5 @@ bool make_plan(const qca_groupnorm_elu_shape& s, Plan* plan, cudaError_t* query)
 }
 
 }  // namespace
+
+#endif

@@ -4,8 +4,8 @@
 #include <math.h>
 #include <stddef.h>
 
-#define QCA_HD
 #include "noise_random.h"
+#include "qca_shared.h"
 
 #define SINCOS(x, s, c) (*(s) = sin(x), *(c) = cos(x))
 

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 
 #include "qca_scalar.h"
+#include "qca_shared.h"
 
 #if defined(__GNUC__)
 #define QCA_ALWAYS_INLINE inline __attribute__((always_inline))
@@ -34,7 +35,6 @@
 /* Components per tile: its planes stay in L1/L2. */
 #define QCA_TILE_COMPONENTS 512
 
-#define QCA_HD
 #define REAL float
 #define SUFFIX f32
 #include "qca_step_cells.inc"
@@ -303,9 +303,7 @@ static cell_layout layout_of(const qca_grid* g, int64_t sb, int64_t sh, int64_t 
 }
 
 static int64_t offset_of(const qca_grid* g, const cell_layout* l, int64_t cell) {
-  const int64_t w = cell % g->width, h = (cell / g->width) % g->height,
-                b = cell / (g->width * g->height);
-  return b * l->sb + h * l->sh + w * l->sw;
+  return qca_cell_offset(cell, g->height, g->width, l->sb, l->sh, l->sw);
 }
 
 /* Cells from `cell` on (at most `left`) that stay on one stride in a tensor laid out as `l`. */

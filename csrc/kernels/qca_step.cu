@@ -4,8 +4,8 @@
 
 #include "qca_cuda_common.cuh"
 #include "qca_lowmem/qca_step.h"
+#include "qca_shared.h"
 
-#define QCA_HD __device__
 #define QCA_MUL(a, b) qca_lowmem_cuda::mul_rn((a), (b))  // bit for bit as C: no FMA
 
 // One set of overloads (residual_, dot_term_, ...) per precision: C++ needs no suffix.
@@ -26,13 +26,11 @@ using qca_lowmem_cuda::store_as;
 // Where a cell starts in psi (complex elements, strides b, h, w) and in a planar (B, 2d, H, W)
 // tensor (at channel 0, strides b, c, h, w).
 __device__ int64_t psi_offset(const qca_grid& g, const int64_t* stride, int64_t cell) {
-  const int64_t w = cell % g.width, h = (cell / g.width) % g.height, b = cell / (g.width * g.height);
-  return b * stride[0] + h * stride[1] + w * stride[2];
+  return qca_cell_offset(cell, g.height, g.width, stride[0], stride[1], stride[2]);
 }
 
 __device__ int64_t planar_offset(const qca_grid& g, const int64_t* stride, int64_t cell) {
-  const int64_t w = cell % g.width, h = (cell / g.width) % g.height, b = cell / (g.width * g.height);
-  return b * stride[0] + h * stride[2] + w * stride[3];
+  return qca_cell_offset(cell, g.height, g.width, stride[0], stride[2], stride[3]);
 }
 
 struct CellOffsets {

@@ -5,7 +5,6 @@
 
 #include "qca_scalar.h"
 
-#define QCA_HD
 #include "scaler_rule.h"
 
 int64_t qca_unscale_chunk_count(const int64_t* numel, int64_t n_tensors) {

@@ -12,7 +12,6 @@
 #include "qca_lowmem/scaler.h"
 #include "scaler_batches.h"
 
-#define QCA_HD __device__
 #include "scaler_rule.h"
 
 namespace {
