@@ -1,6 +1,13 @@
 // Helpers every op family's ATen glue shares: argument checks whose messages show what was
 // received, dtype mapping to the C API, kernel status codes turned into Python exceptions, CPU
 // work spread over torch's thread pool, and the complex state psi that the QCA ops take.
+//
+// Each family's prepare_<op>(inputs..., outputs&..., params&) (in <family>_glue.h) is the one
+// place an op's arguments are checked, for its CPU and CUDA glue alike. It returns nothing,
+// throws (TORCH_CHECK, naming the argument and describe()-ing what was received) on a bad one,
+// allocates the outputs into its tensor references and fills the kernel parameters, its last
+// argument. Parameters that point into tensors or host arrays of its own making travel with
+// them in one struct, passed as that last argument (GroupNormEluForward, UnscaleList).
 #pragma once
 
 #include <ATen/Parallel.h>

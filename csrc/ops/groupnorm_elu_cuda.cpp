@@ -5,7 +5,7 @@
 #include <torch/library.h>
 
 #include "glue_cuda.h"
-#include "groupnorm_elu.h"
+#include "groupnorm_elu_glue.h"
 
 namespace qca_lowmem {
 namespace {
@@ -27,7 +27,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_cuda(const at::Tens
                                                                   const at::Tensor& weight,
                                                                   const at::Tensor& bias,
                                                                   int64_t groups, double eps) {
-  GroupNormEluForward f = prepare_groupnorm_elu(x, weight, bias, groups, eps);
+  GroupNormEluForward f;
+  prepare_groupnorm_elu(x, weight, bias, groups, eps, f);
   const c10::cuda::CUDAGuard guard(x.device());  // after the checks: they name a device mix
   launch_with_workspace(qca_groupnorm_elu_forward_cuda, f.params, f.x, 0, "groupnorm_elu");
   return {f.y, f.mean, f.rstd};
@@ -36,7 +37,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_cuda(const at::Tens
 at::Tensor groupnorm_elu_apply_cuda(const at::Tensor& x, const at::Tensor& weight,
                                     const at::Tensor& bias, const at::Tensor& mean,
                                     const at::Tensor& rstd) {
-  GroupNormEluForward f = prepare_groupnorm_elu_apply(x, weight, bias, mean, rstd);
+  GroupNormEluForward f;
+  prepare_groupnorm_elu_apply(x, weight, bias, mean, rstd, f);
   const c10::cuda::CUDAGuard guard(x.device());  // after the checks: they name a device mix
   launch_cuda(qca_groupnorm_elu_forward_cuda, f.params, "groupnorm_elu_apply");
   return f.y;
@@ -45,7 +47,8 @@ at::Tensor groupnorm_elu_apply_cuda(const at::Tensor& x, const at::Tensor& weigh
 std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_backward_cuda(
     const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
     const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& rstd) {
-  GroupNormEluBackward b = prepare_groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd);
+  GroupNormEluBackward b;
+  prepare_groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd, b);
   const c10::cuda::CUDAGuard guard(x.device());  // after the checks: they name a device mix
   launch_with_workspace(qca_groupnorm_elu_backward_cuda, b.params, b.x, 1,
                         "groupnorm_elu_backward");
