@@ -13,7 +13,7 @@
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kBlocksPerSm = 2;       // what choose_splits aims for, and __launch_bounds__ promises
+constexpr int kBlocksPerSm = 2;  // what choose_splits aims for, and __launch_bounds__ promises
 constexpr int64_t kMaxSplits = 64;
 // A chunk is pixels_per_lane pixels for each pixel lane: 16, or 8 or 4 where a sample would
 // otherwise be fewer than kSampleChunks chunks (two blocks on each SM of a 128-SM GPU at batch
@@ -27,13 +27,13 @@ constexpr int kMinNchwPixelLanes = 32;  // NCHW: a warp reads 32 consecutive pix
 
 // How a pair's work is cut, from the shape alone (splits aside, which change no result).
 struct Plan {
-  int64_t channels;      // of a group
-  int64_t pixels;        // H * W
+  int64_t channels;  // of a group
+  int64_t pixels;  // H * W
   int64_t chunk_pixels;  // pixels of one chunk (all channels of the group)
-  int64_t chunks;        // of a pair; at least 1, so an empty group still has its (empty) chunk
-  int64_t splits;        // blocks per pair; each takes a run of whole chunks
+  int64_t chunks;  // of a pair; at least 1, so an empty group still has its (empty) chunk
+  int64_t splits;  // blocks per pair; each takes a run of whole chunks
   int channel_lanes, pixel_lanes;  // channel_lanes * pixel_lanes <= kThreads
-  int pixel_lane_step;   // threads between neighbouring pixel lanes: channel_lanes, or 1 in NCHW
+  int pixel_lane_step;  // threads between neighbouring pixel lanes: channel_lanes, or 1 in NCHW
 };
 
 qca_status check_shape(const qca_groupnorm_elu_shape& s) {

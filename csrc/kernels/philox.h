@@ -36,6 +36,8 @@ static inline QCA_HD qca_philox4x32 qca_philox4x32_10(qca_philox4x32 counter, ui
 }
 
 /* A 32-bit word as a double in [0, 1): exact, so `u < rate` hits with probability rate to 2^-32. */
-static inline QCA_HD double qca_philox_unit(uint32_t word) { return (double)word * 2.3283064365386963e-10; }
+static inline QCA_HD double qca_philox_unit(uint32_t word) {
+  return (double)word * 2.3283064365386963e-10;
+}
 
 #endif

@@ -23,8 +23,7 @@
 /* Where cell `cell` of a (batch, height, width) grid, numbered row-major, lies in a tensor of
  * strides (batch, row, column). */
 static inline QCA_HD int64_t qca_cell_offset(int64_t cell, int64_t height, int64_t width,
-                                             int64_t stride_b, int64_t stride_h,
-                                             int64_t stride_w) {
+                                             int64_t stride_b, int64_t stride_h, int64_t stride_w) {
   const int64_t w = cell % width, h = (cell / width) % height, b = cell / (width * height);
   return b * stride_b + h * stride_h + w * stride_w;
 }

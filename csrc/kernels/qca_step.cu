@@ -67,8 +67,8 @@ __device__ void pack_backward_cell(const qca_pack_backward_params* p, int64_t ce
 
 // n_k of one cell from the saved inputs.
 template <typename REAL>
-__device__ void cell_residual(const qca_update_params* p, const CellOffsets& at, int64_t k, REAL* ar,
-                              REAL* ai, REAL* nr, REAL* ni) {
+__device__ void cell_residual(const qca_update_params* p, const CellOffsets& at, int64_t k,
+                              REAL* ar, REAL* ai, REAL* nr, REAL* ni) {
   const REAL* psi_k = static_cast<const REAL*>(p->psi) + 2 * (at.psi + k * p->psi_stride[3]);
   *ar = load_as<REAL>(p->delta, p->delta_dtype, at.planar + k * p->delta_stride[1]);
   *ai = load_as<REAL>(p->delta, p->delta_dtype, at.planar + (p->grid.d + k) * p->delta_stride[1]);
@@ -119,8 +119,9 @@ __device__ void update_backward_cell(const qca_update_backward_params* bp, int64
     cell_residual(p, at, k, &ar, &ai, &nr, &ni);
     const REAL* psi_k = psi + 2 * (at.psi + k * p->psi_stride[3]);
     REAL gar, gai, gpr, gpi;
-    residual_backward_(psi_k[0], psi_k[1], ar, ai, nr, ni, g_cell[2 * k * gs[3]], g_cell[2 * k * gs[3] + 1],
-                       s, radial, p->multiplicative, decay, (REAL)p->gamma, &gar, &gai, &gpr, &gpi);
+    residual_backward_(psi_k[0], psi_k[1], ar, ai, nr, ni, g_cell[2 * k * gs[3]],
+                       g_cell[2 * k * gs[3] + 1], s, radial, p->multiplicative, decay,
+                       (REAL)p->gamma, &gar, &gai, &gpr, &gpi);
     if (bp->grad_delta) {
       store_as<REAL>(bp->grad_delta, p->delta_dtype, grad_delta_cell + k * delta_plane, gar);
       store_as<REAL>(bp->grad_delta, p->delta_dtype, grad_delta_cell + (d + k) * delta_plane, gai);
@@ -131,7 +132,6 @@ __device__ void update_backward_cell(const qca_update_backward_params* bp, int64
     }
   }
 }
-
 
 constexpr int kThreads = 256;
 
@@ -169,10 +169,11 @@ qca_status launch(const Params* p, const qca_grid& grid, qca_dtype state_dtype,
   if (n == 0) return QCA_OK;
   const unsigned int blocks = qca_lowmem_cuda::blocks_for(n, kThreads);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const cudaError_t e =
-      state_dtype == QCA_F32
-          ? qca_lowmem_cuda::launch_kernel(per_cell_kernel<Params, cell_f32>, blocks, kThreads, 0, s, *p, n)
-          : qca_lowmem_cuda::launch_kernel(per_cell_kernel<Params, cell_f64>, blocks, kThreads, 0, s, *p, n);
+  const cudaError_t e = state_dtype == QCA_F32
+                            ? qca_lowmem_cuda::launch_kernel(per_cell_kernel<Params, cell_f32>,
+                                                             blocks, kThreads, 0, s, *p, n)
+                            : qca_lowmem_cuda::launch_kernel(per_cell_kernel<Params, cell_f64>,
+                                                             blocks, kThreads, 0, s, *p, n);
   return qca_lowmem_cuda::finish_launch(e, err);
 }
 
@@ -180,13 +181,13 @@ qca_status launch(const Params* p, const qca_grid& grid, qca_dtype state_dtype,
 
 extern "C" qca_status qca_pack_cuda(const qca_pack_params* p, void* stream, qca_cuda_error* err) {
   return launch<qca_pack_params, pack_cell<float>, pack_cell<double>>(p, p->grid, p->state_dtype,
-                                                                  p->x_dtype, stream, err);
+                                                                      p->x_dtype, stream, err);
 }
 
 extern "C" qca_status qca_pack_backward_cuda(const qca_pack_backward_params* p, void* stream,
-                                      qca_cuda_error* err) {
-  return launch<qca_pack_backward_params, pack_backward_cell<float>, pack_backward_cell<double>>(p, p->grid, p->state_dtype,
-                                                                        p->x_dtype, stream, err);
+                                             qca_cuda_error* err) {
+  return launch<qca_pack_backward_params, pack_backward_cell<float>, pack_backward_cell<double>>(
+      p, p->grid, p->state_dtype, p->x_dtype, stream, err);
 }
 
 extern "C" qca_status qca_update_cuda(const qca_update_params* p, void* stream,
@@ -198,6 +199,6 @@ extern "C" qca_status qca_update_cuda(const qca_update_params* p, void* stream,
 extern "C" qca_status qca_update_backward_cuda(const qca_update_backward_params* p, void* stream,
                                                qca_cuda_error* err) {
   return launch<qca_update_backward_params, update_backward_cell<float>,
-                update_backward_cell<double>>(
-      p, p->fwd.grid, p->fwd.state_dtype, p->fwd.delta_dtype, stream, err);
+                update_backward_cell<double>>(p, p->fwd.grid, p->fwd.state_dtype,
+                                              p->fwd.delta_dtype, stream, err);
 }

@@ -70,8 +70,8 @@ std::pair<at::Tensor, at::Tensor> checked_stats(const at::Tensor& x, const at::T
   auto checked = [&](const at::Tensor& t, const char* name) {
     TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
     check_same_device(x, "x", t, name, op);
-    TORCH_CHECK(t.scalar_type() == stat_type_of(x), op, ": ", name, " must be ",
-                stat_type_of(x), " (statistics of a ", x.scalar_type(), " x), got ", describe(t));
+    TORCH_CHECK(t.scalar_type() == stat_type_of(x), op, ": ", name, " must be ", stat_type_of(x),
+                " (statistics of a ", x.scalar_type(), " x), got ", describe(t));
     TORCH_CHECK(t.dim() == 2 && t.size(0) == x.size(0) && t.size(1) >= 1, op, ": ", name,
                 " must have shape (N, groups) with N = ", x.size(0), ", got ", describe(t));
     check_groups(x, t.size(1), op);
@@ -87,8 +87,8 @@ std::pair<at::Tensor, at::Tensor> checked_stats(const at::Tensor& x, const at::T
 template <typename Params>
 void fill_inputs(Params& p, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                  int64_t groups) {
-  p.shape = qca_groupnorm_elu_shape{x.size(0), x.size(1), x.size(2), x.size(3), groups,
-                                    is_channels_last(x) ? 1 : 0};
+  p.shape = qca_groupnorm_elu_shape{x.size(0), x.size(1), x.size(2),
+                                    x.size(3), groups,    is_channels_last(x) ? 1 : 0};
   p.x_dtype = to_qca_dtype(x.scalar_type());
   p.x = x.const_data_ptr();
   p.affine_dtype = to_qca_dtype(weight.scalar_type());
@@ -205,8 +205,8 @@ at::Tensor groupnorm_elu_apply_cpu(const at::Tensor& x, const at::Tensor& weight
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_backward_cpu(
-    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
-    const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& rstd) {
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    const at::Tensor& mean, const at::Tensor& rstd) {
   GroupNormEluBackward b;
   prepare_groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd, b);
   parallel_pairs_cpu(b.params.shape, "groupnorm_elu_backward", [&](int64_t lo, int64_t hi) {

@@ -1,5 +1,6 @@
 // CUDA dispatch of the GroupNorm + ELU ops: same checks as the CPU glue (groupnorm_elu.cpp),
-// launched on the current stream of x's device. Every entry point: prepare (the checks), guard, launch.
+// launched on the current stream of x's device. Every entry point: prepare (the checks), guard,
+// launch.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -45,8 +46,8 @@ at::Tensor groupnorm_elu_apply_cuda(const at::Tensor& x, const at::Tensor& weigh
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_backward_cuda(
-    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
-    const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& rstd) {
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    const at::Tensor& mean, const at::Tensor& rstd) {
   GroupNormEluBackward b;
   prepare_groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd, b);
   const c10::cuda::CUDAGuard guard(x.device());  // after the checks: they name a device mix

@@ -66,8 +66,6 @@ TORCH_LIBRARY_IMPL(qca_lowmem, CPU, m) {
   m.impl("bit_flip", &bit_flip_cpu);
 }
 
-TORCH_LIBRARY_IMPL(qca_lowmem, CompositeExplicitAutograd, m) {
-  m.impl("noise_coin", &noise_coin);
-}
+TORCH_LIBRARY_IMPL(qca_lowmem, CompositeExplicitAutograd, m) { m.impl("noise_coin", &noise_coin); }
 
 }  // namespace qca_lowmem

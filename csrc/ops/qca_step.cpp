@@ -19,8 +19,8 @@ void check_step_layout(const at::Tensor& psi, const at::Tensor& t, const char* n
   TORCH_CHECK(t.dim() == 4, op, ": ", name, " must have 4 dimensions (B, 2d, H, W), got ",
               describe(t));
   const int64_t d = psi.size(3);
-  TORCH_CHECK(t.size(1) == 2 * d, op, ": ", name, " must have 2*d = ", 2 * d,
-              " channels (d = ", d, " from psi's last dimension), got ", describe(t));
+  TORCH_CHECK(t.size(1) == 2 * d, op, ": ", name, " must have 2*d = ", 2 * d, " channels (d = ", d,
+              " from psi's last dimension), got ", describe(t));
   TORCH_CHECK(t.size(0) == psi.size(0), op, ": ", name, " has batch size ", t.size(0),
               " but psi has ", psi.size(0), "; got ", describe(t), " and psi ", describe(psi));
   TORCH_CHECK(t.size(2) == psi.size(1) && t.size(3) == psi.size(2), op, ": ", name,
@@ -97,8 +97,7 @@ void prepare_pack_backward(const at::Tensor& grad_x, at::ScalarType psi_dtype,
               op, ": grad_x must be a real floating tensor (B, 2d, H, W), got ", describe(grad_x));
   TORCH_CHECK(psi_dtype == at::kComplexFloat || psi_dtype == at::kComplexDouble, op,
               ": psi_dtype must be complex64 or complex128, got ", psi_dtype);
-  const int64_t B = grad_x.size(0), d = grad_x.size(1) / 2, H = grad_x.size(2),
-                W = grad_x.size(3);
+  const int64_t B = grad_x.size(0), d = grad_x.size(1) / 2, H = grad_x.size(2), W = grad_x.size(3);
   grad_psi_out = at::empty({B, H, W, d}, grad_x.options().dtype(psi_dtype));
   p = qca_pack_backward_params{};
   p.grid = qca_grid{B, H, W, d};
@@ -117,8 +116,8 @@ void prepare_update(const at::Tensor& psi, const at::Tensor& delta, double gamma
 }
 
 void prepare_update_backward(const at::Tensor& grad_out, const at::Tensor& psi,
-                             const at::Tensor& delta, double gamma, bool multiplicative,
-                             double eps, at::Tensor& grad_psi, at::Tensor& grad_delta,
+                             const at::Tensor& delta, double gamma, bool multiplicative, double eps,
+                             at::Tensor& grad_psi, at::Tensor& grad_delta,
                              qca_update_backward_params& bp) {
   const char* op = "qca_update_backward";
   bp = qca_update_backward_params{};

@@ -18,8 +18,8 @@ void prepare_pack_backward(const at::Tensor& grad_x, at::ScalarType psi_dtype,
 void prepare_update(const at::Tensor& psi, const at::Tensor& delta, double gamma,
                     bool multiplicative, double eps, at::Tensor& out, qca_update_params& p);
 void prepare_update_backward(const at::Tensor& grad_out, const at::Tensor& psi,
-                             const at::Tensor& delta, double gamma, bool multiplicative,
-                             double eps, at::Tensor& grad_psi, at::Tensor& grad_delta,
+                             const at::Tensor& delta, double gamma, bool multiplicative, double eps,
+                             at::Tensor& grad_psi, at::Tensor& grad_delta,
                              qca_update_backward_params& bp);
 
 }  // namespace qca_lowmem

@@ -55,10 +55,11 @@ void prepare_unscale(at::TensorList tensors, const at::Tensor& found_inf, const 
     TORCH_CHECK(t.scalar_type() == dtype, op, ": every tensor of ", list_name,
                 " must have one dtype (", dtype, ", from ", list_name, "[0]); ", list_name, "[", i,
                 "] is ", describe(t));
-    TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", list_name, "[", i,
-                "] has elements that share memory (an expanded tensor?), so it cannot be updated in "
-                "place; got ",
-                describe(t));
+    TORCH_CHECK(
+        at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", list_name, "[", i,
+        "] has elements that share memory (an expanded tensor?), so it cannot be updated in "
+        "place; got ",
+        describe(t));
   }
   check_scalar(factor, factor_name, at::kFloat, device, device_of, op);
   if (found_inf.defined()) check_scalar(found_inf, "found_inf", at::kFloat, device, device_of, op);
@@ -160,8 +161,8 @@ void amp_mul_cpu(at::TensorList tensors, const at::Tensor& factor) {
 }
 
 void amp_update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                          const at::Tensor& found_inf, double growth_factor,
-                          double backoff_factor, int64_t growth_interval) {
+                          const at::Tensor& found_inf, double growth_factor, double backoff_factor,
+                          int64_t growth_interval) {
   qca_scale_update_params p;
   prepare_scale_update(scale, growth_tracker, found_inf, growth_factor, backoff_factor,
                        growth_interval, p);
