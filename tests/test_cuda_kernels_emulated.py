@@ -519,7 +519,7 @@ def test_groupnorm_elu_gives_a_sample_the_same_bits_in_any_batch_on_any_gpu(emu,
 @pytest.mark.parametrize("channels_last", [0, 1], ids=["nchw", "channels_last"])
 def test_groupnorm_elu_at_the_unets_64x64_shape_is_split_and_batch_invariant(emu, channels_last):
     """(1, 64, 64, 64) with 8 groups, the U-Net's largest tensor at hidden 64: on a 132-SM GPU
-    each pair's 16 chunks go to 16 blocks (128 a pass, where one block a pair made 8), with the
+    each pair's 16 chunks go to 16 blocks (128 a launch, where one block a pair made 8), with the
     bits one block a pair gives (a 1-SM GPU), and within the tolerance of the C kernels."""
     case = ((1, 64, 64, 64), 8, channels_last)
     x, weight, bias, groups, _, stat_dtype = gn_inputs(case, (torch.float32, torch.float32), seed=4)
