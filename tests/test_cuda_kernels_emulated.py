@@ -264,11 +264,12 @@ def gn_tolerance(dtype, stat_dtype, magnitude):
     """Allowed |C - CUDA| for a GroupNorm+ELU output of `dtype` whose values (or, for a sum, the
     sum of the absolute values of its terms) are of size `magnitude`.
 
-    C and CUDA add the up to n = 2^14 terms of a group (or channel) in different orders, so they
-    round differently. CUDA adds at most 16 terms per channel per thread in each chunk (of 8192
-    elements or so), combines the 512 threads in a shuffle tree of depth 5 then the 16 warps one
-    after another, then the chunks one after another, in the statistics dtype: about 2^6
-    roundings, 2^-47 in double and 2^-18 in float (all but float64 data). C adds lanes of at most
+    C and CUDA add the up to n = 2^15 terms of a group (or channel) in different orders, so they
+    round differently. CUDA adds at most 16 terms per channel per thread in each chunk (4 to 16
+    pixels a pixel lane, gn_geometry), combines the 512 threads in a shuffle tree of depth 5 then
+    the 16 warps one after another (the backward's per-channel sums: a tree of depth 9 at most),
+    then the chunks one after another (at most MAX_TESTED_CHUNKS), in the statistics dtype: under
+    2^6 roundings, 2^-47 in double and 2^-18 in float (all but float64 data). C adds lanes of at most
     32 terms (float lanes for float statistics, double for double ones) into double once per
     512-element tile, the tiles' sums with compensation: within about sqrt(32) roundings of the
     lane type, 2^-50 in double and 2^-21 in float. The tolerance is more than twice the sum:
@@ -394,45 +395,144 @@ def test_groupnorm_elu_backward(emu, path, dtypes):
     assert_path_taken(path, split_by_case)
 
 
-# (batch size, multiprocessors): one block a pair (two blocks per multiprocessor filled), or 2
-# or 3 blocks a pair taking different runs of the sample's chunks (3 chunks a pair in
-# channels_last, 2 in NCHW).
-BATCHES_AND_GPUS = {(1, 1): "split", (1, 132): "split", (3, 1): "one block", (3, 4): "split",
-                    (140, 64): "one block"}
+# The chunk geometry of groupnorm_elu_plan.cuh, from the shape of one sample: (channel lanes,
+# pixel lanes, pixels of a chunk, chunks of a pair). Channel lanes: channels_last one a channel
+# (up to 512); NCHW the largest power of two up to the group's channels and 16, leaving 32 pixel
+# lanes at least. A chunk is 16, 8 or 4 pixels a pixel lane: the largest that cuts the sample into
+# 256 chunks, or a pair into 64, else 4.
+def gn_geometry(channels, pixels, groups, channels_last):
+    per_group = channels // groups
+    if channels_last:
+        channel_lanes = min(per_group, 512)
+    else:
+        channel_lanes = 1
+        while 2 * channel_lanes <= min(per_group, 16):
+            channel_lanes *= 2
+    pixel_lanes = 512 // channel_lanes
+    for per_lane in (16, 8, 4):
+        chunk = pixel_lanes * per_lane
+        chunks = max(1, -(-pixels // chunk))
+        if chunks >= 64 or groups * chunks >= 256:
+            break
+    return channel_lanes, pixel_lanes, chunk, chunks
+
+
+def gn_splits(batch, groups, chunks, sms):
+    """Blocks a pair: one when the pairs fill two blocks a multiprocessor, else up to one a chunk."""
+    pairs = batch * groups
+    return 1 if pairs >= 2 * sms or chunks == 1 else min(-(-2 * sms // pairs), chunks, 64)
+
+
+MAX_TESTED_CHUNKS = 16  # of a pair, in the cases compared with C (gn_tolerance's premise)
+WELFORD_FLOAT_BYTES = 16  # float mean, float m2, int64 count
+
+
+def gn_chunks_from_workspace(emu, x, groups, channels_last):
+    """Chunks a pair, read from the sizes of the two workspaces (float statistics; 0 when the
+    pairs are not split), checked against each other."""
+    forward = workspace(emu, x, groups, channels_last, torch.float32, 0)[1]
+    backward = workspace(emu, x, groups, channels_last, torch.float32, 1)[1]
+    pairs, per_group = x.shape[0] * groups, x.shape[1] // groups
+    assert forward * per_group * 2 * 4 == backward * WELFORD_FLOAT_BYTES
+    return forward // (pairs * WELFORD_FLOAT_BYTES)
+
+
+@pytest.mark.parametrize("channels_last", [0, 1], ids=["nchw", "channels_last"])
+def test_groupnorm_elu_chunk_geometry_is_the_plan(emu, channels_last):
+    """Every emulated case with samples, and the U-Net's shapes at batch 1 (hidden 64 and 128: 8 channels a
+    group at 64x64, 32x32 and 16x16), is cut into the chunks gn_geometry says, read from the
+    workspace sizes on a 132-multiprocessor GPU. A 64x64 group is 16 chunks, a 32x32 one 4 (the
+    split path, 128 to 256 blocks at batch 1); a 16x16 one stays one chunk, one block a pair."""
+    unet = [((1, c, side, side), c // 8) for c, side in
+            [(64, 64), (128, 64), (128, 32), (256, 32), (256, 16), (512, 16), (1024, 16)]]
+    cases = [(shape, groups) for shape, groups, layout in GN_CASES if layout == bool(channels_last) and shape[0]] + unet
+    expected = {(1, 64, 64, 64): 16, (1, 128, 64, 64): 16, (1, 128, 32, 32): 4, (1, 256, 32, 32): 4,
+                (1, 256, 16, 16): 1, (1, 512, 16, 16): 1, (1, 1024, 16, 16): 1}
+    for shape, groups in cases:
+        x = torch.empty(shape, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        chunks = gn_geometry(shape[1], shape[2] * shape[3], groups, channels_last)[3]
+        assert expected.get(shape, chunks) == chunks <= MAX_TESTED_CHUNKS, shape
+        split = gn_splits(shape[0], groups, chunks, 132) > 1
+        with emu.settings(sms=132):
+            assert gn_chunks_from_workspace(emu, x, groups, channels_last) == (chunks if split else 0), shape
+
+
+def gn_cuda_passes(emu, xs, grads, weight, bias, groups, channels_last, sms):
+    """Emulated CUDA forward then backward (float data and statistics) on a GPU of `sms`
+    multiprocessors: the outputs (y, mean, rstd, grad_x, grad_weight, grad_bias) and the blocks
+    each pass launched."""
+    batch, channels = xs.shape[:2]
+    y = torch.empty_like(xs)
+    mean, rstd = torch.empty(batch, groups), torch.empty(batch, groups)
+    grad_x, grad_weight, grad_bias = torch.empty_like(xs), torch.empty(batch, channels), torch.empty(batch, channels)
+    blocks = []
+    with emu.settings(sms=sms):
+        before = emu.counters()["blocks"]
+        ws, ws_bytes = workspace(emu, xs, groups, channels_last, torch.float32, 0)
+        emu.run("emu_gn_forward", CUDA, describe(xs), groups, channels_last, 1e-5, describe(weight),
+                describe(bias), 0, describe(mean), describe(rstd), ptr(y), ptr(ws), ws_bytes).check()
+        blocks.append(emu.counters()["blocks"] - before)
+        before = emu.counters()["blocks"]
+        ws, ws_bytes = workspace(emu, xs, groups, channels_last, torch.float32, 1)
+        emu.run("emu_gn_backward", CUDA, describe(grads), describe(xs), groups, channels_last,
+                describe(weight), describe(bias), describe(mean), describe(rstd), ptr(grad_x),
+                ptr(grad_weight), ptr(grad_bias), ptr(ws), ws_bytes).check()
+        blocks.append(emu.counters()["blocks"] - before)
+    return (y, mean, rstd, grad_x, grad_weight, grad_bias), blocks
+
+
+OUTPUT_NAMES = ["y", "mean", "rstd", "grad_x", "grad_weight", "grad_bias"]
+
+
+# (batch size, multiprocessors): one block a pair (two blocks per multiprocessor filled), or 2,
+# 3 or 9 blocks a pair taking different runs of the sample's 9 chunks (2 over 9 chunks: runs of
+# 4 and 5).
+BATCHES_AND_GPUS = {(1, 1): 2, (1, 132): 9, (3, 1): 1, (3, 4): 3, (140, 64): 1}
 
 
 @pytest.mark.parametrize("channels_last", [0, 1], ids=["nchw", "channels_last"])
 def test_groupnorm_elu_gives_a_sample_the_same_bits_in_any_batch_on_any_gpu(emu, channels_last):
     """Forward and backward of one sample alone and inside larger batches, on GPUs of several
     sizes (the one-block and the split paths): bit-identical."""
-    x, weight, bias, groups, _, stat_dtype = gn_inputs(((1, 2, 72, 120), 1, channels_last),
-                                                       (torch.float32, torch.float32), seed=11)
+    x, weight, bias, groups, _, _ = gn_inputs(((1, 2, 72, 120), 1, channels_last),
+                                              (torch.float32, torch.float32), seed=11)
+    assert gn_geometry(2, 72 * 120, groups, channels_last)[3] == 9
     grad_y = torch.randn(x.shape)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    results, split = {}, {}
-    for batch, sms in BATCHES_AND_GPUS:
+    results = {}
+    for (batch, sms), splits in BATCHES_AND_GPUS.items():
         at = batch // 2  # the sample's place in the batch; the other samples are random
         xs, grads = torch.randn((batch,) + x.shape[1:]), torch.randn((batch,) + x.shape[1:])
         xs[at], grads[at] = x[0], grad_y[0]
         xs, grads = xs.contiguous(memory_format=memory_format), grads.contiguous(memory_format=memory_format)
-        y = torch.empty_like(xs)
-        mean, rstd = torch.empty(batch, groups), torch.empty(batch, groups)
-        grad_x, grad_weight, grad_bias = torch.empty_like(xs), torch.empty(batch, 2), torch.empty(batch, 2)
-        with emu.settings(sms=sms):
-            ws, ws_bytes = workspace(emu, xs, groups, channels_last, stat_dtype, 0)
-            split[batch, sms] = ws_bytes > 0
-            emu.run("emu_gn_forward", CUDA, describe(xs), groups, channels_last, 1e-5, describe(weight),
-                    describe(bias), 0, describe(mean), describe(rstd), ptr(y), ptr(ws), ws_bytes).check()
-            ws, ws_bytes = workspace(emu, xs, groups, channels_last, stat_dtype, 1)
-            emu.run("emu_gn_backward", CUDA, describe(grads), describe(xs), groups, channels_last,
-                    describe(weight), describe(bias), describe(mean), describe(rstd), ptr(grad_x),
-                    ptr(grad_weight), ptr(grad_bias), ptr(ws), ws_bytes).check()
-        results[batch, sms] = [t[at] for t in (y, mean, rstd, grad_x, grad_weight, grad_bias)]
-    assert split == {setting: path == "split" for setting, path in BATCHES_AND_GPUS.items()}
+        outputs, blocks = gn_cuda_passes(emu, xs, grads, weight, bias, groups, channels_last, sms)
+        assert gn_splits(batch, groups, 9, sms) == splits
+        # the split path launches a partial kernel before the main one in each pass
+        assert blocks == [batch * groups * splits * (1 if splits == 1 else 2)] * 2, (batch, sms)
+        results[batch, sms] = [t[at] for t in outputs]
     reference = results[1, 1]
     for (batch, sms), outputs in results.items():
-        for name, a, b in zip(["y", "mean", "rstd", "grad_x", "grad_weight", "grad_bias"], reference, outputs):
+        for name, a, b in zip(OUTPUT_NAMES, reference, outputs):
             assert_same_bits(a, b, f"{name}, batch {batch} on {sms} multiprocessors")
+
+
+@pytest.mark.parametrize("channels_last", [0, 1], ids=["nchw", "channels_last"])
+def test_groupnorm_elu_at_the_unets_64x64_shape_is_split_and_batch_invariant(emu, channels_last):
+    """(1, 64, 64, 64) with 8 groups, the U-Net's largest tensor at hidden 64: on a 132-SM GPU
+    each pair's 16 chunks go to 16 blocks (128 a launch, where one block a pair made 8), with the
+    bits one block a pair gives (a 1-SM GPU), and within the tolerance of the C kernels."""
+    case = ((1, 64, 64, 64), 8, channels_last)
+    x, weight, bias, groups, _, stat_dtype = gn_inputs(case, (torch.float32, torch.float32), seed=4)
+    grad_y = torch.randn(x.shape).contiguous(
+        memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    split, split_blocks = gn_cuda_passes(emu, x, grad_y, weight, bias, groups, channels_last, 132)
+    one_block, one_blocks = gn_cuda_passes(emu, x, grad_y, weight, bias, groups, channels_last, 1)
+    assert split_blocks == [2 * 8 * 16] * 2 and one_blocks == [8] * 2
+    for name, a, b in zip(OUTPUT_NAMES, one_block, split):
+        assert_same_bits(a, b, f"{name} on 1 and on 132 multiprocessors")
+    c, _ = gn_forward(emu, x, weight, bias, groups, channels_last, stat_dtype)
+    assert_close_gn(c[0], split[0], x.dtype, stat_dtype, "y against C")
+    assert_close_gn(c[2], split[1], stat_dtype, stat_dtype, "mean against C")
 
 
 # ---- the loss scaler ----

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "qca_scalar.h"
+#include "qca_shared.h"
 
 enum {
   /* NCHW: accumulators of a contiguous run, and the run's length (32 terms a lane). The
@@ -226,7 +227,8 @@ qca_status qca_groupnorm_elu_forward_cpu(const qca_groupnorm_elu_params* p, int6
 /* With g = grad_y * ELU'(z) and dxhat = w * g, over the M elements of a group:
  *   grad_bias[c] = sum g,  grad_weight[c] = sum g * xhat,
  *   grad_x = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)),
- * where mean(dxhat) = sum_c w_c grad_bias[c] / M and mean(dxhat xhat) = sum_c w_c grad_weight[c] / M. */
+ * where mean(dxhat) = sum_c w_c grad_bias[c] / M and mean(dxhat xhat) = sum_c w_c grad_weight[c] /
+ * M. */
 qca_status qca_groupnorm_elu_backward_cpu(const qca_groupnorm_elu_backward_params* p,
                                           int64_t pair_begin, int64_t pair_end) {
   const qca_status status =
@@ -248,7 +250,8 @@ qca_status qca_groupnorm_elu_backward_cpu(const qca_groupnorm_elu_backward_param
   void* scratch = NULL;
   if (p->x_dtype != (f64 ? QCA_F64 : QCA_F32) && pair_end > pair_begin) {
     const int64_t elements = p->shape.channels / p->shape.groups * p->shape.height * p->shape.width;
-    scratch = malloc((size_t)(elements > 0 ? elements : 1) * (f64 ? sizeof(double) : sizeof(float)));
+    scratch =
+        malloc((size_t)(elements > 0 ? elements : 1) * (f64 ? sizeof(double) : sizeof(float)));
     if (!scratch) return QCA_ERR_OUT_OF_MEMORY;
   }
   for (int64_t pair = pair_begin; pair < pair_end; ++pair) {

@@ -14,11 +14,11 @@
 // elementwise and the same code in every kernel. CUDA does not match the C kernels bit for bit:
 // they add in another order (tests/test_cuda_kernels_emulated.py states the tolerance).
 //
-// Threads are laid out as (pixel lane, channel lane): with NCHW one channel lane, so a warp reads
-// consecutive pixels of one channel; with channels_last up to one lane per channel of the group,
-// so a warp reads the group's consecutive channels of consecutive pixels. Either way each thread
-// keeps one channel at a time, so per-channel sums stay in registers. How the work is cut and
-// launched: groupnorm_elu_plan.cuh.
+// Threads are laid out as (pixel lane, channel lane): with NCHW pixel lanes vary fastest, at least
+// 32 of them, so a warp reads consecutive pixels of one channel; with channels_last up to one
+// lane per channel of the group, varying fastest, so a warp reads the group's consecutive
+// channels of consecutive pixels. Either way each thread keeps one channel at a time, so
+// per-channel sums stay in registers. How the work is cut and launched: groupnorm_elu_plan.cuh.
 #include <math.h>
 
 #include "qca_cuda_common.cuh"
@@ -55,9 +55,14 @@ struct Place {
       channel_stride = plan.pixels;
       pixel_stride = 1;
     }
-    channel_lane = (int)threadIdx.x % plan.channel_lanes;
-    pixel_lane = (int)threadIdx.x / plan.channel_lanes;
-    active = pixel_lane < plan.pixel_lanes;
+    if (s.channels_last) {
+      channel_lane = (int)threadIdx.x % plan.channel_lanes;
+      pixel_lane = (int)threadIdx.x / plan.channel_lanes;
+    } else {
+      pixel_lane = (int)threadIdx.x % plan.pixel_lanes;
+      channel_lane = (int)threadIdx.x / plan.pixel_lanes;
+    }
+    active = pixel_lane < plan.pixel_lanes;  // channels_last: lanes that do not divide kThreads
   }
 
   __device__ bool first_block() const { return first_chunk == 0; }
@@ -94,15 +99,39 @@ __device__ __forceinline__ double elu_grad(double z) { return z > 0.0 ? 1.0 : ex
 
 // Element access with the data type known at compile time (the inner loops are memory bound;
 // the affine parameters and statistics, read once per channel, go through load_as instead).
-template <typename acc_t> __device__ __forceinline__ acc_t to_acc(float v) { return (acc_t)v; }
-template <typename acc_t> __device__ __forceinline__ acc_t to_acc(double v) { return (acc_t)v; }
-template <typename acc_t> __device__ __forceinline__ acc_t to_acc(__half v) { return (acc_t)__half2float(v); }
-template <typename acc_t> __device__ __forceinline__ acc_t to_acc(__nv_bfloat16 v) { return (acc_t)__bfloat162float(v); }
+template <typename acc_t>
+__device__ __forceinline__ acc_t to_acc(float v) {
+  return (acc_t)v;
+}
+template <typename acc_t>
+__device__ __forceinline__ acc_t to_acc(double v) {
+  return (acc_t)v;
+}
+template <typename acc_t>
+__device__ __forceinline__ acc_t to_acc(__half v) {
+  return (acc_t)__half2float(v);
+}
+template <typename acc_t>
+__device__ __forceinline__ acc_t to_acc(__nv_bfloat16 v) {
+  return (acc_t)__bfloat162float(v);
+}
 
-template <typename acc_t> __device__ __forceinline__ void put(float* p, int64_t i, acc_t v) { p[i] = (float)v; }
-template <typename acc_t> __device__ __forceinline__ void put(double* p, int64_t i, acc_t v) { p[i] = (double)v; }
-template <typename acc_t> __device__ __forceinline__ void put(__half* p, int64_t i, acc_t v) { p[i] = __float2half_rn((float)v); }
-template <typename acc_t> __device__ __forceinline__ void put(__nv_bfloat16* p, int64_t i, acc_t v) { p[i] = __float2bfloat16_rn((float)v); }
+template <typename acc_t>
+__device__ __forceinline__ void put(float* p, int64_t i, acc_t v) {
+  p[i] = (float)v;
+}
+template <typename acc_t>
+__device__ __forceinline__ void put(double* p, int64_t i, acc_t v) {
+  p[i] = (double)v;
+}
+template <typename acc_t>
+__device__ __forceinline__ void put(__half* p, int64_t i, acc_t v) {
+  p[i] = __float2half_rn((float)v);
+}
+template <typename acc_t>
+__device__ __forceinline__ void put(__nv_bfloat16* p, int64_t i, acc_t v) {
+  p[i] = __float2bfloat16_rn((float)v);
+}
 
 // Visits this thread's pixels of channel c in chunk `chunk`, kBatch at a time: a batch's loads
 // are all issued before any value is used, so each warp keeps several requests in flight (one at
@@ -114,15 +143,17 @@ constexpr int kForwardBatch = sizeof(scalar_t) == 8 ? 2 : 4;
 constexpr int kBackwardBatch = 2;
 
 template <int kBatch, typename Load, typename Use>
-__device__ __forceinline__ void for_pixels(const Place& t, const Plan& plan, int64_t c, int64_t chunk, Load load,
-                                           Use use) {
+__device__ __forceinline__ void for_pixels(const Place& t, const Plan& plan, int64_t c,
+                                           int64_t chunk, Load load, Use use) {
   using value_t = decltype(load(int64_t(0)));
   const int64_t begin = chunk * plan.chunk_pixels;
-  const int64_t end = begin + plan.chunk_pixels < plan.pixels ? begin + plan.chunk_pixels : plan.pixels;
+  const int64_t end =
+      begin + plan.chunk_pixels < plan.pixels ? begin + plan.chunk_pixels : plan.pixels;
   const int64_t row = t.base + c * t.channel_stride;  // element of pixel 0 of channel c
   const int64_t step = plan.pixel_lanes * t.pixel_stride;
   int64_t i = row + (begin + t.pixel_lane) * t.pixel_stride;
-  for (int64_t px = begin + t.pixel_lane; px < end; px += kBatch * plan.pixel_lanes, i += kBatch * step) {
+  for (int64_t px = begin + t.pixel_lane; px < end;
+       px += kBatch * plan.pixel_lanes, i += kBatch * step) {
     value_t values[kBatch] = {};
 #pragma unroll
     for (int k = 0; k < kBatch; ++k)
@@ -149,7 +180,8 @@ struct XAndGrad {
 
 // Welford statistics of one chunk, the same on every thread of the block.
 template <typename scalar_t, typename acc_t>
-__device__ Welford<acc_t> chunk_statistics(const Place& t, const Plan& plan, const scalar_t* x, int64_t chunk) {
+__device__ Welford<acc_t> chunk_statistics(const Place& t, const Plan& plan, const scalar_t* x,
+                                           int64_t chunk) {
   // Welford's update: stable in one pass, without a second read of the group.
   Welford<acc_t> w{acc_t(0), acc_t(0), 0};
   for_channels(t, plan, [&](int64_t c) {
@@ -162,7 +194,8 @@ __device__ Welford<acc_t> chunk_statistics(const Place& t, const Plan& plan, con
           w.m2 += mul_rn(delta, v - w.mean);
         });
   });
-  return block_reduce<kThreads>(w, [](const Welford<acc_t>& a, const Welford<acc_t>& b) { return merge(a, b); });
+  return block_reduce<kThreads>(
+      w, [](const Welford<acc_t>& a, const Welford<acc_t>& b) { return merge(a, b); });
 }
 
 template <typename acc_t>
@@ -202,7 +235,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       for (int64_t chunk = 0; chunk < plan.chunks; ++chunk)
         total = merge(total, chunk_statistics<scalar_t, acc_t>(t, plan, x, chunk));
     } else {
-      const Welford<acc_t>* partials = static_cast<const Welford<acc_t>*>(p.workspace) + t.pair * plan.chunks;
+      const Welford<acc_t>* partials =
+          static_cast<const Welford<acc_t>*>(p.workspace) + t.pair * plan.chunks;
       for (int64_t chunk = 0; chunk < plan.chunks; ++chunk) total = merge(total, partials[chunk]);
     }
     mean = total.mean;
@@ -228,8 +262,9 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 // Per-channel sums of g = grad_y * ELU'(z) and g * xhat over one chunk; `emit(c, sum_g,
 // sum_g_xhat)` is called once per channel, by the thread of pixel lane 0.
 template <typename scalar_t, typename acc_t, typename Emit>
-__device__ void chunk_channel_sums(const Place& t, const Plan& plan, const qca_groupnorm_elu_backward_params& p,
-                                   acc_t mean, acc_t rstd, int64_t chunk, Emit emit) {
+__device__ void chunk_channel_sums(const Place& t, const Plan& plan,
+                                   const qca_groupnorm_elu_backward_params& p, acc_t mean,
+                                   acc_t rstd, int64_t chunk, Emit emit) {
   const scalar_t* x = static_cast<const scalar_t*>(p.x);
   const scalar_t* grad_y = static_cast<const scalar_t*>(p.grad_y);
   QCA_SHARED(acc_t, s_bias_grad, kThreads);
@@ -260,13 +295,14 @@ __device__ void chunk_channel_sums(const Place& t, const Plan& plan, const qca_g
     // Tree sum over the pixel lanes of each channel lane.
     for (int stride = pixel_lanes_pow2 / 2; stride > 0; stride >>= 1) {
       if (t.active && t.pixel_lane < stride && t.pixel_lane + stride < plan.pixel_lanes) {
-        const int other = threadIdx.x + stride * plan.channel_lanes;
+        const int other = threadIdx.x + stride * plan.pixel_lane_step;
         s_bias_grad[threadIdx.x] += s_bias_grad[other];
         s_weight_grad[threadIdx.x] += s_weight_grad[other];
       }
       __syncthreads();
     }
-    if (has_channel && t.pixel_lane == 0) emit(c, s_bias_grad[threadIdx.x], s_weight_grad[threadIdx.x]);
+    if (has_channel && t.pixel_lane == 0)
+      emit(c, s_bias_grad[threadIdx.x], s_weight_grad[threadIdx.x]);
     __syncthreads();
   }
 }
@@ -281,10 +317,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const acc_t rstd = load_as<acc_t>(p.rstd, p.stat_dtype, t.pair);
   acc_t* sums = static_cast<acc_t*>(p.workspace) + t.pair * plan.chunks * plan.channels * 2;
   for (int64_t chunk = t.first_chunk; chunk < t.end_chunk; ++chunk)
-    chunk_channel_sums<scalar_t, acc_t>(t, plan, p, mean, rstd, chunk, [&](int64_t c, acc_t bias_grad, acc_t weight_grad) {
-      sums[(chunk * plan.channels + c) * 2] = bias_grad;
-      sums[(chunk * plan.channels + c) * 2 + 1] = weight_grad;
-    });
+    chunk_channel_sums<scalar_t, acc_t>(t, plan, p, mean, rstd, chunk,
+                                        [&](int64_t c, acc_t bias_grad, acc_t weight_grad) {
+                                          sums[(chunk * plan.channels + c) * 2] = bias_grad;
+                                          sums[(chunk * plan.channels + c) * 2 + 1] = weight_grad;
+                                        });
 }
 
 // Per-channel totals over the pair's chunks in chunk order (summed here, or by
@@ -297,16 +334,18 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const Place t(p.shape, plan);
   const acc_t mean = load_as<acc_t>(p.mean, p.stat_dtype, t.pair);
   const acc_t rstd = load_as<acc_t>(p.rstd, p.stat_dtype, t.pair);
-  const int64_t out = t.pair / p.shape.groups * p.shape.channels + t.first_channel;  // channel 0 of the group
+  const int64_t out =
+      t.pair / p.shape.groups * p.shape.channels + t.first_channel;  // channel 0 of the group
   acc_t* out_weight = static_cast<acc_t*>(p.grad_weight_per_sample) + out;
   acc_t* out_bias = static_cast<acc_t*>(p.grad_bias_per_sample) + out;
   if (plan.splits == 1) {
     for (int64_t chunk = 0; chunk < plan.chunks; ++chunk)
-      chunk_channel_sums<scalar_t, acc_t>(t, plan, p, mean, rstd, chunk, [&](int64_t c, acc_t bias_grad, acc_t weight_grad) {
-        // the same thread emits channel c for every chunk
-        out_bias[c] = chunk == 0 ? bias_grad : out_bias[c] + bias_grad;
-        out_weight[c] = chunk == 0 ? weight_grad : out_weight[c] + weight_grad;
-      });
+      chunk_channel_sums<scalar_t, acc_t>(
+          t, plan, p, mean, rstd, chunk, [&](int64_t c, acc_t bias_grad, acc_t weight_grad) {
+            // the same thread emits channel c for every chunk
+            out_bias[c] = chunk == 0 ? bias_grad : out_bias[c] + bias_grad;
+            out_weight[c] = chunk == 0 ? weight_grad : out_weight[c] + weight_grad;
+          });
     __syncthreads();  // the totals other threads wrote are read below
   }
   SumPair<acc_t> weighted{acc_t(0), acc_t(0)};  // sum_c w_c * total of g, of g * xhat
@@ -316,7 +355,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       bias_grad = out_bias[c];
       weight_grad = out_weight[c];
     } else {
-      const acc_t* sums = static_cast<const acc_t*>(p.workspace) + (t.pair * plan.chunks * plan.channels + c) * 2;
+      const acc_t* sums =
+          static_cast<const acc_t*>(p.workspace) + (t.pair * plan.chunks * plan.channels + c) * 2;
       bias_grad = sums[0];
       weight_grad = sums[1];
       for (int64_t chunk = 1; chunk < plan.chunks; ++chunk) {
@@ -351,7 +391,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
           [&](int64_t i, XAndGrad<acc_t> v) {
             const acc_t xhat = mul_rn(v.x - mean, rstd);
             const acc_t grad = mul_rn(v.grad, elu_grad(mul_rn(w, xhat) + b));
-            put<acc_t>(grad_x, i, mul_rn(rstd, mul_rn(w, grad) - mean_dxhat - mul_rn(xhat, mean_dxhat_xhat)));
+            put<acc_t>(grad_x, i,
+                       mul_rn(rstd, mul_rn(w, grad) - mean_dxhat - mul_rn(xhat, mean_dxhat_xhat)));
           });
   });
 }
@@ -360,11 +401,13 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 
 // Workspace of the partial kernel: per chunk, the statistics (forward) or the per-channel sums
 // (backward). None when a pair is one block.
-int64_t workspace_bytes(const qca_groupnorm_elu_shape& s, const Plan& plan, qca_dtype stat_dtype, bool backward) {
+int64_t workspace_bytes(const qca_groupnorm_elu_shape& s, const Plan& plan, qca_dtype stat_dtype,
+                        bool backward) {
   if (plan.splits <= 1) return 0;
   const bool wide = stat_dtype == QCA_F64;
-  const int64_t per_chunk = backward ? plan.channels * 2 * (wide ? 8 : 4)
-                                     : (int64_t)(wide ? sizeof(Welford<double>) : sizeof(Welford<float>));
+  const int64_t per_chunk =
+      backward ? plan.channels * 2 * (wide ? 8 : 4)
+               : (int64_t)(wide ? sizeof(Welford<double>) : sizeof(Welford<float>));
   return s.batch * s.groups * plan.chunks * per_chunk;
 }
 
@@ -413,7 +456,8 @@ qca_status launch(const Params* p, bool backward, void* stream, qca_cuda_error* 
   if (!make_plan(p->shape, &plan, &query)) return qca_lowmem_cuda::finish_launch(query, err);
   const bool partials = needs_partials(*p) && plan.splits > 1;
   const int64_t needed = partials ? workspace_bytes(p->shape, plan, p->stat_dtype, backward) : 0;
-  if (p->workspace_bytes < needed || (needed > 0 && p->workspace == nullptr)) return QCA_ERR_INVALID_ARGUMENT;
+  if (p->workspace_bytes < needed || (needed > 0 && p->workspace == nullptr))
+    return QCA_ERR_INVALID_ARGUMENT;
   const Kernels<Params> kernels = kernels_for(*p);
   const unsigned int blocks = (unsigned int)(pairs * plan.splits);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -422,13 +466,14 @@ qca_status launch(const Params* p, bool backward, void* stream, qca_cuda_error* 
     const cudaError_t e = launch_kernel(kernels.partial, blocks, kThreads, 0, s, *p, plan);
     if (e != cudaSuccess) return qca_lowmem_cuda::finish_launch(e, err);
   }
-  return qca_lowmem_cuda::finish_launch(launch_kernel(kernels.main, blocks, kThreads, 0, s, *p, plan), err);
+  return qca_lowmem_cuda::finish_launch(
+      launch_kernel(kernels.main, blocks, kThreads, 0, s, *p, plan), err);
 }
 
 }  // namespace
 
-extern "C" int64_t qca_groupnorm_elu_cuda_workspace_bytes(const qca_groupnorm_elu_shape* shape, qca_dtype stat_dtype,
-                                                          int backward) {
+extern "C" int64_t qca_groupnorm_elu_cuda_workspace_bytes(const qca_groupnorm_elu_shape* shape,
+                                                          qca_dtype stat_dtype, int backward) {
   if (check_shape(*shape) != QCA_OK || (stat_dtype != QCA_F32 && stat_dtype != QCA_F64)) return 0;
   Plan plan;
   cudaError_t query;  // a failed query fails the launch that follows, which reports it
@@ -436,12 +481,12 @@ extern "C" int64_t qca_groupnorm_elu_cuda_workspace_bytes(const qca_groupnorm_el
   return workspace_bytes(*shape, plan, stat_dtype, backward != 0);
 }
 
-extern "C" qca_status qca_groupnorm_elu_forward_cuda(const qca_groupnorm_elu_params* p, void* stream,
-                                                     qca_cuda_error* err) {
+extern "C" qca_status qca_groupnorm_elu_forward_cuda(const qca_groupnorm_elu_params* p,
+                                                     void* stream, qca_cuda_error* err) {
   return launch(p, false, stream, err);
 }
 
-extern "C" qca_status qca_groupnorm_elu_backward_cuda(const qca_groupnorm_elu_backward_params* p, void* stream,
-                                                      qca_cuda_error* err) {
+extern "C" qca_status qca_groupnorm_elu_backward_cuda(const qca_groupnorm_elu_backward_params* p,
+                                                      void* stream, qca_cuda_error* err) {
   return launch(p, true, stream, err);
 }

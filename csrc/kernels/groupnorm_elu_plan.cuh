@@ -2,7 +2,8 @@
 // (sample, group) pair's pixels are cut into chunks and over how many blocks, from the shape and
 // the device's size alone, and the checks a launch makes first. Host code; the kernels read the
 // Plan it fills.
-#pragma once
+#ifndef QCA_LOWMEM_GROUPNORM_ELU_PLAN_CUH
+#define QCA_LOWMEM_GROUPNORM_ELU_PLAN_CUH
 
 #include <stdint.h>
 
@@ -12,18 +13,27 @@
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kBlocksPerSm = 2;       // what choose_splits aims for, and __launch_bounds__ promises
-constexpr int64_t kPixelsPerLane = 16;  // a chunk: this many pixels for each pixel lane
+constexpr int kBlocksPerSm = 2;  // what choose_splits aims for, and __launch_bounds__ promises
 constexpr int64_t kMaxSplits = 64;
+// A chunk is pixels_per_lane pixels for each pixel lane: 16, or 8 or 4 where a sample would
+// otherwise be fewer than kSampleChunks chunks (two blocks on each SM of a 128-SM GPU at batch
+// 1: a 64x64 group of 8 channels is 16 chunks, not 1). Never below 4, one forward batch, and
+// never smaller than a pair spreads over (kMaxSplits chunks), where the extra chunks would only
+// add block reductions.
+constexpr int64_t kMaxPixelsPerLane = 16;
+constexpr int64_t kMinPixelsPerLane = 4;
+constexpr int64_t kSampleChunks = 256;
+constexpr int kMinNchwPixelLanes = 32;  // NCHW: a warp reads 32 consecutive pixels of a channel
 
 // How a pair's work is cut, from the shape alone (splits aside, which change no result).
 struct Plan {
-  int64_t channels;      // of a group
-  int64_t pixels;        // H * W
+  int64_t channels;  // of a group
+  int64_t pixels;  // H * W
   int64_t chunk_pixels;  // pixels of one chunk (all channels of the group)
-  int64_t chunks;        // of a pair; at least 1, so an empty group still has its (empty) chunk
-  int64_t splits;        // blocks per pair; each takes a run of whole chunks
+  int64_t chunks;  // of a pair; at least 1, so an empty group still has its (empty) chunk
+  int64_t splits;  // blocks per pair; each takes a run of whole chunks
   int channel_lanes, pixel_lanes;  // channel_lanes * pixel_lanes <= kThreads
+  int pixel_lane_step;  // threads between neighbouring pixel lanes: channel_lanes, or 1 in NCHW
 };
 
 qca_status check_shape(const qca_groupnorm_elu_shape& s) {
@@ -58,16 +68,40 @@ int64_t choose_splits(int64_t pairs, int64_t chunks, cudaError_t* query) {
   return splits;
 }
 
-// The plan for `s` (checked) on the current device; false when the device query failed.
+// Channel lanes: channels_last one per channel of the group (up to kThreads), so a warp reads
+// the group's channels of consecutive pixels; NCHW the largest power of two up to the group's
+// channels that leaves kMinNchwPixelLanes pixel lanes, warp-aligned rows of one channel.
+int channel_lanes_for(const qca_groupnorm_elu_shape& s, int64_t channels) {
+  if (s.channels_last) return (int)(channels < kThreads ? channels : kThreads);
+  int lanes = 1;
+  while (2 * lanes <= channels && 2 * lanes <= kThreads / kMinNchwPixelLanes) lanes *= 2;
+  return lanes;
+}
+
+int64_t chunks_of(int64_t pixels, int64_t chunk_pixels) {
+  return pixels > 0 ? (pixels + chunk_pixels - 1) / chunk_pixels : 1;
+}
+
+// The plan for `s` (checked) on the current device; false when the device query failed. All
+// but `splits` depends on the shape of one sample alone.
 bool make_plan(const qca_groupnorm_elu_shape& s, Plan* plan, cudaError_t* query) {
   plan->channels = s.channels / s.groups;
   plan->pixels = s.height * s.width;
-  plan->channel_lanes = s.channels_last ? (int)(plan->channels < kThreads ? plan->channels : kThreads) : 1;
+  plan->channel_lanes = channel_lanes_for(s, plan->channels);
   plan->pixel_lanes = kThreads / plan->channel_lanes;
-  plan->chunk_pixels = plan->pixel_lanes * kPixelsPerLane;
-  plan->chunks = plan->pixels > 0 ? (plan->pixels + plan->chunk_pixels - 1) / plan->chunk_pixels : 1;
+  plan->pixel_lane_step = s.channels_last ? plan->channel_lanes : 1;
+  int64_t pixels_per_lane = kMaxPixelsPerLane;
+  while (pixels_per_lane > kMinPixelsPerLane) {
+    const int64_t chunks = chunks_of(plan->pixels, plan->pixel_lanes * pixels_per_lane);
+    if (chunks >= kMaxSplits || s.groups * chunks >= kSampleChunks) break;
+    pixels_per_lane /= 2;
+  }
+  plan->chunk_pixels = plan->pixel_lanes * pixels_per_lane;
+  plan->chunks = chunks_of(plan->pixels, plan->chunk_pixels);
   plan->splits = choose_splits(s.batch * s.groups, plan->chunks, query);
   return plan->splits > 0;
 }
 
 }  // namespace
+
+#endif

@@ -4,8 +4,8 @@
 #include <math.h>
 #include <stddef.h>
 
-#define QCA_HD
 #include "noise_random.h"
+#include "qca_shared.h"
 
 #define SINCOS(x, s, c) (*(s) = sin(x), *(c) = cos(x))
 
@@ -36,16 +36,20 @@ static qca_status check_params(const qca_noise_params* p, int64_t cell_begin, in
 qca_status qca_phase_flip_cpu(const qca_noise_params* p, int64_t cell_begin, int64_t cell_end) {
   const qca_status status = check_params(p, cell_begin, cell_end);
   if (status != QCA_OK) return status;
-  if (p->state_dtype == QCA_F32) phase_flip_cells_f32(p, cell_begin, cell_end);
-  else phase_flip_cells_f64(p, cell_begin, cell_end);
+  if (p->state_dtype == QCA_F32)
+    phase_flip_cells_f32(p, cell_begin, cell_end);
+  else
+    phase_flip_cells_f64(p, cell_begin, cell_end);
   return QCA_OK;
 }
 
 qca_status qca_bit_flip_cpu(const qca_noise_params* p, int64_t cell_begin, int64_t cell_end) {
   const qca_status status = check_params(p, cell_begin, cell_end);
   if (status != QCA_OK) return status;
-  if (p->state_dtype == QCA_F32) bit_flip_cells_f32(p, cell_begin, cell_end);
-  else bit_flip_cells_f64(p, cell_begin, cell_end);
+  if (p->state_dtype == QCA_F32)
+    bit_flip_cells_f32(p, cell_begin, cell_end);
+  else
+    bit_flip_cells_f64(p, cell_begin, cell_end);
   return QCA_OK;
 }
 

@@ -4,8 +4,8 @@
 
 #include "qca_cuda_common.cuh"
 #include "qca_lowmem/noise.h"
+#include "qca_shared.h"
 
-#define QCA_HD __device__
 #define QCA_MUL(a, b) qca_lowmem_cuda::mul_rn((a), (b))  // bit for bit as C: no FMA
 #include "noise_random.h"
 

@@ -7,7 +7,7 @@
 
 /* Words 4*block .. 4*block+3 of `stream` for one cell. */
 static inline QCA_HD qca_philox4x32 qca_noise_block(uint64_t seed, uint64_t step, int64_t cell,
-                                                   uint32_t stream, uint32_t block) {
+                                                    uint32_t stream, uint32_t block) {
   const uint64_t c = (uint64_t)cell;
   qca_philox4x32 counter;
   counter.v[0] = (uint32_t)c;

@@ -1,19 +1,13 @@
 /* Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011), the
  * counter-based generator behind the training noise. One copy of the maths, compiled by the C
- * kernels and, with QCA_HD = __host__ __device__, by the CUDA kernels, so a given
+ * kernels and, as device functions (QCA_HD), by the CUDA kernels, so a given
  * (key, counter) yields the same words on the CPU and the GPU. */
 #ifndef QCA_LOWMEM_PHILOX_H
 #define QCA_LOWMEM_PHILOX_H
 
 #include <stdint.h>
 
-#ifndef QCA_HD
-#ifdef __CUDACC__
-#define QCA_HD __host__ __device__
-#else
-#define QCA_HD
-#endif
-#endif
+#include "qca_shared.h"
 
 typedef struct qca_philox4x32 {
   uint32_t v[4];
@@ -42,6 +36,8 @@ static inline QCA_HD qca_philox4x32 qca_philox4x32_10(qca_philox4x32 counter, ui
 }
 
 /* A 32-bit word as a double in [0, 1): exact, so `u < rate` hits with probability rate to 2^-32. */
-static inline QCA_HD double qca_philox_unit(uint32_t word) { return (double)word * 2.3283064365386963e-10; }
+static inline QCA_HD double qca_philox_unit(uint32_t word) {
+  return (double)word * 2.3283064365386963e-10;
+}
 
 #endif

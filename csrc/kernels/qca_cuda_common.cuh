@@ -15,7 +15,7 @@
 // `type name[count]` in the block's shared memory; inside a kernel or device function only.
 #define QCA_SHARED(type, name, count) __shared__ type name[count]
 // `type* name`: the launch's dynamic shared memory (its smem_bytes), 16-byte aligned.
-#define QCA_DYNAMIC_SHARED(type, name)                                  \
+#define QCA_DYNAMIC_SHARED(type, name)                                 \
   extern __shared__ __align__(16) unsigned char qca_dynamic_shared_[]; \
   type* name = reinterpret_cast<type*>(qca_dynamic_shared_)
 #endif
@@ -32,8 +32,8 @@ namespace qca_lowmem_cuda {
 template <typename real_t>
 __device__ __forceinline__ real_t load_as(const void* base, qca_dtype dtype, int64_t index) {
   switch (dtype) {
-    case QCA_F32: return (real_t)static_cast<const float*>(base)[index];
-    case QCA_F64: return (real_t)static_cast<const double*>(base)[index];
+    case QCA_F32: return (real_t)(static_cast<const float*>(base)[index]);
+    case QCA_F64: return (real_t)(static_cast<const double*>(base)[index]);
     case QCA_F16: return (real_t)__half2float(static_cast<const __half*>(base)[index]);
     case QCA_BF16: return (real_t)__bfloat162float(static_cast<const __nv_bfloat16*>(base)[index]);
   }
@@ -63,7 +63,8 @@ __device__ __forceinline__ T shfl_down_words(const T& v, int offset) {
   unsigned int words[sizeof(T) / 4];
   memcpy(words, &v, sizeof(T));
 #pragma unroll
-  for (unsigned int i = 0; i < sizeof(T) / 4; ++i) words[i] = __shfl_down_sync(0xffffffffu, words[i], offset);
+  for (unsigned int i = 0; i < sizeof(T) / 4; ++i)
+    words[i] = __shfl_down_sync(0xffffffffu, words[i], offset);
   T result;
   memcpy(&result, words, sizeof(T));
   return result;

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 
 #include "qca_scalar.h"
+#include "qca_shared.h"
 
 #if defined(__GNUC__)
 #define QCA_ALWAYS_INLINE inline __attribute__((always_inline))
@@ -34,7 +35,6 @@
 /* Components per tile: its planes stay in L1/L2. */
 #define QCA_TILE_COMPONENTS 512
 
-#define QCA_HD
 #define REAL float
 #define SUFFIX f32
 #include "qca_step_cells.inc"
@@ -50,31 +50,37 @@
 
 /* The loop body once; the dispatcher calls it with literal unit strides where they hold, so that
  * each common layout gets a loop with contiguous accesses the compiler can vectorise. */
-#define QCA_DEFINE_COPY(name, SRC_T, DST_T, CONVERT)                                              \
-  static QCA_ALWAYS_INLINE void name##_cells_inner(const SRC_T* restrict src, int64_t sc,         \
-                                                   int64_t sk, DST_T* restrict dst, int64_t dc,   \
-                                                   int64_t dk, int64_t n, int64_t m) {            \
-    for (int64_t k = 0; k < m; ++k)                                                               \
-      for (int64_t i = 0; i < n; ++i) dst[i * dc + k * dk] = CONVERT(src[i * sc + k * sk]);       \
-  }                                                                                               \
-  static QCA_ALWAYS_INLINE void name##_components_inner(const SRC_T* restrict src, int64_t sc,    \
-                                                        int64_t sk, DST_T* restrict dst,          \
-                                                        int64_t dc, int64_t dk, int64_t n,        \
-                                                        int64_t m) {                              \
-    for (int64_t i = 0; i < n; ++i)                                                               \
-      for (int64_t k = 0; k < m; ++k) dst[i * dc + k * dk] = CONVERT(src[i * sc + k * sk]);       \
-  }                                                                                               \
-  static void name(const void* src_, int64_t sc, int64_t sk, void* dst_, int64_t dc, int64_t dk,  \
-                   int64_t n, int64_t m) {                                                        \
-    const SRC_T* src = (const SRC_T*)src_;                                                        \
-    DST_T* dst = (DST_T*)dst_;                                                                    \
-    if (sc == 1 && dc == 1) name##_cells_inner(src, 1, sk, dst, 1, dk, n, m);                     \
-    else if (dc == 1) name##_cells_inner(src, sc, sk, dst, 1, dk, n, m);                          \
-    else if (sc == 1) name##_cells_inner(src, 1, sk, dst, dc, dk, n, m);                          \
-    else if (sk == 1 && dk == 1) name##_components_inner(src, sc, 1, dst, dc, 1, n, m);          \
-    else if (dk == 1) name##_components_inner(src, sc, sk, dst, dc, 1, n, m);                     \
-    else if (sk == 1) name##_components_inner(src, sc, 1, dst, dc, dk, n, m);                     \
-    else name##_cells_inner(src, sc, sk, dst, dc, dk, n, m);                                      \
+#define QCA_DEFINE_COPY(name, SRC_T, DST_T, CONVERT)                                             \
+  static QCA_ALWAYS_INLINE void name##_cells_inner(const SRC_T* restrict src, int64_t sc,        \
+                                                   int64_t sk, DST_T* restrict dst, int64_t dc,  \
+                                                   int64_t dk, int64_t n, int64_t m) {           \
+    for (int64_t k = 0; k < m; ++k)                                                              \
+      for (int64_t i = 0; i < n; ++i) dst[i * dc + k * dk] = CONVERT(src[i * sc + k * sk]);      \
+  }                                                                                              \
+  static QCA_ALWAYS_INLINE void name##_components_inner(                                         \
+      const SRC_T* restrict src, int64_t sc, int64_t sk, DST_T* restrict dst, int64_t dc,        \
+      int64_t dk, int64_t n, int64_t m) {                                                        \
+    for (int64_t i = 0; i < n; ++i)                                                              \
+      for (int64_t k = 0; k < m; ++k) dst[i * dc + k * dk] = CONVERT(src[i * sc + k * sk]);      \
+  }                                                                                              \
+  static void name(const void* src_, int64_t sc, int64_t sk, void* dst_, int64_t dc, int64_t dk, \
+                   int64_t n, int64_t m) {                                                       \
+    const SRC_T* src = (const SRC_T*)src_;                                                       \
+    DST_T* dst = (DST_T*)dst_;                                                                   \
+    if (sc == 1 && dc == 1)                                                                      \
+      name##_cells_inner(src, 1, sk, dst, 1, dk, n, m);                                          \
+    else if (dc == 1)                                                                            \
+      name##_cells_inner(src, sc, sk, dst, 1, dk, n, m);                                         \
+    else if (sc == 1)                                                                            \
+      name##_cells_inner(src, 1, sk, dst, dc, dk, n, m);                                         \
+    else if (sk == 1 && dk == 1)                                                                 \
+      name##_components_inner(src, sc, 1, dst, dc, 1, n, m);                                     \
+    else if (dk == 1)                                                                            \
+      name##_components_inner(src, sc, sk, dst, dc, 1, n, m);                                    \
+    else if (sk == 1)                                                                            \
+      name##_components_inner(src, sc, 1, dst, dc, dk, n, m);                                    \
+    else                                                                                         \
+      name##_cells_inner(src, sc, sk, dst, dc, dk, n, m);                                        \
   }
 
 #define QCA_SAME(x) (x)
@@ -107,7 +113,7 @@ QCA_DEFINE_COPY(copy_bf16_f64, uint16_t, double, QCA_BF16_TO_F64)
  * stores with shuffles between them; the edges element by element. Two components (four planes)
  * at a time over all the cells, so that each plane is written (or read) in one run: planes a
  * power of two apart would otherwise evict each other's lines. */
-#define QCA_DEFINE_TRANSPOSES(T, SUF, WIDE_ROWS_TO_PLANES, WIDE_PLANES_TO_ROWS)                   \
+#define QCA_DEFINE_TRANSPOSES(T, SUF, WIDE_ROWS_TO_PLANES, WIDE_PLANES_TO_ROWS)                    \
   static void rows_to_planes_##SUF(const T* restrict rows, int64_t row_stride, T* restrict planes, \
                                    int64_t k_stride, int64_t part_stride, int64_t n, int64_t d) {  \
     const int64_t blocked = n - n % 4;                                                             \
@@ -123,7 +129,8 @@ QCA_DEFINE_COPY(copy_bf16_f64, uint16_t, double, QCA_BF16_TO_F64)
       }                                                                                            \
       for (int64_t i = blocked; i < n; ++i)                                                        \
         for (int c = 0; c < 4; ++c)                                                                \
-          planes[(k0 + c / 2) * k_stride + (c % 2) * part_stride + i] = rows[i * row_stride + 2 * k0 + c]; \
+          planes[(k0 + c / 2) * k_stride + (c % 2) * part_stride + i] =                            \
+              rows[i * row_stride + 2 * k0 + c];                                                   \
     }                                                                                              \
     for (; k0 < d; ++k0)                                                                           \
       for (int part = 0; part < 2; ++part)                                                         \
@@ -136,7 +143,7 @@ QCA_DEFINE_COPY(copy_bf16_f64, uint16_t, double, QCA_BF16_TO_F64)
     const int64_t blocked = n - n % 4;                                                             \
     int64_t k0 = WIDE_PLANES_TO_ROWS(planes, k_stride, part_stride, rows, row_stride, n, d);       \
     for (; k0 + 2 <= d; k0 += 2) {                                                                 \
-      for (int64_t i0 = 0; i0 < blocked; i0 += 4) {                                               \
+      for (int64_t i0 = 0; i0 < blocked; i0 += 4) {                                                \
         T block[4][4];                                                                             \
         for (int c = 0; c < 4; ++c)                                                                \
           for (int a = 0; a < 4; ++a)                                                              \
@@ -146,7 +153,8 @@ QCA_DEFINE_COPY(copy_bf16_f64, uint16_t, double, QCA_BF16_TO_F64)
       }                                                                                            \
       for (int64_t i = blocked; i < n; ++i)                                                        \
         for (int c = 0; c < 4; ++c)                                                                \
-          rows[i * row_stride + 2 * k0 + c] = planes[(k0 + c / 2) * k_stride + (c % 2) * part_stride + i]; \
+          rows[i * row_stride + 2 * k0 + c] =                                                      \
+              planes[(k0 + c / 2) * k_stride + (c % 2) * part_stride + i];                         \
     }                                                                                              \
     for (; k0 < d; ++k0)                                                                           \
       for (int part = 0; part < 2; ++part)                                                         \
@@ -187,8 +195,9 @@ static QCA_ALWAYS_INLINE void qca_transpose8(const float* in, const int64_t in_r
                   r5 = *(const qca_f32x8_at*)(in + in_row[5]),
                   r6 = *(const qca_f32x8_at*)(in + in_row[6]),
                   r7 = *(const qca_f32x8_at*)(in + in_row[7]);
-  const qca_f32x8 t0 = QCA_LO(r0, r1), t1 = QCA_HI(r0, r1), t2 = QCA_LO(r2, r3), t3 = QCA_HI(r2, r3),
-                  t4 = QCA_LO(r4, r5), t5 = QCA_HI(r4, r5), t6 = QCA_LO(r6, r7), t7 = QCA_HI(r6, r7);
+  const qca_f32x8 t0 = QCA_LO(r0, r1), t1 = QCA_HI(r0, r1), t2 = QCA_LO(r2, r3),
+                  t3 = QCA_HI(r2, r3), t4 = QCA_LO(r4, r5), t5 = QCA_HI(r4, r5),
+                  t6 = QCA_LO(r6, r7), t7 = QCA_HI(r6, r7);
   const qca_f32x8 u0 = QCA_LO2(t0, t2), u1 = QCA_HI2(t0, t2), u2 = QCA_LO2(t1, t3),
                   u3 = QCA_HI2(t1, t3), u4 = QCA_LO2(t4, t6), u5 = QCA_HI2(t4, t6),
                   u6 = QCA_LO2(t5, t7), u7 = QCA_HI2(t5, t7);
@@ -216,9 +225,10 @@ static int planes_close(int64_t k_stride, int64_t part_stride) {
   return 3 * k_stride + part_stride < 1024;
 }
 
-QCA_SIMD_CLONES static int64_t rows_to_planes_wide_f32(const float* restrict rows, int64_t row_stride,
-                                                       float* restrict planes, int64_t k_stride,
-                                                       int64_t part_stride, int64_t n, int64_t d) {
+QCA_SIMD_CLONES static int64_t rows_to_planes_wide_f32(const float* restrict rows,
+                                                       int64_t row_stride, float* restrict planes,
+                                                       int64_t k_stride, int64_t part_stride,
+                                                       int64_t n, int64_t d) {
   if (!planes_close(k_stride, part_stride)) return 0;
   const int64_t blocked = n - n % 8;
   int64_t k0 = 0, cell_row[8], plane_row[8];
@@ -233,9 +243,10 @@ QCA_SIMD_CLONES static int64_t rows_to_planes_wide_f32(const float* restrict row
   return k0;
 }
 
-QCA_SIMD_CLONES static int64_t planes_to_rows_wide_f32(const float* restrict planes, int64_t k_stride,
-                                                       int64_t part_stride, float* restrict rows,
-                                                       int64_t row_stride, int64_t n, int64_t d) {
+QCA_SIMD_CLONES static int64_t planes_to_rows_wide_f32(const float* restrict planes,
+                                                       int64_t k_stride, int64_t part_stride,
+                                                       float* restrict rows, int64_t row_stride,
+                                                       int64_t n, int64_t d) {
   if (!planes_close(k_stride, part_stride)) return 0;
   const int64_t blocked = n - n % 8;
   int64_t k0 = 0, cell_row[8], plane_row[8];
@@ -260,7 +271,8 @@ QCA_SIMD_CLONES static int64_t planes_to_rows_wide_f32(const float* restrict pla
 QCA_DEFINE_TRANSPOSES(float, f32, QCA_WIDE_ROWS_TO_PLANES_F32, QCA_WIDE_PLANES_TO_ROWS_F32)
 QCA_DEFINE_TRANSPOSES(double, f64, QCA_NO_WIDE, QCA_NO_WIDE)
 
-typedef void (*qca_copy_fn)(const void*, int64_t, int64_t, void*, int64_t, int64_t, int64_t, int64_t);
+typedef void (*qca_copy_fn)(const void*, int64_t, int64_t, void*, int64_t, int64_t, int64_t,
+                            int64_t);
 
 /* The copy from `from` to `to`, one of them the state's type (float or double); NULL otherwise. */
 static qca_copy_fn copy_fn(qca_dtype from, qca_dtype to) {
@@ -303,9 +315,7 @@ static cell_layout layout_of(const qca_grid* g, int64_t sb, int64_t sh, int64_t 
 }
 
 static int64_t offset_of(const qca_grid* g, const cell_layout* l, int64_t cell) {
-  const int64_t w = cell % g->width, h = (cell / g->width) % g->height,
-                b = cell / (g->width * g->height);
-  return b * l->sb + h * l->sh + w * l->sw;
+  return qca_cell_offset(cell, g->height, g->width, l->sb, l->sh, l->sw);
 }
 
 /* Cells from `cell` on (at most `left`) that stay on one stride in a tensor laid out as `l`. */
@@ -334,11 +344,15 @@ static void move_tile(int to_planar, int64_t d, qca_dtype state, char* psi, int6
                       int64_t n) {
   if (psi_k == 1 && x_dtype == state && x_step == 1) { /* contiguous cells and planes */
     if (state == QCA_F32) {
-      if (to_planar) rows_to_planes_f32((const float*)psi, 2 * psi_step, (float*)x, x_c, d * x_c, n, d);
-      else planes_to_rows_f32((const float*)x, x_c, d * x_c, (float*)psi, 2 * psi_step, n, d);
+      if (to_planar)
+        rows_to_planes_f32((const float*)psi, 2 * psi_step, (float*)x, x_c, d * x_c, n, d);
+      else
+        planes_to_rows_f32((const float*)x, x_c, d * x_c, (float*)psi, 2 * psi_step, n, d);
     } else {
-      if (to_planar) rows_to_planes_f64((const double*)psi, 2 * psi_step, (double*)x, x_c, d * x_c, n, d);
-      else planes_to_rows_f64((const double*)x, x_c, d * x_c, (double*)psi, 2 * psi_step, n, d);
+      if (to_planar)
+        rows_to_planes_f64((const double*)psi, 2 * psi_step, (double*)x, x_c, d * x_c, n, d);
+      else
+        planes_to_rows_f64((const double*)x, x_c, d * x_c, (double*)psi, 2 * psi_step, n, d);
     }
     return;
   }
@@ -347,8 +361,10 @@ static void move_tile(int to_planar, int64_t d, qca_dtype state, char* psi, int6
   for (int part = 0; part < 2; ++part) {
     char* psi_part = psi + part * psi_size;
     char* x_part = x + part * d * x_c * x_size;
-    if (to_planar) copy(psi_part, 2 * psi_step, 2 * psi_k, x_part, x_step, x_c, n, d);
-    else copy(x_part, x_step, x_c, psi_part, 2 * psi_step, 2 * psi_k, n, d);
+    if (to_planar)
+      copy(psi_part, 2 * psi_step, 2 * psi_k, x_part, x_step, x_c, n, d);
+    else
+      copy(x_part, x_step, x_c, psi_part, 2 * psi_step, 2 * psi_k, n, d);
   }
 }
 
@@ -383,7 +399,8 @@ qca_status qca_pack_cpu(const qca_pack_params* p, int64_t cell_begin, int64_t ce
   return QCA_OK;
 }
 
-qca_status qca_pack_backward_cpu(const qca_pack_backward_params* p, int64_t cell_begin, int64_t cell_end) {
+qca_status qca_pack_backward_cpu(const qca_pack_backward_params* p, int64_t cell_begin,
+                                 int64_t cell_end) {
   qca_status status = check_grid(&p->grid, cell_begin, cell_end);
   if (status != QCA_OK) return status;
   if (p->state_dtype != QCA_F32 && p->state_dtype != QCA_F64) return QCA_ERR_UNSUPPORTED_DTYPE;

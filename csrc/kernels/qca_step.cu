@@ -4,8 +4,8 @@
 
 #include "qca_cuda_common.cuh"
 #include "qca_lowmem/qca_step.h"
+#include "qca_shared.h"
 
-#define QCA_HD __device__
 #define QCA_MUL(a, b) qca_lowmem_cuda::mul_rn((a), (b))  // bit for bit as C: no FMA
 
 // One set of overloads (residual_, dot_term_, ...) per precision: C++ needs no suffix.
@@ -26,13 +26,11 @@ using qca_lowmem_cuda::store_as;
 // Where a cell starts in psi (complex elements, strides b, h, w) and in a planar (B, 2d, H, W)
 // tensor (at channel 0, strides b, c, h, w).
 __device__ int64_t psi_offset(const qca_grid& g, const int64_t* stride, int64_t cell) {
-  const int64_t w = cell % g.width, h = (cell / g.width) % g.height, b = cell / (g.width * g.height);
-  return b * stride[0] + h * stride[1] + w * stride[2];
+  return qca_cell_offset(cell, g.height, g.width, stride[0], stride[1], stride[2]);
 }
 
 __device__ int64_t planar_offset(const qca_grid& g, const int64_t* stride, int64_t cell) {
-  const int64_t w = cell % g.width, h = (cell / g.width) % g.height, b = cell / (g.width * g.height);
-  return b * stride[0] + h * stride[2] + w * stride[3];
+  return qca_cell_offset(cell, g.height, g.width, stride[0], stride[2], stride[3]);
 }
 
 struct CellOffsets {
@@ -69,8 +67,8 @@ __device__ void pack_backward_cell(const qca_pack_backward_params* p, int64_t ce
 
 // n_k of one cell from the saved inputs.
 template <typename REAL>
-__device__ void cell_residual(const qca_update_params* p, const CellOffsets& at, int64_t k, REAL* ar,
-                              REAL* ai, REAL* nr, REAL* ni) {
+__device__ void cell_residual(const qca_update_params* p, const CellOffsets& at, int64_t k,
+                              REAL* ar, REAL* ai, REAL* nr, REAL* ni) {
   const REAL* psi_k = static_cast<const REAL*>(p->psi) + 2 * (at.psi + k * p->psi_stride[3]);
   *ar = load_as<REAL>(p->delta, p->delta_dtype, at.planar + k * p->delta_stride[1]);
   *ai = load_as<REAL>(p->delta, p->delta_dtype, at.planar + (p->grid.d + k) * p->delta_stride[1]);
@@ -121,8 +119,9 @@ __device__ void update_backward_cell(const qca_update_backward_params* bp, int64
     cell_residual(p, at, k, &ar, &ai, &nr, &ni);
     const REAL* psi_k = psi + 2 * (at.psi + k * p->psi_stride[3]);
     REAL gar, gai, gpr, gpi;
-    residual_backward_(psi_k[0], psi_k[1], ar, ai, nr, ni, g_cell[2 * k * gs[3]], g_cell[2 * k * gs[3] + 1],
-                       s, radial, p->multiplicative, decay, (REAL)p->gamma, &gar, &gai, &gpr, &gpi);
+    residual_backward_(psi_k[0], psi_k[1], ar, ai, nr, ni, g_cell[2 * k * gs[3]],
+                       g_cell[2 * k * gs[3] + 1], s, radial, p->multiplicative, decay,
+                       (REAL)p->gamma, &gar, &gai, &gpr, &gpi);
     if (bp->grad_delta) {
       store_as<REAL>(bp->grad_delta, p->delta_dtype, grad_delta_cell + k * delta_plane, gar);
       store_as<REAL>(bp->grad_delta, p->delta_dtype, grad_delta_cell + (d + k) * delta_plane, gai);
@@ -133,7 +132,6 @@ __device__ void update_backward_cell(const qca_update_backward_params* bp, int64
     }
   }
 }
-
 
 constexpr int kThreads = 256;
 
@@ -171,10 +169,11 @@ qca_status launch(const Params* p, const qca_grid& grid, qca_dtype state_dtype,
   if (n == 0) return QCA_OK;
   const unsigned int blocks = qca_lowmem_cuda::blocks_for(n, kThreads);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const cudaError_t e =
-      state_dtype == QCA_F32
-          ? qca_lowmem_cuda::launch_kernel(per_cell_kernel<Params, cell_f32>, blocks, kThreads, 0, s, *p, n)
-          : qca_lowmem_cuda::launch_kernel(per_cell_kernel<Params, cell_f64>, blocks, kThreads, 0, s, *p, n);
+  const cudaError_t e = state_dtype == QCA_F32
+                            ? qca_lowmem_cuda::launch_kernel(per_cell_kernel<Params, cell_f32>,
+                                                             blocks, kThreads, 0, s, *p, n)
+                            : qca_lowmem_cuda::launch_kernel(per_cell_kernel<Params, cell_f64>,
+                                                             blocks, kThreads, 0, s, *p, n);
   return qca_lowmem_cuda::finish_launch(e, err);
 }
 
@@ -182,13 +181,13 @@ qca_status launch(const Params* p, const qca_grid& grid, qca_dtype state_dtype,
 
 extern "C" qca_status qca_pack_cuda(const qca_pack_params* p, void* stream, qca_cuda_error* err) {
   return launch<qca_pack_params, pack_cell<float>, pack_cell<double>>(p, p->grid, p->state_dtype,
-                                                                  p->x_dtype, stream, err);
+                                                                      p->x_dtype, stream, err);
 }
 
 extern "C" qca_status qca_pack_backward_cuda(const qca_pack_backward_params* p, void* stream,
-                                      qca_cuda_error* err) {
-  return launch<qca_pack_backward_params, pack_backward_cell<float>, pack_backward_cell<double>>(p, p->grid, p->state_dtype,
-                                                                        p->x_dtype, stream, err);
+                                             qca_cuda_error* err) {
+  return launch<qca_pack_backward_params, pack_backward_cell<float>, pack_backward_cell<double>>(
+      p, p->grid, p->state_dtype, p->x_dtype, stream, err);
 }
 
 extern "C" qca_status qca_update_cuda(const qca_update_params* p, void* stream,
@@ -200,6 +199,6 @@ extern "C" qca_status qca_update_cuda(const qca_update_params* p, void* stream,
 extern "C" qca_status qca_update_backward_cuda(const qca_update_backward_params* p, void* stream,
                                                qca_cuda_error* err) {
   return launch<qca_update_backward_params, update_backward_cell<float>,
-                update_backward_cell<double>>(
-      p, p->fwd.grid, p->fwd.state_dtype, p->fwd.delta_dtype, stream, err);
+                update_backward_cell<double>>(p, p->fwd.grid, p->fwd.state_dtype,
+                                              p->fwd.delta_dtype, stream, err);
 }

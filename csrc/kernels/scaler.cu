@@ -3,16 +3,16 @@
 // Multi-tensor launch (plan in scaler_batches.h): the host walks the list once, mapping chunks
 // of QCA_SCALER_CHUNK reals to entries of a (tensor, chunk) table, and packs the addresses and
 // the table of up to 64 tensors / 320 chunks into a struct passed by value as a kernel argument.
-// Every launch is checked, and a tensor cut across batches continues in the next one. Each chunk is split over QCA_SCALER_CUDA_SPLIT thread blocks, so a batch fills the GPU
-// with little metadata. Sums of squares are written per block and added per tensor by a second,
-// deterministic pass, so the result does not depend on scheduling.
+// Every launch is checked, and a tensor cut across batches continues in the next one. Each chunk is
+// split over QCA_SCALER_CUDA_SPLIT thread blocks, so a batch fills the GPU with little metadata.
+// Sums of squares are written per block and added per tensor by a second, deterministic pass, so
+// the result does not depend on scheduling.
 #include <math.h>
 
 #include "qca_cuda_common.cuh"
 #include "qca_lowmem/scaler.h"
 #include "scaler_batches.h"
 
-#define QCA_HD __device__
 #include "scaler_rule.h"
 
 namespace {
@@ -204,8 +204,8 @@ qca_status dispatch_mode(const qca_unscale_params* p, cudaStream_t stream, qca_c
 }
 
 __global__ void __launch_bounds__(1) scale_update_kernel(const qca_scale_update_params p) {
-  qca_scale_update_rule(p.scale, p.growth_tracker, p.found_inf, p.growth_factor,
-                        p.backoff_factor, p.growth_interval);
+  qca_scale_update_rule(p.scale, p.growth_tracker, p.found_inf, p.growth_factor, p.backoff_factor,
+                        p.growth_interval);
 }
 
 }  // namespace

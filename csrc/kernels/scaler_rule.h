@@ -1,10 +1,12 @@
 /* The dynamic loss-scale update rule, shared by the C and CUDA kernels so both follow
- * torch._amp_update_scale_ bit for bit. Define QCA_HD (empty, or __device__) before including. */
+ * torch._amp_update_scale_ bit for bit. */
 #ifndef QCA_LOWMEM_SCALER_RULE_H
 #define QCA_LOWMEM_SCALER_RULE_H
 
 #include <math.h>
 #include <stdint.h>
+
+#include "qca_shared.h"
 
 static inline QCA_HD void qca_scale_update_rule(float* scale, int32_t* tracker,
                                                 const float* found_inf, double growth_factor,

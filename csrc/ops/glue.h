@@ -1,6 +1,13 @@
 // Helpers every op family's ATen glue shares: argument checks whose messages show what was
 // received, dtype mapping to the C API, kernel status codes turned into Python exceptions, CPU
 // work spread over torch's thread pool, and the complex state psi that the QCA ops take.
+//
+// Each family's prepare_<op>(inputs..., outputs&..., params&) (in its *_glue.h) is the one
+// place an op's arguments are checked, for its CPU and CUDA glue alike. It returns nothing,
+// throws (TORCH_CHECK, naming the argument and describe()-ing what was received) on a bad one,
+// allocates the outputs into its tensor references and fills the kernel parameters, its last
+// argument. Parameters that point into tensors or host arrays of its own making travel with
+// them in one struct, passed as that last argument (GroupNormEluForward, UnscaleList).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -44,7 +51,8 @@ inline qca_dtype to_qca_dtype(at::ScalarType t) {
 
 inline void check_status(qca_status status, const char* op) {
   TORCH_CHECK(status != QCA_ERR_INVALID_ARGUMENT, op, ": the kernel rejected its arguments");
-  TORCH_CHECK(status != QCA_ERR_UNSUPPORTED_DTYPE, op, ": the kernel has no variant for this dtype");
+  TORCH_CHECK(status != QCA_ERR_UNSUPPORTED_DTYPE, op,
+              ": the kernel has no variant for this dtype");
   TORCH_CHECK(status != QCA_ERR_OUT_OF_MEMORY, op, ": out of host memory for the kernel's scratch");
   TORCH_CHECK(status == QCA_OK, op, ": kernel failed with status ", static_cast<int>(status));
 }
@@ -71,11 +79,9 @@ inline void check_same_device(const at::Tensor& ref, const char* ref_name, const
 // ---- psi, the complex state (B, H, W, d) that the QCA step and noise ops take ----
 inline void check_state(const at::Tensor& psi, const char* op) {
   TORCH_CHECK(psi.defined(), op, ": psi is undefined");
-  TORCH_CHECK(psi.scalar_type() == at::kComplexFloat || psi.scalar_type() == at::kComplexDouble,
-              op, ": psi must be complex64 or complex128 with shape (B, H, W, d), got ",
-              describe(psi));
-  TORCH_CHECK(psi.dim() == 4, op, ": psi must have 4 dimensions (B, H, W, d), got ",
-              describe(psi));
+  TORCH_CHECK(psi.scalar_type() == at::kComplexFloat || psi.scalar_type() == at::kComplexDouble, op,
+              ": psi must be complex64 or complex128 with shape (B, H, W, d), got ", describe(psi));
+  TORCH_CHECK(psi.dim() == 4, op, ": psi must have 4 dimensions (B, H, W, d), got ", describe(psi));
   TORCH_CHECK(psi.size(3) >= 1, op, ": psi's last dimension d must be at least 1, got ",
               describe(psi));
 }

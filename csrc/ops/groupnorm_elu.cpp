@@ -1,6 +1,6 @@
 // ATen glue of the GroupNorm + ELU ops: argument checks, layout choice, output allocation, CPU
 // dispatch.
-#include "groupnorm_elu.h"
+#include "groupnorm_elu_glue.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -70,8 +70,8 @@ std::pair<at::Tensor, at::Tensor> checked_stats(const at::Tensor& x, const at::T
   auto checked = [&](const at::Tensor& t, const char* name) {
     TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
     check_same_device(x, "x", t, name, op);
-    TORCH_CHECK(t.scalar_type() == stat_type_of(x), op, ": ", name, " must be ",
-                stat_type_of(x), " (statistics of a ", x.scalar_type(), " x), got ", describe(t));
+    TORCH_CHECK(t.scalar_type() == stat_type_of(x), op, ": ", name, " must be ", stat_type_of(x),
+                " (statistics of a ", x.scalar_type(), " x), got ", describe(t));
     TORCH_CHECK(t.dim() == 2 && t.size(0) == x.size(0) && t.size(1) >= 1, op, ": ", name,
                 " must have shape (N, groups) with N = ", x.size(0), ", got ", describe(t));
     check_groups(x, t.size(1), op);
@@ -87,8 +87,8 @@ std::pair<at::Tensor, at::Tensor> checked_stats(const at::Tensor& x, const at::T
 template <typename Params>
 void fill_inputs(Params& p, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                  int64_t groups) {
-  p.shape = qca_groupnorm_elu_shape{x.size(0), x.size(1), x.size(2), x.size(3), groups,
-                                    is_channels_last(x) ? 1 : 0};
+  p.shape = qca_groupnorm_elu_shape{x.size(0), x.size(1), x.size(2),
+                                    x.size(3), groups,    is_channels_last(x) ? 1 : 0};
   p.x_dtype = to_qca_dtype(x.scalar_type());
   p.x = x.const_data_ptr();
   p.affine_dtype = to_qca_dtype(weight.scalar_type());
@@ -98,9 +98,8 @@ void fill_inputs(Params& p, const at::Tensor& x, const at::Tensor& weight, const
 }
 
 // Forward and apply without their statistics, which the callers add.
-GroupNormEluForward prepare_forward(const at::Tensor& x, const at::Tensor& weight,
-                                    const at::Tensor& bias, int64_t groups, const char* op) {
-  GroupNormEluForward f;
+void prepare_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                     int64_t groups, const char* op, GroupNormEluForward& f) {
   f.x = checked_input(x, op);
   std::tie(f.weight, f.bias) = checked_affine(f.x, weight, bias, op);
   check_groups(f.x, groups, op);
@@ -108,44 +107,40 @@ GroupNormEluForward prepare_forward(const at::Tensor& x, const at::Tensor& weigh
   f.params = qca_groupnorm_elu_params{};
   fill_inputs(f.params, f.x, f.weight, f.bias, groups);
   f.params.y = f.y.mutable_data_ptr();
-  return f;
 }
 
 }  // namespace
 
-GroupNormEluForward prepare_groupnorm_elu(const at::Tensor& x, const at::Tensor& weight,
-                                          const at::Tensor& bias, int64_t groups, double eps) {
+void prepare_groupnorm_elu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                           int64_t groups, double eps, GroupNormEluForward& f) {
   const char* op = "groupnorm_elu";
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
-  GroupNormEluForward f = prepare_forward(x, weight, bias, groups, op);
+  prepare_forward(x, weight, bias, groups, op, f);
   f.mean = at::empty({f.x.size(0), groups}, f.x.options().dtype(stat_type_of(f.x)));
   f.rstd = at::empty_like(f.mean);
   f.params.eps = eps;
   f.params.mean_out = f.mean.mutable_data_ptr();
   f.params.rstd_out = f.rstd.mutable_data_ptr();
-  return f;
 }
 
-GroupNormEluForward prepare_groupnorm_elu_apply(const at::Tensor& x, const at::Tensor& weight,
-                                                const at::Tensor& bias, const at::Tensor& mean,
-                                                const at::Tensor& rstd) {
+void prepare_groupnorm_elu_apply(const at::Tensor& x, const at::Tensor& weight,
+                                 const at::Tensor& bias, const at::Tensor& mean,
+                                 const at::Tensor& rstd, GroupNormEluForward& f) {
   const char* op = "groupnorm_elu_apply";
   const at::Tensor x_checked = checked_input(x, op);
   const auto [mean_in, rstd_in] = checked_stats(x_checked, mean, rstd, op);
-  GroupNormEluForward f = prepare_forward(x_checked, weight, bias, mean.size(1), op);
+  prepare_forward(x_checked, weight, bias, mean.size(1), op, f);
   f.mean = mean_in;
   f.rstd = rstd_in;
   f.params.mean_in = f.mean.const_data_ptr();
   f.params.rstd_in = f.rstd.const_data_ptr();
-  return f;
 }
 
-GroupNormEluBackward prepare_groupnorm_elu_backward(const at::Tensor& grad_y, const at::Tensor& x,
-                                                    const at::Tensor& weight,
-                                                    const at::Tensor& bias, const at::Tensor& mean,
-                                                    const at::Tensor& rstd) {
+void prepare_groupnorm_elu_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                    const at::Tensor& weight, const at::Tensor& bias,
+                                    const at::Tensor& mean, const at::Tensor& rstd,
+                                    GroupNormEluBackward& b) {
   const char* op = "groupnorm_elu_backward";
-  GroupNormEluBackward b;
   b.x = checked_input(x, op);
   TORCH_CHECK(grad_y.defined(), op, ": grad_y is undefined");
   check_same_device(b.x, "x", grad_y, "grad_y", op);
@@ -168,7 +163,6 @@ GroupNormEluBackward prepare_groupnorm_elu_backward(const at::Tensor& grad_y, co
   p.grad_x = b.grad_x.mutable_data_ptr();
   p.grad_weight_per_sample = b.grad_weight_per_sample.mutable_data_ptr();
   p.grad_bias_per_sample = b.grad_bias_per_sample.mutable_data_ptr();
-  return b;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_groupnorm_elu_backward(
@@ -191,7 +185,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_cpu(const at::Tenso
                                                                  const at::Tensor& weight,
                                                                  const at::Tensor& bias,
                                                                  int64_t groups, double eps) {
-  const GroupNormEluForward f = prepare_groupnorm_elu(x, weight, bias, groups, eps);
+  GroupNormEluForward f;
+  prepare_groupnorm_elu(x, weight, bias, groups, eps, f);
   parallel_pairs_cpu(f.params.shape, "groupnorm_elu", [&](int64_t lo, int64_t hi) {
     return qca_groupnorm_elu_forward_cpu(&f.params, lo, hi);
   });
@@ -201,7 +196,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_cpu(const at::Tenso
 at::Tensor groupnorm_elu_apply_cpu(const at::Tensor& x, const at::Tensor& weight,
                                    const at::Tensor& bias, const at::Tensor& mean,
                                    const at::Tensor& rstd) {
-  const GroupNormEluForward f = prepare_groupnorm_elu_apply(x, weight, bias, mean, rstd);
+  GroupNormEluForward f;
+  prepare_groupnorm_elu_apply(x, weight, bias, mean, rstd, f);
   parallel_pairs_cpu(f.params.shape, "groupnorm_elu_apply", [&](int64_t lo, int64_t hi) {
     return qca_groupnorm_elu_forward_cpu(&f.params, lo, hi);
   });
@@ -209,9 +205,10 @@ at::Tensor groupnorm_elu_apply_cpu(const at::Tensor& x, const at::Tensor& weight
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_backward_cpu(
-    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
-    const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& rstd) {
-  const GroupNormEluBackward b = prepare_groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd);
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    const at::Tensor& mean, const at::Tensor& rstd) {
+  GroupNormEluBackward b;
+  prepare_groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd, b);
   parallel_pairs_cpu(b.params.shape, "groupnorm_elu_backward", [&](int64_t lo, int64_t hi) {
     return qca_groupnorm_elu_backward_cpu(&b.params, lo, hi);
   });

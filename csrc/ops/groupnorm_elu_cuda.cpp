@@ -1,11 +1,12 @@
 // CUDA dispatch of the GroupNorm + ELU ops: same checks as the CPU glue (groupnorm_elu.cpp),
-// launched on the current stream of x's device. Every entry point: prepare (the checks), guard, launch.
+// launched on the current stream of x's device. Every entry point: prepare (the checks), guard,
+// launch.
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include "glue_cuda.h"
-#include "groupnorm_elu.h"
+#include "groupnorm_elu_glue.h"
 
 namespace qca_lowmem {
 namespace {
@@ -27,7 +28,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_cuda(const at::Tens
                                                                   const at::Tensor& weight,
                                                                   const at::Tensor& bias,
                                                                   int64_t groups, double eps) {
-  GroupNormEluForward f = prepare_groupnorm_elu(x, weight, bias, groups, eps);
+  GroupNormEluForward f;
+  prepare_groupnorm_elu(x, weight, bias, groups, eps, f);
   const c10::cuda::CUDAGuard guard(x.device());  // after the checks: they name a device mix
   launch_with_workspace(qca_groupnorm_elu_forward_cuda, f.params, f.x, 0, "groupnorm_elu");
   return {f.y, f.mean, f.rstd};
@@ -36,16 +38,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_cuda(const at::Tens
 at::Tensor groupnorm_elu_apply_cuda(const at::Tensor& x, const at::Tensor& weight,
                                     const at::Tensor& bias, const at::Tensor& mean,
                                     const at::Tensor& rstd) {
-  GroupNormEluForward f = prepare_groupnorm_elu_apply(x, weight, bias, mean, rstd);
+  GroupNormEluForward f;
+  prepare_groupnorm_elu_apply(x, weight, bias, mean, rstd, f);
   const c10::cuda::CUDAGuard guard(x.device());  // after the checks: they name a device mix
   launch_cuda(qca_groupnorm_elu_forward_cuda, f.params, "groupnorm_elu_apply");
   return f.y;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> groupnorm_elu_backward_cuda(
-    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
-    const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& rstd) {
-  GroupNormEluBackward b = prepare_groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd);
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+    const at::Tensor& mean, const at::Tensor& rstd) {
+  GroupNormEluBackward b;
+  prepare_groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd, b);
   const c10::cuda::CUDAGuard guard(x.device());  // after the checks: they name a device mix
   launch_with_workspace(qca_groupnorm_elu_backward_cuda, b.params, b.x, 1,
                         "groupnorm_elu_backward");

@@ -31,20 +31,22 @@ TORCH_LIBRARY(qca_lowmem, m) {
       pt2);
 
   // GroupNorm + ELU (fused ConvBlock).
-  m.def("groupnorm_elu(Tensor x, Tensor weight, Tensor bias, int groups, float eps=1e-05) "
-        "-> (Tensor, Tensor, Tensor)",
-        pt2);
-  m.def("groupnorm_elu_apply(Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor rstd) "
-        "-> Tensor",
-        pt2);
-  m.def("groupnorm_elu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor bias, "
-        "Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor)",
-        pt2);
+  m.def(
+      "groupnorm_elu(Tensor x, Tensor weight, Tensor bias, int groups, float eps=1e-05) "
+      "-> (Tensor, Tensor, Tensor)",
+      pt2);
+  m.def(
+      "groupnorm_elu_apply(Tensor x, Tensor weight, Tensor bias, Tensor mean, Tensor rstd) "
+      "-> Tensor",
+      pt2);
+  m.def(
+      "groupnorm_elu_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor bias, "
+      "Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor)",
+      pt2);
 
   // Training noise.
-  m.def(
-      "phase_flip(Tensor psi, float rate, int seed, int step, bool conjugate=False) -> Tensor",
-      pt2);
+  m.def("phase_flip(Tensor psi, float rate, int seed, int step, bool conjugate=False) -> Tensor",
+        pt2);
   m.def("bit_flip(Tensor psi, float rate, int seed, int step) -> Tensor", pt2);
   m.def("noise_coin(int seed, int step) -> float", pt2);
 
@@ -62,7 +64,8 @@ TORCH_LIBRARY(qca_lowmem, m) {
 
 // Ops with no derivative of their own: differentiating their output raises "the derivative for
 // 'qca_lowmem::<op>' is not implemented" instead of torch's silent zero for ops without autograd.
-// Their forward ops build second-order graphs from torch ops (python/qca_lowmem/_double_backward.py).
+// Their forward ops build second-order graphs from torch ops
+// (python/qca_lowmem/_double_backward.py).
 TORCH_LIBRARY_IMPL(qca_lowmem, Autograd, m) {
   for (const char* op : {"qca_pack_backward", "qca_update_backward", "groupnorm_elu_apply",
                          "groupnorm_elu_backward"}) {

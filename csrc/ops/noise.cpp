@@ -1,5 +1,5 @@
 // ATen glue of the noise ops: argument checks, output allocation, CPU dispatch.
-#include "noise.h"
+#include "noise_glue.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -10,8 +10,8 @@
 
 namespace qca_lowmem {
 
-qca_noise_params prepare_noise(const at::Tensor& psi, double rate, int64_t seed, int64_t step,
-                               bool conjugate, const char* op, at::Tensor& out) {
+void prepare_noise(const at::Tensor& psi, double rate, int64_t seed, int64_t step, bool conjugate,
+                   const char* op, at::Tensor& out, qca_noise_params& p) {
   check_state(psi, op);
   TORCH_CHECK(psi.size(3) <= QCA_NOISE_MAX_D, op, ": psi's last dimension d must be at most ",
               QCA_NOISE_MAX_D, ", got ", describe(psi));
@@ -20,7 +20,7 @@ qca_noise_params prepare_noise(const at::Tensor& psi, double rate, int64_t seed,
   TORCH_CHECK(std::isfinite(rate) && rate >= 0.0 && rate <= 1.0, op,
               ": rate must be a probability in [0, 1], got ", rate);
   out = at::empty(psi.sizes(), psi.options().memory_format(at::MemoryFormat::Contiguous));
-  qca_noise_params p{};
+  p = qca_noise_params{};
   p.grid = grid_of(psi);
   p.state_dtype = to_qca_dtype(psi.scalar_type());
   p.psi = psi.const_data_ptr();
@@ -31,7 +31,6 @@ qca_noise_params prepare_noise(const at::Tensor& psi, double rate, int64_t seed,
   p.seed = static_cast<uint64_t>(seed);
   p.step = static_cast<uint64_t>(step);
   p.conjugate = conjugate ? 1 : 0;
-  return p;
 }
 
 namespace {
@@ -39,7 +38,8 @@ namespace {
 at::Tensor phase_flip_cpu(const at::Tensor& psi, double rate, int64_t seed, int64_t step,
                           bool conjugate) {
   at::Tensor out;
-  const qca_noise_params p = prepare_noise(psi, rate, seed, step, conjugate, "phase_flip", out);
+  qca_noise_params p;
+  prepare_noise(psi, rate, seed, step, conjugate, "phase_flip", out, p);
   parallel_cells_cpu(p.grid, "phase_flip",
                      [&](int64_t b, int64_t e) { return qca_phase_flip_cpu(&p, b, e); });
   return out;
@@ -47,7 +47,8 @@ at::Tensor phase_flip_cpu(const at::Tensor& psi, double rate, int64_t seed, int6
 
 at::Tensor bit_flip_cpu(const at::Tensor& psi, double rate, int64_t seed, int64_t step) {
   at::Tensor out;
-  const qca_noise_params p = prepare_noise(psi, rate, seed, step, false, "bit_flip", out);
+  qca_noise_params p;
+  prepare_noise(psi, rate, seed, step, false, "bit_flip", out, p);
   parallel_cells_cpu(p.grid, "bit_flip",
                      [&](int64_t b, int64_t e) { return qca_bit_flip_cpu(&p, b, e); });
   return out;
@@ -65,8 +66,6 @@ TORCH_LIBRARY_IMPL(qca_lowmem, CPU, m) {
   m.impl("bit_flip", &bit_flip_cpu);
 }
 
-TORCH_LIBRARY_IMPL(qca_lowmem, CompositeExplicitAutograd, m) {
-  m.impl("noise_coin", &noise_coin);
-}
+TORCH_LIBRARY_IMPL(qca_lowmem, CompositeExplicitAutograd, m) { m.impl("noise_coin", &noise_coin); }
 
 }  // namespace qca_lowmem

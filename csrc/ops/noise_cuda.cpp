@@ -4,7 +4,7 @@
 #include <torch/library.h>
 
 #include "glue_cuda.h"
-#include "noise.h"
+#include "noise_glue.h"
 
 namespace qca_lowmem {
 namespace {
@@ -12,7 +12,8 @@ namespace {
 at::Tensor phase_flip_cuda(const at::Tensor& psi, double rate, int64_t seed, int64_t step,
                            bool conjugate) {
   at::Tensor out;
-  const qca_noise_params p = prepare_noise(psi, rate, seed, step, conjugate, "phase_flip", out);
+  qca_noise_params p;
+  prepare_noise(psi, rate, seed, step, conjugate, "phase_flip", out, p);
   const c10::cuda::CUDAGuard guard(psi.device());  // after the checks: they name a device mix
   launch_cuda(qca_phase_flip_cuda, p, "phase_flip");
   return out;
@@ -20,7 +21,8 @@ at::Tensor phase_flip_cuda(const at::Tensor& psi, double rate, int64_t seed, int
 
 at::Tensor bit_flip_cuda(const at::Tensor& psi, double rate, int64_t seed, int64_t step) {
   at::Tensor out;
-  const qca_noise_params p = prepare_noise(psi, rate, seed, step, false, "bit_flip", out);
+  qca_noise_params p;
+  prepare_noise(psi, rate, seed, step, false, "bit_flip", out, p);
   const c10::cuda::CUDAGuard guard(psi.device());  // after the checks: they name a device mix
   launch_cuda(qca_bit_flip_cuda, p, "bit_flip");
   return out;

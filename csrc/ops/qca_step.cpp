@@ -1,5 +1,5 @@
 // ATen glue of the QCA step ops: argument checks, output allocation, CPU dispatch.
-#include "qca_step.h"
+#include "qca_step_glue.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -19,8 +19,8 @@ void check_step_layout(const at::Tensor& psi, const at::Tensor& t, const char* n
   TORCH_CHECK(t.dim() == 4, op, ": ", name, " must have 4 dimensions (B, 2d, H, W), got ",
               describe(t));
   const int64_t d = psi.size(3);
-  TORCH_CHECK(t.size(1) == 2 * d, op, ": ", name, " must have 2*d = ", 2 * d,
-              " channels (d = ", d, " from psi's last dimension), got ", describe(t));
+  TORCH_CHECK(t.size(1) == 2 * d, op, ": ", name, " must have 2*d = ", 2 * d, " channels (d = ", d,
+              " from psi's last dimension), got ", describe(t));
   TORCH_CHECK(t.size(0) == psi.size(0), op, ": ", name, " has batch size ", t.size(0),
               " but psi has ", psi.size(0), "; got ", describe(t), " and psi ", describe(psi));
   TORCH_CHECK(t.size(2) == psi.size(1) && t.size(3) == psi.size(2), op, ": ", name,
@@ -69,8 +69,8 @@ at::Tensor empty_contiguous_like(const at::Tensor& t) {
 
 }  // namespace
 
-qca_pack_params prepare_pack(const at::Tensor& psi, std::optional<at::ScalarType> dtype,
-                             bool channels_last, at::Tensor& x_out) {
+void prepare_pack(const at::Tensor& psi, std::optional<at::ScalarType> dtype, bool channels_last,
+                  at::Tensor& x_out, qca_pack_params& p) {
   const char* op = "qca_pack";
   check_state(psi, op);
   const at::ScalarType x_dtype = dtype.value_or(state_real_type(psi));
@@ -79,7 +79,7 @@ qca_pack_params prepare_pack(const at::Tensor& psi, std::optional<at::ScalarType
   const int64_t B = psi.size(0), H = psi.size(1), W = psi.size(2), d = psi.size(3);
   x_out = at::empty({B, 2 * d, H, W}, psi.options().dtype(x_dtype),
                     channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
-  qca_pack_params p{};
+  p = qca_pack_params{};
   p.grid = grid_of(psi);
   p.state_dtype = to_qca_dtype(psi.scalar_type());
   p.psi = psi.const_data_ptr();
@@ -87,44 +87,40 @@ qca_pack_params prepare_pack(const at::Tensor& psi, std::optional<at::ScalarType
   p.x_dtype = to_qca_dtype(x_dtype);
   p.x = x_out.mutable_data_ptr();
   copy_strides(x_out, p.x_stride);
-  return p;
 }
 
-qca_pack_backward_params prepare_pack_backward(const at::Tensor& grad_x,
-                                               at::ScalarType psi_dtype, at::Tensor& grad_psi_out) {
+void prepare_pack_backward(const at::Tensor& grad_x, at::ScalarType psi_dtype,
+                           at::Tensor& grad_psi_out, qca_pack_backward_params& p) {
   const char* op = "qca_pack_backward";
   TORCH_CHECK(grad_x.defined() && grad_x.dim() == 4 && grad_x.size(1) % 2 == 0 &&
                   grad_x.size(1) >= 2 && is_real_float(grad_x.scalar_type()),
               op, ": grad_x must be a real floating tensor (B, 2d, H, W), got ", describe(grad_x));
   TORCH_CHECK(psi_dtype == at::kComplexFloat || psi_dtype == at::kComplexDouble, op,
               ": psi_dtype must be complex64 or complex128, got ", psi_dtype);
-  const int64_t B = grad_x.size(0), d = grad_x.size(1) / 2, H = grad_x.size(2),
-                W = grad_x.size(3);
+  const int64_t B = grad_x.size(0), d = grad_x.size(1) / 2, H = grad_x.size(2), W = grad_x.size(3);
   grad_psi_out = at::empty({B, H, W, d}, grad_x.options().dtype(psi_dtype));
-  qca_pack_backward_params p{};
+  p = qca_pack_backward_params{};
   p.grid = qca_grid{B, H, W, d};
   p.x_dtype = to_qca_dtype(grad_x.scalar_type());
   p.x = grad_x.const_data_ptr();
   copy_strides(grad_x, p.x_stride);
   p.state_dtype = to_qca_dtype(psi_dtype);
   p.psi = grad_psi_out.mutable_data_ptr();
-  return p;
 }
 
-qca_update_params prepare_update(const at::Tensor& psi, const at::Tensor& delta, double gamma,
-                                 bool multiplicative, double eps, at::Tensor& out) {
-  qca_update_params p = update_params(psi, delta, gamma, multiplicative, eps, "qca_update");
+void prepare_update(const at::Tensor& psi, const at::Tensor& delta, double gamma,
+                    bool multiplicative, double eps, at::Tensor& out, qca_update_params& p) {
+  p = update_params(psi, delta, gamma, multiplicative, eps, "qca_update");
   out = empty_contiguous_like(psi);
   p.out = out.mutable_data_ptr();
-  return p;
 }
 
-qca_update_backward_params prepare_update_backward(const at::Tensor& grad_out,
-                                                   const at::Tensor& psi, const at::Tensor& delta,
-                                                   double gamma, bool multiplicative, double eps,
-                                                   at::Tensor& grad_psi, at::Tensor& grad_delta) {
+void prepare_update_backward(const at::Tensor& grad_out, const at::Tensor& psi,
+                             const at::Tensor& delta, double gamma, bool multiplicative, double eps,
+                             at::Tensor& grad_psi, at::Tensor& grad_delta,
+                             qca_update_backward_params& bp) {
   const char* op = "qca_update_backward";
-  qca_update_backward_params bp{};
+  bp = qca_update_backward_params{};
   bp.fwd = update_params(psi, delta, gamma, multiplicative, eps, op);
   TORCH_CHECK(grad_out.defined() && grad_out.scalar_type() == psi.scalar_type() &&
                   grad_out.sizes() == psi.sizes(),
@@ -136,7 +132,6 @@ qca_update_backward_params prepare_update_backward(const at::Tensor& grad_out,
   copy_strides(grad_out, bp.grad_out_stride);
   bp.grad_psi = grad_psi.mutable_data_ptr();
   bp.grad_delta = grad_delta.mutable_data_ptr();
-  return bp;
 }
 
 namespace {
@@ -144,7 +139,8 @@ namespace {
 at::Tensor pack_cpu(const at::Tensor& psi, std::optional<at::ScalarType> dtype,
                     bool channels_last) {
   at::Tensor x;
-  const qca_pack_params p = prepare_pack(psi, dtype, channels_last, x);
+  qca_pack_params p;
+  prepare_pack(psi, dtype, channels_last, x, p);
   parallel_cells_cpu(p.grid, "qca_pack",
                      [&](int64_t b, int64_t e) { return qca_pack_cpu(&p, b, e); });
   return x;
@@ -152,7 +148,8 @@ at::Tensor pack_cpu(const at::Tensor& psi, std::optional<at::ScalarType> dtype,
 
 at::Tensor pack_backward_cpu(const at::Tensor& grad_x, at::ScalarType psi_dtype) {
   at::Tensor grad_psi;
-  const qca_pack_backward_params p = prepare_pack_backward(grad_x, psi_dtype, grad_psi);
+  qca_pack_backward_params p;
+  prepare_pack_backward(grad_x, psi_dtype, grad_psi, p);
   parallel_cells_cpu(p.grid, "qca_pack_backward",
                      [&](int64_t b, int64_t e) { return qca_pack_backward_cpu(&p, b, e); });
   return grad_psi;
@@ -161,7 +158,8 @@ at::Tensor pack_backward_cpu(const at::Tensor& grad_x, at::ScalarType psi_dtype)
 at::Tensor update_cpu(const at::Tensor& psi, const at::Tensor& delta, double gamma,
                       bool multiplicative, double eps) {
   at::Tensor out;
-  const qca_update_params p = prepare_update(psi, delta, gamma, multiplicative, eps, out);
+  qca_update_params p;
+  prepare_update(psi, delta, gamma, multiplicative, eps, out, p);
   parallel_cells_cpu(p.grid, "qca_update",
                      [&](int64_t b, int64_t e) { return qca_update_cpu(&p, b, e); });
   return out;
@@ -172,8 +170,9 @@ std::tuple<at::Tensor, at::Tensor> update_backward_cpu(const at::Tensor& grad_ou
                                                        const at::Tensor& delta, double gamma,
                                                        bool multiplicative, double eps) {
   at::Tensor grad_psi, grad_delta;
-  const qca_update_backward_params p = prepare_update_backward(
-      grad_out, psi, delta, gamma, multiplicative, eps, grad_psi, grad_delta);
+  qca_update_backward_params p;
+  prepare_update_backward(grad_out, psi, delta, gamma, multiplicative, eps, grad_psi, grad_delta,
+                          p);
   parallel_cells_cpu(p.fwd.grid, "qca_update_backward",
                      [&](int64_t b, int64_t e) { return qca_update_backward_cpu(&p, b, e); });
   return {grad_psi, grad_delta};

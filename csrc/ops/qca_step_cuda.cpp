@@ -4,7 +4,7 @@
 #include <torch/library.h>
 
 #include "glue_cuda.h"
-#include "qca_step.h"
+#include "qca_step_glue.h"
 
 namespace qca_lowmem {
 namespace {
@@ -12,7 +12,8 @@ namespace {
 at::Tensor pack_cuda(const at::Tensor& psi, std::optional<at::ScalarType> dtype,
                      bool channels_last) {
   at::Tensor x;
-  const qca_pack_params p = prepare_pack(psi, dtype, channels_last, x);
+  qca_pack_params p;
+  prepare_pack(psi, dtype, channels_last, x, p);
   const c10::cuda::CUDAGuard guard(psi.device());  // after the checks: they name a device mix
   launch_cuda(qca_pack_cuda, p, "qca_pack");
   return x;
@@ -20,7 +21,8 @@ at::Tensor pack_cuda(const at::Tensor& psi, std::optional<at::ScalarType> dtype,
 
 at::Tensor pack_backward_cuda(const at::Tensor& grad_x, at::ScalarType psi_dtype) {
   at::Tensor grad_psi;
-  const qca_pack_backward_params p = prepare_pack_backward(grad_x, psi_dtype, grad_psi);
+  qca_pack_backward_params p;
+  prepare_pack_backward(grad_x, psi_dtype, grad_psi, p);
   const c10::cuda::CUDAGuard guard(grad_x.device());  // after the checks: they name a device mix
   launch_cuda(qca_pack_backward_cuda, p, "qca_pack_backward");
   return grad_psi;
@@ -29,7 +31,8 @@ at::Tensor pack_backward_cuda(const at::Tensor& grad_x, at::ScalarType psi_dtype
 at::Tensor update_cuda(const at::Tensor& psi, const at::Tensor& delta, double gamma,
                        bool multiplicative, double eps) {
   at::Tensor out;
-  const qca_update_params p = prepare_update(psi, delta, gamma, multiplicative, eps, out);
+  qca_update_params p;
+  prepare_update(psi, delta, gamma, multiplicative, eps, out, p);
   const c10::cuda::CUDAGuard guard(psi.device());  // after the checks: they name a device mix
   launch_cuda(qca_update_cuda, p, "qca_update");
   return out;
@@ -40,8 +43,9 @@ std::tuple<at::Tensor, at::Tensor> update_backward_cuda(const at::Tensor& grad_o
                                                         const at::Tensor& delta, double gamma,
                                                         bool multiplicative, double eps) {
   at::Tensor grad_psi, grad_delta;
-  const qca_update_backward_params p = prepare_update_backward(
-      grad_out, psi, delta, gamma, multiplicative, eps, grad_psi, grad_delta);
+  qca_update_backward_params p;
+  prepare_update_backward(grad_out, psi, delta, gamma, multiplicative, eps, grad_psi, grad_delta,
+                          p);
   const c10::cuda::CUDAGuard guard(psi.device());  // after the checks: they name a device mix
   launch_cuda(qca_update_backward_cuda, p, "qca_update_backward");
   return {grad_psi, grad_delta};

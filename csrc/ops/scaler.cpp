@@ -1,5 +1,5 @@
 // ATen glue of the loss-scaler ops: argument checks and CPU dispatch.
-#include "scaler.h"
+#include "scaler_glue.h"
 
 #include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty.h>
@@ -55,10 +55,11 @@ void prepare_unscale(at::TensorList tensors, const at::Tensor& found_inf, const 
     TORCH_CHECK(t.scalar_type() == dtype, op, ": every tensor of ", list_name,
                 " must have one dtype (", dtype, ", from ", list_name, "[0]); ", list_name, "[", i,
                 "] is ", describe(t));
-    TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", list_name, "[", i,
-                "] has elements that share memory (an expanded tensor?), so it cannot be updated in "
-                "place; got ",
-                describe(t));
+    TORCH_CHECK(
+        at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", list_name, "[", i,
+        "] has elements that share memory (an expanded tensor?), so it cannot be updated in "
+        "place; got ",
+        describe(t));
   }
   check_scalar(factor, factor_name, at::kFloat, device, device_of, op);
   if (found_inf.defined()) check_scalar(found_inf, "found_inf", at::kFloat, device, device_of, op);
@@ -88,23 +89,21 @@ void prepare_unscale(at::TensorList tensors, const at::Tensor& found_inf, const 
   p.found_inf = found_inf.defined() ? found_inf.mutable_data_ptr<float>() : nullptr;
 }
 
-qca_scale_update_params prepare_scale_update(const at::Tensor& scale,
-                                             const at::Tensor& growth_tracker,
-                                             const at::Tensor& found_inf, double growth_factor,
-                                             double backoff_factor, int64_t growth_interval) {
+void prepare_scale_update(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                          const at::Tensor& found_inf, double growth_factor, double backoff_factor,
+                          int64_t growth_interval, qca_scale_update_params& p) {
   const char* op = "amp_update_scale_";
   TORCH_CHECK(scale.defined(), op, ": scale is undefined");
   check_scalar(scale, "scale", at::kFloat, scale.device(), "scale", op);
   check_scalar(growth_tracker, "growth_tracker", at::kInt, scale.device(), "scale", op);
   check_scalar(found_inf, "found_inf", at::kFloat, scale.device(), "scale", op);
-  qca_scale_update_params p{};
+  p = qca_scale_update_params{};
   p.scale = scale.mutable_data_ptr<float>();
   p.growth_tracker = growth_tracker.mutable_data_ptr<int32_t>();
   p.found_inf = found_inf.const_data_ptr<float>();
   p.growth_factor = growth_factor;
   p.backoff_factor = backoff_factor;
   p.growth_interval = growth_interval;
-  return p;
 }
 
 namespace {
@@ -162,11 +161,11 @@ void amp_mul_cpu(at::TensorList tensors, const at::Tensor& factor) {
 }
 
 void amp_update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                          const at::Tensor& found_inf, double growth_factor,
-                          double backoff_factor, int64_t growth_interval) {
-  const qca_scale_update_params p = prepare_scale_update(scale, growth_tracker, found_inf,
-                                                         growth_factor, backoff_factor,
-                                                         growth_interval);
+                          const at::Tensor& found_inf, double growth_factor, double backoff_factor,
+                          int64_t growth_interval) {
+  qca_scale_update_params p;
+  prepare_scale_update(scale, growth_tracker, found_inf, growth_factor, backoff_factor,
+                       growth_interval, p);
   check_status(qca_scale_update_cpu(&p), "amp_update_scale_");
 }
 

@@ -6,7 +6,7 @@
 #include <torch/library.h>
 
 #include "glue_cuda.h"
-#include "scaler.h"
+#include "scaler_glue.h"
 
 namespace qca_lowmem {
 namespace {
@@ -17,8 +17,8 @@ at::Tensor amp_unscale_cuda(at::TensorList grads, const at::Tensor& found_inf,
   prepare_unscale(grads, found_inf, inv_scale, "amp_unscale_", "grads", "inv_scale", list);
   const c10::cuda::CUDAGuard guard(inv_scale.device());
   qca_unscale_params& p = list.params;
-  at::Tensor sumsq = at::empty({compute_sumsq ? p.n_tensors : 0},
-                               inv_scale.options().dtype(at::kDouble));
+  at::Tensor sumsq =
+      at::empty({compute_sumsq ? p.n_tensors : 0}, inv_scale.options().dtype(at::kDouble));
   at::Tensor workspace;
   if (compute_sumsq) {
     p.sumsq = sumsq.mutable_data_ptr<double>();
@@ -40,11 +40,11 @@ void amp_mul_cuda(at::TensorList tensors, const at::Tensor& factor) {
 }
 
 void amp_update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                           const at::Tensor& found_inf, double growth_factor,
-                           double backoff_factor, int64_t growth_interval) {
-  const qca_scale_update_params p = prepare_scale_update(scale, growth_tracker, found_inf,
-                                                         growth_factor, backoff_factor,
-                                                         growth_interval);
+                           const at::Tensor& found_inf, double growth_factor, double backoff_factor,
+                           int64_t growth_interval) {
+  qca_scale_update_params p;
+  prepare_scale_update(scale, growth_tracker, found_inf, growth_factor, backoff_factor,
+                       growth_interval, p);
   const c10::cuda::CUDAGuard guard(scale.device());
   launch_cuda(qca_scale_update_cuda, p, "amp_update_scale_");
 }

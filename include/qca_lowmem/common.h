@@ -10,12 +10,7 @@ extern "C" {
 #endif
 
 /* Element type of a real tensor. Complex tensors are described by the type of their parts. */
-typedef enum qca_dtype {
-  QCA_F32 = 0,
-  QCA_F64 = 1,
-  QCA_F16 = 2,
-  QCA_BF16 = 3
-} qca_dtype;
+typedef enum qca_dtype { QCA_F32 = 0, QCA_F64 = 1, QCA_F16 = 2, QCA_BF16 = 3 } qca_dtype;
 
 /* Launchers return a status; the glue turns anything but QCA_OK into a Python exception. */
 typedef enum qca_status {

@@ -47,7 +47,8 @@ qca_status qca_bit_flip_cpu(const qca_noise_params* p, int64_t cell_begin, int64
 /* The per-step coin in [0, 1) (stock: bit flip the step when coin < 0.2). Host only. */
 double qca_noise_coin(uint64_t seed, uint64_t step);
 
-/* CUDA launchers; `stream` is a cudaStream_t. On QCA_ERR_CUDA, `err->code` holds the cudaError_t. */
+/* CUDA launchers; `stream` is a cudaStream_t. On QCA_ERR_CUDA, `err->code` holds the cudaError_t.
+ */
 qca_status qca_phase_flip_cuda(const qca_noise_params* p, void* stream, qca_cuda_error* err);
 qca_status qca_bit_flip_cuda(const qca_noise_params* p, void* stream, qca_cuda_error* err);
 

@@ -69,9 +69,11 @@ qca_status qca_update_cpu(const qca_update_params* p, int64_t cell_begin, int64_
 qca_status qca_update_backward_cpu(const qca_update_backward_params* p, int64_t cell_begin,
                                    int64_t cell_end);
 
-/* CUDA launchers; `stream` is a cudaStream_t. On QCA_ERR_CUDA, `err->code` holds the cudaError_t. */
+/* CUDA launchers; `stream` is a cudaStream_t. On QCA_ERR_CUDA, `err->code` holds the cudaError_t.
+ */
 qca_status qca_pack_cuda(const qca_pack_params* p, void* stream, qca_cuda_error* err);
-qca_status qca_pack_backward_cuda(const qca_pack_backward_params* p, void* stream, qca_cuda_error* err);
+qca_status qca_pack_backward_cuda(const qca_pack_backward_params* p, void* stream,
+                                  qca_cuda_error* err);
 qca_status qca_update_cuda(const qca_update_params* p, void* stream, qca_cuda_error* err);
 qca_status qca_update_backward_cuda(const qca_update_backward_params* p, void* stream,
                                     qca_cuda_error* err);

@@ -8,7 +8,7 @@
 namespace qca_lowmem {
 
 // Checks the arguments, allocates `out` (contiguous, psi's dtype) and fills the parameters.
-qca_noise_params prepare_noise(const at::Tensor& psi, double rate, int64_t seed, int64_t step,
-                               bool conjugate, const char* op, at::Tensor& out);
+void prepare_noise(const at::Tensor& psi, double rate, int64_t seed, int64_t step, bool conjugate,
+                   const char* op, at::Tensor& out, qca_noise_params& p);
 
 }  // namespace qca_lowmem

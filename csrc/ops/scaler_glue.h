@@ -31,9 +31,8 @@ void prepare_unscale(at::TensorList tensors, const at::Tensor& found_inf, const 
                      const char* op, const char* list_name, const char* factor_name,
                      UnscaleList& list);
 
-qca_scale_update_params prepare_scale_update(const at::Tensor& scale,
-                                             const at::Tensor& growth_tracker,
-                                             const at::Tensor& found_inf, double growth_factor,
-                                             double backoff_factor, int64_t growth_interval);
+void prepare_scale_update(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                          const at::Tensor& found_inf, double growth_factor, double backoff_factor,
+                          int64_t growth_interval, qca_scale_update_params& p);
 
 }  // namespace qca_lowmem

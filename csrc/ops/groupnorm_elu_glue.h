@@ -18,11 +18,11 @@ struct GroupNormEluForward {
   at::Tensor x, weight, bias, y, mean, rstd;  // x/weight/bias as passed to the kernel
 };
 
-GroupNormEluForward prepare_groupnorm_elu(const at::Tensor& x, const at::Tensor& weight,
-                                          const at::Tensor& bias, int64_t groups, double eps);
-GroupNormEluForward prepare_groupnorm_elu_apply(const at::Tensor& x, const at::Tensor& weight,
-                                                const at::Tensor& bias, const at::Tensor& mean,
-                                                const at::Tensor& rstd);
+void prepare_groupnorm_elu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                           int64_t groups, double eps, GroupNormEluForward& f);
+void prepare_groupnorm_elu_apply(const at::Tensor& x, const at::Tensor& weight,
+                                 const at::Tensor& bias, const at::Tensor& mean,
+                                 const at::Tensor& rstd, GroupNormEluForward& f);
 
 struct GroupNormEluBackward {
   qca_groupnorm_elu_backward_params params;
@@ -30,10 +30,10 @@ struct GroupNormEluBackward {
   at::Tensor grad_weight_per_sample, grad_bias_per_sample;  // (N, C), summed over N afterwards
 };
 
-GroupNormEluBackward prepare_groupnorm_elu_backward(const at::Tensor& grad_y, const at::Tensor& x,
-                                                    const at::Tensor& weight,
-                                                    const at::Tensor& bias, const at::Tensor& mean,
-                                                    const at::Tensor& rstd);
+void prepare_groupnorm_elu_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                    const at::Tensor& weight, const at::Tensor& bias,
+                                    const at::Tensor& mean, const at::Tensor& rstd,
+                                    GroupNormEluBackward& b);
 
 // (grad_x, grad_weight, grad_bias) once the kernel has run.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_groupnorm_elu_backward(
