@@ -15,8 +15,8 @@ from typing import Optional
 from .examples.qc_trainer_v4 import QC_Trainer_v4 as StandIn
 
 STOCK_QUALNAME = "QC_Trainer_v4.train_episode"
-# Jonakss/Atheria src/trainers/qc_trainer_v4.py, QC_Trainer_v4.train_episode (the tree the
-# integration is checked against, docs/design.md).
+# The users' QC_Trainer_v4.train_episode (Jonakss/Atheria, module trainers.qc_trainer_v4 of their
+# source tree), the version the integration is checked against.
 ATHERIA_DIGESTS = frozenset({"3a2a9567330ed4200e8a753e4356d4702f76866262d987a4629b59b79da8b41a"})
 
 
