@@ -104,9 +104,7 @@ def stock_forward(model, psi0, args, rate, autocast_dtype=None, checkpoint_steps
         for t in range(args.steps):
             psi = torch.utils.checkpoint.checkpoint(step, psi, use_reentrant=False)
             if rate > 0.001:
-                psi = injector.apply_phase_flip(psi, rate)
-                if torch.rand(()).item() < 0.2:
-                    psi = injector.apply_bit_flip(psi, 0.1 * rate)
+                psi = reference.noise_step(injector, psi, rate)
             if t == 0 or t == args.steps - 1 or t % record_every == 0:
                 history.append(psi)
         return history

@@ -2,6 +2,8 @@
 ConvLSTM one on an engine with memory: loss, gradients, weights and memory over three episodes
 equal to stock in float64 under every policy; what cannot work is refused by enable() itself."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -169,7 +171,7 @@ def test_memory_model_on_an_engine_without_memory_says_so():
 
 def test_convlstm_step_episode_keeps_psi_and_memory_per_step():
     op = make_operator("convlstm", D_STATE, HIDDEN).float()
-    step = fused_memory_step(op, 0.0, False)
+    step = fused_memory_step(SimpleNamespace(operator=op), 0.0)
     psi0 = qca_lowmem.stock.initial_state(1, 16, D_STATE)
     memory0 = (torch.zeros(1, HIDDEN, 8, 8), torch.zeros(1, HIDDEN, 8, 8))
     psi_bytes = psi0.numel() * psi0.element_size()

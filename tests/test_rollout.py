@@ -2,8 +2,11 @@
 in the number of steps, noise and autocast replay, hooks fire once, no_grad keeps nothing."""
 
 import importlib
+import math
+import random
 import weakref
 
+import numpy
 import pytest
 import torch
 from conftest import DEVICES, cuda_only, randomize_affine
@@ -191,6 +194,34 @@ def test_random_draws_replay(checkpoint, slots):
     # ...which are wrong indeed.
     unreplayed, _ = run(checkpoint, slots, preserve_rng_state=False, check_recompute=False)
     assert max_relative_error(unreplayed, expected) > 1e-3
+
+
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2), ("auto", None)])
+def test_numpy_and_python_draws_replay(checkpoint, slots):
+    """Noise drawing from NumPy's and Python's global generators (the users' coin is
+    numpy.random.random()) recomputes the same draws and leaves both generators as stock does."""
+    net = make_conv_net()
+    params = list(net.parameters())
+    psi0 = initial_state()
+
+    def noise(psi, t):
+        sign = -1.0 if numpy.random.random() < 0.5 else 1.0
+        return psi * complex(sign * math.cos(random.uniform(0, 6.3)), math.sin(random.uniform(0, 6.3)))
+
+    def run(checkpoint, slots=None):
+        for p in params:
+            p.grad = None
+        numpy.random.seed(3)
+        random.seed(3)
+        psi_T, history = rollout(fused_step(net), psi0, STEPS, checkpoint=checkpoint, slots=slots,
+                                 budget=2**12 if checkpoint == "auto" else None, noise=noise)
+        episode_loss(psi_T, history, psi0, False).backward()
+        return [p.grad for p in params], numpy.random.random(3), random.random()
+
+    expected, numpy_next, python_next = run("none")
+    grads, numpy_after, python_after = run(checkpoint, slots)
+    assert max_relative_error(grads, expected) <= 1e-9
+    assert (numpy_after == numpy_next).all() and python_after == python_next
 
 
 @pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2)])

@@ -60,20 +60,39 @@ def check_operator_call(operator, memory: bool) -> None:
                         f"it, {call} ({error}); {advice}") from None
 
 
-def fused_memory_step(operator, gamma: float, multiplicative: bool) -> Callable:
-    """step(psi, (h, c)) -> (psi, (h, c)): the engine's step with memory on the fused pack/update."""
-    name = type(operator).__name__
+def fused_memory_step(motor, gamma: float) -> Callable:
+    """step(psi, (h, c)) -> (psi, (h, c)): the engine's step with memory on the fused pack/update,
+    calling the engine's operator of the moment (current_operator)."""
 
     def step(psi, memory):
+        operator, multiplicative = current_operator(motor)
         h, c = (m.detach() if m is not None else None for m in memory)
         out = operator(qca_pack(psi), h, c)
         if not isinstance(out, (tuple, list)) or len(out) != 3:
-            raise TypeError(f"{name} on an engine with has_memory=True must return (delta, h, c), "
+            raise TypeError(f"{type(operator).__name__} on an engine with has_memory=True must return (delta, h, c), "
                             f"it returned {type(out).__name__}")
         delta, h, c = out
         return qca_update(psi, delta, gamma, multiplicative), tuple(m.detach() if m is not None else None for m in (h, c))
 
     return step
+
+
+def current_operator(motor):
+    """(motor.operator, whether it acts multiplicatively) read at each step, as the engine's own
+    step reads them: a compile_model() after enable(), which rebinds motor.operator, takes effect,
+    with the stock rule on the operator's class name applied to the new one as the engine does."""
+    operator = motor.operator
+    return operator, stock.is_multiplicative(operator)
+
+
+def fused_engine_step(motor, gamma: float) -> Callable:
+    """motor.evolve_step on the fused pack/update, calling the engine's operator of the moment."""
+
+    def evolve_step(psi):
+        operator, multiplicative = current_operator(motor)
+        return fused_step(operator, gamma, multiplicative)(psi)
+
+    return evolve_step
 
 
 def engine_memory_step(state, evolve_step: Callable) -> Callable:
@@ -120,10 +139,10 @@ def lowmem_steps(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] 
     if not fused_step_ops:
         return None, (engine_memory_step(motor.state, motor.evolve_step) if memory else None)
     if not memory:
-        step = fused_step(operator, gamma, multiplicative)
+        step = fused_engine_step(motor, gamma)
         check_engine_step(motor, step, None, *_probe_shape(motor, grid, d_state), multiplicative)
         return step, None
-    carried = fused_memory_step(operator, gamma, multiplicative)
+    carried = fused_memory_step(motor, gamma)
     check_engine_step(motor, None, carried, *_probe_shape(motor, grid, d_state), multiplicative)
     return MemoryStep(motor.state, carried), carried
 
@@ -194,11 +213,26 @@ class _OperatorProbe:
             try:
                 bound = self.signature.bind(*args, **kwargs)
                 bound.apply_defaults()  # operator(x) and operator(x, None, None) are the same call
-                values = list(bound.arguments.values())
+                values = _flat_arguments(self.signature, bound.arguments)
             except TypeError:
                 pass
         self.calls.append([v.detach().clone() if isinstance(v, torch.Tensor) else v for v in values])
         return self.output
+
+
+def _flat_arguments(signature, arguments) -> list:
+    """The bound arguments' values with *args and **kwargs spread (a compiled module's forward
+    takes both), so that calls compare value by value."""
+    values = []
+    for name, value in arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            values += list(value)
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            values += list(value.values())
+        else:
+            values.append(value)
+    return values
 
 
 def _signature(forward):

@@ -21,6 +21,7 @@ from .ops.noise import NoiseSchedule
 from .engine_step import lowmem_steps, memory_of, store_memory
 from .rollout import Policy, StepGraph, rollout
 from .rollout.policy import STEP
+from .stock_episode import check_stock_episode
 from .unet import convert
 
 log = logging.getLogger("qca_lowmem")  # enable()'s one line: on, and how
@@ -58,8 +59,6 @@ class _Saved:
     convert_report: Any = None
     step_graph: Any = None  # a StepGraph of the motor's step, made at the first CUDA episode
     memory_step: Any = None  # step(psi, (h, c)) -> (psi, (h, c)) for an engine with memory
-    stepped_operator: Any = None  # the operator the installed step calls (None: the engine's own step)
-    operator_change_said: bool = False
 
 
 def _children(root: torch.nn.Module):
@@ -129,22 +128,13 @@ def _lowmem_train_episode(trainer, episode_num):
     opts = state.options
     operator = trainer.motor.operator
     device = next(operator.parameters()).device
-    if state.stepped_operator is not None and operator is not state.stepped_operator and not state.operator_change_said:
-        state.operator_change_said = True
-        warnings.warn(f"qca_lowmem: motor.operator was replaced after enable() (as compile_model() does), but the "
-                      f"installed step calls the {type(state.stepped_operator).__name__} enable() saw, so the new "
-                      "one (compiled, say) does not run; call compile_model() before enable()", stacklevel=2)
 
     operator.train()  # as the stock episode: a model left in eval mode (by a visualisation) trains in train mode
     trainer.optimizer.zero_grad()
     psi0 = opts["initial_state"](trainer) if opts["initial_state"] is not None else stock.initial_state(
         opts["batch_size"], opts["grid"], opts["d_state"], device
     )
-    noise = None
-    if stock.noise_rate(episode_num, trainer.max_noise) > stock.NOISE_RATE_THRESHOLD:
-        # One draw from the trainer's RNG keys the whole episode's noise, so recompute replays it.
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-        noise = NoiseSchedule(trainer.max_noise, episode_num, seed)
+    noise = _episode_noise(trainer, episode_num, opts["noise"])
     step = state.memory_step or trainer.motor.evolve_step
     if opts["cuda_graph"]:  # off CUDA a StepGraph is the plain step
         if state.step_graph is None:
@@ -177,6 +167,37 @@ def _lowmem_train_episode(trainer, episode_num):
     stock.episode_bookkeeping(getattr(trainer, "writer", None), episode_num, loss_value, metrics,
                               stock.noise_rate(episode_num, trainer.max_noise))
     return loss_value, metrics, psi.detach().cpu()
+
+
+NOISE_SOURCES = ("trainer", "fused")
+
+
+def _checked_noise(trainer, noise) -> str:
+    """enable()'s `noise`, refused where the trainer cannot give it."""
+    if noise not in NOISE_SOURCES:
+        raise ValueError(f"enable(): noise must be one of {NOISE_SOURCES}, got {noise!r}")
+    if noise == "trainer":
+        injector = getattr(trainer, "noise_injector", None)
+        missing = [name for name in ("apply_phase_flip", "apply_bit_flip") if not callable(getattr(injector, name, None))]
+        if missing:
+            raise TypeError(f"enable(): noise='trainer' applies the trainer's own noise_injector, but "
+                            f"{type(trainer).__name__}.noise_injector ({type(injector).__name__}) has no {', '.join(missing)}; "
+                            "noise='fused' applies qca_lowmem's NoiseSchedule instead")
+    return noise
+
+
+def _episode_noise(trainer, episode_num, noise):
+    """The episode's noise(psi, t), None when the curriculum leaves it off. "trainer": the
+    trainer's injector as stock applies it, the same draws in the same order (the rollout replays
+    the generators' states in its recomputes); "fused": a NoiseSchedule keyed by one draw from
+    torch's generator, replayed by construction."""
+    rate = stock.noise_rate(episode_num, trainer.max_noise)
+    if rate <= stock.NOISE_RATE_THRESHOLD:
+        return None
+    if noise == "fused":
+        return NoiseSchedule(trainer.max_noise, episode_num, int(torch.randint(0, 2**62, (1,)).item()))
+    injector = trainer.noise_injector
+    return lambda psi, t: stock.noise_step(injector, psi, rate)
 
 
 def _clip(scaler, parameters, max_norm):
@@ -235,6 +256,7 @@ def enable(
     initial_state: Optional[Callable] = None,
     max_grad_norm: float = 1.0,
     budget=None,
+    noise: str = "trainer",
 ):
     """Switch a QC_Trainer_v4-style trainer to the low-memory path, in place; returns the trainer.
 
@@ -258,6 +280,12 @@ def enable(
       the memory the last step left, as stock. An operator that cannot be called as the engine
       calls it is refused here, naming its class.
     lowmem_scaler: replace `trainer.scaler` by qca_lowmem.amp.GradScaler carrying its state.
+    noise: where a noisy episode's noise comes from. "trainer": the trainer's own
+      `noise_injector`, applied as stock applies it (a phase flip, and a bit flip when NumPy's
+      coin says so): the same random draws in the same order as stock, replayed in recomputes,
+      so episodes equal stock's and leave the generators as stock leaves them. "fused":
+      qca_lowmem's NoiseSchedule (fused kernels keyed by (seed, step); the same distribution,
+      other numbers than stock's).
     grid_size / batch_size / d_state / initial_state: how psi0 is drawn. By default the trainer's
       own state reset when its engine has one (`motor.state._reset_state_random()`, then
       `motor.state.psi`), else the stock draw on the global torch RNG with the grid from
@@ -271,13 +299,14 @@ def enable(
     _check_contract(trainer)
     if hasattr(trainer, _STATE_ATTR):
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
+    check_stock_episode(trainer)
     policy = Policy.of(checkpoint, slots, budget, "enable()")
     _check_placement(trainer)
     policy.check_device(next(trainer.motor.operator.parameters()).device, "enable()")
     state = _Saved(options=_episode_options(
         trainer, policy=policy, amp_dtype=amp_dtype, grid_size=grid_size, batch_size=batch_size,
         d_state=d_state, initial_state=initial_state, max_grad_norm=max_grad_norm, fused_blocks=fused_blocks,
-        cuda_graph=cuda_graph,
+        cuda_graph=cuda_graph, noise=noise,
     ))
     # Everything that can fail is decided before the trainer changes.
     new_scaler = _lowmem_scaler_for(trainer, state.options["amp_dtype"]) if lowmem_scaler else None
@@ -285,8 +314,6 @@ def enable(
                                                   state.options["d_state"])
     if fused_blocks:
         _convert_blocks(trainer.motor.operator, state)
-    if evolve_step is not None or state.memory_step is not None:
-        state.stepped_operator = trainer.motor.operator
     _swap_step(trainer, state, evolve_step)
     _swap_episode(trainer, state)
     _swap_scaler(trainer, state, new_scaler)
@@ -299,12 +326,13 @@ def _summary(options: dict, fused_step_ops: bool) -> str:
     """What the episodes run, in one line: checkpoint=step, fp32, fused blocks, fused step."""
     parts = [options["policy"].describe(), precision.amp_name(options["amp_dtype"])]
     parts += [name for name, on in (("fused blocks", options["fused_blocks"]), ("fused step", fused_step_ops),
-                                    ("cuda_graph", options["cuda_graph"])) if on]
+                                    ("cuda_graph", options["cuda_graph"]), ("fused noise", options["noise"] == "fused"))
+              if on]
     return ", ".join(parts)
 
 
 def _episode_options(trainer, *, policy, amp_dtype, grid_size, batch_size, d_state, initial_state,
-                     max_grad_norm, fused_blocks, cuda_graph) -> dict:
+                     max_grad_norm, fused_blocks, cuda_graph, noise) -> dict:
     """enable()'s arguments resolved against the trainer: what each lowmem episode reads."""
     if amp_dtype is None and getattr(trainer, "use_amp", False):
         compute_dtype = torch.float16
@@ -335,6 +363,7 @@ def _episode_options(trainer, *, policy, amp_dtype, grid_size, batch_size, d_sta
         policy=policy, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
         d_state=d_state or _infer_d_state(trainer, trainer.motor.operator), initial_state=initial_state,
         max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, cuda_graph=cuda_graph,
+        noise=_checked_noise(trainer, noise),
     )
 
 

@@ -10,6 +10,7 @@ boring, so that it is obviously what the users' code does.
 import math
 from typing import Tuple, Union
 
+import numpy
 import torch
 from torch import nn
 
@@ -130,8 +131,19 @@ def initial_state(batch, grid: Union[int, Tuple[int, int]], d_state, device="cpu
 
 
 def noise_rate(episode, max_noise):
-    """The curriculum: the rate ramps linearly to max_noise over NOISE_RAMP_EPISODES episodes."""
-    return min(max_noise, max_noise * episode / NOISE_RAMP_EPISODES)
+    """The curriculum: the rate ramps linearly to max_noise over NOISE_RAMP_EPISODES episodes
+    (rounded as the users' trainer computes it, so `rand < rate` decides the same hits)."""
+    return min(max_noise, max_noise * (episode / NOISE_RAMP_EPISODES))
+
+
+def noise_step(injector, psi, rate):
+    """The noise after one step of a noisy episode, as the users' train_episode applies it: a
+    phase flip, then, when NumPy's global coin falls below BIT_FLIP_PROBABILITY, a bit flip at
+    BIT_FLIP_SCALE times the rate."""
+    psi = injector.apply_phase_flip(psi, rate=rate)
+    if numpy.random.random() < BIT_FLIP_PROBABILITY:
+        psi = injector.apply_bit_flip(psi, rate=rate * BIT_FLIP_SCALE)
+    return psi
 
 
 def episode_bookkeeping(writer, episode_num: int, loss: float, metrics: dict, noise_level: float) -> None:
@@ -188,9 +200,7 @@ def rollout(psi0, operator, steps, gamma=0.0, noise=None, rate=0.0):
     for t in range(steps):
         psi = step(psi, operator, gamma)
         if noise is not None and rate > NOISE_RATE_THRESHOLD:
-            psi = noise.apply_phase_flip(psi, rate)
-            if torch.rand(()).item() < BIT_FLIP_PROBABILITY:
-                psi = noise.apply_bit_flip(psi, BIT_FLIP_SCALE * rate)
+            psi = noise_step(noise, psi, rate)
         if t == 0 or t == steps - 1 or t % record_every == 0:
             history.append(psi)
     return psi, history

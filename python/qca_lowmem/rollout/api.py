@@ -61,10 +61,11 @@ def rollout(
     record_every: history holds psi after steps t == 0, t == steps-1 and t % record_every == 0
       (default max(1, steps // 10), as the stock trainer); history[-1] is psi_T. Its entries are
       differentiable: a loss may use any of them.
-    preserve_rng_state: as torch.utils.checkpoint's: the CPU generator's state (and that of
-      psi's CUDA device) before each step is kept (on the host) and restored around the step's
-      recomputes, so steps or noise drawing from torch's generators (dropout, the stock
-      NoiseInjector) replay the same numbers; the global generators are left as the forward left
+    preserve_rng_state: as torch.utils.checkpoint's, and wider: the states of torch's CPU
+      generator (and psi's CUDA device's), NumPy's and Python's global generators before each
+      step are kept (on the host) and restored around the step's recomputes, so steps or noise
+      drawing from them (dropout, the users' noise injector and its numpy coin) replay the same
+      numbers; the global generators are left as the forward left them, as plain autograd leaves
       them. Not needed with a NoiseSchedule and deterministic steps.
 
     carry: state the step keeps besides psi, as a tuple of tensors (None entries allowed, e.g. a

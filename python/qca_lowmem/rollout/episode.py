@@ -222,7 +222,7 @@ class EpisodeFunction(torch.autograd.Function):
         sink = ParamGradSink(plan.params)  # steps run eagerly (all, or a capture's first) add theirs here
         reverser = StepReverser(plan, incoming, sink, final_state)
         try:
-            with sink:
+            with sink, plan.rng.untouched():
                 plan.schedule.reverse(kept, reverser)
         finally:
             if plan.buffers is not None:
