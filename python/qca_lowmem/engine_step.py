@@ -41,9 +41,15 @@ def has_memory(motor) -> bool:
     return value
 
 
+def compiled_module(operator):
+    """The module a torch.compile'd operator wraps (its forward takes *args), else the operator."""
+    return getattr(operator, "_orig_mod", operator)
+
+
 def check_operator_call(operator, memory: bool) -> None:
     """Refuse, naming the model class, an operator that cannot be called as the engine calls it."""
     call, args = ("operator(x, h, c)", (None, None, None)) if memory else ("operator(x)", (None,))
+    operator = compiled_module(operator)
     try:
         signature = inspect.signature(operator.forward)
     except (TypeError, ValueError, AttributeError):
@@ -116,9 +122,17 @@ def lowmem_steps(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] 
     operator = motor.operator
     memory = has_memory(motor)
     check_operator_call(operator, memory)
+    # The engine's rule reads the class of what it calls: a compiled UNetUnitary (OptimizedModule) is additive there.
     gamma, multiplicative = engine_gamma(motor), stock.is_multiplicative(operator)
     if not fused_step_ops:
+        if compiled_module(operator) is not operator:
+            raise TypeError(f"enable(): {type(operator).__name__} (torch.compile of {type(operator._orig_mod).__name__}) "
+                            "with fused_step_ops=False: the engine's own step would run one compiled graph in the "
+                            "forward (no grad) and another in the recompute (grad), which can round differently; "
+                            "fused_step_ops=True runs the module it wraps")
         return None, (engine_memory_step(motor.state, motor.evolve_step) if memory else None)
+    # A compiled operator's module runs eagerly: the same function, and the recompute gets the forward's bits.
+    operator = compiled_module(operator)
     if not memory:
         step = fused_step(operator, gamma, multiplicative)
         check_engine_step(motor, step, None, *_probe_shape(motor, grid, d_state), multiplicative)
@@ -210,15 +224,19 @@ def _signature(forward):
 
 @contextlib.contextmanager
 def _forward_replaced(operator, probe):
-    own = vars(operator).get("forward", _MISSING)
-    operator.forward = probe
+    """operator.forward, and that of the module a compiled operator wraps, replaced by `probe`."""
+    modules = [operator] + ([compiled_module(operator)] if compiled_module(operator) is not operator else [])
+    owns = [vars(module).get("forward", _MISSING) for module in modules]
+    for module in modules:
+        module.forward = probe
     try:
         yield
     finally:
-        if own is _MISSING:
-            del operator.forward
-        else:
-            operator.forward = own
+        for module, own in zip(modules, owns):
+            if own is _MISSING:
+                del module.forward
+            else:
+                module.forward = own
 
 
 @contextlib.contextmanager
@@ -293,7 +311,7 @@ def check_engine_step(motor, fused: Optional[Callable], carried: Optional[Callab
     delta = (2 * uniform - 1) * bound
     memory_in = (randn(batch, 2, height, width), randn(batch, 2, height, width))
     memory_out = (randn(batch, 2, height, width), randn(batch, 2, height, width))
-    probe = _OperatorProbe(operator.forward, (delta, *memory_out) if carried else delta)
+    probe = _OperatorProbe(compiled_module(operator).forward, (delta, *memory_out) if carried else delta)
     with torch.no_grad(), _forward_replaced(operator, probe):
         if carried:
             expected, expected_memory = carried(psi, memory_in)
