@@ -9,7 +9,7 @@ import pytest
 
 import qca_lowmem
 from qca_lowmem.examples import QC_Trainer_v4, make_config
-from qca_lowmem.stock_episode import STOCK_QUALNAME, is_stock_episode, source_digest
+from qca_lowmem.stock_episode import ATHERIA_DIGESTS, is_stock_episode, source_digest
 
 
 def trainer_of(cls=QC_Trainer_v4):
@@ -68,11 +68,13 @@ def defined(tmp_path, name, text, qualname):
     return getattr(namespace[owner], attribute) if owner else namespace[attribute]
 
 
-def test_the_users_episode_is_recognised_by_its_source_only(tmp_path):
+@pytest.mark.parametrize("qualname", sorted(ATHERIA_DIGESTS))
+def test_the_users_episode_is_recognised_by_its_source_only(tmp_path, qualname):
     """A function named as theirs passes only when its source is a version the library follows."""
-    edited = defined(tmp_path, "edited", "class QC_Trainer_v4:\n    def train_episode(self, episode_num):\n"
-                     "        return 1\n", STOCK_QUALNAME)
-    assert edited.__qualname__ == STOCK_QUALNAME and source_digest(edited) is not None
+    owner = qualname.split(".")[0]
+    edited = defined(tmp_path, "edited", f"class {owner}:\n    def train_episode(self, episode_num):\n"
+                     "        return 1\n", qualname)
+    assert edited.__qualname__ == qualname and source_digest(edited) is not None
     assert not is_stock_episode(edited)
 
 

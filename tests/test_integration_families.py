@@ -182,3 +182,17 @@ def test_convlstm_step_episode_keeps_psi_and_memory_per_step():
 
     assert kept(16) - kept(6) == 10 * (psi_bytes + memory_bytes)
     assert kept(6) <= (6 + 1) * (psi_bytes + memory_bytes)  # and psi_T with the final memory, for the check
+
+
+def test_compiled_operator_runs_its_module(family="convlstm"):
+    """As their compile_model() leaves it: motor.operator a torch.compile of the model. The fused
+    step runs the module it wraps (the engine's class rule still reads the compiled one's)."""
+
+    def compiled_trainer():
+        trainer = make_trainer(family)
+        trainer.motor.operator = torch.compile(trainer.motor.operator)
+        return trainer
+
+    trainer = compiled_trainer()
+    qca_lowmem.enable(trainer, checkpoint="step")
+    assert_same_run(run(trainer), run(compiled_trainer()), rel=1e-9)

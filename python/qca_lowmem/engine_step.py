@@ -41,9 +41,15 @@ def has_memory(motor) -> bool:
     return value
 
 
+def compiled_module(operator):
+    """The module a torch.compile'd operator wraps (its forward takes *args), else the operator."""
+    return getattr(operator, "_orig_mod", operator)
+
+
 def check_operator_call(operator, memory: bool) -> None:
     """Refuse, naming the model class, an operator that cannot be called as the engine calls it."""
     call, args = ("operator(x, h, c)", (None, None, None)) if memory else ("operator(x)", (None,))
+    operator = compiled_module(operator)
     try:
         signature = inspect.signature(operator.forward)
     except (TypeError, ValueError, AttributeError):
@@ -78,11 +84,13 @@ def fused_memory_step(motor, gamma: float) -> Callable:
 
 
 def current_operator(motor):
-    """(motor.operator, whether it acts multiplicatively) read at each step, as the engine's own
-    step reads them: a compile_model() after enable(), which rebinds motor.operator, takes effect,
-    with the stock rule on the operator's class name applied to the new one as the engine does."""
+    """(the module to run, whether it acts multiplicatively), read from motor.operator at each
+    step as the engine's own step reads it, so a compile_model() before or after enable() is seen
+    alike. A compiled operator's module runs uncompiled: the same function, where the compiled one
+    runs one graph in the forward (no grad) and another in the recompute (grad), which can round
+    differently; the stock rule on the class name reads the compiled module, as the engine does."""
     operator = motor.operator
-    return operator, stock.is_multiplicative(operator)
+    return compiled_module(operator), stock.is_multiplicative(operator)
 
 
 def fused_engine_step(motor, gamma: float) -> Callable:
@@ -135,8 +143,14 @@ def lowmem_steps(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] 
     operator = motor.operator
     memory = has_memory(motor)
     check_operator_call(operator, memory)
+    # The engine's rule reads the class of what it calls: a compiled UNetUnitary (OptimizedModule) is additive there.
     gamma, multiplicative = engine_gamma(motor), stock.is_multiplicative(operator)
     if not fused_step_ops:
+        if compiled_module(operator) is not operator:
+            raise TypeError(f"enable(): {type(operator).__name__} (torch.compile of {type(operator._orig_mod).__name__}) "
+                            "with fused_step_ops=False: the engine's own step would run one compiled graph in the "
+                            "forward (no grad) and another in the recompute (grad), which can round differently; "
+                            "fused_step_ops=True runs the module it wraps")
         return None, (engine_memory_step(motor.state, motor.evolve_step) if memory else None)
     if not memory:
         step = fused_engine_step(motor, gamma)
@@ -244,15 +258,19 @@ def _signature(forward):
 
 @contextlib.contextmanager
 def _forward_replaced(operator, probe):
-    own = vars(operator).get("forward", _MISSING)
-    operator.forward = probe
+    """operator.forward, and that of the module a compiled operator wraps, replaced by `probe`."""
+    modules = [operator] + ([compiled_module(operator)] if compiled_module(operator) is not operator else [])
+    owns = [vars(module).get("forward", _MISSING) for module in modules]
+    for module in modules:
+        module.forward = probe
     try:
         yield
     finally:
-        if own is _MISSING:
-            del operator.forward
-        else:
-            operator.forward = own
+        for module, own in zip(modules, owns):
+            if own is _MISSING:
+                del module.forward
+            else:
+                module.forward = own
 
 
 @contextlib.contextmanager
@@ -327,7 +345,7 @@ def check_engine_step(motor, fused: Optional[Callable], carried: Optional[Callab
     delta = (2 * uniform - 1) * bound
     memory_in = (randn(batch, 2, height, width), randn(batch, 2, height, width))
     memory_out = (randn(batch, 2, height, width), randn(batch, 2, height, width))
-    probe = _OperatorProbe(operator.forward, (delta, *memory_out) if carried else delta)
+    probe = _OperatorProbe(compiled_module(operator).forward, (delta, *memory_out) if carried else delta)
     with torch.no_grad(), _forward_replaced(operator, probe):
         if carried:
             expected, expected_memory = carried(psi, memory_in)

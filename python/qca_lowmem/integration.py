@@ -1,4 +1,4 @@
-"""One-flag switch for a QC_Trainer_v4-style trainer (the attributes it relies on: docs/design.md).
+"""One-flag switch for a QC_Trainer_v4- or v3-style trainer (the attributes it relies on: docs/design.md).
 
 `enable(trainer)` converts the operator's ConvBlocks in place (same Parameters), swaps the engine
 step for the fused pack/update, replaces `train_episode` by a rollout with recompute that keeps the
@@ -15,13 +15,13 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from . import amp, precision, stock
+from . import amp, precision
 from .precision import autocast, parse_amp_dtype
-from .ops.noise import NoiseSchedule
-from .engine_step import lowmem_steps, memory_of, store_memory
+from .engine_step import compiled_module, lowmem_steps, memory_of
 from .rollout import Policy, StepGraph, rollout
 from .rollout.policy import STEP
 from .stock_episode import check_stock_episode
+from .trainer_versions import TrainerV3, adapter_for
 from .unet import convert
 
 log = logging.getLogger("qca_lowmem")  # enable()'s one line: on, and how
@@ -50,15 +50,19 @@ class _Saved:
     """What enable() changed, so disable() can put it back."""
 
     options: dict
+    version: Any = None  # the trainer version's adapter (trainer_versions.py)
     blocks: List[Tuple[torch.nn.Module, str, torch.nn.Module]] = field(default_factory=list)
     evolve_step: Any = None
     had_evolve_step_attr: bool = False
     train_episode: Any = None
     had_train_episode_attr: bool = False
     scaler: Any = None
+    had_scaler_attr: bool = True
     convert_report: Any = None
     step_graph: Any = None  # a StepGraph of the motor's step, made at the first CUDA episode
     memory_step: Any = None  # step(psi, (h, c)) -> (psi, (h, c)) for an engine with memory
+    fused_step_ops: bool = True
+    compiled_said: bool = False  # the one line for an operator compiled after enable()
 
 
 def _children(root: torch.nn.Module):
@@ -123,60 +127,63 @@ def _checked_flag(value, name: str) -> bool:
 
 
 def _lowmem_train_episode(trainer, episode_num):
-    """train_episode with the stock semantics, running the episode through qca_lowmem.rollout."""
+    """train_episode with the stock semantics of the trainer's version (trainer_versions.py),
+    running the episode through qca_lowmem.rollout."""
     state: _Saved = getattr(trainer, _STATE_ATTR)
-    opts = state.options
+    opts, version = state.options, state.version
     operator = trainer.motor.operator
     device = next(operator.parameters()).device
 
-    operator.train()  # as the stock episode: a model left in eval mode (by a visualisation) trains in train mode
+    if state.fused_step_ops and not state.compiled_said and compiled_module(operator) is not operator:
+        state.compiled_said = True
+        log.warning("qca_lowmem: motor.operator is compiled (%s); the fused step runs the module it wraps, "
+                    "uncompiled", type(operator).__name__)
+    model = version.model(trainer)
+    model.train()  # as the stock episode: a model left in eval mode (by a visualisation) trains in train mode
     trainer.optimizer.zero_grad()
-    psi0 = opts["initial_state"](trainer) if opts["initial_state"] is not None else stock.initial_state(
-        opts["batch_size"], opts["grid"], opts["d_state"], device
-    )
-    noise = _episode_noise(trainer, episode_num, opts["noise"])
+    psi0 = version.initial_state(trainer, opts, device)
+    noise = version.noise(trainer, episode_num, opts["noise"])
     step = state.memory_step or trainer.motor.evolve_step
     if opts["cuda_graph"]:  # off CUDA a StepGraph is the plain step
         if state.step_graph is None:
             state.step_graph = StepGraph(step)
         step = state.step_graph
-    # The memory the episode starts from: the state reset above zeroed it, as the engine's does.
+    # The memory the episode starts from: what the engine holds (zeroed by V4's state reset, None after V3's episodes).
     memory = {} if state.memory_step is None else dict(carry=memory_of(trainer.motor))
     with autocast(device.type, opts["amp_dtype"]):
-        # rollout's default history is the stock one: t == 0, T-1 and every max(1, T // 10) steps.
-        psi, history, *memory_T = rollout(step, psi0, trainer.qca_steps, noise=noise, **memory,
+        psi, history, *memory_T = rollout(step, psi0, trainer.qca_steps, noise=noise,
+                                          record_every=version.record_every(trainer), **memory,
                                           **opts["policy"].options())
-        loss, metrics = trainer.loss_fn(history, psi0)
+        loss, details = version.loss(trainer, psi0, psi, history)
 
-    parameters = [p for p in operator.parameters() if p.requires_grad]
-    scaler = trainer.scaler
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    max_norm = opts["max_grad_norm"] if opts["max_grad_norm"] is not None else version.max_grad_norm(trainer)
+    scaler = getattr(trainer, "scaler", None)
     if scaler is not None and scaler.is_enabled():
         scaler.scale(loss).backward()
         scaler.unscale_(trainer.optimizer)
-        _clip(scaler, parameters, opts["max_grad_norm"])
+        if max_norm is not None:
+            _clip(scaler, parameters, max_norm)
         scaler.step(trainer.optimizer)
         scaler.update()
     else:
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, opts["max_grad_norm"])
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         trainer.optimizer.step()
-    if memory_T:
-        # After the backward, whose recomputes ran the steps again: the memory the last step left.
-        store_memory(trainer.motor, memory_T[0])
-    loss_value = loss.item()
-    stock.episode_bookkeeping(getattr(trainer, "writer", None), episode_num, loss_value, metrics,
-                              stock.noise_rate(episode_num, trainer.max_noise))
-    return loss_value, metrics, psi.detach().cpu()
+    # After the backward, whose recomputes ran the steps again.
+    version.after_backward(trainer, memory_T[0] if memory_T else None)
+    return version.result(trainer, episode_num, loss, details, psi)
 
 
 NOISE_SOURCES = ("trainer", "fused")
 
 
-def _checked_noise(trainer, noise) -> str:
-    """enable()'s `noise`, refused where the trainer cannot give it."""
+def _checked_noise(trainer, version, noise) -> str:
+    """enable()'s `noise`, refused where the trainer cannot give it (a V3 episode has none)."""
     if noise not in NOISE_SOURCES:
         raise ValueError(f"enable(): noise must be one of {NOISE_SOURCES}, got {noise!r}")
-    if noise == "trainer":
+    if noise == "trainer" and version is not TrainerV3:
         injector = getattr(trainer, "noise_injector", None)
         missing = [name for name in ("apply_phase_flip", "apply_bit_flip") if not callable(getattr(injector, name, None))]
         if missing:
@@ -186,44 +193,11 @@ def _checked_noise(trainer, noise) -> str:
     return noise
 
 
-def _episode_noise(trainer, episode_num, noise):
-    """The episode's noise(psi, t), None when the curriculum leaves it off. "trainer": the
-    trainer's injector as stock applies it, the same draws in the same order (the rollout replays
-    the generators' states in its recomputes); "fused": a NoiseSchedule keyed by one draw from
-    torch's generator, replayed by construction."""
-    rate = stock.noise_rate(episode_num, trainer.max_noise)
-    if rate <= stock.NOISE_RATE_THRESHOLD:
-        return None
-    if noise == "fused":
-        return NoiseSchedule(trainer.max_noise, episode_num, int(torch.randint(0, 2**62, (1,)).item()))
-    injector = trainer.noise_injector
-    return lambda psi, t: stock.noise_step(injector, psi, rate)
-
-
 def _clip(scaler, parameters, max_norm):
     clip = getattr(scaler, "clip_grad_norm_", None)
     if clip is not None:  # right after unscale_: the gradients are as it measured them
         return clip(parameters, max_norm, reuse_unscale_norm=True)
     return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-
-
-def _check_contract(trainer):
-    missing = []
-    for path in ("motor", "motor.operator", "motor.evolve_step", "optimizer", "qca_steps", "max_noise",
-                 "loss_fn", "train_episode"):
-        owner = trainer
-        for part in path.split("."):
-            if not hasattr(owner, part):
-                missing.append(path)
-                break
-            owner = getattr(owner, part)
-    if not hasattr(trainer, "scaler"):
-        missing.append("scaler")
-    if missing:
-        raise TypeError(
-            f"enable(): {type(trainer).__name__} lacks the QC_Trainer_v4 attributes {missing} "
-            "(docs/design.md lists what the switch relies on)"
-        )
 
 
 def _check_placement(trainer):
@@ -251,14 +225,16 @@ def enable(
     fused_step_ops: bool = True,
     lowmem_scaler: bool = True,
     grid_size=None,
-    batch_size: int = 1,
+    batch_size: Optional[int] = None,
     d_state: Optional[int] = None,
     initial_state: Optional[Callable] = None,
-    max_grad_norm: float = 1.0,
+    max_grad_norm: Optional[float] = None,
     budget=None,
     noise: str = "trainer",
 ):
-    """Switch a QC_Trainer_v4-style trainer to the low-memory path, in place; returns the trainer.
+    """Switch a QC_Trainer_v4- or QC_Trainer_v3-style trainer to the low-memory path, in place;
+    returns the trainer. Which version it is, is read off its attributes (trainer_versions.py);
+    train_episode then keeps that version's episode, return values and bookkeeping.
 
     checkpoint: "step" (keep one psi per step, recompute in backward), "revolve" (binomial
       checkpointing with `slots` stored states), "auto" (full graphs of as many steps as `budget`
@@ -286,25 +262,27 @@ def enable(
       so episodes equal stock's and leave the generators as stock leaves them. "fused":
       qca_lowmem's NoiseSchedule (fused kernels keyed by (seed, step); the same distribution,
       other numbers than stock's).
-    grid_size / batch_size / d_state / initial_state: how psi0 is drawn. By default the trainer's
-      own state reset when its engine has one (`motor.state._reset_state_random()`, then
-      `motor.state.psi`), else the stock draw on the global torch RNG with the grid from
-      trainer.grid_size or motor.cfg.GRID_SIZE_TRAINING. `initial_state(trainer) -> psi0`
-      overrides both for trainers that draw psi0 differently.
+    grid_size / batch_size / d_state / initial_state: how a V4 trainer's psi0 is drawn. By default
+      the trainer's own state reset when its engine has one (`motor.state._reset_state_random()`,
+      then `motor.state.psi`), else the stock draw (batch_size, default 1) on the global torch RNG
+      with the grid from trainer.grid_size or motor.cfg.GRID_SIZE_TRAINING. A V3 trainer draws
+      its own, `motor.get_initial_state(trainer.batch_size)`, and refuses grid_size and batch_size.
+      `initial_state(trainer) -> psi0` overrides both for trainers that draw psi0 differently.
+    max_grad_norm: None clips as the trainer does (V4 at 1.0; V3 at its gradient_clip, when > 0).
     """
     flags = dict(fused_blocks=fused_blocks, cuda_graph=cuda_graph, fused_step_ops=fused_step_ops,
                  lowmem_scaler=lowmem_scaler)
     for name, value in flags.items():
         _checked_flag(value, name)
-    _check_contract(trainer)
+    version = adapter_for(trainer)
     if hasattr(trainer, _STATE_ATTR):
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
     check_stock_episode(trainer)
     policy = Policy.of(checkpoint, slots, budget, "enable()")
     _check_placement(trainer)
     policy.check_device(next(trainer.motor.operator.parameters()).device, "enable()")
-    state = _Saved(options=_episode_options(
-        trainer, policy=policy, amp_dtype=amp_dtype, grid_size=grid_size, batch_size=batch_size,
+    state = _Saved(version=version, options=_episode_options(
+        trainer, version, policy=policy, amp_dtype=amp_dtype, grid_size=grid_size, batch_size=batch_size,
         d_state=d_state, initial_state=initial_state, max_grad_norm=max_grad_norm, fused_blocks=fused_blocks,
         cuda_graph=cuda_graph, noise=noise,
     ))
@@ -317,21 +295,27 @@ def enable(
     _swap_step(trainer, state, evolve_step)
     _swap_episode(trainer, state)
     _swap_scaler(trainer, state, new_scaler)
+    state.fused_step_ops = fused_step_ops
+    state.compiled_said = compiled_module(trainer.motor.operator) is not trainer.motor.operator
     setattr(trainer, _STATE_ATTR, state)
-    log.info("qca_lowmem: on, %s", _summary(state.options, fused_step_ops))
+    log.info("qca_lowmem: on, %s", _summary(state, fused_step_ops, trainer.motor.operator))
     return trainer
 
 
-def _summary(options: dict, fused_step_ops: bool) -> str:
-    """What the episodes run, in one line: checkpoint=step, fp32, fused blocks, fused step."""
+def _summary(state: _Saved, fused_step_ops: bool, operator) -> str:
+    """What the episodes run, in one line: checkpoint=step, fp32, fused blocks, fused step (and,
+    where it applies, the QC_Trainer_v3 episode and a compiled operator run uncompiled)."""
+    options = state.options
     parts = [options["policy"].describe(), precision.amp_name(options["amp_dtype"])]
     parts += [name for name, on in (("fused blocks", options["fused_blocks"]), ("fused step", fused_step_ops),
-                                    ("cuda_graph", options["cuda_graph"]), ("fused noise", options["noise"] == "fused"))
-              if on]
+                                    ("cuda_graph", options["cuda_graph"]), ("fused noise", options["noise"] == "fused"),
+                                    ("the compiled operator's module uncompiled",
+                                     fused_step_ops and compiled_module(operator) is not operator),
+                                    (f"{state.version.name} episode", state.version is TrainerV3)) if on]
     return ", ".join(parts)
 
 
-def _episode_options(trainer, *, policy, amp_dtype, grid_size, batch_size, d_state, initial_state,
+def _episode_options(trainer, version, *, policy, amp_dtype, grid_size, batch_size, d_state, initial_state,
                      max_grad_norm, fused_blocks, cuda_graph, noise) -> dict:
     """enable()'s arguments resolved against the trainer: what each lowmem episode reads."""
     if amp_dtype is None and getattr(trainer, "use_amp", False):
@@ -349,6 +333,26 @@ def _episode_options(trainer, *, policy, amp_dtype, grid_size, batch_size, d_sta
         warnings.warn(f"enable(): cuda_graph captures CUDA graphs, but {StepGraph.why_not_captured(device)}: its "
                       "steps run eagerly", stacklevel=4)
         cuda_graph = False
+    grid, batch_size, initial_state = _psi0_options(trainer, version, grid_size, batch_size, initial_state)
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+        raise ValueError(f"enable(): max_grad_norm must be a number > 0 or None (the trainer's own), "
+                         f"got {max_grad_norm!r}")
+    return dict(
+        policy=policy, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
+        d_state=d_state or _infer_d_state(trainer, trainer.motor.operator), initial_state=initial_state,
+        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, cuda_graph=cuda_graph,
+        noise=_checked_noise(trainer, version, noise),
+    )
+
+
+def _psi0_options(trainer, version, grid_size, batch_size, initial_state):
+    """(grid, batch_size, initial_state) of the episodes' psi0 draw (TrainerV4/V3.initial_state)."""
+    if version is TrainerV3:
+        if grid_size is not None or batch_size is not None:
+            raise ValueError(f"enable(): {type(trainer).__name__} (QC_Trainer_v3) draws psi0 as "
+                             "motor.get_initial_state(trainer.batch_size), so grid_size and batch_size are not read; "
+                             "set trainer.batch_size, or pass initial_state=callable")
+        return None, None, initial_state
     if isinstance(grid_size, int):
         grid = (grid_size, grid_size)
     elif grid_size is not None:
@@ -357,14 +361,10 @@ def _episode_options(trainer, *, policy, amp_dtype, grid_size, batch_size, d_sta
         if initial_state is None:
             initial_state = own_state_reset(trainer)
         grid = None if initial_state is not None else _infer_grid(trainer)
+    batch_size = 1 if batch_size is None else batch_size
     if initial_state is None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"enable(): batch_size must be a positive int, got {batch_size!r}")
-    return dict(
-        policy=policy, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
-        d_state=d_state or _infer_d_state(trainer, trainer.motor.operator), initial_state=initial_state,
-        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, cuda_graph=cuda_graph,
-        noise=_checked_noise(trainer, noise),
-    )
+    return grid, batch_size, initial_state
 
 
 def _lowmem_scaler_for(trainer, compute_dtype):
@@ -407,6 +407,7 @@ def _swap_episode(trainer, state: _Saved):
 
 
 def _swap_scaler(trainer, state: _Saved, new_scaler):
+    state.had_scaler_attr = hasattr(trainer, "scaler")  # a V3 trainer has none
     state.scaler = getattr(trainer, "scaler", None)
     if new_scaler is not None:
         trainer.scaler = new_scaler
@@ -432,9 +433,11 @@ def disable(trainer):
         trainer.train_episode = state.train_episode
     else:
         del trainer.train_episode
-    if trainer.scaler is not state.scaler:
+    if getattr(trainer, "scaler", None) is not state.scaler:
         if state.scaler is not None:
             state.scaler.load_state_dict(trainer.scaler.state_dict())
         trainer.scaler = state.scaler
+    if not state.had_scaler_attr and hasattr(trainer, "scaler"):
+        del trainer.scaler
     delattr(trainer, _STATE_ATTR)
     return trainer

@@ -3,8 +3,8 @@
 the users' file) does something the library's episode would silently drop, so enable() refuses
 it, naming it.
 
-The stock one is the bundled stand-in's (by identity) or the users' QC_Trainer_v4.train_episode,
-recognised by its source: its lines stripped of indentation, blank and comment lines dropped, must
+The stock one is a bundled stand-in's (by identity) or the users' QC_Trainer_v4 or QC_Trainer_v3
+train_episode, recognised by its source: its lines stripped of indentation, blank and comment lines dropped, must
 hash to a version qca_lowmem follows. Reformatting and comments pass; a changed line does not.
 """
 
@@ -12,12 +12,16 @@ import hashlib
 import inspect
 from typing import Optional
 
-from .examples.qc_trainer_v4 import QC_Trainer_v4 as StandIn
+from .examples.qc_trainer_v3 import QC_Trainer_v3 as StandInV3
+from .examples.qc_trainer_v4 import QC_Trainer_v4 as StandInV4
 
-STOCK_QUALNAME = "QC_Trainer_v4.train_episode"
-# The users' QC_Trainer_v4.train_episode (Jonakss/Atheria, module trainers.qc_trainer_v4 of their
-# source tree), the version the integration is checked against.
-ATHERIA_DIGESTS = frozenset({"3a2a9567330ed4200e8a753e4356d4702f76866262d987a4629b59b79da8b41a"})
+STAND_INS = (StandInV4.train_episode, StandInV3.train_episode)
+# The users' train_episode of each trainer (Jonakss/Atheria, modules trainers.qc_trainer_v4 and
+# trainers.qc_trainer_v3 of their source tree), the versions the integration is checked against.
+ATHERIA_DIGESTS = {
+    "QC_Trainer_v4.train_episode": frozenset({"3a2a9567330ed4200e8a753e4356d4702f76866262d987a4629b59b79da8b41a"}),
+    "QC_Trainer_v3.train_episode": frozenset({"a53075ab0c8272f85c8bf2766e4d40693e877e790fd383d70f99c49a44d7f743"}),
+}
 
 
 def source_digest(function) -> Optional[str]:
@@ -32,9 +36,10 @@ def source_digest(function) -> Optional[str]:
 
 
 def is_stock_episode(function) -> bool:
-    if function is StandIn.train_episode:
+    if any(function is stand_in for stand_in in STAND_INS):
         return True
-    return getattr(function, "__qualname__", None) == STOCK_QUALNAME and source_digest(function) in ATHERIA_DIGESTS
+    digests = ATHERIA_DIGESTS.get(getattr(function, "__qualname__", None))
+    return digests is not None and source_digest(function) in digests
 
 
 def check_stock_episode(trainer) -> None:
@@ -47,5 +52,5 @@ def check_stock_episode(trainer) -> None:
     name = f"{getattr(found, '__module__', '?')}.{getattr(found, '__qualname__', type(found).__name__)}"
     where = "set on the instance" if "train_episode" in vars(trainer) else "its class's"
     raise TypeError(f"enable(): {type(trainer).__name__}.train_episode is {name} ({where}), not the stock "
-                    f"{STOCK_QUALNAME}: enable() replaces train_episode by qca_lowmem's episode, which repeats the "
+                    f"{' or '.join(ATHERIA_DIGESTS)}: enable() replaces train_episode by qca_lowmem's episode, which repeats the "
                     "stock one only, so what this one does differently would be dropped")

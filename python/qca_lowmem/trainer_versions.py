@@ -1,0 +1,167 @@
+"""What differs between the users' trainer versions around the one lowmem episode that
+enable() runs (integration.py): where psi0 comes from, the noise, the loss, which model trains,
+the clipping norm, what happens to the engine's memory afterwards and what train_episode returns.
+
+`QC_Trainer_v4`: psi0 from the engine's state reset or the stock draw, the noise curriculum, the
+history loss `loss_fn(history, psi0)`, clipping at 1.0, the ConvLSTM memory kept on the engine,
+returns (loss, metrics, psi_T). `QC_Trainer_v3`: psi0 = `motor.get_initial_state(batch_size)`,
+no noise, the reward `compute_reward(psi0, psi_T)` (loss = -reward), clipping at its
+`gradient_clip` when positive, the memory reset to None after the episode, returns
+(loss, reward, quietness reward, complexity reward). A trainer is told apart by its attributes.
+"""
+
+from typing import Callable, Optional
+
+import torch
+
+from . import stock
+from .ops.noise import NoiseSchedule
+from .engine_step import store_memory
+
+
+def _missing(trainer, paths) -> list:
+    missing = []
+    for path in paths:
+        owner = trainer
+        for part in path.split("."):
+            if not hasattr(owner, part):
+                missing.append(path)
+                break
+            owner = getattr(owner, part)
+    return missing
+
+
+class TrainerV4:
+    name = "QC_Trainer_v4"
+    required = ("motor", "motor.operator", "motor.evolve_step", "optimizer", "qca_steps", "max_noise", "loss_fn",
+                "train_episode", "scaler")
+
+    @staticmethod
+    def check(trainer) -> None:
+        pass
+
+    @staticmethod
+    def model(trainer) -> torch.nn.Module:
+        return trainer.motor.operator
+
+    @staticmethod
+    def initial_state(trainer, opts, device):
+        if opts["initial_state"] is not None:
+            return opts["initial_state"](trainer)
+        return stock.initial_state(opts["batch_size"], opts["grid"], opts["d_state"], device)
+
+    @staticmethod
+    def noise(trainer, episode, source: str) -> Optional[Callable]:
+        """The episode's noise(psi, t), None when the curriculum leaves it off. "trainer": the
+        trainer's injector as stock applies it, the same draws in the same order (the rollout
+        replays the generators' states in its recomputes); "fused": a NoiseSchedule keyed by one
+        draw from torch's generator, replayed by construction."""
+        rate = stock.noise_rate(episode, trainer.max_noise)
+        if rate <= stock.NOISE_RATE_THRESHOLD:
+            return None
+        if source == "fused":
+            return NoiseSchedule(trainer.max_noise, episode, int(torch.randint(0, 2**62, (1,)).item()))
+        injector = trainer.noise_injector
+        return lambda psi, t: stock.noise_step(injector, psi, rate)
+
+    @staticmethod
+    def record_every(trainer) -> None:
+        return None  # the stock history: t == 0, T-1 and every max(1, T // 10) steps
+
+    @staticmethod
+    def loss(trainer, psi0, psi_T, history):
+        return trainer.loss_fn(history, psi0)
+
+    @staticmethod
+    def max_grad_norm(trainer) -> float:
+        return 1.0
+
+    @staticmethod
+    def after_backward(trainer, memory_T) -> None:
+        if memory_T is not None:  # the memory the last step left, as the engine's own step keeps it
+            store_memory(trainer.motor, memory_T)
+
+    @staticmethod
+    def result(trainer, episode, loss, metrics, psi_T):
+        loss_value = loss.item()
+        stock.episode_bookkeeping(getattr(trainer, "writer", None), episode, loss_value, metrics,
+                                  stock.noise_rate(episode, trainer.max_noise))
+        return loss_value, metrics, psi_T.detach().cpu()
+
+
+class TrainerV3:
+    name = "QC_Trainer_v3"
+    required = ("motor", "motor.operator", "motor.evolve_step", "motor.get_initial_state",
+                "motor.get_model_for_params", "optimizer", "qca_steps", "batch_size", "gradient_clip",
+                "compute_reward", "train_episode")
+
+    @staticmethod
+    def check(trainer) -> None:
+        if trainer.optimizer is None:
+            raise ValueError(f"enable(): {type(trainer).__name__}.optimizer is None (its engine gave no model to "
+                             "train): there is no episode to run with less memory")
+        if TrainerV3.model(trainer) is None:
+            raise ValueError(f"enable(): {type(trainer).__name__}.motor.get_model_for_params() returned None: "
+                             "no model to train")
+
+    @staticmethod
+    def model(trainer) -> torch.nn.Module:
+        return trainer.motor.get_model_for_params()
+
+    @staticmethod
+    def initial_state(trainer, opts, device):
+        if opts["initial_state"] is not None:
+            return opts["initial_state"](trainer)
+        return trainer.motor.get_initial_state(trainer.batch_size)
+
+    @staticmethod
+    def noise(trainer, episode, source: str) -> None:
+        return None
+
+    @staticmethod
+    def record_every(trainer) -> int:
+        return trainer.qca_steps  # the reward reads psi_T alone: keep no history besides
+
+    @staticmethod
+    def loss(trainer, psi0, psi_T, history):
+        rewards = trainer.compute_reward(psi0, psi_T)
+        if not isinstance(rewards, (tuple, list)) or len(rewards) != 3:
+            raise TypeError(f"{type(trainer).__name__}.compute_reward(psi_initial, psi_final) must return (total, "
+                            f"quietness, complexity) as QC_Trainer_v3's does, it returned {type(rewards).__name__}")
+        return -rewards[0], rewards  # V3 maximises the reward
+
+    @staticmethod
+    def max_grad_norm(trainer) -> Optional[float]:
+        return trainer.gradient_clip if trainer.gradient_clip > 0 else None
+
+    @staticmethod
+    def after_backward(trainer, memory_T) -> None:
+        # V3 drops the memory after every episode, so the next one starts from none.
+        state = getattr(trainer.motor, "state", None)
+        for name in ("h_state", "c_state"):
+            if getattr(state, name, None) is not None:
+                setattr(state, name, None)
+
+    @staticmethod
+    def result(trainer, episode, loss, rewards, psi_T):
+        values = (loss.item(), *(r.item() for r in rewards))
+        if torch.cuda.is_available():  # as V3 releases the cache after each episode
+            torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+        return values
+
+
+ADAPTERS = (TrainerV4, TrainerV3)
+
+
+def adapter_for(trainer):
+    """The adapter of the first trainer version whose attributes `trainer` has; else a TypeError
+    naming what each version lacks."""
+    lacks = {adapter.name: _missing(trainer, adapter.required) for adapter in ADAPTERS}
+    for adapter in ADAPTERS:
+        if not lacks[adapter.name]:
+            adapter.check(trainer)
+            return adapter
+    said = "; ".join(f"{name} attributes {missing}" for name, missing in lacks.items())
+    raise TypeError(f"enable(): {type(trainer).__name__} lacks the {said} (docs/design.md lists what the switch "
+                    "relies on)")
