@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICES, cuda_only, randomize_affine
+from helpers import DEVICES, cuda_only, randomize_affine
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 

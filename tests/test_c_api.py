@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import qca_lowmem._C as native_module
-from conftest import DEVICES
+from helpers import DEVICES
 
 QCA_F32 = 0
 QCA_BF16 = 3

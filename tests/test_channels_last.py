@@ -7,7 +7,7 @@ import csv
 import pytest
 import torch
 import yaml
-from conftest import cuda_only, randomize_affine
+from helpers import cuda_only, randomize_affine
 
 import qca_lowmem
 from qca_lowmem import rollout

@@ -4,7 +4,7 @@ kept within the budget."""
 
 import pytest
 import torch
-from conftest import randomize_affine
+from helpers import episode, initial_state, randomize_affine
 
 import qca_lowmem
 from qca_lowmem import rollout, saved_bytes
@@ -23,21 +23,15 @@ def fused_unet_step():
     return list(unet.parameters()), lambda psi: qca_lowmem.qca_update(psi, unet(qca_lowmem.qca_pack(psi)), 0.05)
 
 
-def initial_state():
-    torch.manual_seed(3)
-    return qca_lowmem.stock.initial_state(1, 8, 2, dtype=torch.complex128)
+def weighted_history_loss(psi0, psi_T, history):
+    loss, _ = qca_lowmem.stock.evolutionary_loss(history, psi0)
+    return loss + sum((h.real * (i + 1)).sum() for i, h in enumerate(history))
 
 
 def grads(step, params, checkpoint, **options):
-    for p in params:
-        p.grad = None
-    psi0 = initial_state().requires_grad_()
-    psi_T, history = rollout(step, psi0, STEPS, checkpoint=checkpoint, noise=qca_lowmem.NoiseSchedule(0.5, 2000, seed=1),
-                             record_every=3, **options)
-    loss, _ = qca_lowmem.stock.evolutionary_loss(history, psi0)
-    loss = loss + sum((h.real * (i + 1)).sum() for i, h in enumerate(history))
-    loss.backward()
-    return len(history), [psi0.grad] + [p.grad for p in params]
+    run = episode(step, params, initial_state(), STEPS, weighted_history_loss, checkpoint=checkpoint,
+                  noise=qca_lowmem.NoiseSchedule(0.5, 2000, seed=1), record_every=3, **options)
+    return run.length, run.grads
 
 
 def sizes(step):

@@ -15,7 +15,7 @@ import yaml
 
 from qca_lowmem.trainer import cli
 from qca_lowmem.trainer.checkpoint import CHECKPOINT_NAME, previous_path
-from conftest import TINY, report_lines, write_config
+from helpers import TINY, report_lines, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from conftest import CUDA
+from helpers import CUDA
 
 import qca_lowmem
 

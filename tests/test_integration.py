@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qca_lowmem
-from conftest import cuda_only, randomize_affine
+from helpers import cuda_only, randomize_affine
 from qca_lowmem.examples import QC_Trainer_v4, make_config
 from qca_lowmem.stock import ConvBlock
 

@@ -9,55 +9,14 @@ import torch
 from torch import nn
 
 import qca_lowmem
-from fixtures.model_families import FAMILIES, MEMORY_FAMILIES, SpikingOperator, make_operator
-from qca_lowmem.examples.qc_trainer_v4 import QC_Trainer_v4, make_config
+from fixtures.model_families import (D_STATE, FAMILIES, HIDDEN, MEMORY_FAMILIES, SpikingOperator, assert_same_run, make_operator,
+                                     make_trainer, run)
 from qca_lowmem import RecomputeMismatchError, saved_bytes
 from qca_lowmem.engine_step import fused_memory_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-D_STATE, HIDDEN, STEPS, EPISODES = 2, 4, 5, 3
 POLICIES = [("none", None), ("step", None), ("revolve", 2)]
-
-
-def make_trainer(family, operator=None):
-    cfg = make_config(grid=8, d_state=D_STATE, hidden=HIDDEN, qca_steps=STEPS, gamma=0.05, dtype=torch.complex128)
-    operator = operator if operator is not None else make_operator(family, D_STATE, HIDDEN)
-    return QC_Trainer_v4(cfg, state_object=True, operator=operator, memory=family in MEMORY_FAMILIES)
-
-
-def memory(trainer):
-    state = trainer.motor.state
-    return [m.clone() for m in (state.h_state, state.c_state) if m is not None]
-
-
-def run(trainer, episodes=range(EPISODES), seed=99):
-    """Per episode: loss, final psi, memory after it; then every gradient and weight."""
-    torch.manual_seed(seed)
-    per_episode = []
-    for e in episodes:
-        loss, _, psi = trainer.train_episode(e)
-        per_episode.append((loss, psi, memory(trainer)))
-    params = list(trainer.motor.operator.named_parameters())
-    return per_episode, {n: p.grad.clone() for n, p in params}, {n: p.detach().clone() for n, p in params}
-
-
-def relative(actual, expected):
-    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-300)).item()
-
-
-def assert_same_run(actual, expected, rel=1e-10):
-    (episodes, grads, weights), (stock_episodes, stock_grads, stock_weights) = actual, expected
-    for e, ((loss, psi, mem), (stock_loss, stock_psi, stock_mem)) in enumerate(zip(episodes, stock_episodes, strict=True)):
-        assert loss == pytest.approx(stock_loss, rel=rel, abs=0), f"loss, episode {e}"
-        assert relative(psi, stock_psi) <= rel, f"final psi, episode {e}"
-        assert len(mem) == len(stock_mem)
-        for i, (m, s) in enumerate(zip(mem, stock_mem)):
-            assert relative(m, s) <= rel, f"memory {i} after episode {e}: {relative(m, s):.3e}"
-    assert grads.keys() == stock_grads.keys()
-    for name in stock_grads:
-        assert relative(grads[name], stock_grads[name]) <= rel, f"gradient of {name}"
-        assert relative(weights[name], stock_weights[name]) <= rel, f"weight {name}"
 
 
 _stock_runs = {}

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import DEVICES, cuda_only
+from helpers import DEVICES, cuda_only
 from torch.library import opcheck
 
 import qca_lowmem

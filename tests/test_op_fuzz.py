@@ -5,6 +5,7 @@ the argument; never garbage, never a crash."""
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import single_thread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,10 +22,8 @@ CLEAR_ERRORS = (RuntimeError, ValueError, TypeError)
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tiny tensors: one thread keeps the examples fast on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_thread():
+        yield
 
 
 def laid_out(shape, dtype, order, device):

@@ -6,7 +6,7 @@ from torch import nn
 
 import qca_lowmem
 from qca_lowmem import stock as reference
-from conftest import DEVICES, cuda_only
+from helpers import DEVICES, cuda_only
 
 SHAPES = [(1, 4, 4, 1), (2, 5, 7, 3), (1, 8, 8, 14), (3, 3, 11, 14)]
 

@@ -9,11 +9,12 @@ import weakref
 import numpy
 import pytest
 import torch
-from conftest import DEVICES, cuda_only, randomize_affine
+from helpers import (DEVICES, RECORD_EVERY, STEPS, cuda_only, episode_grads, episode_loss, fused_step, initial_state,
+                     make_conv_net, max_relative_error, noisy_schedule, randomize_affine)
 from torch import nn
 
 import qca_lowmem
-from qca_lowmem import NoiseSchedule, block_keeps_intermediates, rollout, saved_bytes
+from qca_lowmem import block_keeps_intermediates, rollout, saved_bytes
 from qca_lowmem import stock as reference
 
 from qca_lowmem.rollout import revolve
@@ -22,7 +23,6 @@ from qca_lowmem.rollout import revolve
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-STEPS, RECORD_EVERY = 11, 3  # recorded steps 0, 3, 6, 9, 10
 MODES = [("step", None), ("revolve", 1), ("revolve", 2), ("revolve", 3), ("revolve", 5)]
 
 
@@ -34,58 +34,8 @@ def make_unet(dtype=torch.float64, device="cpu", d_state=2, hidden=4):
     return op.to(device=device, dtype=dtype)
 
 
-def make_conv_net(dtype=torch.float64, device="cpu", d_state=2):
-    torch.manual_seed(2)
-    c = 2 * d_state
-    return nn.Sequential(nn.Conv2d(c, 8, 3, padding=1), nn.Tanh(), nn.Conv2d(8, c, 3, padding=1)).to(device=device, dtype=dtype)
-
-
 def reference_step(op):
     return lambda psi: reference.step(psi, op)
-
-
-def fused_step(net):
-    """An additive-mode step on the fused ops: qca_pack -> conv net -> qca_update."""
-    return lambda psi: qca_lowmem.qca_update(psi, net(qca_lowmem.qca_pack(psi)), gamma=0.05, multiplicative=False)
-
-
-def initial_state(device="cpu", dtype=torch.complex128, grid=8, d_state=2):
-    torch.manual_seed(3)
-    return reference.initial_state(1, grid, d_state, dtype=dtype).to(device)
-
-
-def noisy_schedule():
-    schedule = NoiseSchedule(0.5, 2000, seed=1)  # bit flips at steps 2, 3, 4 and 10
-    assert schedule.active and any(schedule.bit_flips_at(t) for t in range(STEPS))
-    return schedule
-
-
-def episode_loss(psi_T, history, psi0, history_loss):
-    loss, _ = reference.evolutionary_loss(history, psi0)
-    if history_loss:
-        torch.manual_seed(4)
-        for h in history[:-1]:
-            weight = torch.randn(h.shape, dtype=h.real.dtype, device=h.device)
-            loss = loss + (weight * h.real).sum() + (weight.flip(1) * h.imag**2).sum()
-    return loss
-
-
-def episode_grads(step_fn, params, psi0, checkpoint, slots=None, noise=None, history_loss=False, steps=STEPS):
-    for p in params:
-        p.grad = None
-    psi0 = psi0.detach().requires_grad_()
-    psi_T, history = rollout(step_fn, psi0, steps, checkpoint=checkpoint, slots=slots, noise=noise, record_every=RECORD_EVERY)
-    episode_loss(psi_T, history, psi0, history_loss).backward()
-    return [psi0.grad] + [p.grad for p in params]
-
-
-def max_relative_error(grads, expected):
-    assert len(grads) == len(expected)
-    errors = []
-    for g, e in zip(grads, expected):
-        assert g is not None and e is not None
-        errors.append(((g - e).abs().max() / e.abs().max()).item())
-    return max(errors)
 
 
 _reference_grads = {}

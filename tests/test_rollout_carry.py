@@ -3,7 +3,7 @@ every mode, and the recompute check that refuses a step depending on state outsi
 
 import pytest
 import torch
-from conftest import cuda_only
+from helpers import CARRY_STEPS as STEPS, MemoryCell, carried_grads, cuda_only, initial_memory, initial_state, memory_step
 from torch import nn
 
 import qca_lowmem
@@ -12,75 +12,7 @@ from qca_lowmem import stock as reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-STEPS = 7
 MODES = [("none", None), ("step", None), ("revolve", 1), ("revolve", 3)]
-HIDDEN = 3
-
-
-class MemoryCell(nn.Module):
-    """A ConvLSTM-shaped operator: (x, h, c) -> (delta, h, c), a zero memory when h, c are None."""
-
-    def __init__(self, d_state=2):
-        super().__init__()
-        torch.manual_seed(11)
-        c = 2 * d_state
-        self.gates = nn.Conv2d(c + HIDDEN, 4 * HIDDEN, 3, padding=1)
-        self.out = nn.Conv2d(c + HIDDEN, c, 3, padding=1)
-
-    def forward(self, x, h=None, c=None):
-        if h is None:
-            h = c = x.new_zeros(x.shape[0], HIDDEN, *x.shape[2:])
-        f, i, o, g = self.gates(torch.cat([x, h], 1)).chunk(4, 1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        h = torch.sigmoid(o) * torch.tanh(c)
-        return 0.3 * torch.tanh(self.out(torch.cat([x, h], 1))), h, c
-
-
-def memory_step(cell, detach):
-    """One QCA step carrying (h, c); `detach` cuts the gradient through the memory, as the users'
-    engine does."""
-
-    def step(psi, memory):
-        h, c = (m.detach() if detach and m is not None else m for m in memory)
-        delta, h, c = cell(qca_lowmem.qca_pack(psi), h, c)
-        if detach:
-            h, c = h.detach(), c.detach()
-        return qca_lowmem.qca_update(psi, delta, gamma=0.05, multiplicative=False), (h, c)
-
-    return step
-
-
-def initial_state(grid=8, d_state=2):
-    torch.manual_seed(3)
-    return reference.initial_state(1, grid, d_state, dtype=torch.complex128)
-
-
-def initial_memory(grid=8, requires_grad=False):
-    torch.manual_seed(4)
-    h, c = (0.5 * torch.randn(1, HIDDEN, grid, grid, dtype=torch.float64) for _ in range(2))
-    return h.requires_grad_(requires_grad), c.requires_grad_(requires_grad)
-
-
-def grads(step, cell, psi0, memory0, checkpoint, slots=None, noise=None, memory_loss=True, **kw):
-    """The episode's loss (on the history, and on the final memory when `memory_loss`) and the
-    gradients of every parameter, psi0 and the memory entries that require grad."""
-    for p in cell.parameters():
-        p.grad = None
-    psi0 = psi0.detach().requires_grad_()
-    memory0 = tuple(m.detach().requires_grad_() if m is not None and m.requires_grad else m for m in memory0)
-    psi_T, history, memory_T = rollout(step, psi0, STEPS, checkpoint=checkpoint, slots=slots, noise=noise,
-                                       record_every=2, carry=memory0, **kw)
-    loss, _ = reference.evolutionary_loss(history, psi0)
-    if memory_loss:
-        loss = loss + (memory_T[0] * torch.linspace(-1, 1, memory_T[0].numel(),
-                                                    device=memory_T[0].device).view_as(memory_T[0])).sum()
-        loss = loss + memory_T[1].square().sum()
-    loss.backward()
-    inputs = [psi0, *(m for m in memory0 if m is not None and m.requires_grad)]
-    # memory_T detached: kept with its graph, it would hold the parameters' gradient accumulators,
-    # made on the default stream, and a later StepGraph's backward capture cannot sync with it
-    return loss.detach(), [x.grad for x in inputs] + [p.grad for p in cell.parameters()], tuple(
-        None if m is None else m.detach() for m in memory_T)
 
 
 def assert_same(actual, expected, rel=1e-10):
@@ -97,8 +29,8 @@ def test_carry_gradients_equal_plain_autograd(checkpoint, slots, detach):
     step = memory_step(cell, detach)
     psi0, memory0 = initial_state(), initial_memory(requires_grad=not detach)
     noise = NoiseSchedule(0.5, 2000, seed=1)
-    loss, expected, memory_expected = grads(step, cell, psi0, memory0, "none", noise=noise, memory_loss=not detach)
-    loss_r, actual, memory_T = grads(step, cell, psi0, memory0, checkpoint, slots, noise=noise, memory_loss=not detach)
+    loss, expected, memory_expected = carried_grads(step, cell, psi0, memory0, "none", noise=noise, memory_loss=not detach)
+    loss_r, actual, memory_T = carried_grads(step, cell, psi0, memory0, checkpoint, slots, noise=noise, memory_loss=not detach)
     assert torch.equal(loss_r, loss)
     assert_same(actual, expected)
     assert_same(memory_T, memory_expected, rel=0.0)
@@ -111,8 +43,8 @@ def test_memory_made_by_the_first_step(checkpoint, slots):
     """carry entries may start as None (the users' engine's first episode)."""
     cell = MemoryCell().double()
     step = memory_step(cell, detach=True)
-    _, expected, memory_expected = grads(step, cell, initial_state(), (None, None), "none")
-    _, actual, memory_T = grads(step, cell, initial_state(), (None, None), checkpoint, slots)
+    _, expected, memory_expected = carried_grads(step, cell, initial_state(), (None, None), "none")
+    _, actual, memory_T = carried_grads(step, cell, initial_state(), (None, None), checkpoint, slots)
     assert_same(actual, expected)
     assert_same(memory_T, memory_expected, rel=0.0)
 
@@ -232,10 +164,10 @@ def test_step_graph_carries_memory_on_cuda(checkpoint, slots, detach):
     psi0 = initial_state().to("cuda", torch.complex64)
     memory0 = tuple(m.to("cuda", torch.float32).requires_grad_(not detach) for m in initial_memory())
     noise = NoiseSchedule(0.5, 2000, seed=1)
-    _, eager, eager_memory = grads(step, cell, psi0, memory0, checkpoint, slots, noise=noise, memory_loss=not detach)
+    _, eager, eager_memory = carried_grads(step, cell, psi0, memory0, checkpoint, slots, noise=noise, memory_loss=not detach)
     eager = [g.clone() for g in eager]
     graph = qca_lowmem.StepGraph(step)
-    runs = [grads(graph, cell, psi0, memory0, checkpoint, slots, noise=noise, memory_loss=not detach)
+    runs = [carried_grads(graph, cell, psi0, memory0, checkpoint, slots, noise=noise, memory_loss=not detach)
             for _ in range(2)]
     assert graph.captures_made == 1
     (_, captured, captured_memory), (_, replayed, replayed_memory) = runs
@@ -259,12 +191,12 @@ def test_auto_carries_memory_within_its_budget(detach, first_memory):
     memory0 = initial_memory(requires_grad=not detach) if first_memory == "given" else (None, None)
     step_bytes, state_bytes = step_graph_bytes(step, psi0, memory0)
     assert state_bytes == psi0.nbytes + 2 * initial_memory()[0].nbytes  # a memory not made yet counted as made
-    loss, expected, memory_expected = grads(step, cell, psi0, memory0, "none", memory_loss=not detach)
+    loss, expected, memory_expected = carried_grads(step, cell, psi0, memory0, "none", memory_loss=not detach)
     by_budget = {}
     recompute_state = state_bytes  # what the recompute check holds besides
     for budget in (0, (STEPS + 1) * state_bytes + recompute_state, STEPS * state_bytes + 2 * step_bytes + recompute_state,
                    2 ** 30):
-        loss_a, actual, memory_T = grads(step, cell, psi0, memory0, "auto", budget=budget, memory_loss=not detach)
+        loss_a, actual, memory_T = carried_grads(step, cell, psi0, memory0, "auto", budget=budget, memory_loss=not detach)
         assert torch.equal(loss_a, loss)
         assert_same(actual, expected)
         assert_same(memory_T, memory_expected, rel=0.0)

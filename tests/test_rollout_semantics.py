@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import qca_lowmem
-from conftest import batchnorm_step
+from helpers import batchnorm_step
 from qca_lowmem import stock
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -17,7 +17,7 @@ import torch
 from qca_lowmem.trainer import cli, train as train_mod
 from qca_lowmem.trainer.checkpoint import CHECKPOINT_NAME
 from qca_lowmem.trainer.metrics import METRICS_NAME
-from conftest import TINY, write_config
+from helpers import TINY, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -20,7 +20,7 @@ from qca_lowmem.trainer.checkpoint import CHECKPOINT_NAME, atomic_save, previous
 from qca_lowmem.trainer.errors import UsageError
 from qca_lowmem.trainer.runlock import LOCK_NAME
 from qca_lowmem.trainer.signals import STOP_SIGNALS
-from conftest import TINY, report_lines, write_config
+from helpers import TINY, report_lines, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

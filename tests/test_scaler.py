@@ -7,7 +7,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import CUDA, cuda_only
+from helpers import CUDA, cuda_only
 from torch import nn
 
 import qca_lowmem

@@ -4,7 +4,7 @@ naming itself. Never the silent zero of an op whose backward has no autograd."""
 
 import pytest
 import torch
-from conftest import randomize_affine
+from helpers import randomize_affine
 from torch.autograd import gradgradcheck
 
 import qca_lowmem

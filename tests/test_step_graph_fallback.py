@@ -6,11 +6,10 @@ import warnings
 
 import pytest
 import torch
-from conftest import randomize_affine
+from helpers import episode, initial_state, randomize_affine
 from torch import nn
 
 import qca_lowmem
-from qca_lowmem import rollout
 from qca_lowmem.rollout import graph as step_graph
 from qca_lowmem.trainer import config as config_mod, train as train_mod
 
@@ -54,17 +53,10 @@ def simulated_cuda(monkeypatch):
 
 
 def grads_of(step_fn, params, psi0, **options):
-    for p in params:
-        p.grad = None
-    psi0 = psi0.detach().requires_grad_()
-    psi_T, history = rollout(step_fn, psi0, 6, **options)
-    (psi_T.abs() ** 2 * torch.arange(psi_T.shape[-1], dtype=torch.float64)).sum().backward()
-    return [psi0.grad.clone()] + [p.grad.clone() for p in params]
+    def loss(psi0, psi_T, history):
+        return (psi_T.abs() ** 2 * torch.arange(psi_T.shape[-1], dtype=torch.float64)).sum()
 
-
-def initial_state():
-    torch.manual_seed(3)
-    return qca_lowmem.stock.initial_state(1, 8, 2, dtype=torch.complex128)
+    return [g.clone() for g in episode(step_fn, params, psi0, 6, loss, **options).grads]
 
 
 @pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2)])

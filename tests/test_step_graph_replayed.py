@@ -9,12 +9,11 @@ import contextlib
 
 import pytest
 import torch
-from conftest import batchnorm_step
-from test_rollout import episode_grads, fused_step, make_conv_net, max_relative_error, noisy_schedule
-from test_rollout import initial_state as psi_state
-from test_rollout_carry import STEPS, MemoryCell, grads, initial_memory, initial_state, memory_step
+from helpers import (CARRY_STEPS, MemoryCell, batchnorm_step, carried_grads, episode_grads, fused_step, initial_memory,
+                     initial_state, make_conv_net, max_relative_error, memory_step, noisy_schedule)
 
 import qca_lowmem
+from fixtures.model_families import EPISODES, assert_same_run, make_trainer, run
 from qca_lowmem import NoiseSchedule
 from qca_lowmem.rollout import graph as step_graph
 
@@ -80,7 +79,7 @@ def replays(made):
 def test_captured_step_equals_eager(replayed_graphs, checkpoint, slots):
     net = make_conv_net()
     params = list(net.parameters())
-    psi0 = psi_state()
+    psi0 = initial_state()
     expected = [g.clone() for g in episode_grads(fused_step(net), params, psi0, checkpoint, slots, noisy_schedule(),
                                                  history_loss=True)]
     graph = qca_lowmem.StepGraph(fused_step(net))
@@ -102,11 +101,11 @@ def test_captured_carried_step_equals_eager(replayed_graphs, checkpoint, slots, 
     psi0 = initial_state()
     memory0 = initial_memory(requires_grad=not detach) if first_memory == "given" else (None, None)
     noise = NoiseSchedule(0.5, 2000, seed=1)
-    loss, expected, memory_expected = grads(step, cell, psi0, memory0, checkpoint, slots, noise=noise,
+    loss, expected, memory_expected = carried_grads(step, cell, psi0, memory0, checkpoint, slots, noise=noise,
                                             memory_loss=not detach)
     graph = qca_lowmem.StepGraph(step)
     for _ in range(2):
-        loss_g, actual, memory_T = grads(graph, cell, psi0, memory0, checkpoint, slots, noise=noise,
+        loss_g, actual, memory_T = carried_grads(graph, cell, psi0, memory0, checkpoint, slots, noise=noise,
                                          memory_loss=not detach)
         assert torch.equal(loss_g, loss)
         assert len(actual) == len(expected)
@@ -114,7 +113,7 @@ def test_captured_carried_step_equals_eager(replayed_graphs, checkpoint, slots, 
         assert all(torch.equal(a, e) for a, e in zip(memory_T, memory_expected, strict=True))
     assert graph.captures_made == 1
     # Every step but the first replays its forward (a None memory is not the captured carry).
-    assert replays(replayed_graphs) > 2 * (STEPS - 1)
+    assert replays(replayed_graphs) > 2 * (CARRY_STEPS - 1)
 
 
 def test_captured_carried_step_checks_its_recompute(replayed_graphs):
@@ -128,14 +127,12 @@ def test_captured_carried_step_checks_its_recompute(replayed_graphs):
         return qca_lowmem.qca_update(psi, delta, gamma=0.05, multiplicative=False), memory
 
     with pytest.raises(qca_lowmem.RecomputeMismatchError, match="recompute of step"):
-        grads(qca_lowmem.StepGraph(step), cell, initial_state(), initial_memory(), "step", memory_loss=False)
+        carried_grads(qca_lowmem.StepGraph(step), cell, initial_state(), initial_memory(), "step", memory_loss=False)
 
 
 def test_enable_with_cuda_graph_on_a_memory_engine_equals_stock(replayed_graphs):
     """enable(cuda_graph=True) on an engine with memory: the memory step captured, three
     episodes equal to stock (loss, psi, memory, gradients, weights)."""
-    from test_integration_families import EPISODES, assert_same_run, make_trainer, run
-
     expected = run(make_trainer("convlstm"))
     trainer = make_trainer("convlstm")
     qca_lowmem.enable(trainer, cuda_graph=True)
@@ -153,7 +150,7 @@ def test_a_captured_step_leaves_batchnorm_statistics_as_plain_autograd(replayed_
     for name, graph in (("plain", False), ("captured", True)):
         _, norm, step = batchnorm_step()
         options = dict(checkpoint=checkpoint, slots=slots, budget=20_000 if checkpoint == "auto" else None)
-        psi_T, _ = qca_lowmem.rollout(qca_lowmem.StepGraph(step) if graph else step, psi_state(), 4,
+        psi_T, _ = qca_lowmem.rollout(qca_lowmem.StepGraph(step) if graph else step, initial_state(), 4,
                                       **(options if graph else dict(checkpoint="none")))
         psi_T.abs().sum().backward()
         buffers[name] = [b.tolist() for b in norm.buffers()]
@@ -173,7 +170,7 @@ def test_the_capture_starts_from_an_empty_autocast_cache(replayed_graphs, monkey
     net = make_conv_net()
     graph = qca_lowmem.StepGraph(fused_step(net))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        episode_grads(graph, list(net.parameters()), psi_state(), "step", None, noisy_schedule(), history_loss=True)
+        episode_grads(graph, list(net.parameters()), initial_state(), "step", None, noisy_schedule(), history_loss=True)
     assert graph.captures_made == 1
     assert events[:2] == ["cache cleared", "warm-up"]
 
@@ -191,11 +188,11 @@ def test_a_step_that_draws_random_numbers_rolls_out_eagerly_with_the_draws_of_no
         return step(psi) * keep + psi * (1 - keep)
 
     torch.manual_seed(11)
-    expected = [g.clone() for g in episode_grads(dropping_step, params, psi_state(), "step", None, None)]
+    expected = [g.clone() for g in episode_grads(dropping_step, params, initial_state(), "step", None, None)]
     graph = qca_lowmem.StepGraph(dropping_step)
     torch.manual_seed(11)
     with pytest.warns(qca_lowmem.CaptureFallbackWarning, match="draws random numbers") as caught:
-        actual = episode_grads(graph, params, psi_state(), "step", None, None)
+        actual = episode_grads(graph, params, initial_state(), "step", None, None)
     assert len([w for w in caught if issubclass(w.category, qca_lowmem.CaptureFallbackWarning)]) == 1
     assert graph.captures_made == 0 and max_relative_error(actual, expected) == 0
 
@@ -223,6 +220,6 @@ def test_a_free_budget_is_read_after_the_capture(replayed_graphs, monkeypatch):
                         lambda device, step_bytes: read_with_graphs.append(len(replayed_graphs)) or 1 << 40)
     net = make_conv_net()
     graph = qca_lowmem.StepGraph(fused_step(net))
-    psi_T, _ = qca_lowmem.rollout(graph, psi_state().requires_grad_(True), 4, checkpoint="auto", budget="free")
+    psi_T, _ = qca_lowmem.rollout(graph, initial_state().requires_grad_(True), 4, checkpoint="auto", budget="free")
     psi_T.abs().sum().backward()
     assert read_with_graphs == [1]

@@ -15,7 +15,7 @@ import yaml
 
 import qca_lowmem
 from qca_lowmem.trainer import cli, config as config_mod, train as train_mod
-from conftest import cuda_only
+from helpers import cuda_only
 from qca_lowmem.rollout.memory import LOSS_STATES, parse_bytes
 from qca_lowmem.rollout import Policy
 from qca_lowmem.trainer.oom import EXIT_OOM, RunPolicy

@@ -9,7 +9,7 @@ import csv
 import pytest
 import torch
 import yaml
-from conftest import TINY, randomize_affine
+from helpers import TINY, randomize_affine
 
 import qca_lowmem
 from qca_lowmem import rollout
