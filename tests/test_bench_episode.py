@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_episode.py"
 # lowmem_fp32_step and the runs that take its time apart
@@ -19,12 +21,14 @@ def run(*args):
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, env=env)
 
 
+@pytest.mark.slow
 def test_help():
     result = run("--help")
     assert result.returncode == 0, result.stderr
     assert "lowmem_bf16_revolve32" in result.stdout
 
 
+@pytest.mark.slow
 def test_tiny_episode_writes_the_report(tmp_path):
     out = tmp_path / "episode.json"
     result = run("--device", "cpu", "--grid", "8", "--d-state", "2", "--hidden", "4", "--steps", "3", "--episodes", "1",
@@ -39,6 +43,7 @@ def test_tiny_episode_writes_the_report(tmp_path):
         assert key in report
 
 
+@pytest.mark.slow
 def test_every_run_kind_runs_on_a_tiny_config(tmp_path):
     """Each run the script knows, the ones asked for by name included (checkpoint="auto" among
     them), completes: a command docs/benchmarks.md gives cannot break unseen."""

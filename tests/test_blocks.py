@@ -492,6 +492,7 @@ def test_unet_in_a_qca_step_matches_stock():
         assert rel_err(a, b) < 1e-10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_unet_equals_eager(device):
     _, fused = stock_and_fused_unet(torch.float32, device)
@@ -506,6 +507,7 @@ def test_compiled_unet_equals_eager(device):
         assert rel_err(a, b) < 1e-4
 
 
+@pytest.mark.slow
 def test_compiled_block_follows_the_switch():
     """Reading the switch compiles (fullgraph) and is guarded: the compiled block keeps its
     intermediates inside keep_block_intermediates() and recomputes outside it."""
@@ -647,6 +649,7 @@ def test_convert_root_block_and_shared_block():
     assert qca_lowmem.convert(model)[1].converted == []  # converting twice changes nothing
 
 
+@pytest.mark.slow
 def test_compiled_block_under_autocast_equals_eager():
     _, fused = stock_and_fused_block(torch.float32)
     compiled = torch.compile(fused, fullgraph=True)
@@ -663,6 +666,7 @@ def test_compiled_block_under_autocast_equals_eager():
         assert a.dtype == b.dtype and rel_err(a, b) < 3e-2
 
 
+@pytest.mark.slow
 def test_benchmark_script_runs_its_help_without_a_gpu():
     import subprocess
     import sys

@@ -31,6 +31,7 @@ def test_there_is_cuda_code():
     assert CU_FILES and CUDA_GLUE
 
 
+@pytest.mark.slow
 @needs_nvcc
 @pytest.mark.parametrize("source", CU_FILES, ids=lambda p: p.name)
 def test_cu_compiles_with_plain_nvcc(source, tmp_path):
@@ -43,6 +44,7 @@ def test_cu_compiles_with_plain_nvcc(source, tmp_path):
     assert (tmp_path / "out.o").stat().st_size > 0
 
 
+@pytest.mark.slow
 @needs_nvcc
 @pytest.mark.parametrize("source", CUDA_GLUE, ids=lambda p: p.name)
 def test_cuda_glue_compiles(source, tmp_path):
@@ -117,6 +119,7 @@ def machine_code(source, fmad, tmp_path):
     return text_sections(cubin)
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_fma_contraction_shows_in_the_machine_code(tmp_path):
     """The check below can fail: a kernel with `a * b + c` compiles differently without FMA."""
@@ -125,6 +128,7 @@ def test_fma_contraction_shows_in_the_machine_code(tmp_path):
     assert machine_code(source, "true", tmp_path) != machine_code(source, "false", tmp_path)
 
 
+@pytest.mark.slow
 @needs_nvcc
 @pytest.mark.parametrize("name", ["qca_step.cu", "noise.cu"])
 def test_kernels_matching_c_bit_for_bit_have_nothing_to_fuse(name, tmp_path):

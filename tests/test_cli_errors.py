@@ -108,6 +108,7 @@ ROWS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, bad_text, prepare, status, expected",
                          [row[1:] for row in ROWS], ids=[row[0] for row in ROWS])
 def test_bad_input_is_one_line_and_loses_nothing(run_dir, args, bad_text, prepare, status, expected):
@@ -131,6 +132,7 @@ def test_bad_input_is_one_line_and_loses_nothing(run_dir, args, bad_text, prepar
     assert after == before
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_and_exits_130(tmp_path):
     config = write_config(tmp_path / "tiny.yaml", {**TINY, "training": {**TINY["training"], "episodes": 10_000},
                                                    "output": {"save_every": 0}})
@@ -229,6 +231,7 @@ def _fuzz_strategies():
     return documents, arguments
 
 
+@pytest.mark.slow
 def test_fuzz_config_and_arguments_give_a_config_or_one_line(tmp_path_factory):
     """Random YAML documents, and random argument lists on a valid config, through `train --check`:
     a valid run, or one line and status 2 (3: far over this machine's memory); never a traceback."""

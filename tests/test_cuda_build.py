@@ -30,6 +30,7 @@ def test_every_op_with_a_cpu_kernel_has_a_cuda_kernel():
     assert not missing, missing
 
 
+@pytest.mark.slow
 def test_doctor_reports_the_cuda_kernels():
     result = subprocess.run([sys.executable, "-m", "qca_lowmem", "doctor"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -11,6 +11,8 @@ import torch
 from cuda_emu import emulator
 from cuda_emu.build import KERNELS
 
+pytestmark = pytest.mark.slow  # the emulator builds its self-test kernels
+
 ptr = ctypes.c_void_p
 CUDA_ERROR_INVALID_CONFIGURATION = 9
 

@@ -21,6 +21,8 @@ import torch
 
 from cuda_emu import C, CUDA, QCA_DTYPE, describe, emulator
 
+pytestmark = pytest.mark.slow  # the emulator builds every kernel and runs each thread as a fiber
+
 COMPLEX = [torch.complex64, torch.complex128]
 REALS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 QCA_OK, QCA_ERR_UNSUPPORTED_DTYPE, QCA_ERR_CUDA = 0, 2, 3

@@ -15,7 +15,7 @@ spec = importlib.util.spec_from_file_location("cuda_resources", ROOT / "benchmar
 cuda_resources = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(cuda_resources)
 
-pytestmark = pytest.mark.skipif(cuda_resources.nvcc() is None, reason="nvcc not found")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(cuda_resources.nvcc() is None, reason="nvcc not found")]
 CU_FILES = sorted(p.name for p in cuda_resources.KERNELS.glob("*.cu"))
 
 

@@ -49,11 +49,13 @@ def _assert_one_line_rebuild_hint(result, says):
     assert "circular import" not in result.stderr and "During handling" not in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_missing_native_library_says_how_to_rebuild(tmp_path):
     result = _import_copy_with(tmp_path, lambda copy: None)
     _assert_one_line_rebuild_hint(result, "native library _C is missing from")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 def test_unloadable_native_library_says_how_to_rebuild(tmp_path):
     """A _C built for another torch fails in the dynamic loader on a symbol this torch lacks."""
@@ -78,6 +80,7 @@ def _setup_py(env_value):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.version.cuda is not None, reason="this torch can build CUDA")
 def test_forcing_cuda_without_cuda_fails_loudly():
     result = _setup_py("1")
@@ -86,6 +89,7 @@ def test_forcing_cuda_without_cuda_fails_loudly():
     assert "was built without CUDA" in result.stderr
 
 
+@pytest.mark.slow
 def test_bad_cuda_switch_is_rejected():
     result = _setup_py("maybe")
     assert result.returncode != 0 and "QCA_LOWMEM_CUDA must be auto, 0 or 1, got 'maybe'" in result.stderr

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCUMENTS = [README, ROOT / "docs" / "api.md"]
 NEEDS_GPU = "# needs a GPU"
+pytestmark = pytest.mark.slow  # every block in a fresh interpreter
 
 
 def python_blocks(text: str):

@@ -46,6 +46,7 @@ def in_a_terminal(*args, columns=120, timeout=240) -> str:
     return out.decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_the_bar_moves_with_rate_eta_and_loss_below_the_device_and_time_lines(tmp_path):
     config = write_config(tmp_path / "three.yaml", THREE)
     screen = in_a_terminal("train", "--config", config, "--out", tmp_path / "run")

@@ -84,6 +84,7 @@ def test_every_ddp_rank_checks_the_output_folder(tiny, tmp_path):
         check_run(load_config(str(tiny), out_dir=str(held)), rank=1, world_size=2)
 
 
+@pytest.mark.slow
 def test_run_sh_a_second_time_trains_into_a_new_folder(tmp_path):
     """run.sh with a stand-in python that records what it is asked to run and writes a run's files."""
     shutil.copytree(ROOT / "scripts", tmp_path / "scripts")

@@ -109,6 +109,7 @@ def test_max_grad_norm_that_would_zero_the_gradients_is_refused(tmp_path, capsys
 
 # -- checkpoints ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_one_flipped_byte_anywhere_is_refused(finished_run, tmp_path):
     data = (finished_run / CHECKPOINT_NAME).read_bytes()
     path = tmp_path / CHECKPOINT_NAME
@@ -280,6 +281,7 @@ def finish(proc):
     return stderr
 
 
+@pytest.mark.slow
 def test_a_second_run_on_the_folder_exits_2_naming_the_first(tmp_path):
     config = write_config(tmp_path / "long.yaml", LONG)
     out = tmp_path / "run"
@@ -298,6 +300,7 @@ def test_a_second_run_on_the_folder_exits_2_naming_the_first(tmp_path):
     assert [int(r.split(",")[0]) for r in rows] == list(range(len(rows)))  # one writer: no spliced rows
 
 
+@pytest.mark.slow
 def test_a_killed_run_leaves_no_stale_lock(tmp_path):
     config = write_config(tmp_path / "long.yaml", LONG)
     out = tmp_path / "run"
@@ -309,6 +312,7 @@ def test_a_killed_run_leaves_no_stale_lock(tmp_path):
     assert train("--config", config, "--out", out, "--resume", "--episodes", episode + 1) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signals, status, said", [
     ((signal.SIGTERM,), 143, "interrupted by SIGTERM at episode"),
     ((signal.SIGHUP,), 129, "interrupted by SIGHUP at episode"),
@@ -330,6 +334,7 @@ def test_a_stop_signal_saves_and_exits_with_its_status(tmp_path, signals, status
     assert len((out / "metrics.csv").read_text().splitlines()) - 1 == episode
 
 
+@pytest.mark.slow
 def test_under_nohup_a_hangup_does_not_stop_training(tmp_path):
     """nohup's SIGHUP, inherited ignored, stays ignored: the user asked for the run to outlive
     the terminal. Other stop signals still stop it."""

@@ -124,6 +124,7 @@ def close(a: torch.Tensor, b: torch.Tensor, tolerance: float, scale: float) -> b
     return (a - b).abs().max().item() <= tolerance * max(b.abs().max().item(), 1e-4 * scale)
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(program=programs)
 def test_every_policy_gives_plain_autograds_answer(program):

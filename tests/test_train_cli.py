@@ -215,6 +215,7 @@ def test_atomic_checkpoint_survives_a_failed_save(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # no temporary left behind
 
 
+@pytest.mark.slow
 def test_ddp_two_cpu_processes_equal_a_single_process(tiny_config, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ddp, single = tmp_path / "ddp", tmp_path / "single"
@@ -271,6 +272,7 @@ print(" ".join(before), "|", " ".join(thread_names()))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names in /proc")
 def test_closing_the_process_group_leaves_no_gloo_threads():
     """The cause of the two-rank test's rare abort at exit: gloo threads kept alive past
@@ -381,6 +383,7 @@ def test_parse_bytes():
     assert parse_bytes("0", allow_zero=True) == 0
 
 
+@pytest.mark.slow
 def test_allocator_default_set_only_when_unset():
     # A fresh interpreter each time: in this one an earlier test may have started CUDA, after
     # which the setting is rightly left alone.
@@ -415,6 +418,7 @@ def test_episode_keys_differ_and_are_stable():
     assert train_mod.episode_key(7, 3, 0) == train_mod.episode_key(7, 3, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["bench_cap.py", "bench_plan.py"])
 def test_gpu_benchmark_scripts_import_and_explain(script):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"],

@@ -90,6 +90,7 @@ def _inside(event, name: str) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint,slots", MODES)
 def test_weight_casts_per_episode_do_not_grow_with_steps(checkpoint, slots, cast_per_call):
     unet = fused_unet()
@@ -158,6 +159,7 @@ def accumulated_episodes(unet, checkpoint, slots, shared, seeds=(3, 4, 5)):
     return results + [p.grad for p in unet.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint,slots", MODES)
 def test_episodes_accumulated_in_a_shared_scope_cast_once(checkpoint, slots, cast_per_call):
     unet = fused_unet()
@@ -171,6 +173,7 @@ def test_episodes_accumulated_in_a_shared_scope_cast_once(checkpoint, slots, cas
     assert all(torch.equal(a, b) for a, b in zip(shared, per_call))
 
 
+@pytest.mark.slow
 def test_a_weight_changed_inside_the_scope_is_cast_again(cast_per_call):
     unet = fused_unet()
     initial = {k: v.clone() for k, v in unet.state_dict().items()}
@@ -213,6 +216,7 @@ def test_leaving_the_scope_drops_its_copies():
     assert weight_casts.for_episode() is not weight_casts.for_episode()  # outside a scope: one per episode
 
 
+@pytest.mark.slow
 def test_trainer_casts_once_per_optimizer_step_with_the_same_weights(tmp_path, monkeypatch):
     config = {**TINY, "training": {**TINY["training"], "episodes": 4, "accumulate": 2, "max_noise": 1.0},
               "lowmem": {"checkpoint": "step", "amp_dtype": "bf16"}, "output": {"save_every": 2}}
