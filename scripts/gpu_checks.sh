@@ -72,16 +72,16 @@ phase() {
       # inside a larger cached block); workers in parallel: the sanitizer follows child processes
       run memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
         "$PYTHON" -m pytest -q ${SANITIZE_PYTEST_ARGS:-} \
-        tests/test_qca_step.py tests/test_noise.py tests/test_blocks.py tests/test_scaler.py tests/test_c_api.py -m cuda
+        tests/ops/test_qca_step.py tests/ops/test_noise.py tests/library/test_blocks.py tests/library/test_scaler.py tests/ops/test_c_api.py -m cuda
       # initcheck over our kernels: torch's own (at::native) report reads of memory they allocate
       # themselves (col2im with cuDNN off; a bf16-to-fp32 copy seen once in a comparison and not
       # reproduced in a fresh process, with our U-Net or torch's: docs/benchmarks.md)
       run initcheck compute-sanitizer --tool initcheck --kernel-name-exclude kns=at::native --error-exitcode 1 \
         "$PYTHON" -m pytest -q \
-        tests/test_qca_step.py tests/test_noise.py tests/test_blocks.py -m cuda -k "not 128"
+        tests/ops/test_qca_step.py tests/ops/test_noise.py tests/library/test_blocks.py -m cuda -k "not 128"
       # racecheck is slow: the GN+ELU kernels (the ones sharing memory between threads), fp32
       # and bf16, one shape on the one-block path and one on the split-group path
-      run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 "$PYTHON" -m pytest -q tests/test_blocks.py \
+      run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 "$PYTHON" -m pytest -q tests/library/test_blocks.py \
         -k "groupnorm_elu_cuda_is_deterministic or (groupnorm_elu_matches_stock_cuda and (float32 or bfloat16) and not 128)"
       ;;
     bench) phase kernels; phase episode; phase plan ;;

@@ -1,5 +1,7 @@
+"""What every test gets: tests/ on the path (helpers, fixtures, cuda_emu), the `cuda` marks, the
+seed and one_thread. A layer's own fixtures live in its folder's conftest (tests/trainer's run)."""
+
 import os
-import shutil
 import sys
 
 import pytest
@@ -7,7 +9,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from helpers import cuda_only, single_thread, write_config  # noqa: E402  (tests/ on the path first)
+from helpers import cuda_only, single_thread  # noqa: E402  (tests/ on the path first)
 
 
 def pytest_collection_modifyitems(items):
@@ -32,24 +34,3 @@ def _seed():
 def one_thread():
     with single_thread():
         yield
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    """A run of 2 episodes: checkpoint.pt at episode 2, checkpoint.prev.pt at episode 1."""
-    from qca_lowmem.trainer import cli  # only the trainer's tests need it
-
-    folder = tmp_path_factory.mktemp("finished")
-    config = write_config(folder / "tiny.yaml")
-    with single_thread():  # made before a test's one_thread
-        assert cli.main(["train", "--config", config, "--out", str(folder / "run"), "--no-progress"]) == 0
-    return folder / "run"
-
-
-@pytest.fixture
-def run_dir(finished_run, tmp_path):
-    """A copy of the finished run, its config next to it."""
-    out = tmp_path / "run"
-    shutil.copytree(finished_run, out)
-    write_config(tmp_path / "tiny.yaml")
-    return out

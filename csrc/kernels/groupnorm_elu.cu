@@ -12,7 +12,7 @@
 // wherever it chose, perhaps differently in the one-block and split kernels. The machine code
 // is the same with and without -fmad but for the float expf/expm1f of CUDA's math library,
 // elementwise and the same code in every kernel. CUDA does not match the C kernels bit for bit:
-// they add in another order (tests/test_cuda_kernels_emulated.py states the tolerance).
+// they add in another order (tests/ops/test_cuda_kernels_emulated.py states the tolerance).
 //
 // Threads are laid out as (pixel lane, channel lane): with NCHW pixel lanes vary fastest, at least
 // 32 of them, so a warp reads consecutive pixels of one channel; with channels_last up to one

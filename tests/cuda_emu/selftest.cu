@@ -1,5 +1,5 @@
 // Small kernels that exercise the emulator itself: correct ones whose results the tests know, and
-// broken ones each check must report (tests/test_cuda_emulator.py). Built like the kernel files.
+// broken ones each check must report (tests/ops/test_cuda_emulator.py). Built like the kernel files.
 #include "qca_cuda_common.cuh"
 
 using qca_lowmem_cuda::launch_kernel;

@@ -672,7 +672,7 @@ def test_benchmark_script_runs_its_help_without_a_gpu():
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_block.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_block.py"
     result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "--batches" in result.stdout and "block_<device>.json" in result.stdout

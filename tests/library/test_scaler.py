@@ -311,7 +311,7 @@ def plan_checker(tmp_path_factory):
     compiler = shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         pytest.skip("no C++ compiler")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     folder = tmp_path_factory.mktemp("plan")
     (folder / "plan_check.cpp").write_text(PLAN_CHECK)
     binary = folder / "plan_check"

@@ -31,7 +31,7 @@ class PackParams(ctypes.Structure):  # qca_pack_params
                 ("x", ctypes.c_void_p), ("x_stride", ctypes.c_int64 * 4)]
 
 
-INCLUDE = Path(__file__).resolve().parents[1] / "include"
+INCLUDE = Path(__file__).resolve().parents[2] / "include"
 C_COMPILER = shutil.which("cc") or shutil.which("gcc")
 
 

@@ -208,7 +208,7 @@ def test_noise(emu, state_dtype, kind):
                                  ptr(out[0])),
                     lambda: padded(shape, state_dtype))
                 # The phases come from sincos: the host's in the emulator, as in C; on a GPU CUDA's
-                # own (tests/test_noise.py states that tolerance).
+                # own (tests/ops/test_noise.py states that tolerance).
                 assert_same_bits(c[1], cuda[1], f"{kind} {shape} {layout} rate={rate}")
 
 

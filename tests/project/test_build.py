@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CU_FILES = sorted((ROOT / "csrc" / "kernels").glob("*.cu"))
 CUDA_GLUE = sorted((ROOT / "csrc" / "ops").glob("*_cuda.cpp"))
 

@@ -189,14 +189,14 @@ def test_only_the_policy_module_reads_mode_names():
 
 def test_every_package_folder_is_installed():
     """`pip install .` ships only the packages pyproject.toml lists: a new folder must be there."""
-    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     listed = set(project["tool"]["setuptools"]["packages"])
-    source = Path(__file__).parents[1] / "python" / NAME
+    source = Path(__file__).parents[2] / "python" / NAME
     folders = {".".join((NAME, *p.relative_to(source).parts)) for p in source.rglob("*")
                if p.is_dir() and p.name != "__pycache__" and any(p.glob("*.py"))}
     assert folders <= listed, f"not installed: {sorted(folders - listed)}"
 
 
 def test_the_version_is_the_projects():
-    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
     assert qca_lowmem.__version__ == project["version"]

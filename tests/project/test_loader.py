@@ -16,7 +16,7 @@ import qca_lowmem.stock
 from qca_lowmem import _build_info
 from qca_lowmem.ops import _loader
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_build_facts_recorded():

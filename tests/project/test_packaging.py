@@ -21,7 +21,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCH_SPEC, TORCH_VERSION = "torch==2.13.0", "2.13.0+cpu"  # the CPU build the package cache holds
 OLDER_SETUPTOOLS = "setuptools==80.9.0"  # >= torch's floor (77.0.3), older than the index's newest
 NO_TORCH = ("qca_lowmem builds against the torch installed in your environment and found none: "

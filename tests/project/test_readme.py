@@ -13,7 +13,7 @@ import torch
 
 import qca_lowmem
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCUMENTS = [README, ROOT / "docs" / "api.md"]
 NEEDS_GPU = "# needs a GPU"

@@ -13,7 +13,7 @@ from qca_lowmem.rollout.memory import format_bytes, parse_bytes
 from qca_lowmem.trainer import cli, config as config_mod
 from qca_lowmem.trainer.plan import measure_step, plan
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

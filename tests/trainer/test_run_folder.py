@@ -15,7 +15,7 @@ from qca_lowmem.trainer.config import load_config
 from qca_lowmem.trainer.errors import UsageError
 from qca_lowmem.trainer.train import check_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

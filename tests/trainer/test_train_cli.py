@@ -22,7 +22,7 @@ from qca_lowmem.trainer.oom import EXIT_OOM, RunPolicy
 from qca_lowmem.trainer.plan import Estimate, recommend
 from qca_lowmem.trainer.checkpoint import atomic_save
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
