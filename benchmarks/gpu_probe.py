@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import common
 import qca_lowmem
 from qca_lowmem import stock
-from qca_lowmem.ops.qca_step import fused_step
+from qca_lowmem.engine_step import fused_step
 from qca_lowmem.rollout import memory
 from qca_lowmem.rollout.graph import CaptureFallbackWarning
 from qca_lowmem.rollout.recompute_check import ROUNDING_UNITS, _relative_difference

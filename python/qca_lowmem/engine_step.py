@@ -1,4 +1,6 @@
-"""The engine step that enable() puts in place, for engines with and without memory.
+"""The engine step: `fused_step` (pack, operator, update on the fused ops, what the reference
+trainer, plan and benchmarks step with) and what enable() puts in place, for engines with and
+without memory.
 
 An engine with memory (the users' `motor.has_memory`, a ConvLSTM operator) calls
 `operator(x, h, c) -> (delta, h, c)` with `h`, `c` read from `motor.state.h_state` /
@@ -22,7 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from . import stock
-from .ops.qca_step import fused_step, qca_pack, qca_update
+from .ops.qca_step import qca_pack, qca_update
 
 
 def has_memory(motor) -> bool:
@@ -39,6 +41,23 @@ def has_memory(motor) -> bool:
                 "an engine with memory keeps the operator's h and c on motor.state.h_state / c_state"
             )
     return value
+
+
+def fused_step(operator, gamma: float, multiplicative: bool, *, channels_last: bool = False) -> Callable:
+    """The stock engine step (`stock.step`: pack, operator, update) on the fused ops. With
+    `channels_last` the pack writes NHWC, which the fused blocks and torch's convs keep and the
+    update reads as it is: no layout conversions in between (the operator's conv weights should
+    be channels_last too, `operator.to(memory_format=torch.channels_last)`)."""
+
+    def evolve_step(psi):
+        delta = operator(qca_pack(psi, channels_last=channels_last))
+        if not isinstance(delta, torch.Tensor):
+            raise TypeError(f"{type(operator).__name__} returned {type(delta).__name__}, the engine step takes an "
+                            "operator returning delta; a model with memory returning (delta, h, c) needs an engine "
+                            "with has_memory=True")
+        return qca_update(psi, delta, gamma, multiplicative)
+
+    return evolve_step
 
 
 def compiled_module(operator):

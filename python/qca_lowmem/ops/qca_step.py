@@ -1,7 +1,7 @@
 """The QCA step ops (C family `qca_step`): typed wrappers, fake kernels and autograd of
-torch.ops.qca_lowmem.qca_pack / qca_update, and the stock engine step built on them."""
+torch.ops.qca_lowmem.qca_pack / qca_update (the engine step built on them: engine_step.py)."""
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -38,23 +38,6 @@ def qca_update(
     """
     refuse_func_transforms("qca_lowmem.qca_update", psi, delta)
     return _lib.qca_update(psi, delta, float(gamma), bool(multiplicative), float(eps))
-
-
-def fused_step(operator, gamma: float, multiplicative: bool, *, channels_last: bool = False) -> Callable:
-    """The stock engine step (`stock.step`: pack, operator, update) on the fused ops. With
-    `channels_last` the pack writes NHWC, which the fused blocks and torch's convs keep and the
-    update reads as it is: no layout conversions in between (the operator's conv weights should
-    be channels_last too, `operator.to(memory_format=torch.channels_last)`)."""
-
-    def evolve_step(psi):
-        delta = operator(qca_pack(psi, channels_last=channels_last))
-        if not isinstance(delta, torch.Tensor):
-            raise TypeError(f"{type(operator).__name__} returned {type(delta).__name__}, the engine step takes an "
-                            "operator returning delta; a model with memory returning (delta, h, c) needs an engine "
-                            "with has_memory=True")
-        return qca_update(psi, delta, gamma, multiplicative)
-
-    return evolve_step
 
 
 def _real_dtype_of(complex_dtype: torch.dtype) -> torch.dtype:

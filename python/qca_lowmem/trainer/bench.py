@@ -23,7 +23,7 @@ from .. import stock
 from ..precision import autocast, parse_amp_dtype
 from .distributed import resolve_device
 from ..rollout.memory import format_bytes, saved_bytes
-from ..ops.qca_step import fused_step
+from ..engine_step import fused_step
 from ..rollout import Policy, StepGraph, rollout
 from .config import TrainConfig, build_model
 

@@ -21,7 +21,7 @@ import torch
 
 from .. import stock
 from ..precision import autocast, native_amp_dtype, parse_amp_dtype
-from ..ops.qca_step import fused_step
+from ..engine_step import fused_step
 from ..rollout import Policy, keep_block_intermediates
 from ..rollout.memory import (LOSS_STATES, SAFETY, format_bytes, kept_bytes, model_state_bytes, parse_bytes, psi_bytes,
                               saved_storage_sizes)

@@ -28,7 +28,7 @@ from . import checkpoint, divergence, oom
 from ..precision import amp_name, autocast, parse_amp_dtype
 from ..rollout import StepGraph, rollout, saved_bytes, shared_weight_casts
 from ..ops.noise import episode_noise
-from ..ops.qca_step import fused_step
+from ..engine_step import fused_step
 from .config import TrainConfig, build_model, parameter_count
 from .distributed import Distributed, resolve_device
 from .errors import Interrupted, TrainingStopped, UsageError, error_text
