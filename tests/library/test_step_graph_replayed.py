@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 from helpers import (CARRY_STEPS, MemoryCell, batchnorm_step, carried_grads, episode_grads, fused_step, initial_memory,
-                     initial_state, make_conv_net, max_relative_error, memory_step, noisy_schedule)
+                     initial_state, make_conv_net, max_relative_error, memory_step, noisy_schedule, randomize_affine)
 
 import qca_lowmem
 from fixtures.model_families import EPISODES, assert_same_run, make_trainer, run
@@ -223,3 +223,66 @@ def test_a_free_budget_is_read_after_the_capture(replayed_graphs, monkeypatch):
     psi_T, _ = qca_lowmem.rollout(graph, initial_state().requires_grad_(True), 4, checkpoint="auto", budget="free")
     psi_T.abs().sum().backward()
     assert read_with_graphs == [1]
+
+
+def fused_step_of(unet):
+    return qca_lowmem.engine_step.fused_step(unet, 0.0, True)
+
+
+def _bf16_unet():
+    torch.manual_seed(1)
+    unet = randomize_affine(qca_lowmem.UNetUnitary(2, 8))
+    with torch.no_grad():
+        unet.outc.weight.normal_(0.0, 0.3)
+    return unet
+
+
+def _bf16_grads(step, unet, steps=4):
+    """psi_T and every gradient of a bf16 autocast episode of `step` over `unet`."""
+    for p in unet.parameters():
+        p.grad = None
+    torch.manual_seed(3)
+    psi0 = qca_lowmem.stock.initial_state(1, 8, 2).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        psi_T, history = qca_lowmem.rollout(step, psi0, steps, checkpoint="step", record_every=2)
+        loss, _ = qca_lowmem.stock.evolutionary_loss(history, psi0)
+    loss.backward()
+    return [psi_T.detach(), psi0.grad] + [p.grad for p in unet.parameters()]
+
+
+def _weight_casts_in(episode):
+    """aten::_to_copy calls from float32 3x3 conv weights (the fused blocks'), by the profiler; one
+    made under the probe's dispatch mode is listed twice, counted once."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        episode()
+    return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
+               and len(e.input_shapes[0]) == 4 and e.input_shapes[0][2:] == [3, 3] and e.input_dtypes[0] == "float"
+               and not _under_dispatch_mode(e))
+
+
+def _under_dispatch_mode(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == "PythonDispatchMode":
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def test_a_captured_step_casts_its_weights_once_an_episode(replayed_graphs):
+    """Inside the graphs the half-precision weights are copies made outside them, written again
+    before each episode's replays: bitwise the eager episode's, not a cast at every replay, and
+    never stale after the weights change."""
+    unet = _bf16_unet()
+    graph = qca_lowmem.StepGraph(fused_step_of(unet))
+    eager = _bf16_grads(fused_step_of(unet), unet)
+    assert max_relative_error(_bf16_grads(graph, unet), eager) == 0  # the capture's episode
+    assert max_relative_error(_bf16_grads(graph, unet), eager) == 0  # an episode of replays
+    fused_convs = 2 * sum(isinstance(m, qca_lowmem.FusedConvBlock) for m in unet.modules())
+    casts = [_weight_casts_in(lambda: _bf16_grads(graph, unet, steps)) for steps in (3, 9)]
+    assert casts == [fused_convs, fused_convs] and replays(replayed_graphs) > 0  # the eager probe step's
+    with torch.no_grad():
+        for p in unet.parameters():
+            p.mul_(1.5)  # an optimizer step, in place: the copies must follow
+    assert max_relative_error(_bf16_grads(graph, unet), _bf16_grads(fused_step_of(unet), unet)) == 0
+    assert graph.captures_made == 1

@@ -43,6 +43,7 @@ import torch
 
 from .intermediates import keep_block_intermediates
 from .state import State, differentiable, signature
+from .weight_casts import StaticCasts
 
 WARMUP_STEPS = 3  # eager runs on a side stream before capture: lazy inits, cuDNN/cuBLAS handles
 
@@ -118,6 +119,8 @@ class StepGraph:
                 warnings.warn(str(failure), CaptureFallbackWarning, stacklevel=3)
                 return None
             self.captures_made += 1
+        else:
+            self.capture.casts.refresh()  # the weights this episode trains with
         return self.capture
 
 
@@ -249,9 +252,12 @@ class _Capture:
             None if c is None else c.detach().clone().requires_grad_(differentiable(c)) for c in state.carry)
         autocast = autocast_state.without_cache
         psi = state.psi
+        # Half-precision weight copies outside the graphs, cast once an episode (refresh_casts),
+        # not at every replay.
+        self.casts = StaticCasts()
 
         def forward():
-            with torch.enable_grad(), autocast(), keep_block_intermediates():
+            with torch.enable_grad(), autocast(), keep_block_intermediates(), self.casts.active():
                 return step(self.static_in, self.static_carry_in)
 
         # Autocast's cache holds the weights' casts from the eager steps so far, and through them

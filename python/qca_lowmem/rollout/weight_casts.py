@@ -70,6 +70,27 @@ class WeightCasts:
         return entry[2]
 
 
+class StaticCasts(WeightCasts):
+    """The copies a captured step reads (graph.py): made by its eager warm-up, at addresses the
+    graphs then read at every replay, and written again in place (`refresh`) before each
+    episode's replays, since the weights may have changed between episodes without a Python
+    call in the replays to notice. One cast per weight per episode, as eager steps do."""
+
+    def copy_of(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        key = (id(weight), dtype)
+        entry = self._copies.get(key)
+        if entry is None or entry[0] is not weight:
+            with torch.no_grad():
+                entry = (weight, None, weight.to(dtype))
+            self._copies[key] = entry
+        return entry[2]
+
+    def refresh(self) -> None:
+        with torch.no_grad():
+            for weight, _, copy in self._copies.values():
+                copy.copy_(weight)
+
+
 @contextlib.contextmanager
 def shared_weight_casts():
     """Rollouts run inside share one set of half-precision weight copies (in this thread): each
