@@ -32,7 +32,9 @@ def _get(section, key, default):
 
 # The LOWMEM section's settings (enable()'s keyword arguments); the trainer's config shares them.
 LOWMEM_OPTIONS = ("checkpoint", "amp_dtype", "fused_blocks", "slots", "cuda_graph", "budget")
-_CONFIG_KEYS = ("enabled", *LOWMEM_OPTIONS)
+# Settings of the users' trainer only: where a noisy episode's noise comes from (enable(noise=)).
+_TRAINER_ONLY_OPTIONS = ("noise",)
+_CONFIG_KEYS = ("enabled", *LOWMEM_OPTIONS, *_TRAINER_ONLY_OPTIONS)
 _FLAG_OPTIONS = ("fused_blocks", "cuda_graph")
 _TRUE_SPELLINGS = ("1", "true", "yes", "on")
 _FALSE_SPELLINGS = ("0", "false", "no", "off")
@@ -64,7 +66,8 @@ def _env_enabled() -> Optional[bool]:
 def enable_from_config(trainer, cfg=None, **overrides):
     """enable(trainer, ...) as the config's `LOWMEM` section (dict or attributes) says.
 
-    `LOWMEM: {enabled: true, checkpoint: step, amp_dtype: bf16, fused_blocks: true, slots: null}`.
+    `LOWMEM: {enabled: true, checkpoint: step, amp_dtype: bf16, fused_blocks: true, slots: null}`,
+    and `noise: fused` for qca_lowmem's NoiseSchedule instead of the trainer's own noise.
     `LOWMEM: true` alone means enabled with the defaults. Boolean settings take the spellings of
     `parse_flag`. `QCA_LOWMEM=1` in the environment switches it on (with the section's other
     settings, or the defaults) and `QCA_LOWMEM=0` off, whatever the config says. Returns True
@@ -92,7 +95,7 @@ def enable_from_config(trainer, cfg=None, **overrides):
         return False
     options = {}
     if section is not None:
-        for key in LOWMEM_OPTIONS:
+        for key in LOWMEM_OPTIONS + _TRAINER_ONLY_OPTIONS:
             value = _get(section, key, None)
             if value is not None:
                 options[key] = parse_flag(value, f"LOWMEM.{key}") if key in _FLAG_OPTIONS else value

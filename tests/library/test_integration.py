@@ -180,10 +180,21 @@ def _record_enable(monkeypatch):
 def test_enable_from_config_reads_the_lowmem_section(monkeypatch, style):
     monkeypatch.delenv("QCA_LOWMEM", raising=False)
     calls = _record_enable(monkeypatch)
-    section = {"enabled": True, "checkpoint": "revolve", "amp_dtype": "bf16", "fused_blocks": False, "slots": 8}
+    section = {"enabled": True, "checkpoint": "revolve", "amp_dtype": "bf16", "fused_blocks": False, "slots": 8,
+               "noise": "fused"}
     cfg = {"LOWMEM": section} if style == "dict" else SimpleNamespace(LOWMEM=SimpleNamespace(**section))
     assert qca_lowmem.enable_from_config(object(), cfg) is True
-    assert calls == [{"checkpoint": "revolve", "amp_dtype": "bf16", "fused_blocks": False, "slots": 8}]
+    assert calls == [{"checkpoint": "revolve", "amp_dtype": "bf16", "fused_blocks": False, "slots": 8,
+                      "noise": "fused"}]
+
+
+def test_the_config_chooses_the_noise_and_an_unknown_one_is_refused(monkeypatch):
+    monkeypatch.delenv("QCA_LOWMEM", raising=False)
+    trainer = make_trainer()
+    assert qca_lowmem.enable_from_config(trainer, {"LOWMEM": {"enabled": True, "noise": "fused"}})
+    assert trainer._qca_lowmem_state.options["noise"] == "fused"
+    with pytest.raises(ValueError, match=r"noise must be one of \('trainer', 'fused'\), got 'numpy'"):
+        qca_lowmem.enable_from_config(make_trainer(), {"LOWMEM": {"enabled": True, "noise": "numpy"}})
 
 
 def test_enable_from_config_off_unless_asked(monkeypatch):
