@@ -49,15 +49,16 @@ def fused_step(operator, gamma: float, multiplicative: bool, *, channels_last: b
     update reads as it is: no layout conversions in between (the operator's conv weights should
     be channels_last too, `operator.to(memory_format=torch.channels_last)`)."""
 
-    def evolve_step(psi):
-        delta = operator(qca_pack(psi, channels_last=channels_last))
-        if not isinstance(delta, torch.Tensor):
-            raise TypeError(f"{type(operator).__name__} returned {type(delta).__name__}, the engine step takes an "
-                            "operator returning delta; a model with memory returning (delta, h, c) needs an engine "
-                            "with has_memory=True")
-        return qca_update(psi, delta, gamma, multiplicative)
+    return lambda psi: _step(operator, psi, gamma, multiplicative, channels_last)
 
-    return evolve_step
+
+def _step(operator, psi, gamma: float, multiplicative: bool, channels_last: bool = False):
+    delta = operator(qca_pack(psi, channels_last=channels_last))
+    if not isinstance(delta, torch.Tensor):
+        raise TypeError(f"{type(operator).__name__} returned {type(delta).__name__}, the engine step takes an "
+                        "operator returning delta; a model with memory returning (delta, h, c) needs an engine "
+                        "with has_memory=True")
+    return qca_update(psi, delta, gamma, multiplicative)
 
 
 def compiled_module(operator):
@@ -117,7 +118,7 @@ def fused_engine_step(motor, gamma: float) -> Callable:
 
     def evolve_step(psi):
         operator, multiplicative = current_operator(motor)
-        return fused_step(operator, gamma, multiplicative)(psi)
+        return _step(operator, psi, gamma, multiplicative)
 
     return evolve_step
 

@@ -21,7 +21,7 @@ from .engine_step import compiled_module, lowmem_steps, memory_of
 from .rollout import Policy, StepGraph, rollout
 from .rollout.policy import STEP
 from .stock_episode import check_stock_episode
-from .trainer_versions import TrainerV3, adapter_for
+from .trainer_versions import adapter_for
 from .unet import convert
 
 log = logging.getLogger("qca_lowmem")  # enable()'s one line: on, and how
@@ -180,10 +180,10 @@ NOISE_SOURCES = ("trainer", "fused")
 
 
 def _checked_noise(trainer, version, noise) -> str:
-    """enable()'s `noise`, refused where the trainer cannot give it (a V3 episode has none)."""
+    """enable()'s `noise`, refused where the trainer cannot give it (an episode without noise reads none)."""
     if noise not in NOISE_SOURCES:
         raise ValueError(f"enable(): noise must be one of {NOISE_SOURCES}, got {noise!r}")
-    if noise == "trainer" and version is not TrainerV3:
+    if noise == "trainer" and version.has_noise:
         injector = getattr(trainer, "noise_injector", None)
         missing = [name for name in ("apply_phase_flip", "apply_bit_flip") if not callable(getattr(injector, name, None))]
         if missing:
@@ -298,20 +298,20 @@ def enable(
     state.fused_step_ops = fused_step_ops
     state.compiled_said = compiled_module(trainer.motor.operator) is not trainer.motor.operator
     setattr(trainer, _STATE_ATTR, state)
-    log.info("qca_lowmem: on, %s", _summary(state, fused_step_ops, trainer.motor.operator))
+    log.info("qca_lowmem: on, %s", _summary(state))
     return trainer
 
 
-def _summary(state: _Saved, fused_step_ops: bool, operator) -> str:
+def _summary(state: _Saved) -> str:
     """What the episodes run, in one line: checkpoint=step, fp32, fused blocks, fused step (and,
     where it applies, the QC_Trainer_v3 episode and a compiled operator run uncompiled)."""
     options = state.options
     parts = [options["policy"].describe(), precision.amp_name(options["amp_dtype"])]
-    parts += [name for name, on in (("fused blocks", options["fused_blocks"]), ("fused step", fused_step_ops),
+    parts += [name for name, on in (("fused blocks", options["fused_blocks"]), ("fused step", state.fused_step_ops),
                                     ("cuda_graph", options["cuda_graph"]), ("fused noise", options["noise"] == "fused"),
                                     ("the compiled operator's module uncompiled",
-                                     fused_step_ops and compiled_module(operator) is not operator),
-                                    (f"{state.version.name} episode", state.version is TrainerV3)) if on]
+                                     state.fused_step_ops and state.compiled_said),
+                                    (f"{state.version.name} episode", state.version.named_on_enable)) if on]
     return ", ".join(parts)
 
 
@@ -347,9 +347,9 @@ def _episode_options(trainer, version, *, policy, amp_dtype, grid_size, batch_si
 
 def _psi0_options(trainer, version, grid_size, batch_size, initial_state):
     """(grid, batch_size, initial_state) of the episodes' psi0 draw (TrainerV4/V3.initial_state)."""
-    if version is TrainerV3:
+    if version.draws_own_psi0:
         if grid_size is not None or batch_size is not None:
-            raise ValueError(f"enable(): {type(trainer).__name__} (QC_Trainer_v3) draws psi0 as "
+            raise ValueError(f"enable(): {type(trainer).__name__} ({version.name}) draws psi0 as "
                              "motor.get_initial_state(trainer.batch_size), so grid_size and batch_size are not read; "
                              "set trainer.batch_size, or pass initial_state=callable")
         return None, None, initial_state

@@ -33,6 +33,9 @@ def _missing(trainer, paths) -> list:
 
 class TrainerV4:
     name = "QC_Trainer_v4"
+    draws_own_psi0 = False  # enable()'s grid_size / batch_size / the engine's state reset size psi0
+    has_noise = True  # its noise_injector, or enable(noise="fused")
+    named_on_enable = False  # the default: enable()'s line names only another version's episode
     required = ("motor", "motor.operator", "motor.evolve_step", "optimizer", "qca_steps", "max_noise", "loss_fn",
                 "train_episode", "scaler")
 
@@ -91,6 +94,9 @@ class TrainerV4:
 
 class TrainerV3:
     name = "QC_Trainer_v3"
+    draws_own_psi0 = True  # motor.get_initial_state(batch_size)
+    has_noise = False
+    named_on_enable = True
     required = ("motor", "motor.operator", "motor.evolve_step", "motor.get_initial_state",
                 "motor.get_model_for_params", "optimizer", "qca_steps", "batch_size", "gradient_clip",
                 "compute_reward", "train_episode")
