@@ -24,7 +24,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 from qca_lowmem.trainer.bench import environment  # noqa: E402
-from qca_lowmem.rollout.memory import parse_bytes  # noqa: E402
+from qca_lowmem.recompute.memory import parse_bytes  # noqa: E402
 from qca_lowmem.trainer.oom import OutOfMemoryStop  # noqa: E402
 from qca_lowmem.trainer.config import load_config  # noqa: E402
 from qca_lowmem.trainer.plan import plan  # noqa: E402

@@ -47,7 +47,7 @@ import torch.utils.checkpoint
 import common
 import qca_lowmem
 from qca_lowmem import stock as reference
-from qca_lowmem.rollout.memory import step_graph_bytes
+from qca_lowmem.recompute.memory import step_graph_bytes
 
 RUNS = ["lowmem_fp32_step_graph", "lowmem_bf16_step_graph", "lowmem_fp16_step_graph", "stock_fp32",
         "stock_fp16_autocast", "stock_fp16_checkpoint", "lowmem_fp32_step", "lowmem_bf16_step", "lowmem_fp16_step",

@@ -33,7 +33,7 @@ def main(argv=None):
     for mode in ("unet", "blocks", "none"):
         fused = qca_lowmem.UNetUnitary(args.d_state, args.hidden, recompute=mode)
         fused.load_state_dict(stock.state_dict())
-        step = qca_lowmem.engine_step.fused_step(fused, 0.0, multiplicative=True)
+        step = qca_lowmem.ops.qca_step.fused_step(fused, 0.0, multiplicative=True)
         rows.append({"variant": f"fused recompute={mode}", "unet_bytes": qca_lowmem.saved_bytes(fused, x),
                      "step_bytes": qca_lowmem.saved_bytes(step, psi)})
     print(f"saved bytes of one QCA step, grid {args.grid}, d {args.d_state}, hidden {args.hidden}, B=1, fp32")

@@ -35,10 +35,10 @@ import torch.nn.functional as F
 import common
 import qca_lowmem
 from qca_lowmem import stock
-from qca_lowmem.engine_step import fused_step
-from qca_lowmem.rollout import memory
-from qca_lowmem.rollout.graph import CaptureFallbackWarning
-from qca_lowmem.rollout.recompute_check import ROUNDING_UNITS, _relative_difference
+from qca_lowmem.ops.qca_step import fused_step
+from qca_lowmem.recompute import memory
+from qca_lowmem.recompute.graph import CaptureFallbackWarning
+from qca_lowmem.recompute.recompute_check import ROUNDING_UNITS, _relative_difference
 
 SECTIONS = ["capture", "fallback", "determinism", "groupnorm", "budget"]
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -4,22 +4,20 @@ Fused C/CUDA kernels exposed as torch custom ops (torch.ops.qca_lowmem.*), recom
 storing, and a complex-safe mixed-precision loss scaler. See README.md and docs/design.md.
 """
 
-# Three layers, each importing only those below it (docs/design.md, "Layout"): ops/ (the op
-# families over the native library, loaded by ops/__init__), the library (the rollout/ package
-# and the modules here: blocks, U-Net, scaler, integration), and trainer/ (the reference trainer and the qca-lowmem
-# command), which this file does not import.
+# Layers, each importing only those below it (docs/design.md, "Layout"): ops/ (the op families
+# over the native library, loaded by ops/__init__); the model and precision here (blocks, U-Net,
+# stock, precision, amp) and recompute/ (the rollout); atheria/ (the switch for the users'
+# trainers); trainer/ (the reference trainer and the qca-lowmem command), not imported here.
 from . import amp
 from ._version import __version__  # noqa: F401  (re-exported: qca_lowmem.__version__)
+from .atheria import disable, enable, enable_from_config
 from .blocks import FusedConvBlock
 from .ops.groupnorm_elu import groupnorm_elu
-from .integration import disable, enable
-from .lowmem_config import enable_from_config
 from .ops.noise import NoiseSchedule, bit_flip, noise_coin, phase_flip
 from .ops.qca_step import qca_pack, qca_update
+from .recompute import (CaptureFallbackWarning, RecomputeMismatchError, StepGraph, block_keeps_intermediates,
+                        keep_block_intermediates, rollout, saved_bytes, shared_weight_casts)
 from .unet import ConversionReport, UNetUnitary, convert
-# Last: binds `rollout` to the function, over the package of the same name imported above.
-from .rollout import (CaptureFallbackWarning, RecomputeMismatchError, StepGraph, block_keeps_intermediates,
-                      keep_block_intermediates, rollout, saved_bytes, shared_weight_casts)
 
 __all__ = [
     "CaptureFallbackWarning",

@@ -17,8 +17,8 @@ from . import stock
 from .precision import autocast_dtype
 from .ops import refuse_func_transforms
 from .ops.conv_block import conv_block_forward
-from .rollout.intermediates import block_keeps_intermediates
-from .rollout.weight_casts import cast_weight
+from .recompute.intermediates import block_keeps_intermediates
+from .recompute.weight_casts import cast_weight
 
 
 class FusedConvBlock(nn.Module):
@@ -61,7 +61,7 @@ class FusedConvBlock(nn.Module):
         compute_dtype = autocast_dtype(x.device.type)
         if compute_dtype is not None:
             # What autocast does for the stock convolutions: float64 is left alone. The weights
-            # come from the episode's copies when a rollout runs the block (rollout/weight_casts.py).
+            # come from the episode's copies when a rollout runs the block (recompute/weight_casts.py).
             if x.dtype != torch.float64:
                 x = x.to(compute_dtype)
             conv1_weight, conv2_weight = (

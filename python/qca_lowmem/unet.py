@@ -9,11 +9,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import stock
-from .rollout.intermediates import block_keeps_intermediates
+from .recompute.intermediates import block_keeps_intermediates
 from .blocks import FusedConvBlock
 from .ops import refuse_func_transforms
 from .precision import autocast_dtype
-from .rollout.weight_casts import cast_weight, checkpoint_kwargs
+from .recompute.weight_casts import cast_weight, checkpoint_kwargs
 
 
 RECOMPUTE_MODES = ("unet", "blocks", "none")

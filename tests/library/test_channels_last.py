@@ -11,7 +11,7 @@ from helpers import cuda_only, randomize_affine
 
 import qca_lowmem
 from qca_lowmem import rollout
-from qca_lowmem.engine_step import fused_step
+from qca_lowmem.ops.qca_step import fused_step
 from qca_lowmem.trainer import cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")

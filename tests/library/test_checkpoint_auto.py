@@ -8,7 +8,7 @@ from helpers import episode, initial_state, randomize_affine
 
 import qca_lowmem
 from qca_lowmem import rollout, saved_bytes
-from qca_lowmem.rollout import Policy, memory, schedule
+from qca_lowmem.recompute import Policy, memory, schedule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,7 +12,7 @@ import qca_lowmem
 from fixtures.model_families import (D_STATE, FAMILIES, HIDDEN, MEMORY_FAMILIES, SpikingOperator, assert_same_run, make_operator,
                                      make_trainer, run)
 from qca_lowmem import RecomputeMismatchError, saved_bytes
-from qca_lowmem.engine_step import fused_memory_step
+from qca_lowmem.atheria.engine_step import fused_memory_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

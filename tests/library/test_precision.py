@@ -9,7 +9,8 @@ import torch
 from qca_lowmem.examples.qc_trainer_v4 import QC_Trainer_v4, make_config
 
 import qca_lowmem
-from qca_lowmem import amp, integration, precision
+from qca_lowmem import amp, precision
+from qca_lowmem.atheria import switch
 from qca_lowmem.trainer import config as config_mod, doctor, plan as plan_mod, train as train_mod
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,7 +69,7 @@ def test_enable_runs_fp16_and_warns(monkeypatch):
     trainer = QC_Trainer_v4(make_config(grid=8, qca_steps=3))
     with pytest.warns(UserWarning, match=r"enable\(\): bf16 was asked for.*only emulates bf16"):
         qca_lowmem.enable(trainer, amp_dtype="bf16")
-    assert getattr(trainer, integration._STATE_ATTR).options["amp_dtype"] == torch.float16
+    assert getattr(trainer, switch._STATE_ATTR).options.amp_dtype == torch.float16
 
 
 def test_plan_considers_fp16_on_a_pre_ampere_gpu(gpu, capsys):

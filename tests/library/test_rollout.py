@@ -17,7 +17,7 @@ import qca_lowmem
 from qca_lowmem import block_keeps_intermediates, rollout, saved_bytes
 from qca_lowmem import stock as reference
 
-from qca_lowmem.rollout import revolve
+from qca_lowmem.recompute import revolve
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -183,7 +183,7 @@ def test_auto_carries_memory_within_its_budget(detach, first_memory):
     budget (revolve) through one state per step and some full graphs to all of them, the same
     loss, gradients and final memory as plain autograd, and never more kept than the budget plus
     one step's graph."""
-    from qca_lowmem.rollout.memory import step_graph_bytes
+    from qca_lowmem.recompute.memory import step_graph_bytes
 
     cell = MemoryCell().double()
     step = memory_step(cell, detach)

@@ -10,7 +10,7 @@ from helpers import episode, initial_state, randomize_affine
 from torch import nn
 
 import qca_lowmem
-from qca_lowmem.rollout import graph as step_graph
+from qca_lowmem.recompute import graph as step_graph
 from qca_lowmem.trainer import config as config_mod, train as train_mod
 
 pytestmark = pytest.mark.usefixtures("one_thread")

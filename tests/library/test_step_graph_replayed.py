@@ -15,7 +15,7 @@ from helpers import (CARRY_STEPS, MemoryCell, batchnorm_step, carried_grads, epi
 import qca_lowmem
 from fixtures.model_families import EPISODES, assert_same_run, make_trainer, run
 from qca_lowmem import NoiseSchedule
-from qca_lowmem.rollout import graph as step_graph
+from qca_lowmem.recompute import graph as step_graph
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -212,7 +212,7 @@ def test_no_capture_without_the_caching_allocator(monkeypatch):
 def test_a_free_budget_is_read_after_the_capture(replayed_graphs, monkeypatch):
     """budget="free" must see the memory the capture's pool takes: read before it, the first
     episode would budget memory the graphs then hold."""
-    from qca_lowmem.rollout import policy as policy_mod, schedule as schedule_mod
+    from qca_lowmem.recompute import policy as policy_mod, schedule as schedule_mod
 
     read_with_graphs = []
     monkeypatch.setattr(policy_mod.Policy, "check_device", lambda self, device, caller="rollout": None)
@@ -226,7 +226,7 @@ def test_a_free_budget_is_read_after_the_capture(replayed_graphs, monkeypatch):
 
 
 def fused_step_of(unet):
-    return qca_lowmem.engine_step.fused_step(unet, 0.0, True)
+    return qca_lowmem.ops.qca_step.fused_step(unet, 0.0, True)
 
 
 def _bf16_unet():

@@ -13,8 +13,8 @@ from helpers import TINY, randomize_affine
 
 import qca_lowmem
 from qca_lowmem import rollout
-from qca_lowmem.rollout import weight_casts
-from qca_lowmem.engine_step import fused_step
+from qca_lowmem.recompute import weight_casts
+from qca_lowmem.ops.qca_step import fused_step
 from qca_lowmem.trainer import cli, train as train_mod
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,7 +9,7 @@ from torch.autograd import gradgradcheck
 
 import qca_lowmem
 from qca_lowmem import stock
-from qca_lowmem.engine_step import fused_step
+from qca_lowmem.ops.qca_step import fused_step
 
 OPS = torch.ops.qca_lowmem
 

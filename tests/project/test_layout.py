@@ -2,6 +2,7 @@
 imports in a circle (function-level imports included: they are the usual way to hide a circle)."""
 
 import ast
+import importlib
 import sys
 import tomllib
 from pathlib import Path
@@ -13,9 +14,11 @@ import qca_lowmem
 PACKAGE = Path(qca_lowmem.__file__).parent
 NAME = "qca_lowmem"
 
-# Lowest first. The reference (`stock`) and the native library sit under every layer; the package
-# faces (`__init__`, `__main__`) over them all; `configs` holds data only.
-LAYERS = ["base", "ops", "library", "trainer", "face"]
+# Lowest first. The reference (`stock`) and the native library sit under every layer; the switch
+# for the users' trainers (`atheria/`) over the library; the package faces (`__init__`,
+# `__main__`) over them all; `configs` holds data only; `examples/` (stand-ins of the users'
+# trainers) is imported by no other layer.
+LAYERS = ["base", "ops", "library", "atheria", "trainer", "face", "examples"]
 LAYER_LIMIT_LINES = 450
 
 
@@ -25,7 +28,7 @@ def layer_of(module: str) -> str:
         return "face"
     if parts[1] in ("stock", "_C", "_build_info", "_version", "configs"):
         return "base"
-    if parts[1] in ("ops", "trainer"):
+    if parts[1] in ("ops", "atheria", "trainer", "examples"):
         return parts[1]
     return "library"
 
@@ -72,7 +75,8 @@ GRAPH = {module_name(p): sorted({m for _, m in imported_modules(p)} - {module_na
 
 def test_the_layers_exist():
     names = set(GRAPH)
-    assert {f"{NAME}.ops.qca_step", f"{NAME}.rollout.api", f"{NAME}.trainer.train", f"{NAME}.stock"} <= names
+    assert {f"{NAME}.ops.qca_step", f"{NAME}.recompute.api", f"{NAME}.atheria.switch", f"{NAME}.trainer.train",
+            f"{NAME}.stock"} <= names
     assert {layer_of(m) for m in names} == set(LAYERS)
 
 
@@ -133,12 +137,10 @@ def test_the_checker_sees_upward_imports_and_circles(tmp_path, monkeypatch):
     assert circles_in(graph) == [[f"{NAME}.trainer.cli", f"{NAME}.trainer.run", f"{NAME}.trainer.cli"]]
 
 
-# The top level: the package faces, the model (blocks, U-Net), the precision switches and the scaler,
-# enable() with the engine steps, the trainer versions' episodes, the stock episode it replaces and the
-# config switch, the reference and the build; the rest lives in the package folders (ops/, rollout/,
-# trainer/, examples/, configs).
-TOP_LEVEL = {"__init__", "__main__", "_version", "_build_info", "stock", "blocks", "unet", "amp", "precision",
-             "integration", "engine_step", "trainer_versions", "stock_episode", "lowmem_config"}
+# The top level: the package faces, the model (blocks, U-Net, the stock reference), the precision
+# switches and the scaler, and the build; the rest lives in the package folders (ops/, recompute/,
+# atheria/, trainer/, examples/, configs).
+TOP_LEVEL = {"__init__", "__main__", "_version", "_build_info", "stock", "blocks", "unet", "amp", "precision"}
 
 
 def test_the_top_level_holds_the_face_and_the_model_only():
@@ -146,15 +148,15 @@ def test_the_top_level_holds_the_face_and_the_model_only():
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert modules == TOP_LEVEL, (f"unexpected top-level modules {sorted(modules - TOP_LEVEL)}; "
                                   f"missing {sorted(TOP_LEVEL - modules)}")
-    assert folders - {"configs"} == {"ops", "rollout", "trainer", "examples"}  # configs/: installed data
+    assert folders - {"configs"} == {"ops", "recompute", "atheria", "trainer", "examples"}  # configs/: installed data
 
 
-def test_the_rollout_imports_only_ops_and_itself():
+def test_the_recompute_package_imports_only_ops_and_itself():
     """The core is self-contained: the model, enable() and the trainer build on it, never the
     other way round."""
     for module, targets in GRAPH.items():
-        if module.startswith(f"{NAME}.rollout"):
-            outside = [t for t in targets if not t.startswith((f"{NAME}.rollout", f"{NAME}.ops"))]
+        if module.startswith(f"{NAME}.recompute"):
+            outside = [t for t in targets if not t.startswith((f"{NAME}.recompute", f"{NAME}.ops"))]
             assert not outside, f"{module} imports {outside}"
 
 
@@ -175,11 +177,11 @@ OTHER_MEANINGS = {("trainer/cli.py", "auto"): 2, ("trainer/config.py", "auto"): 
 
 
 def test_only_the_policy_module_reads_mode_names():
-    """Elsewhere a policy is asked (qca_lowmem.rollout.Policy), not its mode string compared."""
+    """Elsewhere a policy is asked (qca_lowmem.recompute.Policy), not its mode string compared."""
     found = {}
     for path in SOURCES:
         relative = str(path.relative_to(PACKAGE))
-        if relative == "rollout/policy.py":
+        if relative == "recompute/policy.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and node.value in ("step", "revolve", "auto"):
@@ -200,3 +202,37 @@ def test_every_package_folder_is_installed():
 def test_the_version_is_the_projects():
     project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
     assert qca_lowmem.__version__ == project["version"]
+
+
+def test_no_module_outside_the_switch_imports_its_private_modules():
+    """atheria/ is reached through its package face (enable, disable, enable_from_config) and
+    its config section's option names; its other modules are its own."""
+    allowed = {f"{NAME}.atheria", f"{NAME}.atheria.config_section"}
+    for path in SOURCES:
+        module = module_name(path)
+        if module.startswith(f"{NAME}.atheria"):
+            continue
+        private = [f"line {line}: {target}" for line, target in imported_modules(path)
+                   if target.startswith(f"{NAME}.atheria") and target not in allowed]
+        assert not private, f"{module} imports the switch's own modules {private}: import from qca_lowmem.atheria"
+
+
+def test_no_library_module_imports_the_examples():
+    for module, targets in GRAPH.items():
+        if not module.startswith(f"{NAME}.examples"):
+            examples = [t for t in targets if t.startswith(f"{NAME}.examples")]
+            assert not examples, f"{module} imports the stand-ins {examples}: examples/ is examples only"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_every_module_imports_by_its_dotted_name(path):
+    """`import qca_lowmem.<package>.<module>` works and binds the module, for every module: no
+    package attribute shadows a module of the same name."""
+    module = module_name(path)
+    if module == f"{NAME}.__main__":
+        pytest.skip("__main__ runs the command when imported")
+    imported = importlib.import_module(module)
+    parent, _, leaf = module.rpartition(".")
+    if parent:
+        assert getattr(importlib.import_module(parent), leaf) is imported, \
+            f"{parent}.{leaf} is not the module {module}: a name in {parent} shadows it"

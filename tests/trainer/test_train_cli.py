@@ -16,8 +16,8 @@ import yaml
 import qca_lowmem
 from qca_lowmem.trainer import cli, config as config_mod, train as train_mod
 from helpers import cuda_only
-from qca_lowmem.rollout.memory import LOSS_STATES, parse_bytes
-from qca_lowmem.rollout import Policy
+from qca_lowmem.recompute.memory import LOSS_STATES, parse_bytes
+from qca_lowmem.recompute import Policy
 from qca_lowmem.trainer.oom import EXIT_OOM, RunPolicy
 from qca_lowmem.trainer.plan import Estimate, recommend
 from qca_lowmem.trainer.checkpoint import atomic_save

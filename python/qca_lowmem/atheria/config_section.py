@@ -5,7 +5,7 @@ object's attributes, or a boolean) and the `QCA_LOWMEM` environment variable, an
 import os
 from typing import Optional
 
-from .integration import enable, log
+from .switch import enable, log
 
 _ENV_FLAG = "QCA_LOWMEM"
 

@@ -9,20 +9,21 @@ An engine with memory (`motor.has_memory`, a ConvLSTM) has its memory carried by
 
 import logging
 import types
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from . import amp, precision
-from .precision import autocast, parse_amp_dtype
-from .engine_step import compiled_module, lowmem_steps, memory_of
-from .rollout import Policy, StepGraph, rollout
-from .rollout.policy import STEP
-from .stock_episode import check_stock_episode
-from .trainer_versions import adapter_for
-from .unet import convert
+from .. import amp
+from ..precision import autocast
+from ..recompute import Policy, StepGraph, rollout
+from ..recompute.policy import STEP
+from ..unet import convert
+from .engine_probe import compiled_module
+from .engine_step import lowmem_steps, memory_of
+from .options import EpisodeOptions, checked_flag, resolve_options
+from .stock_guard import check_stock_episode
+from .trainers import adapter_for
 
 log = logging.getLogger("qca_lowmem")  # enable()'s one line: on, and how
 
@@ -49,8 +50,8 @@ def lowmem_scaler_from(scaler):
 class _Saved:
     """What enable() changed, so disable() can put it back."""
 
-    options: dict
-    version: Any = None  # the trainer version's adapter (trainer_versions.py)
+    options: EpisodeOptions
+    version: Any = None  # the trainer version's adapter (trainers.py)
     blocks: List[Tuple[torch.nn.Module, str, torch.nn.Module]] = field(default_factory=list)
     evolve_step: Any = None
     had_evolve_step_attr: bool = False
@@ -61,7 +62,7 @@ class _Saved:
     convert_report: Any = None
     step_graph: Any = None  # a StepGraph of the motor's step, made at the first CUDA episode
     memory_step: Any = None  # step(psi, (h, c)) -> (psi, (h, c)) for an engine with memory
-    fused_step_ops: bool = True
+    edited_episode: Optional[str] = None  # why the episode is not stock, run anyway (assume_stock_episode)
     compiled_said: bool = False  # the one line for an operator compiled after enable()
 
 
@@ -70,71 +71,15 @@ def _children(root: torch.nn.Module):
     return [(parent, name, child) for parent in root.modules() for name, child in parent.named_children()]
 
 
-def _infer_d_state(trainer, operator) -> int:
-    cfg = getattr(trainer.motor, "cfg", None)
-    for owner, attr in ((trainer, "d_state"), (trainer.motor, "d_state"), (cfg, "D_STATE"), (cfg, "d_state")):
-        value = getattr(owner, attr, None) if owner is not None else None
-        if isinstance(value, int):
-            return value
-    for module in operator.modules():
-        if isinstance(module, torch.nn.Conv2d):
-            return module.in_channels // 2
-    raise ValueError("enable(): cannot tell d_state from the trainer; pass d_state=...")
-
-
-def _infer_grid(trainer) -> Tuple[int, int]:
-    cfg = getattr(trainer.motor, "cfg", None)
-    candidates = (
-        (trainer, "grid_size"), (trainer.motor, "grid_size"),
-        (cfg, "GRID_SIZE_TRAINING"), (cfg, "GRID_SIZE"), (cfg, "grid_size"),
-    )
-    for owner, attr in candidates:
-        value = getattr(owner, attr, None) if owner is not None else None
-        if isinstance(value, int):
-            return value, value
-        if isinstance(value, (tuple, list)) and len(value) == 2:
-            return int(value[0]), int(value[1])
-    raise ValueError(
-        "enable(): cannot tell the training grid size from the trainer (looked for trainer.grid_size, "
-        "motor.grid_size, motor.cfg.GRID_SIZE_TRAINING); pass grid_size=... or initial_state=callable"
-    )
-
-
-_STATE_RESETS = ("_reset_state_random", "reset_state_random", "reset_state")
-
-
-def own_state_reset(trainer) -> Optional[Callable]:
-    """The trainer's own psi0 draw, when its engine keeps a state object that resets itself
-    (`motor.state.<reset>()` then `motor.state.psi`): psi0 then comes from exactly the code, and
-    the RNG use, stock runs."""
-    state = getattr(trainer.motor, "state", None)
-    if state is None or not hasattr(state, "psi"):
-        return None
-    for name in _STATE_RESETS:
-        reset = getattr(state, name, None)
-        if callable(reset):
-            def initial_state(_trainer, reset=reset, state=state):
-                reset()
-                return state.psi
-            return initial_state
-    return None
-
-
-def _checked_flag(value, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"enable(): {name} must be True or False, got {value!r}")
-    return value
-
-
 def _lowmem_train_episode(trainer, episode_num):
-    """train_episode with the stock semantics of the trainer's version (trainer_versions.py),
+    """train_episode with the stock semantics of the trainer's version (trainers.py),
     running the episode through qca_lowmem.rollout."""
     state: _Saved = getattr(trainer, _STATE_ATTR)
     opts, version = state.options, state.version
     operator = trainer.motor.operator
     device = next(operator.parameters()).device
 
-    if state.fused_step_ops and not state.compiled_said and compiled_module(operator) is not operator:
+    if opts.fused_step_ops and not state.compiled_said and compiled_module(operator) is not operator:
         state.compiled_said = True
         log.warning("qca_lowmem: motor.operator is compiled (%s); the fused step runs the module it wraps, "
                     "uncompiled", type(operator).__name__)
@@ -142,22 +87,21 @@ def _lowmem_train_episode(trainer, episode_num):
     model.train()  # as the stock episode: a model left in eval mode (by a visualisation) trains in train mode
     trainer.optimizer.zero_grad()
     psi0 = version.initial_state(trainer, opts, device)
-    noise = version.noise(trainer, episode_num, opts["noise"])
+    noise = version.noise(trainer, episode_num, opts.noise)
     step = state.memory_step or trainer.motor.evolve_step
-    if opts["cuda_graph"]:  # off CUDA a StepGraph is the plain step
+    if opts.cuda_graph:  # off CUDA a StepGraph is the plain step
         if state.step_graph is None:
             state.step_graph = StepGraph(step)
         step = state.step_graph
     # The memory the episode starts from: what the engine holds (zeroed by V4's state reset, None after V3's episodes).
     memory = {} if state.memory_step is None else dict(carry=memory_of(trainer.motor))
-    with autocast(device.type, opts["amp_dtype"]):
-        psi, history, *memory_T = rollout(step, psi0, trainer.qca_steps, noise=noise,
-                                          record_every=version.record_every(trainer), **memory,
-                                          **opts["policy"].options())
+    with autocast(device.type, opts.amp_dtype):
+        psi, history, *memory_T = rollout(step, psi0, trainer.qca_steps, checkpoint=opts.policy, noise=noise,
+                                          record_every=version.record_every(trainer), **memory)
         loss, details = version.loss(trainer, psi0, psi, history)
 
     parameters = [p for p in model.parameters() if p.requires_grad]
-    max_norm = opts["max_grad_norm"] if opts["max_grad_norm"] is not None else version.max_grad_norm(trainer)
+    max_norm = opts.max_grad_norm if opts.max_grad_norm is not None else version.max_grad_norm(trainer)
     scaler = getattr(trainer, "scaler", None)
     if scaler is not None and scaler.is_enabled():
         scaler.scale(loss).backward()
@@ -174,23 +118,6 @@ def _lowmem_train_episode(trainer, episode_num):
     # After the backward, whose recomputes ran the steps again.
     version.after_backward(trainer, memory_T[0] if memory_T else None)
     return version.result(trainer, episode_num, loss, details, psi)
-
-
-NOISE_SOURCES = ("trainer", "fused")
-
-
-def _checked_noise(trainer, version, noise) -> str:
-    """enable()'s `noise`, refused where the trainer cannot give it (an episode without noise reads none)."""
-    if noise not in NOISE_SOURCES:
-        raise ValueError(f"enable(): noise must be one of {NOISE_SOURCES}, got {noise!r}")
-    if noise == "trainer" and version.has_noise:
-        injector = getattr(trainer, "noise_injector", None)
-        missing = [name for name in ("apply_phase_flip", "apply_bit_flip") if not callable(getattr(injector, name, None))]
-        if missing:
-            raise TypeError(f"enable(): noise='trainer' applies the trainer's own noise_injector, but "
-                            f"{type(trainer).__name__}.noise_injector ({type(injector).__name__}) has no {', '.join(missing)}; "
-                            "noise='fused' applies qca_lowmem's NoiseSchedule instead")
-    return noise
 
 
 def _clip(scaler, parameters, max_norm):
@@ -231,9 +158,10 @@ def enable(
     max_grad_norm: Optional[float] = None,
     budget=None,
     noise: str = "trainer",
+    assume_stock_episode: bool = False,
 ):
     """Switch a QC_Trainer_v4- or QC_Trainer_v3-style trainer to the low-memory path, in place;
-    returns the trainer. Which version it is, is read off its attributes (trainer_versions.py);
+    returns the trainer. Which version it is, is read off its attributes (trainers.py);
     train_episode then keeps that version's episode, return values and bookkeeping.
 
     checkpoint: "step" (keep one psi per step, recompute in backward), "revolve" (binomial
@@ -269,33 +197,33 @@ def enable(
       its own, `motor.get_initial_state(trainer.batch_size)`, and refuses grid_size and batch_size.
       `initial_state(trainer) -> psi0` overrides both for trainers that draw psi0 differently.
     max_grad_norm: None clips as the trainer does (V4 at 1.0; V3 at its gradient_clip, when > 0).
+    assume_stock_episode: run qca_lowmem's stock episode in place of a train_episode that is not
+      one it follows (edited, overridden), at your own risk: what yours does differently is
+      dropped. enable()'s line says so. False (the default) refuses such a trainer.
     """
-    flags = dict(fused_blocks=fused_blocks, cuda_graph=cuda_graph, fused_step_ops=fused_step_ops,
-                 lowmem_scaler=lowmem_scaler)
-    for name, value in flags.items():
-        _checked_flag(value, name)
+    checked_flag(assume_stock_episode, "assume_stock_episode")
     version = adapter_for(trainer)
     if hasattr(trainer, _STATE_ATTR):
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
-    check_stock_episode(trainer)
-    policy = Policy.of(checkpoint, slots, budget, "enable()")
+    edited_episode = check_stock_episode(trainer, assume_stock_episode)
+    policy = checkpoint if isinstance(checkpoint, Policy) else Policy.of(checkpoint, slots, budget, "enable()")
     _check_placement(trainer)
     policy.check_device(next(trainer.motor.operator.parameters()).device, "enable()")
-    state = _Saved(version=version, options=_episode_options(
+    state = _Saved(version=version, edited_episode=edited_episode, options=resolve_options(
         trainer, version, policy=policy, amp_dtype=amp_dtype, grid_size=grid_size, batch_size=batch_size,
         d_state=d_state, initial_state=initial_state, max_grad_norm=max_grad_norm, fused_blocks=fused_blocks,
-        cuda_graph=cuda_graph, noise=noise,
+        cuda_graph=cuda_graph, noise=noise, fused_step_ops=fused_step_ops, lowmem_scaler=lowmem_scaler,
+        assume_stock_episode=assume_stock_episode,
     ))
     # Everything that can fail is decided before the trainer changes.
-    new_scaler = _lowmem_scaler_for(trainer, state.options["amp_dtype"]) if lowmem_scaler else None
-    evolve_step, state.memory_step = lowmem_steps(trainer.motor, fused_step_ops, state.options["grid"],
-                                                  state.options["d_state"])
+    new_scaler = _lowmem_scaler_for(trainer, state.options.amp_dtype) if lowmem_scaler else None
+    evolve_step, state.memory_step = lowmem_steps(trainer.motor, fused_step_ops, state.options.grid,
+                                                  state.options.d_state)
     if fused_blocks:
         _convert_blocks(trainer.motor.operator, state)
     _swap_step(trainer, state, evolve_step)
     _swap_episode(trainer, state)
     _swap_scaler(trainer, state, new_scaler)
-    state.fused_step_ops = fused_step_ops
     state.compiled_said = compiled_module(trainer.motor.operator) is not trainer.motor.operator
     setattr(trainer, _STATE_ATTR, state)
     log.info("qca_lowmem: on, %s", _summary(state))
@@ -306,65 +234,11 @@ def _summary(state: _Saved) -> str:
     """What the episodes run, in one line: checkpoint=step, fp32, fused blocks, fused step (and,
     where it applies, the QC_Trainer_v3 episode and a compiled operator run uncompiled)."""
     options = state.options
-    parts = [options["policy"].describe(), precision.amp_name(options["amp_dtype"])]
-    parts += [name for name, on in (("fused blocks", options["fused_blocks"]), ("fused step", state.fused_step_ops),
-                                    ("cuda_graph", options["cuda_graph"]), ("fused noise", options["noise"] == "fused"),
-                                    ("the compiled operator's module uncompiled",
-                                     state.fused_step_ops and state.compiled_said),
-                                    (f"{state.version.name} episode", state.version.named_on_enable)) if on]
+    parts = [options.describe()] + [name for name, on in (
+        ("the compiled operator's module uncompiled", options.fused_step_ops and state.compiled_said),
+        (f"{state.version.name} episode", state.version.named_on_enable),
+        (f"the stock episode assumed: {state.edited_episode}", state.edited_episode is not None)) if on]
     return ", ".join(parts)
-
-
-def _episode_options(trainer, version, *, policy, amp_dtype, grid_size, batch_size, d_state, initial_state,
-                     max_grad_norm, fused_blocks, cuda_graph, noise) -> dict:
-    """enable()'s arguments resolved against the trainer: what each lowmem episode reads."""
-    if amp_dtype is None and getattr(trainer, "use_amp", False):
-        compute_dtype = torch.float16
-    else:
-        compute_dtype = parse_amp_dtype(amp_dtype)
-    device = next(trainer.motor.operator.parameters()).device
-    if compute_dtype == torch.float16 and device.type == "cpu":
-        raise ValueError("enable(): fp16 on the CPU (amp_dtype='fp16', or the trainer's use_amp) would train without a "
-                         "loss scaler, and slower than fp32; use amp_dtype='bf16' (the CPU's half precision) or 'fp32'")
-    compute_dtype, note = precision.native_amp_dtype(compute_dtype, device)
-    if note:
-        warnings.warn(f"enable(): {note}", stacklevel=4)
-    if cuda_graph and not StepGraph.captures_on(device):
-        warnings.warn(f"enable(): cuda_graph captures CUDA graphs, but {StepGraph.why_not_captured(device)}: its "
-                      "steps run eagerly", stacklevel=4)
-        cuda_graph = False
-    grid, batch_size, initial_state = _psi0_options(trainer, version, grid_size, batch_size, initial_state)
-    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
-        raise ValueError(f"enable(): max_grad_norm must be a number > 0 or None (the trainer's own), "
-                         f"got {max_grad_norm!r}")
-    return dict(
-        policy=policy, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
-        d_state=d_state or _infer_d_state(trainer, trainer.motor.operator), initial_state=initial_state,
-        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, cuda_graph=cuda_graph,
-        noise=_checked_noise(trainer, version, noise),
-    )
-
-
-def _psi0_options(trainer, version, grid_size, batch_size, initial_state):
-    """(grid, batch_size, initial_state) of the episodes' psi0 draw (TrainerV4/V3.initial_state)."""
-    if version.draws_own_psi0:
-        if grid_size is not None or batch_size is not None:
-            raise ValueError(f"enable(): {type(trainer).__name__} ({version.name}) draws psi0 as "
-                             "motor.get_initial_state(trainer.batch_size), so grid_size and batch_size are not read; "
-                             "set trainer.batch_size, or pass initial_state=callable")
-        return None, None, initial_state
-    if isinstance(grid_size, int):
-        grid = (grid_size, grid_size)
-    elif grid_size is not None:
-        grid = (int(grid_size[0]), int(grid_size[1]))
-    else:
-        if initial_state is None:
-            initial_state = own_state_reset(trainer)
-        grid = None if initial_state is not None else _infer_grid(trainer)
-    batch_size = 1 if batch_size is None else batch_size
-    if initial_state is None and (not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError(f"enable(): batch_size must be a positive int, got {batch_size!r}")
-    return grid, batch_size, initial_state
 
 
 def _lowmem_scaler_for(trainer, compute_dtype):

@@ -1,5 +1,5 @@
 """What differs between the users' trainer versions around the one lowmem episode that
-enable() runs (integration.py): where psi0 comes from, the noise, the loss, which model trains,
+enable() runs (switch.py): where psi0 comes from, the noise, the loss, which model trains,
 the clipping norm, what happens to the engine's memory afterwards and what train_episode returns.
 
 `QC_Trainer_v4`: psi0 from the engine's state reset or the stock draw, the noise curriculum, the
@@ -14,8 +14,8 @@ from typing import Callable, Optional
 
 import torch
 
-from . import stock
-from .ops.noise import NoiseSchedule
+from .. import stock
+from ..ops.noise import NoiseSchedule
 from .engine_step import store_memory
 
 
@@ -49,9 +49,9 @@ class TrainerV4:
 
     @staticmethod
     def initial_state(trainer, opts, device):
-        if opts["initial_state"] is not None:
-            return opts["initial_state"](trainer)
-        return stock.initial_state(opts["batch_size"], opts["grid"], opts["d_state"], device)
+        if opts.initial_state is not None:
+            return opts.initial_state(trainer)
+        return stock.initial_state(opts.batch_size, opts.grid, opts.d_state, device)
 
     @staticmethod
     def noise(trainer, episode, source: str) -> Optional[Callable]:
@@ -116,8 +116,8 @@ class TrainerV3:
 
     @staticmethod
     def initial_state(trainer, opts, device):
-        if opts["initial_state"] is not None:
-            return opts["initial_state"](trainer)
+        if opts.initial_state is not None:
+            return opts.initial_state(trainer)
         return trainer.motor.get_initial_state(trainer.batch_size)
 
     @staticmethod

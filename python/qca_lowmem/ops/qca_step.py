@@ -1,5 +1,6 @@
 """The QCA step ops (C family `qca_step`): typed wrappers, fake kernels and autograd of
-torch.ops.qca_lowmem.qca_pack / qca_update (the engine step built on them: engine_step.py)."""
+torch.ops.qca_lowmem.qca_pack / qca_update, and the stock step on them (`fused_step`: pack,
+operator, update), which the reference trainer, plan, the benchmarks and enable() step with."""
 
 from typing import Optional
 
@@ -38,6 +39,31 @@ def qca_update(
     """
     refuse_func_transforms("qca_lowmem.qca_update", psi, delta)
     return _lib.qca_update(psi, delta, float(gamma), bool(multiplicative), float(eps))
+
+
+class fused_step:  # noqa: N801  (a function to its callers; a class so that it copies and pickles)
+    """The stock engine step (`stock.step`: pack, operator, update) on the fused ops, as a
+    callable `step(psi)`. With `channels_last` the pack writes NHWC, which the fused blocks and
+    torch's convs keep and the update reads as it is: no layout conversions in between (the
+    operator's conv weights should be channels_last too)."""
+
+    def __init__(self, operator, gamma: float, multiplicative: bool, *, channels_last: bool = False):
+        self.operator, self.gamma, self.multiplicative = operator, gamma, multiplicative
+        self.channels_last = channels_last
+
+    def __call__(self, psi: torch.Tensor) -> torch.Tensor:
+        return fused_step_once(self.operator, psi, self.gamma, self.multiplicative, self.channels_last)
+
+
+def fused_step_once(operator, psi: torch.Tensor, gamma: float, multiplicative: bool,
+                    channels_last: bool = False) -> torch.Tensor:
+    """One stock step of `operator` on psi over the fused pack and update."""
+    delta = operator(qca_pack(psi, channels_last=channels_last))
+    if not isinstance(delta, torch.Tensor):
+        raise TypeError(f"{type(operator).__name__} returned {type(delta).__name__}, the engine step takes an "
+                        "operator returning delta; a model with memory returning (delta, h, c) needs an engine "
+                        "with has_memory=True")
+    return qca_update(psi, delta, gamma, multiplicative)
 
 
 def _real_dtype_of(complex_dtype: torch.dtype) -> torch.dtype:

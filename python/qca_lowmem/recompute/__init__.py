@@ -1,4 +1,4 @@
-"""The rollout: an episode that recomputes instead of storing, with exact gradients.
+"""recompute: the rollout, an episode that recomputes instead of storing, with exact gradients.
 
 The core of the library, importing nothing of it but ops/ (docs/design.md, "The rollout"):
 `api` (rollout()), `policy` (what to keep: the mode names live there), `schedule` and `revolve`
@@ -7,8 +7,8 @@ autograd Function), `reverse` (the reverse pass) with `recompute_check`, `graph`
 captured CUDA graphs, a way of running a step), `state`, `replay` (autocast and RNG),
 `param_grads`, `weight_casts`, `intermediates` and `memory` (bytes, counted once).
 
-`qca_lowmem.rollout` is the function: the package __init__ binds that name after importing this
-package, whose modules are reached as `qca_lowmem.rollout.<module>` through `from ... import`.
+The public function is `qca_lowmem.rollout` (this package's `api.rollout`); every module here
+imports by its dotted name, `import qca_lowmem.recompute.graph`.
 """
 
 from .api import rollout

@@ -8,7 +8,7 @@ run as the stock loop does.
 """
 
 import contextlib
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
@@ -29,7 +29,7 @@ def rollout(
     psi0: torch.Tensor,
     steps: int,
     *,
-    checkpoint: str = STEP,
+    checkpoint: Union[str, Policy] = STEP,
     slots: Optional[int] = None,
     budget=None,
     noise: Optional[Callable[[torch.Tensor, int], torch.Tensor]] = None,
@@ -97,7 +97,13 @@ def rollout(
         raise TypeError(f"rollout: psi0 must be a complex or floating tensor, got dtype={psi0.dtype} shape={tuple(psi0.shape)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"rollout: steps must be an int >= 1, got {steps!r}")
-    policy = Policy.of(checkpoint, slots, budget)
+    if isinstance(checkpoint, Policy):
+        if slots is not None or budget is not None:
+            raise ValueError(f"rollout: checkpoint is a Policy ({checkpoint.describe()}), which holds its own slots and "
+                             f"budget; got slots={slots!r}, budget={budget!r} as well")
+        policy = checkpoint
+    else:
+        policy = Policy.of(checkpoint, slots, budget)
     policy.check_device(psi0.device)
     if record_every is None:
         record_every = max(1, steps // 10)

@@ -22,9 +22,9 @@ import torch
 from .. import stock
 from ..precision import autocast, parse_amp_dtype
 from .distributed import resolve_device
-from ..rollout.memory import format_bytes, saved_bytes
-from ..engine_step import fused_step
-from ..rollout import Policy, StepGraph, rollout
+from ..recompute.memory import format_bytes, saved_bytes
+from ..ops.qca_step import fused_step
+from ..recompute import Policy, StepGraph, rollout
 from .config import TrainConfig, build_model
 
 
@@ -98,7 +98,7 @@ class EpisodeRunner:
             step = self.lowmem_step
             policy = self.config.policy()
         with autocast(self.device.type, self.amp_dtype):
-            psi, history = rollout(step, psi0, steps, **policy.options())  # history as stock records it (the default)
+            psi, history = rollout(step, psi0, steps, checkpoint=policy)  # history as stock records it (the default)
             loss, _ = stock.evolutionary_loss(history, psi0)
         return loss
 

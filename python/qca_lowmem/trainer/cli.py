@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from ..rollout.policy import AUTO, MODES, REVOLVE
+from ..recompute.policy import AUTO, MODES, REVOLVE
 
 
 def _add_config_options(parser, training: bool):

@@ -11,9 +11,10 @@ from typing import Callable, List, Optional, Union
 
 import torch
 
-from .. import configs as bundled, lowmem_config
-from ..rollout import Policy
-from ..rollout.policy import STEP
+from .. import configs as bundled
+from ..atheria import config_section
+from ..recompute import Policy
+from ..recompute.policy import STEP
 from ..precision import parse_amp_dtype
 from ..unet import UNetUnitary
 from .errors import UsageError, error_text
@@ -138,7 +139,7 @@ _SECTIONS = {
     "model": ("d_state", "hidden", "gamma"),
     "training": ("grid", "qca_steps", "batch", "max_noise", "episodes", "accumulate", "lr",
                  "weight_decay", "max_grad_norm", "max_skipped_steps", "scheduler", "seed"),
-    "lowmem": lowmem_config.LOWMEM_OPTIONS + ("channels_last",),
+    "lowmem": config_section.LOWMEM_OPTIONS + ("channels_last",),
     "output": ("out_dir", "save_every"),
 }
 _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}

@@ -10,8 +10,8 @@ from typing import List, Optional
 
 import torch
 
-from ..rollout import Policy
-from ..rollout.memory import format_bytes, kept_bytes, model_state_bytes, psi_bytes
+from ..recompute import Policy
+from ..recompute.memory import format_bytes, kept_bytes, model_state_bytes, psi_bytes
 
 EXIT_OOM = 3
 

@@ -5,7 +5,7 @@ states the policy keeps across the episode + one step's working set (the step's 
 backpropagated, plus gradients in flight, estimated as twice its largest tensor). Under autocast
 the step's graph holds the half-precision copy of the weights, which the rollout makes once per
 episode and keeps to its end (the trainer: once per optimizer step, shared by its episodes,
-rollout/weight_casts.py), so the copy is counted once, in the working set.
+recompute/weight_casts.py), so the copy is counted once, in the working set.
 
 A step's graph is measured on the CPU with `saved_bytes` at two small grids of the real model
 (activations grow with the grid's area and the batch) and extrapolated; nothing runs on the GPU.
@@ -21,9 +21,9 @@ import torch
 
 from .. import stock
 from ..precision import autocast, native_amp_dtype, parse_amp_dtype
-from ..engine_step import fused_step
-from ..rollout import Policy, keep_block_intermediates
-from ..rollout.memory import (LOSS_STATES, SAFETY, format_bytes, kept_bytes, model_state_bytes, parse_bytes, psi_bytes,
+from ..ops.qca_step import fused_step
+from ..recompute import Policy, keep_block_intermediates
+from ..recompute.memory import (LOSS_STATES, SAFETY, format_bytes, kept_bytes, model_state_bytes, parse_bytes, psi_bytes,
                               saved_storage_sizes)
 from .config import TrainConfig, build_model
 from .errors import UsageError

@@ -26,9 +26,9 @@ import torch
 from .. import amp, precision, stock
 from . import checkpoint, divergence, oom
 from ..precision import amp_name, autocast, parse_amp_dtype
-from ..rollout import StepGraph, rollout, saved_bytes, shared_weight_casts
+from ..recompute import StepGraph, rollout, saved_bytes, shared_weight_casts
 from ..ops.noise import episode_noise
-from ..engine_step import fused_step
+from ..ops.qca_step import fused_step
 from .config import TrainConfig, build_model, parameter_count
 from .distributed import Distributed, resolve_device
 from .errors import Interrupted, TrainingStopped, UsageError, error_text
@@ -109,8 +109,8 @@ class Trainer:
         """psi0 -> rollout -> loss for one episode; returns (loss, metrics, psi_T)."""
         psi0 = self.initial_state(episode, policy.batch)
         with autocast(self.device.type, self.amp_dtype):
-            psi, history = rollout(self.step_fn, psi0, self.config.qca_steps, noise=self.noise_for(episode),
-                                   **policy.policy.options())
+            psi, history = rollout(self.step_fn, psi0, self.config.qca_steps, checkpoint=policy.policy,
+                                   noise=self.noise_for(episode))
             loss, metrics = stock.evolutionary_loss(history, psi0)
         return loss, metrics, psi
 

@@ -1,0 +1,14 @@
+"""The switch for the users' Atheria trainers (`QC_Trainer_v4`, `QC_Trainer_v3`): `enable()`
+puts the recomputing rollout under their `train_episode` and `disable()` takes it out.
+
+`switch` (enable, disable, the episode they run), `options` (what enable() decided, one frozen
+value), `config_section` (the `LOWMEM` section of their config and the `QCA_LOWMEM` switch),
+`trainers` (one adapter per trainer version: what differs between their episodes),
+`engine_step` (the steps installed on their engine), `engine_probe` (the one-time check that
+their engine steps as the fused step does) and `stock_guard` (recognising their stock episode).
+"""
+
+from .config_section import enable_from_config
+from .switch import disable, enable
+
+__all__ = ["disable", "enable", "enable_from_config"]
