@@ -47,7 +47,6 @@ import torch.utils.checkpoint
 import common
 import qca_lowmem
 from qca_lowmem import stock as reference
-from qca_lowmem.recompute.memory import step_graph_bytes
 
 RUNS = ["lowmem_fp32_step_graph", "lowmem_bf16_step_graph", "lowmem_fp16_step_graph", "stock_fp32",
         "stock_fp16_autocast", "stock_fp16_checkpoint", "lowmem_fp32_step", "lowmem_bf16_step", "lowmem_fp16_step",
@@ -202,9 +201,10 @@ class Run:
         if name == "lowmem_fp32_auto_free":
             self.budget = "free"
         elif name.startswith("lowmem_fp32_auto"):
-            self.step = lowmem_step_fn(self.model, args.gamma, None)  # one step_fn: its graph is measured once
-            # step_graph_bytes -> (one step's full graph with its output state, the state alone)
-            whole = args.steps * step_graph_bytes(self.step, initial_state(args, device, 0))[0]
+            self.step = lowmem_step_fn(self.model, args.gamma, None)
+            psi = initial_state(args, device, 0)
+            with torch.enable_grad(), qca_lowmem.keep_block_intermediates():  # every step's full graph and output
+                whole = args.steps * (qca_lowmem.saved_bytes(self.step, psi.requires_grad_(True)) + psi.nbytes)
             self.budget = whole // 2 if name.endswith("_half") else whole
         self.times = []
         self.episode(seed=0)

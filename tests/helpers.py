@@ -221,3 +221,13 @@ def report_lines(stderr: str):
 def write_config(path: Path, config=None, text=None) -> str:
     path.write_text(text if text is not None else yaml.safe_dump(config if config is not None else TINY))
     return str(path)
+
+
+def full_step_bytes(step, psi, carry=None) -> int:
+    """What one step's full graph keeps (blocks keeping their intermediates) plus its output
+    state, as checkpoint="auto" counts a step it keeps whole."""
+    with torch.enable_grad(), qca_lowmem.keep_block_intermediates():
+        if carry is None:
+            return qca_lowmem.saved_bytes(step, psi.detach().requires_grad_(True)) + psi.nbytes
+        return qca_lowmem.saved_bytes(step, psi.detach().requires_grad_(True), carry) + psi.nbytes + \
+            sum(c.nbytes for c in carry)

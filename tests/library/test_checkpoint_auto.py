@@ -4,7 +4,7 @@ kept within the budget."""
 
 import pytest
 import torch
-from helpers import episode, initial_state, randomize_affine
+from helpers import episode, full_step_bytes, initial_state, randomize_affine
 
 import qca_lowmem
 from qca_lowmem import rollout, saved_bytes
@@ -36,7 +36,7 @@ def grads(step, params, checkpoint, **options):
 
 def sizes(step):
     psi = initial_state()
-    return psi.nbytes, memory.step_graph_bytes(step, psi)[0]
+    return psi.nbytes, full_step_bytes(step, psi)
 
 
 def budgets(step):

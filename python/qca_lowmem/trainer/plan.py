@@ -23,9 +23,9 @@ from .. import stock
 from ..precision import autocast, native_amp_dtype, parse_amp_dtype
 from ..ops.qca_step import fused_step
 from ..recompute import Policy, keep_block_intermediates
-from ..recompute.memory import (LOSS_STATES, SAFETY, format_bytes, kept_bytes, model_state_bytes, parse_bytes, psi_bytes,
-                              saved_storage_sizes)
+from ..recompute.memory import SAFETY, format_bytes, parse_bytes, saved_storage_sizes
 from .config import TrainConfig, build_model
+from .footprint import LOSS_STATES, kept_bytes, model_state_bytes, psi_bytes
 from .errors import UsageError
 
 _PROBE_GRIDS = (8, 16)
