@@ -41,6 +41,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from .. import _torch_private as torch_private
 from .intermediates import keep_block_intermediates
 from .state import State, differentiable, signature
 from .weight_casts import StaticCasts
@@ -150,8 +151,8 @@ def _hooks_set_aside(params):
     graphs compute per-step gradients: the rollout hands the totals to autograd at the end."""
     saved = []
     for p in params:
-        hooks = p._backward_hooks
-        if hooks:
+        if torch_private.has_hooks(p):
+            hooks = torch_private.backward_hooks(p)
             saved.append((hooks, dict(hooks)))
             hooks.clear()
     try:
@@ -216,7 +217,7 @@ class CudaGraphs:
         (empty_cache() then asserts), and the default generator stays in capture mode (every
         later random draw raises "Offset increment outside graph capture")."""
         try:
-            torch._C._cuda_endAllocateToPool(self.device.index, self.pool)
+            torch_private.end_allocate_to_pool(self.device.index, self.pool)
         except RuntimeError:
             pass  # it had been told
         generator = torch.cuda.default_generators[self.device.index]

@@ -4,6 +4,8 @@ import functools
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from .. import _torch_private as torch_private
+
 from torch.utils.hooks import RemovableHandle
 
 
@@ -53,9 +55,7 @@ class ParamGradSink:
             self._collect(len(self.params) - 1, p)
 
     def _collect(self, i: int, p: torch.Tensor) -> None:
-        if p._backward_hooks is None:
-            p.register_hook(_identity_hook).remove()  # creates the hook dict, as register_hook does
-        hooks = p._backward_hooks
+        hooks = torch_private.backward_hooks(p)
         original = list(hooks.items())
         hooks.clear()
         handle = RemovableHandle(hooks)
@@ -97,7 +97,3 @@ class ParamGradSink:
     def take(self):
         buffers, self.buffers = self.buffers, None
         return buffers
-
-
-def _identity_hook(grad):
-    return None
