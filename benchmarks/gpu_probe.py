@@ -37,7 +37,7 @@ import qca_lowmem
 from qca_lowmem import stock
 from qca_lowmem.ops.qca_step import fused_step
 from qca_lowmem.recompute import memory
-from qca_lowmem.recompute.graph import CaptureFallbackWarning
+from qca_lowmem.recompute.cuda_graphs import CaptureFallbackWarning
 from qca_lowmem.recompute.recompute_check import ROUNDING_UNITS, _relative_difference
 
 SECTIONS = ["capture", "fallback", "determinism", "groupnorm", "budget"]
