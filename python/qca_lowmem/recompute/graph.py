@@ -44,7 +44,7 @@ from .. import _torch_private as torch_private
 from .cuda_graphs import (CaptureFailed, CaptureFallbackWarning, CudaGraphs, caching_allocator_off,
                           capture_errors_explained, random_draws_refused)
 from .intermediates import keep_block_intermediates
-from .state import State, differentiable, signature
+from .state import State, check_like_psi, differentiable, signature
 from .weight_casts import StaticCasts
 
 WARMUP_STEPS = 3  # eager runs on a side stream before capture: lazy inits, cuDNN/cuBLAS handles
@@ -184,7 +184,10 @@ class _Capture:
             with graphs.warming_up(), random_draws_refused(psi.device):
                 for _ in range(WARMUP_STEPS):
                     out, carry_out = forward()
-                    _check_output(out, psi)
+                    check_like_psi(out, psi, "step_fn", None)
+                    if not out.requires_grad:
+                        raise ValueError("StepGraph: step_fn's output does not require grad: nothing to capture a "
+                                         "backward for")
                     outputs = [out, *(c for c in carry_out if _requires_grad(c))]
                     torch.autograd.grad(outputs, self._inputs() + params, [torch.zeros_like(o) for o in outputs],
                                         allow_unused=True)
@@ -275,15 +278,3 @@ def _load_or_zero(static: torch.Tensor, value: Optional[torch.Tensor]) -> None:
         static.zero_()
     else:
         static.copy_(value)
-
-
-def _check_output(out, psi):
-    if not isinstance(out, torch.Tensor) or out.shape != psi.shape or out.dtype != psi.dtype or out.device != psi.device:
-        got = (f"shape={tuple(out.shape)} dtype={out.dtype} device={out.device}" if isinstance(out, torch.Tensor)
-               else type(out).__name__)
-        raise ValueError(f"StepGraph: step_fn must keep psi's shape, dtype and device "
-                         f"(shape={tuple(psi.shape)} dtype={psi.dtype} device={psi.device}), it returned {got}")
-    if not out.requires_grad:
-        raise ValueError("StepGraph: step_fn's output does not require grad: nothing to capture a backward for")
-
-
