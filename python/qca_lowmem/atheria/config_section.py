@@ -1,6 +1,7 @@
 """The users' config switch: `enable_from_config` reads a config's `LOWMEM` section (a mapping, an
 object's attributes, or a boolean) and the `QCA_LOWMEM` environment variable, and calls
-`enable`. The boolean spellings are shared with the reference trainer's config."""
+`enable`. Its boolean settings accept the spellings of `parse_flag` (the reference trainer's own
+config takes booleans only)."""
 
 import os
 from typing import Optional
