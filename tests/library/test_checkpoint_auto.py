@@ -193,7 +193,7 @@ def test_train_with_checkpoint_auto_equals_step(tiny_config, tmp_path):
 def test_budget_free_on_the_cpu_is_refused_by_name(tiny_config, tmp_path, capsys):
     assert cli.main(["train", "--config", tiny_config, "--out", str(tmp_path / "run"), "--checkpoint", "auto",
                      "--budget", "free"]) == 2
-    assert "--budget free reads a GPU's free memory, but the device is cpu" in capsys.readouterr().err
+    assert "--budget: budget='free' reads the free memory of a CUDA device, but the device is cpu" in capsys.readouterr().err
 
 
 def test_oom_guard_lowers_auto_like_step():

@@ -354,7 +354,7 @@ def test_max_noise_above_one_trains_as_stock_does():
 
 
 def test_options_that_cannot_work_on_the_cpu_are_decided_at_enable(recwarn):
-    """fp16 on the CPU would train without a loss scaler: refused; cuda_graph on the CPU runs eager
+    """fp16 on the CPU, a GPU setting, is refused (the trainer's rule too); cuda_graph on the CPU runs eager
     steps: said once, at enable(), not silently at every episode."""
     trainer = make_trainer()
     with pytest.raises(ValueError, match="fp16 on the CPU.*amp_dtype='bf16'"):

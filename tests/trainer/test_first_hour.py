@@ -59,16 +59,21 @@ def test_bench_per_step_column_is_what_one_more_step_adds(monkeypatch, tmp_path)
     assert "+step" in bench_mod.format_table(result)
 
 
-def test_check_says_where_the_run_runs_and_warns_of_fp16_on_the_cpu(tmp_path, capsys):
+def test_check_says_where_the_run_runs_and_refuses_fp16_on_the_cpu(tmp_path, capsys):
+    """fp16 on the CPU: the rule enable() follows too (precision.refuse_fp16_on_cpu)."""
     path = tmp_path / "fp16.yaml"
     path.write_text(yaml.safe_dump({**TINY, "device": "auto", "lowmem": {"amp_dtype": "fp16"}}))
-    assert cli.main(["train", "--config", str(path), "--out", str(tmp_path / "run"), "--check"]) == 0
-    out = capsys.readouterr().out
+    code = cli.main(["train", "--config", str(path), "--out", str(tmp_path / "run"), "--check"])
+    captured = capsys.readouterr()
     if torch.cuda.is_available():
-        assert "on cuda:0" in out and "warning" not in out
+        assert code == 0 and "on cuda:0" in captured.out
     else:
-        assert "amp_dtype=fp16" in out and "on cpu (no CUDA GPU visible)" in out
-        assert "warning: amp_dtype fp16 there is fp16 autocast on the CPU" in out
+        assert code == 2 and "fp16 on the CPU (amp_dtype fp16) is a GPU setting" in captured.err
+        assert "--amp-dtype bf16" in captured.err
+    path.write_text(yaml.safe_dump({**TINY, "device": "auto"}))
+    assert cli.main(["train", "--config", str(path), "--out", str(tmp_path / "run"), "--check"]) == 0
+    if not torch.cuda.is_available():
+        assert "on cpu (no CUDA GPU visible)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", ["qca_pack", "qca_update", "phase_flip", "UNetUnitary", "UNetUnitary parameters"])

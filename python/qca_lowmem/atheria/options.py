@@ -122,9 +122,11 @@ def resolve_options(trainer, version, *, policy: Policy, amp_dtype, grid_size, b
     else:
         compute_dtype = parse_amp_dtype(amp_dtype)
     device = next(trainer.motor.operator.parameters()).device
-    if compute_dtype == torch.float16 and device.type == "cpu":
-        raise ValueError("enable(): fp16 on the CPU (amp_dtype='fp16', or the trainer's use_amp) would train without a "
-                         "loss scaler, and slower than fp32; use amp_dtype='bf16' (the CPU's half precision) or 'fp32'")
+    try:
+        precision.refuse_fp16_on_cpu(compute_dtype, device, "amp_dtype='fp16', or the trainer's use_amp",
+                                     "amp_dtype='bf16' (the CPU's half precision) or 'fp32'")
+    except ValueError as error:
+        raise ValueError(f"enable(): {error}") from None
     compute_dtype, note = precision.native_amp_dtype(compute_dtype, device)
     if note:
         warnings.warn(f"enable(): {note}", stacklevel=4)

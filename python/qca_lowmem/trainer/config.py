@@ -111,8 +111,12 @@ class TrainConfig:
 
     def policy(self, caller: str = "config") -> Policy:
         """The rollout policy of checkpoint, slots and budget (ValueError naming `caller` unless
-        they make one)."""
-        return Policy.of(self.checkpoint, self.slots, self.budget, caller)
+        they make one), built once for as long as they stay the same."""
+        key = (self.checkpoint, self.slots, self.budget)
+        made = self.__dict__.get("_policy")
+        if made is None or made[0] != key:
+            self.__dict__["_policy"] = made = (key, Policy.of(*key, caller))
+        return made[1]
 
 
 

@@ -59,8 +59,10 @@ class Estimate:
         return self.model_state_bytes + self.kept_bytes + self.working_bytes
 
     def as_dict(self) -> dict:
-        policy = self.policy.options() if self.policy is not None else dict(checkpoint="stock", slots=None, budget=None)
-        return dict(name=self.name, **policy, amp_dtype=self.amp_dtype, model_state_bytes=self.model_state_bytes,
+        # The users' stock trainer is plain autograd (checkpoint "none") on the stock model.
+        policy = self.policy if self.policy is not None else Policy.plain()
+        return dict(name=self.name, model="stock" if self.policy is None else "lowmem", **policy.options(),
+                    amp_dtype=self.amp_dtype, model_state_bytes=self.model_state_bytes,
                     kept_bytes=self.kept_bytes, working_bytes=self.working_bytes, from_config=self.from_config,
                     full_graph_bytes=self.full_graph_bytes, peak_bytes=self.peak_bytes)
 
