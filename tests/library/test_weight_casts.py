@@ -216,6 +216,25 @@ def test_leaving_the_scope_drops_its_copies():
     assert weight_casts.for_episode() is not weight_casts.for_episode()  # outside a scope: one per episode
 
 
+
+def test_the_optimizer_hook_lives_only_while_a_scope_is_open():
+    """No process-wide optimizer hook outlives the scopes that need it; an optimizer step inside
+    one drops its copies."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    before = len(_global_optimizer_post_hooks)
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    with qca_lowmem.shared_weight_casts():
+        assert len(_global_optimizer_post_hooks) == before + 1
+        casts = weight_casts.for_episode()
+        casts.copy_of(weight, torch.bfloat16)
+        weight.grad = torch.ones(3)
+        optimizer.step()
+        assert not casts._copies
+    assert len(_global_optimizer_post_hooks) == before
+
+
 @pytest.mark.slow
 def test_trainer_casts_once_per_optimizer_step_with_the_same_weights(tmp_path, monkeypatch):
     config = {**TINY, "training": {**TINY["training"], "episodes": 4, "accumulate": 2, "max_noise": 1.0},
