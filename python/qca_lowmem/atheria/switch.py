@@ -59,7 +59,6 @@ class _Saved:
     had_train_episode_attr: bool = False
     scaler: Any = None
     had_scaler_attr: bool = True
-    convert_report: Any = None
     step_graph: Any = None  # a StepGraph of the motor's step, made at the first CUDA episode
     memory_step: Any = None  # step(psi, (h, c)) -> (psi, (h, c)) for an engine with memory
     edited_episode: Optional[str] = None  # why the episode is not stock, run anyway (assume_stock_episode)
@@ -256,7 +255,7 @@ def _convert_blocks(operator, state: _Saved):
     """Stock ConvBlocks -> FusedConvBlock in place, remembering what was swapped for disable()."""
     params_before = [id(p) for p in operator.parameters()]
     edges = _children(operator)
-    _, state.convert_report = convert(operator)
+    convert(operator)
     # What convert() swapped, so disable() can put the very same stock modules back.
     state.blocks = [(parent, name, child) for parent, name, child in edges if getattr(parent, name) is not child]
     if [id(p) for p in operator.parameters()] != params_before:
