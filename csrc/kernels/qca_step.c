@@ -32,8 +32,10 @@
 #define QCA_SIMD_CLONES
 #endif
 
-/* Components per tile: its planes stay in L1/L2. */
-#define QCA_TILE_COMPONENTS 512
+/* Components per tile (1,024 cells at d = 14): its planes stay in L2, and each plane of a tensor
+ * is read or written in runs of 4 KiB. Tiles of 512 components (36 cells) cut the 28 planes of
+ * delta or x into runs of 144 bytes, and the update spent most of its time waiting on them. */
+#define QCA_TILE_COMPONENTS 14336
 
 #define REAL float
 #define SUFFIX f32
@@ -219,46 +221,52 @@ static QCA_ALWAYS_INLINE void qca_transpose8(const float* in, const int64_t in_r
 #undef QCA_HI4
 
 /* Value c of a cell's 8 (components k0 .. k0 + 3, re and im) is in plane (k0 + c / 2, c % 2).
- * Only for planes close together (a tile's): eight planes of a large tensor, a power of two
- * apart, would evict each other's lines. */
-static int planes_close(int64_t k_stride, int64_t part_stride) {
-  return 3 * k_stride + part_stride < 1024;
+ * For planes close together (a tile's), or runs of at least 1 KiB a plane: eight planes of a
+ * large tensor, a power of two apart, evict each other's lines when each gets a few values. */
+static int wide_pays(int64_t k_stride, int64_t part_stride, int64_t n) {
+  return 3 * k_stride + part_stride < 1024 || n >= 256;
 }
 
 QCA_SIMD_CLONES static int64_t rows_to_planes_wide_f32(const float* restrict rows,
                                                        int64_t row_stride, float* restrict planes,
                                                        int64_t k_stride, int64_t part_stride,
                                                        int64_t n, int64_t d) {
-  if (!planes_close(k_stride, part_stride)) return 0;
+  if (!wide_pays(k_stride, part_stride, n)) return 0;
   const int64_t blocked = n - n % 8;
   int64_t k0 = 0, cell_row[8], plane_row[8];
   for (int a = 0; a < 8; ++a) cell_row[a] = a * row_stride;
-  for (; k0 + 4 <= d; k0 += 4) {
-    for (int c = 0; c < 8; ++c) plane_row[c] = (k0 + c / 2) * k_stride + (c % 2) * part_stride;
-    for (int64_t i0 = 0; i0 < blocked; i0 += 8)
-      qca_transpose8(rows + i0 * row_stride + 2 * k0, cell_row, planes + i0, plane_row);
+  for (int c = 0; c < 8; ++c) plane_row[c] = (c / 2) * k_stride + (c % 2) * part_stride;
+  const int64_t wide = d - d % 4;
+  for (int64_t i0 = 0; i0 < blocked; i0 += 8)
+    for (k0 = 0; k0 < wide; k0 += 4)
+      qca_transpose8(rows + i0 * row_stride + 2 * k0, cell_row, planes + k0 * k_stride + i0,
+                     plane_row);
+  for (k0 = 0; k0 < wide; k0 += 4)
     for (int64_t i = blocked; i < n; ++i)
-      for (int c = 0; c < 8; ++c) planes[plane_row[c] + i] = rows[i * row_stride + 2 * k0 + c];
-  }
-  return k0;
+      for (int c = 0; c < 8; ++c)
+        planes[k0 * k_stride + plane_row[c] + i] = rows[i * row_stride + 2 * k0 + c];
+  return wide;
 }
 
 QCA_SIMD_CLONES static int64_t planes_to_rows_wide_f32(const float* restrict planes,
                                                        int64_t k_stride, int64_t part_stride,
                                                        float* restrict rows, int64_t row_stride,
                                                        int64_t n, int64_t d) {
-  if (!planes_close(k_stride, part_stride)) return 0;
+  if (!wide_pays(k_stride, part_stride, n)) return 0;
   const int64_t blocked = n - n % 8;
   int64_t k0 = 0, cell_row[8], plane_row[8];
   for (int a = 0; a < 8; ++a) cell_row[a] = a * row_stride;
-  for (; k0 + 4 <= d; k0 += 4) {
-    for (int c = 0; c < 8; ++c) plane_row[c] = (k0 + c / 2) * k_stride + (c % 2) * part_stride;
-    for (int64_t i0 = 0; i0 < blocked; i0 += 8)
-      qca_transpose8(planes + i0, plane_row, rows + i0 * row_stride + 2 * k0, cell_row);
+  for (int c = 0; c < 8; ++c) plane_row[c] = (c / 2) * k_stride + (c % 2) * part_stride;
+  const int64_t wide = d - d % 4;
+  for (int64_t i0 = 0; i0 < blocked; i0 += 8)
+    for (k0 = 0; k0 < wide; k0 += 4)
+      qca_transpose8(planes + k0 * k_stride + i0, plane_row, rows + i0 * row_stride + 2 * k0,
+                     cell_row);
+  for (k0 = 0; k0 < wide; k0 += 4)
     for (int64_t i = blocked; i < n; ++i)
-      for (int c = 0; c < 8; ++c) rows[i * row_stride + 2 * k0 + c] = planes[plane_row[c] + i];
-  }
-  return k0;
+      for (int c = 0; c < 8; ++c)
+        rows[i * row_stride + 2 * k0 + c] = planes[k0 * k_stride + plane_row[c] + i];
+  return wide;
 }
 #define QCA_WIDE_ROWS_TO_PLANES_F32 rows_to_planes_wide_f32
 #define QCA_WIDE_PLANES_TO_ROWS_F32 planes_to_rows_wide_f32
@@ -324,8 +332,12 @@ static int64_t run_within(const cell_layout* l, int64_t cell, int64_t left) {
   return in_period < left ? in_period : left;
 }
 
+/* A multiple of 8 cells (whole vectors) but not of 16, so that a tile's planes, n floats apart,
+ * do not all fall on the same cache sets (1,024 cells: 4 KiB apart, and the 28 planes of a cell
+ * evicted each other from L1). */
 static int64_t tile_cells(int64_t d) {
-  return d >= QCA_TILE_COMPONENTS ? 1 : QCA_TILE_COMPONENTS / d;
+  const int64_t n = QCA_TILE_COMPONENTS / d;
+  return n >= 16 ? n - n % 16 - 8 : n > 0 ? n : 1;
 }
 
 static qca_status check_grid(const qca_grid* g, int64_t cell_begin, int64_t cell_end) {

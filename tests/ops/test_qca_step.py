@@ -193,10 +193,10 @@ def test_compile_fullgraph_matches_eager():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("d", [513, 1031])
-def test_states_wider_than_a_cpu_tile_match_stock(d):
-    # d above the C kernels' tile (512 components): one cell per tile, a larger scratch; odd d
-    # leaves a component outside the transposes' 2-component blocks.
+@pytest.mark.parametrize("d", [513, 1031, 14337])
+def test_wide_states_match_stock(d):
+    # Few cells per C tile (14,336 components): 8 at d = 513, 13 at 1031, one above the tile; odd
+    # d leaves a component outside the transposes' 2-component blocks.
     psi = reference.initial_state(2, (3, 5), d, dtype=torch.complex128).requires_grad_(True)
     delta = random_delta(psi, torch.float64).requires_grad_(True)
     torch.testing.assert_close(qca_lowmem.qca_pack(psi), reference.pack(psi), rtol=0, atol=0)
