@@ -213,6 +213,19 @@ def test_wide_states_match_stock(d):
     torch.testing.assert_close(pack_grad, stock_pack_grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_pack_in_either_tile_size_matches_stock(batch):
+    # The C pack transposes a range of up to 2 MiB in small tiles, a larger one (batch 3 here,
+    # 2.6 MiB with x) in the update's tiles; both are pure data movement.
+    psi = reference.initial_state(batch, 64, 14).requires_grad_(True)
+    x = qca_lowmem.qca_pack(psi)
+    torch.testing.assert_close(x, reference.pack(psi), rtol=0, atol=0)
+    x_grad = torch.randn_like(x)
+    (pack_grad,) = torch.autograd.grad(x, psi, x_grad)
+    (stock_pack_grad,) = torch.autograd.grad(reference.pack(psi), psi, x_grad)
+    torch.testing.assert_close(pack_grad, stock_pack_grad, rtol=0, atol=0)
+
+
 def test_empty_batch():
     psi = torch.randn(0, 4, 4, 3, dtype=torch.complex64, requires_grad=True)
     delta = torch.randn(0, 6, 4, 4, requires_grad=True)
