@@ -12,7 +12,8 @@ On a CUDA GPU:
 On the CPU (`--device cpu`), part 2 only, at one torch thread and at all of them in the same run:
 the fused forward and backward, torch's unfused group_norm + elu (forward, and its autograd
 backward) on the same tensors and a `copy_` of x, timed interleaved (one of each per round),
-medians. Two more per row show where the time floor is: the fused forward's second pass alone
+medians; forward + backward against torch's is the ratio of the two medians' sums. Two more per row
+show where the time floor is: the fused forward's second pass alone
 (groupnorm_elu_apply: normalise + ELU with the statistics given) and torch's `elu` alone on x.
 Also writes a PNG of the kernels' bandwidth against the copy's.
 
@@ -218,12 +219,15 @@ def bench_kernels_cpu(args):
                 "forward_fraction_of_copy": fwd_gbs / copy_gbs, "backward_fraction_of_copy": bwd_gbs / copy_gbs,
                 "forward_speedup_vs_stock": seconds["stock_forward"] / seconds["forward"],
                 "backward_speedup_vs_stock": seconds["stock_backward"] / seconds["backward"],
+                "forward_backward_speedup_vs_stock": (seconds["stock_forward"] + seconds["stock_backward"])
+                / (seconds["forward"] + seconds["backward"]),
             }
             rows.append(row)
             print(f"{threads}t B={batch} {dtype_name} {layout:13s} C={channels:4d} {height}x{width} G={groups:3d}: "
                   f"fwd {row['forward_ms'] * 1e3:7.0f} us {row['forward_speedup_vs_stock']:4.2f}x stock "
                   f"{fwd_gbs / copy_gbs:4.0%} of copy | bwd {row['backward_ms'] * 1e3:7.0f} us "
                   f"{row['backward_speedup_vs_stock']:4.2f}x stock {bwd_gbs / copy_gbs:4.0%} of copy "
+                  f"| fwd+bwd {row['forward_backward_speedup_vs_stock']:4.2f}x stock "
                   f"| ELU pass {row['apply_fraction_of_copy']:4.0%}, torch elu {row['stock_elu_fraction_of_copy']:4.0%} "
                   f"of copy | copy {copy_gbs:5.1f} GB/s", flush=True)
     return {"groupnorm_elu": rows}
