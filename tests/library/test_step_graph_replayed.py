@@ -130,12 +130,13 @@ def test_captured_carried_step_checks_its_recompute(replayed_graphs):
         carried_grads(qca_lowmem.StepGraph(step), cell, initial_state(), initial_memory(), "step", memory_loss=False)
 
 
-def test_enable_with_cuda_graph_on_a_memory_engine_equals_stock(replayed_graphs):
-    """enable(cuda_graph=True) on an engine with memory: the memory step captured, three
-    episodes equal to stock (loss, psi, memory, gradients, weights)."""
+@pytest.mark.parametrize("options", [{}, {"cuda_graph": True}], ids=["unset", "true"])
+def test_enable_with_cuda_graph_on_a_memory_engine_equals_stock(replayed_graphs, options):
+    """enable() where a capture can run (cuda_graph unset or True) on an engine with memory: the
+    memory step captured, three episodes equal to stock (loss, psi, memory, gradients, weights)."""
     expected = run(make_trainer("convlstm"))
     trainer = make_trainer("convlstm")
-    qca_lowmem.enable(trainer, cuda_graph=True)
+    qca_lowmem.enable(trainer, **options)
     actual = run(trainer)
     assert_same_run(actual, expected)
     graph = getattr(trainer, "_qca_lowmem_state").step_graph

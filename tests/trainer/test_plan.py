@@ -103,16 +103,16 @@ def test_every_figure_in_a_bundled_configs_comments_is_plans(name):
     assert format_bytes(own.peak_bytes) in stated
 
 
-@pytest.mark.parametrize("cuda_graph", [False, True])
+@pytest.mark.parametrize("cuda_graph", [False, True, None])
 def test_the_memory_left_is_offered_to_auto_with_what_it_gives_up(tmp_path, capsys, cuda_graph):
-    """auto runs the steps it keeps as plain autograd: with cuda_graph on, step's captured replays
-    can beat it, so plan does not call auto faster there."""
+    """auto runs the steps it keeps as plain autograd: with cuda_graph on (unset: on, on the GPU
+    planned for), step's captured replays can beat it, so plan does not call auto faster there."""
     path = write_config(tmp_path, checkpoint="step", cuda_graph=cuda_graph)
     assert run_cli("plan", "--config", path, "--gpu-mem", "8GiB") == 0
     advice = next(line for line in capsys.readouterr().out.splitlines() if "with the memory left" in line)
     command = shlex.split(advice.split(" -> ", 1)[1])
     assert command[:2] == ["qca-lowmem", "train"] and "--checkpoint" in command and "auto" in command
-    if cuda_graph:
+    if cuda_graph is not False:
         assert not advice.startswith("faster") and "without the captured replays cuda_graph gives step" in advice
     else:
         assert advice.startswith("faster with the memory left ")

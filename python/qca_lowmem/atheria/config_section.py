@@ -67,7 +67,8 @@ def enable_from_config(trainer, cfg=None, **overrides):
     """enable(trainer, ...) as the config's `LOWMEM` section (dict or attributes) says.
 
     `LOWMEM: {enabled: true, checkpoint: step, amp_dtype: bf16, fused_blocks: true, slots: null}`,
-    and `noise: fused` for qca_lowmem's NoiseSchedule instead of the trainer's own noise.
+    and `noise: fused` for qca_lowmem's NoiseSchedule instead of the trainer's own noise. A setting
+    left out or null is enable()'s default (`cuda_graph`: on where a capture can run).
     `LOWMEM: true` alone means enabled with the defaults. Boolean settings take the spellings of
     `parse_flag`. `QCA_LOWMEM=1` in the environment switches it on (with the section's other
     settings, or the defaults) and `QCA_LOWMEM=0` off, whatever the config says. Returns True

@@ -147,7 +147,7 @@ def enable(
     amp_dtype=None,
     fused_blocks: bool = True,
     slots: Optional[int] = None,
-    cuda_graph: bool = False,
+    cuda_graph: Optional[bool] = None,
     *,
     fused_step_ops: bool = True,
     lowmem_scaler: bool = True,
@@ -171,8 +171,10 @@ def enable(
       "bf16" or "fp16"; the state and its normalisation stay complex64 either way. bf16 on a GPU
       below compute capability 8.0 (emulated there) becomes fp16 with the loss scaler, with a warning.
     fused_blocks: convert the operator's ConvBlocks to FusedConvBlock in place (same Parameters).
-    cuda_graph: on CUDA, with checkpoint "step" or "revolve", run each step as replays of
-      captured CUDA graphs (qca_lowmem.StepGraph): the same kernels without launch overhead.
+    cuda_graph: run each recomputed step as replays of captured CUDA graphs (qca_lowmem.StepGraph):
+      the same kernels without launch overhead. None (the default): on where it can run (CUDA with
+      torch's caching allocator, a checkpoint other than "none"), off elsewhere; True where it
+      cannot run warns why, once; False: eager steps. enable()'s line says which on CUDA.
     fused_step_ops: replace `motor.evolve_step` by the fused pack/update ops. Only where that is
       exact: an engine whose state psi is not a complex tensor, or whose own evolve_step (run once
       on a random psi with the operator's output fixed, leaving the trainer as found) is not the

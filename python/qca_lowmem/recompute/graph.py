@@ -37,7 +37,7 @@ import contextlib
 import gc
 import os
 import warnings
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -91,10 +91,22 @@ class StepGraph:
         device = torch.device(device)
         if _captures_on(device):
             return None
-        if device.type != "cuda":
+        if not on_cuda(device):
             return f"the operator is on {device}"
         return ("PYTORCH_NO_CUDA_MEMORY_CACHING is set, and a capture allocates from torch's caching allocator "
                 "(cudaMalloc is not allowed while capturing)")
+
+    @staticmethod
+    def resolve(cuda_graph: Optional[bool], policy, device: torch.device) -> Tuple[bool, Optional[str]]:
+        """(whether a rollout under `policy` on `device` runs captured steps, why not where it does
+        not) for a cuda_graph setting: None means on wherever it can run, False off. Plain autograd
+        (checkpoint "none") has no recomputed step to capture."""
+        why_not = StepGraph.why_not_captured(device)
+        if why_not is None and not policy.recomputes:
+            why_not = f"{policy.describe()} runs plain autograd, with no recomputed step to capture"
+        if cuda_graph is False:
+            return False, "cuda_graph is off"
+        return why_not is None, why_not
 
     def for_rollout(self, state: State, step: Callable, params: List[torch.Tensor],
                     autocast_state) -> Optional["_Capture"]:
@@ -130,7 +142,12 @@ def _captures(psi: torch.Tensor) -> bool:
 
 
 def _captures_on(device: torch.device) -> bool:
-    return device.type == "cuda" and not caching_allocator_off()
+    return on_cuda(device) and not caching_allocator_off()
+
+
+def on_cuda(device: torch.device) -> bool:
+    """The device query every capture decision reads (tests replace it to decide as on CUDA)."""
+    return torch.device(device).type == "cuda"
 
 
 def caching_allocator_off() -> bool:

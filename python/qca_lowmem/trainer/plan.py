@@ -264,7 +264,7 @@ def auto_advice(auto: Estimate, config: TrainConfig, config_flags: List[str]) ->
     cuda_graph, step's captured replays skip the launches those pay for (on an H200 at batch 1 an
     episode of step with cuda_graph took 0.76x stock's time, auto with every step kept 0.99x)."""
     command = train_command(auto, config, config_flags)
-    if config.cuda_graph:
+    if config.cuda_graph is not False:  # unset: on, on the GPU planned for
         return ("with the memory left, auto recomputes nothing but runs the steps it keeps as plain autograd, "
                 "without the captured replays cuda_graph gives step: faster only where kernels, not their "
                 f"launches, take the time (large batches or grids): {auto.name} -> {command}")
