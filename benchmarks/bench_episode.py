@@ -94,7 +94,7 @@ def lowmem_model(stock_model, args):
 
 def stock_forward(model, psi0, args, rate, autocast_dtype=None, checkpoint_steps=False):
     """Stock train_episode's forward: returns the history."""
-    injector = reference.NoiseInjector()
+    injector = reference.NoiseInjector(psi0.device)  # the users' injector: boolean masks
     step = lambda psi: reference.step(psi, model, args.gamma)  # noqa: E731
     with torch.autocast(psi0.device.type, dtype=autocast_dtype or torch.float16, enabled=autocast_dtype is not None):
         if not checkpoint_steps:

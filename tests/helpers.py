@@ -221,3 +221,16 @@ def report_lines(stderr: str):
 def write_config(path: Path, config=None, text=None) -> str:
     path.write_text(text if text is not None else yaml.safe_dump(config if config is not None else TINY))
     return str(path)
+
+
+# Ops after which the host waits for a GPU to finish: a boolean index or mask (nonzero, masked_select)
+# and a scalar read (.item(), a Python bool of a tensor). Counted on any device by the profiler,
+# which records the ops a composite one calls (a boolean index's nonzero) too.
+HOST_WAIT_OPS = ("aten::nonzero", "aten::masked_select", "aten::_local_scalar_dense")
+
+
+def host_waits(fn) -> int:
+    """How many ops `fn()` runs that make the host wait for a GPU."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        fn()
+    return sum(event.name in HOST_WAIT_OPS for event in profile.events())

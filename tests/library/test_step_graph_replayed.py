@@ -9,12 +9,15 @@ import contextlib
 
 import pytest
 import torch
-from helpers import (CARRY_STEPS, MemoryCell, batchnorm_step, carried_grads, episode_grads, fused_step, initial_memory,
-                     initial_state, make_conv_net, max_relative_error, memory_step, noisy_schedule, randomize_affine)
+from helpers import (CARRY_STEPS, MemoryCell, batchnorm_step, carried_grads, episode_grads, fused_step, host_waits,
+                     initial_memory, initial_state, make_conv_net, max_relative_error, memory_step, noisy_schedule,
+                     randomize_affine)
 
 import qca_lowmem
 from fixtures.model_families import EPISODES, assert_same_run, make_trainer, run
 from qca_lowmem import NoiseSchedule
+from qca_lowmem.atheria import noise_replay
+from qca_lowmem.examples import QC_Trainer_v4, make_config
 from qca_lowmem.recompute import graph as step_graph
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -287,3 +290,19 @@ def test_a_captured_step_casts_its_weights_once_an_episode(replayed_graphs):
             p.mul_(1.5)  # an optimizer step, in place: the copies must follow
     assert max_relative_error(_bf16_grads(graph, unet), _bf16_grads(fused_step_of(unet), unet)) == 0
     assert graph.captures_made == 1
+
+
+def test_no_host_wait_in_a_captured_step_of_the_default_episode(replayed_graphs, monkeypatch):
+    """enable()'s defaults where a capture runs, a noisy episode with the users' injector replayed
+    as on CUDA: the waits an episode makes (its loss's reads) do not grow with its steps."""
+    monkeypatch.setattr(noise_replay, "index_waits", lambda device: True)
+    waits = []
+    for steps in (3, 6):
+        torch.manual_seed(3)
+        trainer = QC_Trainer_v4(make_config(grid=8, d_state=2, hidden=4, qca_steps=steps), max_noise=0.5)
+        qca_lowmem.enable(trainer)
+        trainer.train_episode(2000)  # captures
+        waits.append(host_waits(lambda: trainer.train_episode(2000)))
+        assert getattr(trainer, "_qca_lowmem_state").step_graph.captures_made == 1
+    assert waits[0] == waits[1]
+    assert replays(replayed_graphs) > 0
