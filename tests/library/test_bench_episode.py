@@ -123,3 +123,39 @@ def test_the_users_trainer_rows_run_their_episode_and_enables_defaults():
     assert options.policy.checkpoint == "step" and options.noise == "trainer" and not options.cuda_graph
     assert runs["lowmem_enable_default"].capture_record() == {"cuda_graph": False}
     assert all(run.episode(seed=1) > 0 for run in runs.values())
+
+
+def test_a_kernel_is_timed_inside_a_captured_graph_of_calls(monkeypatch, capsys):
+    """On CUDA a timed call is one of `calls` in a captured graph (StepGraph's capture, replaced
+    here by an eager stand-in: a replay runs the body again); a call that cannot be captured is
+    timed call by call, and says so; off CUDA nothing is captured."""
+    import contextlib
+
+    from qca_lowmem.recompute import graph
+
+    class EagerGraphs:
+        def __init__(self, device):
+            pass
+
+        def warming_up(self):
+            return contextlib.nullcontext()
+
+        def capture(self, body):
+            return body(), body
+
+    monkeypatch.setattr(graph, "_graphs", EagerGraphs)
+    common = bench_module("common")
+    calls = []
+    replay, per = common.in_graph(lambda: calls.append(1), torch.device("cuda"), 5)
+    assert per == 5 and len(calls) == 3 + 5  # the warm-up, then the capture's calls
+    replay()
+    assert len(calls) == 3 + 5 + 5
+
+    def syncs():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    assert common.in_graph(syncs, torch.device("cuda"), 5) == (syncs, 1)
+    assert "not captured, timed call by call: operation not permitted" in capsys.readouterr().out
+    timed_in = {}
+    common.interleaved_medians({"k": lambda: None}, torch.device("cpu"), 1, 2, calls=5, timed_in=timed_in)
+    assert timed_in == {"k": 1}
