@@ -9,9 +9,9 @@ import contextlib
 
 import pytest
 import torch
-from helpers import (CARRY_STEPS, MemoryCell, batchnorm_step, carried_grads, episode_grads, fused_step, host_waits,
-                     initial_memory, initial_state, make_conv_net, max_relative_error, memory_step, noisy_schedule,
-                     randomize_affine)
+from helpers import (CARRY_STEPS, MemoryCell, batchnorm_step, carried_grads, episode_grads, fused_step,
+                     gradient_casts_in, host_waits, initial_memory, initial_state, make_conv_net, max_relative_error,
+                     memory_step, noisy_schedule, randomize_affine)
 
 import qca_lowmem
 from fixtures.model_families import EPISODES, assert_same_run, make_trainer, run
@@ -305,4 +305,26 @@ def test_no_host_wait_in_a_captured_step_of_the_default_episode(replayed_graphs,
         waits.append(host_waits(lambda: trainer.train_episode(2000)))
         assert getattr(trainer, "_qca_lowmem_state").step_graph.captures_made == 1
     assert waits[0] == waits[1]
+    assert replays(replayed_graphs) > 0
+
+
+def test_the_captured_backward_adds_half_gradients_without_casting_them(replayed_graphs, monkeypatch):
+    """What the backward graph records (outside the reverse pass, whose eager steps add to sums
+    of their own): each bf16 weight gradient added to its fp32 accumulator directly (one pass on
+    CUDA, whose add reads the half operand), no cast first; the episodes the same bits as eager."""
+    recorded = []
+
+    class CountedGraphs(ReplayedGraphs):
+        def capture(self, body):
+            captured = []
+            recorded.append(gradient_casts_in(lambda: captured.append(super(CountedGraphs, self).capture(body))))
+            return captured[0]
+
+    monkeypatch.setattr(step_graph, "_graphs", CountedGraphs)
+    unet = _bf16_unet()
+    graph = qca_lowmem.StepGraph(fused_step_of(unet))
+    eager = _bf16_grads(fused_step_of(unet), unet)
+    assert max_relative_error(_bf16_grads(graph, unet), eager) == 0  # the capture's episode
+    assert recorded == [0, 0]  # the forward graph, the backward graph
+    assert max_relative_error(_bf16_grads(graph, unet), eager) == 0
     assert replays(replayed_graphs) > 0

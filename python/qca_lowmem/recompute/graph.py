@@ -42,6 +42,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from .intermediates import keep_block_intermediates
+from .param_grads import Accumulators, deposited_into
 from .state import State, differentiable, signature
 from .weight_casts import StaticCasts
 
@@ -313,12 +314,15 @@ class _Capture:
         differentiated = [(out, self.static_grad_out)] + [
             (c, g) for c, g in zip(carry_out, self.static_grad_carry_out) if g is not None]
         inputs = self._inputs()
-        grads = torch.autograd.grad([o for o, _ in differentiated], inputs + self.params,
-                                    [g for _, g in differentiated], allow_unused=True)
+        # A half-precision weight copy's gradient is added to its fp32 accumulator in the graph
+        # (deposit()): one pass over the weight, not a cast and then an add.
+        with deposited_into(Accumulators(self.params, self.accumulators), self.params) as deposits:
+            grads = torch.autograd.grad([o for o, _ in differentiated], inputs + self.params,
+                                        [g for _, g in differentiated], allow_unused=True)
         by_input = iter(grads[1:len(inputs)])
         grad_carry_in = tuple(next(by_input) if _requires_grad(c) else None for c in self.static_carry_in)
         param_grads = grads[len(inputs):]
-        self.reached = [g is not None for g in param_grads]
+        self.reached = [g is not None or d for g, d in zip(param_grads, deposits.reached)]
         reached = [(a, g) for a, g in zip(self.accumulators, param_grads) if g is not None]
         if reached:
             torch._foreach_add_([a for a, _ in reached], [g for _, g in reached])
