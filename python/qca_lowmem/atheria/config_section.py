@@ -31,11 +31,11 @@ def _get(section, key, default):
 
 
 # The LOWMEM section's settings (enable()'s keyword arguments); the trainer's config shares them.
-LOWMEM_OPTIONS = ("checkpoint", "amp_dtype", "fused_blocks", "slots", "cuda_graph", "budget")
+LOWMEM_OPTIONS = ("checkpoint", "amp_dtype", "fused_blocks", "slots", "cuda_graph", "budget", "channels_last")
 # Settings of the users' trainer only: where a noisy episode's noise comes from (enable(noise=)).
 _TRAINER_ONLY_OPTIONS = ("noise",)
 _CONFIG_KEYS = ("enabled", *LOWMEM_OPTIONS, *_TRAINER_ONLY_OPTIONS)
-_FLAG_OPTIONS = ("fused_blocks", "cuda_graph")
+_FLAG_OPTIONS = ("fused_blocks", "cuda_graph", "channels_last")
 _TRUE_SPELLINGS = ("1", "true", "yes", "on")
 _FALSE_SPELLINGS = ("0", "false", "no", "off")
 

@@ -24,6 +24,7 @@ class EpisodeOptions:
     initial_state: Optional[Callable]  # initial_state(trainer) -> psi0, where the trainer's own draw is used
     max_grad_norm: Optional[float]  # None: the trainer version's own clipping
     fused_blocks: bool
+    channels_last: bool  # the operator's weights and the fused pack NHWC
     cuda_graph: bool  # resolved: whether the steps run as captured graphs
     cuda_graph_said: str  # what enable()'s line says of it: "cuda_graph", "cuda_graph off", or "" off CUDA
     noise: str  # "trainer" or "fused"
@@ -36,6 +37,7 @@ class EpisodeOptions:
         parts = [self.policy.describe(), precision.amp_name(self.amp_dtype)]
         return ", ".join(parts + [name for name, on in (
             ("fused blocks", self.fused_blocks), ("fused step", self.fused_step_ops),
+            ("channels_last", self.channels_last),
             (self.cuda_graph_said, bool(self.cuda_graph_said)),
             ("fused noise", self.noise == "fused")) if on])
 
@@ -125,9 +127,9 @@ def _checked_noise(trainer, version, noise) -> str:
 
 def resolve_options(trainer, version, *, policy: Policy, amp_dtype, grid_size, batch_size, d_state, initial_state,
                     max_grad_norm, fused_blocks: bool, cuda_graph: Optional[bool], noise: str, fused_step_ops: bool,
-                    lowmem_scaler: bool, assume_stock_episode: bool) -> "EpisodeOptions":
+                    lowmem_scaler: bool, assume_stock_episode: bool, channels_last: bool = False) -> "EpisodeOptions":
     """enable()'s arguments resolved against the trainer, once: what each lowmem episode reads."""
-    for name, value in dict(fused_blocks=fused_blocks, fused_step_ops=fused_step_ops,
+    for name, value in dict(fused_blocks=fused_blocks, fused_step_ops=fused_step_ops, channels_last=channels_last,
                             lowmem_scaler=lowmem_scaler, assume_stock_episode=assume_stock_episode).items():
         checked_flag(value, name)
     if cuda_graph is not None:
@@ -144,6 +146,9 @@ def resolve_options(trainer, version, *, policy: Policy, amp_dtype, grid_size, b
     if note:
         warnings.warn(f"enable(): {note}", stacklevel=4)
     cuda_graph, cuda_graph_said = _resolved_cuda_graph(cuda_graph, policy, device)
+    if channels_last and (not fused_step_ops or getattr(trainer.motor, "has_memory", False) is True):
+        raise ValueError("enable(): channels_last needs the fused step (fused_step_ops=True) on an engine without "
+                         "memory: the engine's own pack, and a ConvLSTM's memory, are NCHW")
     grid, batch_size, initial_state = _psi0_options(trainer, version, grid_size, batch_size, initial_state)
     if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
         raise ValueError(f"enable(): max_grad_norm must be a number > 0 or None (the trainer's own), "
@@ -151,7 +156,8 @@ def resolve_options(trainer, version, *, policy: Policy, amp_dtype, grid_size, b
     return EpisodeOptions(
         policy=policy, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
         d_state=d_state or _infer_d_state(trainer, trainer.motor.operator), initial_state=initial_state,
-        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, cuda_graph=cuda_graph, cuda_graph_said=cuda_graph_said,
+        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, channels_last=channels_last, cuda_graph=cuda_graph,
+        cuda_graph_said=cuda_graph_said,
         noise=_checked_noise(trainer, version, noise), fused_step_ops=fused_step_ops, lowmem_scaler=lowmem_scaler,
         assume_stock_episode=assume_stock_episode,
     )

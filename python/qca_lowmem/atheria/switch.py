@@ -159,6 +159,7 @@ def enable(
     budget=None,
     noise: str = "trainer",
     assume_stock_episode: bool = False,
+    channels_last: bool = False,
 ):
     """Switch a QC_Trainer_v4- or QC_Trainer_v3-style trainer to the low-memory path, in place;
     returns the trainer. Which version it is, is read off its attributes (trainers.py);
@@ -199,6 +200,10 @@ def enable(
       its own, `motor.get_initial_state(trainer.batch_size)`, and refuses grid_size and batch_size.
       `initial_state(trainer) -> psi0` overrides both for trainers that draw psi0 differently.
     max_grad_norm: None clips as the trainer does (V4 at 1.0; V3 at its gradient_clip, when > 0).
+    channels_last: the operator's weights (in place, the same Parameters) and the fused pack in
+      NHWC, so cuDNN's convolutions need no layout conversion; the same function (float64 within
+      rounding of NCHW). Off by default until a GPU measurement shows it faster (docs/benchmarks.md).
+      Needs the fused step on an engine without memory. disable() puts the weights back in NCHW.
     assume_stock_episode: run qca_lowmem's stock episode in place of a train_episode that is not
       one it follows (edited, overridden), at your own risk: what yours does differently is
       dropped. enable()'s line says so. False (the default) refuses such a trainer.
@@ -215,14 +220,16 @@ def enable(
         trainer, version, policy=policy, amp_dtype=amp_dtype, grid_size=grid_size, batch_size=batch_size,
         d_state=d_state, initial_state=initial_state, max_grad_norm=max_grad_norm, fused_blocks=fused_blocks,
         cuda_graph=cuda_graph, noise=noise, fused_step_ops=fused_step_ops, lowmem_scaler=lowmem_scaler,
-        assume_stock_episode=assume_stock_episode,
+        assume_stock_episode=assume_stock_episode, channels_last=channels_last,
     ))
     # Everything that can fail is decided before the trainer changes.
     new_scaler = _lowmem_scaler_for(trainer, state.options.amp_dtype) if lowmem_scaler else None
     evolve_step, state.memory_step = lowmem_steps(trainer.motor, fused_step_ops, state.options.grid,
-                                                  state.options.d_state)
+                                                  state.options.d_state, channels_last)
     if fused_blocks:
         _convert_blocks(trainer.motor.operator, state)
+    if channels_last:
+        trainer.motor.operator.to(memory_format=torch.channels_last)
     _swap_step(trainer, state, evolve_step)
     _swap_episode(trainer, state)
     _swap_scaler(trainer, state, new_scaler)
@@ -300,6 +307,8 @@ def disable(trainer):
     if state is None:
         raise RuntimeError("disable(): qca_lowmem is not enabled on this trainer")
     _restore_blocks(state.blocks)
+    if state.options.channels_last:
+        trainer.motor.operator.to(memory_format=torch.contiguous_format)
     motor = trainer.motor
     if state.had_evolve_step_attr:
         motor.evolve_step = state.evolve_step

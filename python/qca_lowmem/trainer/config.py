@@ -143,7 +143,7 @@ _SECTIONS = {
     "model": ("d_state", "hidden", "gamma"),
     "training": ("grid", "qca_steps", "batch", "max_noise", "episodes", "accumulate", "lr",
                  "weight_decay", "max_grad_norm", "max_skipped_steps", "scheduler", "seed"),
-    "lowmem": config_section.LOWMEM_OPTIONS + ("channels_last",),
+    "lowmem": config_section.LOWMEM_OPTIONS,
     "output": ("out_dir", "save_every"),
 }
 _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
