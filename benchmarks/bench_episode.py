@@ -39,6 +39,7 @@ On the CPU, the embedded `qca-lowmem train` config at one thread:
 """
 
 import argparse
+import contextlib
 import copy
 import math
 import statistics
@@ -87,7 +88,9 @@ def parse_args(argv=None):
     p.add_argument("--skip-grad-check", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="profile one more episode per run: kernels and host waits per step, GPU busy fraction")
-    p.add_argument("--out", default=None, help="output JSON (default benchmarks/results/episode_<device>.json)")
+    p.add_argument("--profile-steps", type=int, default=None, help="steps of the profiled episode (default --steps)")
+    p.add_argument("--out", default=None, help="output JSON (default benchmarks/results/<name>_<device>.json)")
+    p.add_argument("--name", default="episode", help="the result file's name before the device (default episode)")
     args = p.parse_args(argv)
     cuda_only = [name for name in args.runs if name in CUDA_ONLY_RUNS]
     if cuda_only and not args.device.startswith("cuda"):
@@ -232,6 +235,14 @@ class Run:
         common.synchronize(self.device)
         return time.perf_counter() - start
 
+    @contextlib.contextmanager
+    def steps_set(self, steps):
+        saved, self.args.steps = self.args.steps, steps  # read at each episode
+        try:
+            yield
+        finally:
+            self.args.steps = saved
+
     def capture_record(self):
         """A StepGraph run's captures and whether it fell back (then it is no captured row)."""
         if not isinstance(self.step, qca_lowmem.StepGraph):
@@ -268,7 +279,7 @@ def measure_run(name, stock_model, args, device):
             result.update(peak_bytes=torch.cuda.max_memory_allocated(device),
                           peak_reserved_bytes=torch.cuda.max_memory_reserved(device))
         if args.profile:  # after the peaks: the profiler's buffers are not the run's
-            result.update(episode_profile.episode_counts(run))
+            result.update(episode_profile.episode_counts(run, args.profile_steps))
         return {**result, **run.capture_record()}
     except (torch.OutOfMemoryError, RuntimeError) as e:
         return failed(name, e)
@@ -294,7 +305,7 @@ def measure_interleaved(names, stock_model, args, device):
         results[name] = {"name": name, "peak_bytes": None, "episode_s": statistics.median(times[name]),
                          "episodes_s": times[name], **run.capture_record()}
         if args.profile:
-            results[name].update(episode_profile.episode_counts(run))
+            results[name].update(episode_profile.episode_counts(run, args.profile_steps))
         run.release()
     return [results[name] for name in names]
 
@@ -396,7 +407,8 @@ def main(argv=None):
         "noise": {"max_noise": args.max_noise, "episode": args.episode,
                   "rate": reference.noise_rate(args.episode, args.max_noise)},
     }
-    print(f"wrote {common.write_result('episode', device, payload, args.out)}")
+    out = args.out or common.RESULTS / f"{args.name}_{common.slug(common.device_name(device))}.json"
+    print(f"wrote {common.write_result('episode', device, payload, out)}")
     if not all(math.isfinite(e) for e in grad_errors.values()):
         return 1
     return 0

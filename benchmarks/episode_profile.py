@@ -28,16 +28,17 @@ def busy_seconds(intervals) -> float:
     return busy / 1e6
 
 
-def episode_counts(run) -> dict:
-    """One more episode of `run` (Run or TrainerRun), profiled."""
+def episode_counts(run, steps=None) -> dict:
+    """One more episode of `run` (Run or TrainerRun), profiled; of `steps` steps where given (the
+    profiler holds every kernel's event: a 500-step eager episode makes about half a million)."""
     on_cuda = run.device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_cuda else [])
-    with torch.profiler.profile(activities=activities) as profile:
+    steps = steps or run.args.steps
+    with run.steps_set(steps), torch.profiler.profile(activities=activities) as profile:
         run.episode(seed=99)
         common.synchronize(run.device)
     events = profile.events()
-    steps = run.args.steps
-    counts = {"host_wait_ops_per_step": sum(e.name in HOST_WAIT_OPS for e in events) / steps,
+    counts = {"profiled_steps": steps, "host_wait_ops_per_step": sum(e.name in HOST_WAIT_OPS for e in events) / steps,
               "kernels_per_step": None, "gpu_busy_fraction": None, "layout_conversions_per_step": None}
     device_events = [e for e in events if e.device_type == DeviceType.CUDA]
     if on_cuda and device_events:

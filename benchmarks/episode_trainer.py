@@ -5,11 +5,13 @@ GradScaler), its noise their injector's (stock.NoiseInjector, boolean masks).
 stock_v4: the stand-in's own train_episode. lowmem_enable_default: the same trainer after
 `qca_lowmem.enable(trainer)` with every default (step recompute, fp16 from use_amp, the fused
 blocks and step, cuda_graph on where it can run, the trainer's noise replayed without host
-waits on CUDA): what `LOWMEM: true` gives them. Their weights are the other runs' initial
+waits on CUDA): what `LOWMEM: true` gives them. lowmem_enable_channels_last: the same with
+`channels_last=True`. Their weights are the other runs' initial
 weights; psi0 is drawn by the trainer (batch 1). The episode number is the benchmark's, made odd
 where it is a multiple of ten, at which the stock episode empties the CUDA cache.
 """
 
+import contextlib
 import copy
 import time
 
@@ -20,7 +22,7 @@ import common
 import qca_lowmem
 from qca_lowmem.examples import QC_Trainer_v4, make_config
 
-TRAINER_RUNS = ["stock_v4", "lowmem_enable_default"]
+TRAINER_RUNS = ["stock_v4", "lowmem_enable_default", "lowmem_enable_channels_last"]
 
 
 class TrainerRun:
@@ -34,8 +36,8 @@ class TrainerRun:
         self.trainer = QC_Trainer_v4(config, device=device, max_noise=args.max_noise, use_amp=on_cuda,
                                      scaler=torch.amp.GradScaler("cuda") if on_cuda else None,
                                      operator=copy.deepcopy(stock_model))
-        if name == "lowmem_enable_default":
-            qca_lowmem.enable(self.trainer)
+        if name.startswith("lowmem_enable"):
+            qca_lowmem.enable(self.trainer, channels_last=name.endswith("_channels_last"))
         self.episode_number = args.episode + (args.episode % 10 == 0)
         self.episode(seed=0)
 
@@ -47,6 +49,14 @@ class TrainerRun:
         self.trainer.train_episode(self.episode_number)
         common.synchronize(self.device)
         return time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def steps_set(self, steps):
+        saved, self.trainer.qca_steps = self.trainer.qca_steps, steps
+        try:
+            yield
+        finally:
+            self.trainer.qca_steps = saved
 
     def capture_record(self):
         state = getattr(self.trainer, "_qca_lowmem_state", None)

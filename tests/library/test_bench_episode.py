@@ -56,15 +56,15 @@ def test_every_run_kind_runs_on_a_tiny_config(tmp_path):
     runs = [name for name in bench_episode.RUNS + bench_episode.EXTRA_RUNS if name not in bench_episode.CUDA_ONLY_RUNS]
     out = tmp_path / "episode.json"
     result = run("--device", "cpu", "--grid", "8", "--d-state", "2", "--hidden", "4", "--steps", "3", "--episodes", "1",
-                 "--profile", "--runs", *runs, "--out", str(out))
+                 "--profile", "--profile-steps", "2", "--runs", *runs, "--out", str(out))
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert [r["name"] for r in report["runs"]] == runs
-    assert {"lowmem_enable_default", "stock_v4", "lowmem_bf16_step_graph_cl"} <= set(runs)
+    assert {"lowmem_enable_default", "lowmem_enable_channels_last", "stock_v4", "lowmem_bf16_step_graph_cl"} <= set(runs)
     assert all("error" not in r and r["episode_s"] > 0 for r in report["runs"]), report["runs"]
     # Off CUDA the profile has no kernels; every episode reads its loss, so some op waits.
     assert all(r["kernels_per_step"] is None and r["gpu_busy_fraction"] is None and r["host_wait_ops_per_step"] > 0
-               for r in report["runs"])
+               and r["profiled_steps"] == 2 for r in report["runs"])
     refused = run("--device", "cpu", "--runs", *bench_episode.CUDA_ONLY_RUNS, "--out", str(tmp_path / "refused.json"))
     assert refused.returncode == 2 and "need a CUDA device" in refused.stderr
 
