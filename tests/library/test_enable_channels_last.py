@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import qca_lowmem
+from fixtures.model_families import make_operator
 from qca_lowmem import stock
 from qca_lowmem.examples import QC_Trainer_v4, make_config
 
@@ -61,6 +62,10 @@ def test_channels_last_is_off_by_default_and_refused_without_the_fused_step():
     other = trainer_of()
     with pytest.raises(ValueError, match=r"channels_last needs the fused step \(fused_step_ops=True\)"):
         qca_lowmem.enable(other, channels_last=True, fused_step_ops=False)
+    with_memory = QC_Trainer_v4(make_config(grid=8, d_state=2, hidden=4, qca_steps=2), state_object=True,
+                                operator=make_operator("convlstm", 2, 4), memory=True)
+    with pytest.raises(ValueError, match=r"on an engine without memory: .* a ConvLSTM's memory, are NCHW"):
+        qca_lowmem.enable(with_memory, channels_last=True)
     with pytest.raises(ValueError, match=r"channels_last must be True or False, got 'yes'"):
         qca_lowmem.enable(other, channels_last="yes")
     assert not hasattr(other, "_qca_lowmem_state") and all(p.is_contiguous() for p in other.motor.operator.parameters())

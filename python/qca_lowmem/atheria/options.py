@@ -145,10 +145,10 @@ def resolve_options(trainer, version, *, policy: Policy, amp_dtype, grid_size, b
     compute_dtype, note = precision.native_amp_dtype(compute_dtype, device)
     if note:
         warnings.warn(f"enable(): {note}", stacklevel=4)
-    cuda_graph, cuda_graph_said = _resolved_cuda_graph(cuda_graph, policy, device)
     if channels_last and (not fused_step_ops or getattr(trainer.motor, "has_memory", False) is True):
         raise ValueError("enable(): channels_last needs the fused step (fused_step_ops=True) on an engine without "
                          "memory: the engine's own pack, and a ConvLSTM's memory, are NCHW")
+    cuda_graph, cuda_graph_said = _resolved_cuda_graph(cuda_graph, policy, device)
     grid, batch_size, initial_state = _psi0_options(trainer, version, grid_size, batch_size, initial_state)
     if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
         raise ValueError(f"enable(): max_grad_norm must be a number > 0 or None (the trainer's own), "

@@ -102,11 +102,11 @@ class StepGraph:
         """(whether a rollout under `policy` on `device` runs captured steps, why not where it does
         not) for a cuda_graph setting: None means on wherever it can run, False off. Plain autograd
         (checkpoint "none") has no recomputed step to capture."""
+        if cuda_graph is False:
+            return False, "cuda_graph is off"
         why_not = StepGraph.why_not_captured(device)
         if why_not is None and not policy.recomputes:
             why_not = f"{policy.describe()} runs plain autograd, with no recomputed step to capture"
-        if cuda_graph is False:
-            return False, "cuda_graph is off"
         return why_not is None, why_not
 
     def for_rollout(self, state: State, step: Callable, params: List[torch.Tensor],
