@@ -81,6 +81,8 @@ def in_graph(fn, device, calls):
         return fn, 1
     from qca_lowmem.recompute import graph  # StepGraph's capture: it leaves the process as found on failure
 
+    if device.index is None:  # the capture's clean-up after a failure names the device by index
+        device = torch.device("cuda", torch.cuda.current_device())
     graphs = graph._graphs(device)
     try:
         with graphs.warming_up():

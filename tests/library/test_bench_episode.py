@@ -146,7 +146,7 @@ def test_a_kernel_is_timed_inside_a_captured_graph_of_calls(monkeypatch, capsys)
     monkeypatch.setattr(graph, "_graphs", EagerGraphs)
     common = bench_module("common")
     calls = []
-    replay, per = common.in_graph(lambda: calls.append(1), torch.device("cuda"), 5)
+    replay, per = common.in_graph(lambda: calls.append(1), torch.device("cuda", 0), 5)
     assert per == 5 and len(calls) == 3 + 5  # the warm-up, then the capture's calls
     replay()
     assert len(calls) == 3 + 5 + 5
@@ -154,7 +154,7 @@ def test_a_kernel_is_timed_inside_a_captured_graph_of_calls(monkeypatch, capsys)
     def syncs():
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    assert common.in_graph(syncs, torch.device("cuda"), 5) == (syncs, 1)
+    assert common.in_graph(syncs, torch.device("cuda", 0), 5) == (syncs, 1)
     assert "not captured, timed call by call: operation not permitted" in capsys.readouterr().out
     timed_in = {}
     common.interleaved_medians({"k": lambda: None}, torch.device("cpu"), 1, 2, calls=5, timed_in=timed_in)
