@@ -93,8 +93,27 @@ def test_free_memory_counts_the_process_cap_and_the_allocators_unused_blocks(mon
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5_000)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2_000)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [])
     assert memory.free_bytes(torch.device("cuda", 0)) == expected
     assert Policy.auto("2KiB").budget == 2048
+
+
+def segment(device, pool, total, active):
+    return dict(device=device, segment_pool_id=pool, total_size=total, allocated_size=active, active_size=active)
+
+
+def test_free_memory_leaves_out_a_graph_pools_free_blocks(monkeypatch):
+    """Of the 5 kB reserved, 2 kB in use: a captured graph's private pool holds a 2.5 kB segment
+    with 1 kB in use, so 1.5 kB of the 3 kB unused are the pool's, kept for its replays. The
+    default pool's free blocks, and another device's pool, stay counted."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60_000, 100_000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5_000)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2_000)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
+    segments = [segment(0, (0, 0), 2_500, 1_000), segment(0, (1, 0), 2_500, 1_000), segment(1, (1, 0), 9_000, 0)]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    assert memory.free_bytes(torch.device("cuda", 0)) == 60_000 + 1_500
+    assert memory.private_pool_free_bytes(torch.device("cuda", 1)) == 9_000
 
 
 @pytest.mark.parametrize("options,message", [

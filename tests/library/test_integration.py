@@ -271,7 +271,7 @@ def test_environment_flag_spellings(monkeypatch, value, expected):
         qca_lowmem.enable_from_config(object(), None)
 
 
-@pytest.mark.parametrize("flag", ["fused_blocks", "cuda_graph", "fused_step_ops", "lowmem_scaler"])
+@pytest.mark.parametrize("flag", ["fused_blocks", "fused_step_ops", "lowmem_scaler"])
 @pytest.mark.parametrize("value", ["false", 0, None])
 def test_enable_refuses_a_non_bool_flag_by_name(flag, value):
     trainer = make_trainer()
@@ -316,11 +316,6 @@ def test_fp16_on_cuda_without_a_scaler_gets_one_and_disable_removes_it():
         assert loss == loss
     qca_lowmem.disable(trainer)
     assert trainer.scaler is None
-
-
-def test_enable_refuses_a_cuda_graph_flag_it_cannot_read():
-    with pytest.raises(ValueError, match="cuda_graph must be True or False, got 'yes'"):
-        qca_lowmem.enable(make_trainer(), cuda_graph="yes")
 
 
 @cuda_only

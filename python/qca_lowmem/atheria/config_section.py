@@ -32,11 +32,11 @@ def _get(section, key, default):
 
 
 # The LOWMEM section's settings (enable()'s keyword arguments); the trainer's config shares them.
-LOWMEM_OPTIONS = ("checkpoint", "amp_dtype", "fused_blocks", "slots", "cuda_graph", "budget")
+LOWMEM_OPTIONS = ("checkpoint", "amp_dtype", "fused_blocks", "slots", "cuda_graph", "budget", "channels_last")
 # Settings of the users' trainer only: where a noisy episode's noise comes from (enable(noise=)).
 _TRAINER_ONLY_OPTIONS = ("noise",)
 _CONFIG_KEYS = ("enabled", *LOWMEM_OPTIONS, *_TRAINER_ONLY_OPTIONS)
-_FLAG_OPTIONS = ("fused_blocks", "cuda_graph")
+_FLAG_OPTIONS = ("fused_blocks", "cuda_graph", "channels_last")
 _TRUE_SPELLINGS = ("1", "true", "yes", "on")
 _FALSE_SPELLINGS = ("0", "false", "no", "off")
 
@@ -68,7 +68,8 @@ def enable_from_config(trainer, cfg=None, **overrides):
     """enable(trainer, ...) as the config's `LOWMEM` section (dict or attributes) says.
 
     `LOWMEM: {enabled: true, checkpoint: step, amp_dtype: bf16, fused_blocks: true, slots: null}`,
-    and `noise: fused` for qca_lowmem's NoiseSchedule instead of the trainer's own noise.
+    and `noise: fused` for qca_lowmem's NoiseSchedule instead of the trainer's own noise. A setting
+    left out or null is enable()'s default (`cuda_graph`: on where a capture can run).
     `LOWMEM: true` alone means enabled with the defaults. Boolean settings take the spellings of
     `parse_flag`. `QCA_LOWMEM=1` in the environment switches it on (with the section's other
     settings, or the defaults) and `QCA_LOWMEM=0` off, whatever the config says. Returns True

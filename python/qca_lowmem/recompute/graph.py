@@ -36,7 +36,7 @@ too, so a StepGraph costs about one extra copy of the parameters.
 import contextlib
 import gc
 import warnings
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -44,6 +44,7 @@ from .. import _torch_private as torch_private
 from .cuda_graphs import (CaptureFailed, CaptureFallbackWarning, CudaGraphs, caching_allocator_off,
                           capture_errors_explained, random_draws_refused)
 from .intermediates import keep_block_intermediates
+from .param_grads import Accumulators, deposited_into
 from .state import State, check_like_psi, differentiable, signature
 from .weight_casts import StaticCasts
 
@@ -79,10 +80,22 @@ class StepGraph:
         device = torch.device(device)
         if _captures_on(device):
             return None
-        if device.type != "cuda":
+        if not on_cuda(device):
             return f"the operator is on {device}"
         return ("PYTORCH_NO_CUDA_MEMORY_CACHING is set, and a capture allocates from torch's caching allocator "
                 "(cudaMalloc is not allowed while capturing)")
+
+    @staticmethod
+    def resolve(cuda_graph: Optional[bool], policy, device: torch.device) -> Tuple[bool, Optional[str]]:
+        """(whether a rollout under `policy` on `device` runs captured steps, why not where it does
+        not) for a cuda_graph setting: None means on wherever it can run, False off. Plain autograd
+        (checkpoint "none") has no recomputed step to capture."""
+        if cuda_graph is False:
+            return False, "cuda_graph is off"
+        why_not = StepGraph.why_not_captured(device)
+        if why_not is None and not policy.recomputes:
+            why_not = f"{policy.describe()} runs plain autograd, with no recomputed step to capture"
+        return why_not is None, why_not
 
     def for_rollout(self, state: State, step: Callable, params: List[torch.Tensor],
                     autocast_state) -> Optional["_Capture"]:
@@ -118,7 +131,12 @@ def _captures(psi: torch.Tensor) -> bool:
 
 
 def _captures_on(device: torch.device) -> bool:
-    return device.type == "cuda" and not caching_allocator_off()
+    return on_cuda(device) and not caching_allocator_off()
+
+
+def on_cuda(device: torch.device) -> bool:
+    """The device query every capture decision reads (tests replace it to decide as on CUDA)."""
+    return torch.device(device).type == "cuda"
 
 
 def _capture_key(state: State, params, autocast_state):
@@ -213,12 +231,15 @@ class _Capture:
         differentiated = [(out, self.static_grad_out)] + [
             (c, g) for c, g in zip(carry_out, self.static_grad_carry_out) if g is not None]
         inputs = self._inputs()
-        grads = torch.autograd.grad([o for o, _ in differentiated], inputs + self.params,
-                                    [g for _, g in differentiated], allow_unused=True)
+        # A half-precision weight copy's gradient is added to its fp32 accumulator in the graph
+        # (deposit()): one pass over the weight, not a cast and then an add.
+        with deposited_into(Accumulators(self.params, self.accumulators), self.params) as deposits:
+            grads = torch.autograd.grad([o for o, _ in differentiated], inputs + self.params,
+                                        [g for _, g in differentiated], allow_unused=True)
         by_input = iter(grads[1:len(inputs)])
         grad_carry_in = tuple(next(by_input) if _requires_grad(c) else None for c in self.static_carry_in)
         param_grads = grads[len(inputs):]
-        self.reached = [g is not None for g in param_grads]
+        self.reached = [g is not None or d for g, d in zip(param_grads, deposits.reached)]
         reached = [(a, g) for a, g in zip(self.accumulators, param_grads) if g is not None]
         if reached:
             torch._foreach_add_([a for a, _ in reached], [g for _, g in reached])

@@ -65,14 +65,23 @@ def counted_and_dropped(sizes: Optional[list]):
 def free_bytes(device: torch.device) -> int:
     """What new tensors on this CUDA device can still get: the device's free memory, within this
     process's cap (set_per_process_memory_fraction: the small-GPU emulation on a large card), plus
-    what the caching allocator holds reserved but unused."""
+    what the caching allocator holds reserved but unused outside private pools (a captured
+    graph's pool keeps its free blocks for the graph's replays)."""
     device = torch.device(device)
     if device.index is None:  # the per-process fraction is asked for by index
         device = torch.device("cuda", torch.cuda.current_device())
     device_free, total = torch.cuda.mem_get_info(device)
     reserved = torch.cuda.memory_reserved(device)
     cap = torch.cuda.get_per_process_memory_fraction(device) * total
-    return max(0, int(min(device_free, cap - reserved))) + reserved - torch.cuda.memory_allocated(device)
+    unused = reserved - torch.cuda.memory_allocated(device) - private_pool_free_bytes(device)
+    return max(0, int(min(device_free, cap - reserved))) + max(0, unused)
+
+
+def private_pool_free_bytes(device: torch.device) -> int:
+    """Reserved bytes of private pools (CUDA graphs') on this device that no tensor holds: the
+    pool keeps them for its graphs, so other allocations cannot get them."""
+    return sum(segment["total_size"] - segment["active_size"] for segment in torch.cuda.memory_snapshot()
+               if segment.get("device") == device.index and tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0))
 
 
 def free_budget(device: torch.device, step_bytes: int) -> int:

@@ -1,5 +1,6 @@
 """Parameter gradients of a recomputing backward, summed over its steps into one buffer each."""
 
+import contextlib
 import functools
 from typing import Dict, List, Optional, Tuple
 
@@ -23,6 +24,35 @@ def deposit(param: torch.Tensor, grad: torch.Tensor) -> bool:
         return False
     entry[0].add(entry[1], grad)
     return True
+
+
+@contextlib.contextmanager
+def deposited_into(sink, params):
+    """Inside, deposit() adds params' gradients to `sink` (`sink.add(i, grad)`, `sink.params`)."""
+    outer = [_collecting.get(id(p)) for p in params]
+    for i, p in enumerate(params):
+        _collecting[id(p)] = (sink, i)
+    try:
+        yield sink
+    finally:
+        for p, entry in zip(params, outer):
+            if entry is None:
+                del _collecting[id(p)]
+            else:
+                _collecting[id(p)] = entry
+
+
+class Accumulators:
+    """deposit()'s target while a StepGraph's backward is captured (graph.py): its per-parameter
+    accumulators, noting which it reached."""
+
+    def __init__(self, params, accumulators):
+        self.params, self.accumulators = params, accumulators
+        self.reached = [False] * len(params)
+
+    def add(self, i: int, grad: torch.Tensor) -> None:
+        self.accumulators[i].add_(grad)
+        self.reached[i] = True
 
 
 class ParamGradSink:

@@ -73,8 +73,11 @@ class Trainer:
             message(note, self.dist.rank)
         self.model = build_model(config, self.device)
         self.step_fn = fused_step(self.model, config.gamma, multiplicative=True, channels_last=config.channels_last)
-        if config.cuda_graph and self.device.type == "cuda":
+        captured, why_not = StepGraph.resolve(config.cuda_graph, config.policy(), self.device)
+        if captured:
             self.step_fn = StepGraph(self.step_fn)
+        elif config.cuda_graph:
+            message(f"cuda_graph: {why_not}; the steps run eagerly", self.dist.rank)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = None
