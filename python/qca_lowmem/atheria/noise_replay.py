@@ -23,7 +23,7 @@ from .stock_guard import structure_digest
 # Per method, the structure digests of the versions MaskFreeInjector replays.
 FOLLOWED: Dict[str, Tuple[str, ...]] = {
     "apply_phase_flip": (
-        "02ec09f9c42943f619826a77410f72068d5057d7d74914094096b00b90c7a161",  # theirs, Jonakss/Atheria 2026-11-27
+        "02ec09f9c42943f619826a77410f72068d5057d7d74914094096b00b90c7a161",  # theirs: Jonakss/Atheria src/physics/noise.py at 6c95798 (2025-12-02)
         "39a3d2f7aba8e04c50b54d51be60ccb3d2f993badd25488cc7a589a979f75e80",  # stock.NoiseInjector
     ),
     "apply_bit_flip": (
