@@ -20,11 +20,12 @@ import torch
 
 from .stock_guard import structure_digest
 
-# Per method, the structure digests of the versions MaskFreeInjector replays.
+# Per method, the structure digests of the versions MaskFreeInjector replays: theirs (Jonakss/Atheria
+# src/physics/noise.py at 6c95798, 2025-12-02), then stock.NoiseInjector's.
 FOLLOWED: Dict[str, Tuple[str, ...]] = {
     "apply_phase_flip": (
-        "02ec09f9c42943f619826a77410f72068d5057d7d74914094096b00b90c7a161",  # theirs: Jonakss/Atheria src/physics/noise.py at 6c95798 (2025-12-02)
-        "39a3d2f7aba8e04c50b54d51be60ccb3d2f993badd25488cc7a589a979f75e80",  # stock.NoiseInjector
+        "02ec09f9c42943f619826a77410f72068d5057d7d74914094096b00b90c7a161",
+        "39a3d2f7aba8e04c50b54d51be60ccb3d2f993badd25488cc7a589a979f75e80",
     ),
     "apply_bit_flip": (
         "8e6afef2759bd184333aa0d249958cab6103a8f539a32e44674d670224b935d6",
