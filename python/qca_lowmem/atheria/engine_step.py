@@ -58,21 +58,24 @@ def check_operator_call(operator, memory: bool) -> None:
                         f"it, {call} ({error}); {advice}") from None
 
 
-def fused_memory_step(motor, gamma: float) -> Callable:
+class FusedMemoryStep:
     """step(psi, (h, c)) -> (psi, (h, c)): the engine's step with memory on the fused pack/update,
-    calling the engine's operator of the moment (current_operator)."""
+    calling the engine's operator of the moment (current_operator). A value holding the engine,
+    not a closure, so that a copy of the trainer steps its own engine and pickles."""
 
-    def step(psi, memory):
-        operator, multiplicative = current_operator(motor)
+    def __init__(self, motor, gamma: float):
+        self.motor, self.gamma = motor, gamma
+
+    def __call__(self, psi, memory):
+        operator, multiplicative = current_operator(self.motor)
         h, c = (m.detach() if m is not None else None for m in memory)
         out = operator(qca_pack(psi), h, c)
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise TypeError(f"{type(operator).__name__} on an engine with has_memory=True must return (delta, h, c), "
                             f"it returned {type(out).__name__}")
         delta, h, c = out
-        return qca_update(psi, delta, gamma, multiplicative), tuple(m.detach() if m is not None else None for m in (h, c))
-
-    return step
+        return (qca_update(psi, delta, self.gamma, multiplicative),
+                tuple(m.detach() if m is not None else None for m in (h, c)))
 
 
 def current_operator(motor):
@@ -85,38 +88,43 @@ def current_operator(motor):
     return compiled_module(operator), stock.is_multiplicative(operator)
 
 
-def fused_engine_step(motor, gamma: float) -> Callable:
-    """motor.evolve_step on the fused pack/update, calling the engine's operator of the moment."""
+class FusedEngineStep:
+    """motor.evolve_step on the fused pack/update, calling the engine's operator of the moment; a
+    value holding the engine (a copy of the trainer or of the engine steps its own)."""
 
-    def evolve_step(psi):
-        operator, multiplicative = current_operator(motor)
-        return fused_step_once(operator, psi, gamma, multiplicative)
+    def __init__(self, motor, gamma: float):
+        self.motor, self.gamma = motor, gamma
 
-    return evolve_step
+    def __call__(self, psi):
+        operator, multiplicative = current_operator(self.motor)
+        return fused_step_once(operator, psi, self.gamma, multiplicative)
 
 
-def engine_memory_step(state, evolve_step: Callable) -> Callable:
+class EngineMemoryStep:
     """step(psi, (h, c)) -> (psi, (h, c)) around the engine's own evolve_step(psi), which reads
-    and writes the memory on `state`: the memory it reads is the one handed in."""
+    and writes the memory on motor.state: the memory it reads is the one handed in."""
 
-    def step(psi, memory):
+    def __init__(self, motor):
+        self.motor = motor
+
+    def __call__(self, psi, memory):
+        state = self.motor.state
         state.h_state, state.c_state = memory
-        psi = evolve_step(psi)
+        psi = self.motor.evolve_step(psi)
         return psi, (state.h_state, state.c_state)
-
-    return step
 
 
 class MemoryStep:
     """motor.evolve_step(psi) for an engine with memory: the carried step with the memory read
     from and written to motor.state, as the engine's own step does."""
 
-    def __init__(self, state, carried: Callable):
-        self.state = state
+    def __init__(self, motor, carried: Callable):
+        self.motor = motor
         self.carried = carried
 
     def __call__(self, psi):
-        psi, (self.state.h_state, self.state.c_state) = self.carried(psi, (self.state.h_state, self.state.c_state))
+        state = self.motor.state
+        psi, (state.h_state, state.c_state) = self.carried(psi, (state.h_state, state.c_state))
         return psi
 
 
@@ -143,14 +151,14 @@ def lowmem_steps(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] 
                             "with fused_step_ops=False: the engine's own step would run one compiled graph in the "
                             "forward (no grad) and another in the recompute (grad), which can round differently; "
                             "fused_step_ops=True runs the module it wraps")
-        return None, (engine_memory_step(motor.state, motor.evolve_step) if memory else None)
+        return None, (EngineMemoryStep(motor) if memory else None)
     if not memory:
-        step = fused_engine_step(motor, gamma)
+        step = FusedEngineStep(motor, gamma)
         check_engine_step(motor, step, None, *probe_shape(motor, grid, d_state), multiplicative)
         return step, None
-    carried = fused_memory_step(motor, gamma)
+    carried = FusedMemoryStep(motor, gamma)
     check_engine_step(motor, None, carried, *probe_shape(motor, grid, d_state), multiplicative)
-    return MemoryStep(motor.state, carried), carried
+    return MemoryStep(motor, carried), carried
 
 
 def memory_of(motor) -> Optional[tuple]:

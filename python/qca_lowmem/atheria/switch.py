@@ -8,7 +8,6 @@ An engine with memory (`motor.has_memory`, a ConvLSTM) has its memory carried by
 """
 
 import logging
-import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -64,6 +63,21 @@ class _Saved:
     memory_step: Any = None  # step(psi, (h, c)) -> (psi, (h, c)) for an engine with memory
     edited_episode: Optional[str] = None  # why the episode is not stock, run anyway (assume_stock_episode)
     compiled_said: bool = False  # the one line for an operator compiled after enable()
+
+    def __getstate__(self):
+        # A copy (deepcopy, pickle) captures its own CUDA graphs at its first CUDA episode.
+        return {**vars(self), "step_graph": None}
+
+
+class LowmemEpisode:
+    """trainer.train_episode while enabled: a value holding the trainer, not a bound function,
+    so that a copy of the trainer (deepcopy, pickle) runs its own episodes."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def __call__(self, episode_num):
+        return _lowmem_train_episode(self.trainer, episode_num)
 
 
 def _children(root: torch.nn.Module):
@@ -266,18 +280,19 @@ def _convert_blocks(operator, state: _Saved):
 
 def _swap_step(trainer, state: _Saved, evolve_step):
     """motor.evolve_step -> `evolve_step` (the fused pack/update, engine_step.lowmem_steps) unless
-    None; the original is kept either way."""
+    None; an original set on the engine is kept (the class's needs no keeping: a copy of a bound
+    method would bind the original engine, and a pickled one is looked up again at loading)."""
     motor = trainer.motor
     state.had_evolve_step_attr = "evolve_step" in vars(motor)
-    state.evolve_step = motor.evolve_step
+    state.evolve_step = vars(motor).get("evolve_step")
     if evolve_step is not None:
         motor.evolve_step = evolve_step
 
 
 def _swap_episode(trainer, state: _Saved):
     state.had_train_episode_attr = "train_episode" in vars(trainer)
-    state.train_episode = trainer.train_episode
-    trainer.train_episode = types.MethodType(_lowmem_train_episode, trainer)
+    state.train_episode = vars(trainer).get("train_episode")
+    trainer.train_episode = LowmemEpisode(trainer)
 
 
 def _swap_scaler(trainer, state: _Saved, new_scaler):
