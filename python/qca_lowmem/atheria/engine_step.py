@@ -10,15 +10,19 @@ writes the final memory back to `motor.state`, where the engine's other code rea
 
 The fused step is only installed where it is exact: enable() refuses an engine whose state is
 not a complex tensor, and one whose own evolve_step, probed once, is not the Cartesian step
-(engine_probe.py).
+(engine_probe.py); and it keeps the engine's own step, and the stock blocks, for an operator whose
+output jumps with its input (a spiking model: discontinuity.py), which would turn the fused
+step's other rounding into other jumps.
 """
 
 import inspect
 from typing import Callable, Optional
 
+import torch
 
 from .. import stock
 from ..ops.qca_step import fused_step_once, qca_pack, qca_update
+from .discontinuity import discontinuity
 from .engine_probe import check_engine_state, check_engine_step, compiled_module, probe_shape
 
 
@@ -137,28 +141,49 @@ def engine_gamma(motor) -> float:
 
 def lowmem_steps(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] = None):
     """(the engine's evolve_step for enable() to install, or None to keep the engine's own; the
-    carried step(psi, (h, c)) the episode rolls out for an engine with memory, else None).
-    `grid` and `d_state` size the probe of check_engine_step when the engine holds no psi."""
+    carried step(psi, (h, c)) the episode rolls out for an engine with memory, else None; why the
+    engine's own step is kept although fused_step_ops asked for the fused one, else None).
+    `grid` and `d_state` size the probes when the engine holds no psi."""
     check_engine_state(motor)
     operator = motor.operator
     memory = has_memory(motor)
     check_operator_call(operator, memory)
     # The engine's rule reads the class of what it calls: a compiled UNetUnitary (OptimizedModule) is additive there.
     gamma, multiplicative = engine_gamma(motor), stock.is_multiplicative(operator)
-    if not fused_step_ops:
+    shape, dtype = probe_shape(motor, grid, d_state)
+    jumps = discontinuity(compiled_module(operator), _probe_input(operator, shape, dtype), memory) \
+        if fused_step_ops else None
+    if not fused_step_ops or jumps is not None:
         if compiled_module(operator) is not operator:
-            raise TypeError(f"enable(): {type(operator).__name__} (torch.compile of {type(operator._orig_mod).__name__}) "
-                            "with fused_step_ops=False: the engine's own step would run one compiled graph in the "
-                            "forward (no grad) and another in the recompute (grad), which can round differently; "
-                            "fused_step_ops=True runs the module it wraps")
-        return None, (EngineMemoryStep(motor) if memory else None)
+            named = f"{type(operator).__name__} (torch.compile of {type(operator._orig_mod).__name__})"
+            own_step = ("the engine's own step would run one compiled graph in the forward (no grad) and another in "
+                        "the recompute (grad), which can round differently")
+            if jumps is None:
+                raise TypeError(f"enable(): {named} with fused_step_ops=False: {own_step}; fused_step_ops=True runs "
+                                "the module it wraps")
+            raise TypeError(f"enable(): {named}: its output jumps with its input ({jumps}), so qca_lowmem keeps the "
+                            f"engine's own step for it, and {own_step}, into other jumps; set motor.operator to the "
+                            "module it wraps (operator._orig_mod)")
+        why = None if jumps is None else (
+            f"{type(operator).__name__}'s output jumps with its input ({jumps}): the fused step, rounding "
+            "differently from the engine's, would give other jumps")
+        return None, (EngineMemoryStep(motor) if memory else None), why
     if not memory:
         step = FusedEngineStep(motor, gamma)
-        check_engine_step(motor, step, None, *probe_shape(motor, grid, d_state), multiplicative)
-        return step, None
+        check_engine_step(motor, step, None, shape, dtype, multiplicative)
+        return step, None, None
     carried = FusedMemoryStep(motor, gamma)
-    check_engine_step(motor, None, carried, *probe_shape(motor, grid, d_state), multiplicative)
-    return MemoryStep(motor, carried), carried
+    check_engine_step(motor, None, carried, shape, dtype, multiplicative)
+    return MemoryStep(motor, carried), carried, None
+
+
+def _probe_input(operator, shape, dtype):
+    """The packed random psi the discontinuity probe runs the operator on, drawn from a generator
+    of its own, in the operator's parameters' dtype and device."""
+    parameter = next(operator.parameters())
+    draw = torch.Generator().manual_seed(0)
+    psi = torch.randn(shape, dtype=dtype, generator=draw).to(parameter.device)
+    return qca_pack(psi, parameter.dtype)
 
 
 def memory_of(motor) -> Optional[tuple]:

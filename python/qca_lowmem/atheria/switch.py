@@ -7,6 +7,7 @@ An engine with memory (`motor.has_memory`, a ConvLSTM) has its memory carried by
 (engine_step.py). `disable(trainer)` puts everything back.
 """
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
@@ -63,6 +64,7 @@ class _Saved:
     memory_step: Any = None  # step(psi, (h, c)) -> (psi, (h, c)) for an engine with memory
     edited_episode: Optional[str] = None  # why the episode is not stock, run anyway (assume_stock_episode)
     compiled_said: bool = False  # the one line for an operator compiled after enable()
+    own_step: Optional[str] = None  # why the engine's own step and blocks run although fused ones were asked for
 
     def __getstate__(self):
         # A copy (deepcopy, pickle) captures its own CUDA graphs at its first CUDA episode.
@@ -190,8 +192,10 @@ def enable(
     fused_step_ops: replace `motor.evolve_step` by the fused pack/update ops. Only where that is
       exact: an engine whose state psi is not a complex tensor, or whose own evolve_step (run once
       on a random psi with the operator's output fixed, leaving the trainer as found) is not the
-      Cartesian step, is refused naming its class. False rolls out the engine's own step, which
-      needs only the complex tensor state.
+      Cartesian step, is refused naming its class; an operator whose output jumps with its input
+      (spikes: the ops of one probe call tell) keeps the engine's own step and stock blocks, which
+      round as stock does, and enable()'s line says so. False rolls out the engine's own step,
+      which needs only the complex tensor state.
     An engine with `motor.has_memory` True (operator(x, h, c) -> (delta, h, c), the memory on
       motor.state.h_state / c_state, detached) has its memory carried through the rollout, so
       each recompute sees the memory its forward step saw; after each episode motor.state holds
@@ -231,9 +235,11 @@ def enable(
     ))
     # Everything that can fail is decided before the trainer changes.
     new_scaler = _lowmem_scaler_for(trainer, state.options.amp_dtype) if lowmem_scaler else None
-    evolve_step, state.memory_step = lowmem_steps(trainer.motor, fused_step_ops, state.options.grid,
-                                                  state.options.d_state)
-    if fused_blocks:
+    evolve_step, state.memory_step, state.own_step = lowmem_steps(trainer.motor, fused_step_ops, state.options.grid,
+                                                                  state.options.d_state)
+    if state.own_step is not None:  # the fused blocks round differently too
+        state.options = dataclasses.replace(state.options, fused_step_ops=False, fused_blocks=False)
+    if state.options.fused_blocks:
         _convert_blocks(trainer.motor.operator, state)
     _swap_step(trainer, state, evolve_step)
     _swap_episode(trainer, state)
@@ -251,6 +257,7 @@ def _summary(state: _Saved) -> str:
     parts = [options.describe()] + [name for name, on in (
         ("the compiled operator's module uncompiled", options.fused_step_ops and state.compiled_said),
         (f"{state.version.name} episode", state.version.named_on_enable),
+        (f"the engine's own step and blocks: {state.own_step}", state.own_step is not None),
         (f"the stock episode assumed: {state.edited_episode}", state.edited_episode is not None)) if on]
     return ", ".join(parts)
 
