@@ -22,7 +22,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _aten = torch.ops.aten
-_ROUNDING = {_aten.sign, _aten.sgn, _aten.round, _aten.floor, _aten.ceil, _aten.trunc, _aten.frac, _aten.heaviside}
+_ROUNDING = {_aten.sign, _aten.sgn, _aten.round, _aten.floor, _aten.ceil, _aten.trunc, _aten.frac, _aten.heaviside,
+             _aten.hardshrink}
 _COMPARISONS = {_aten.gt, _aten.ge, _aten.lt, _aten.le, _aten.eq, _aten.ne}
 _SELECTIONS = {_aten.where, _aten.masked_fill, _aten.masked_fill_, _aten.masked_select, _aten.masked_scatter,
                _aten.index, _aten.index_put, _aten.index_put_, _aten.nonzero}
@@ -52,7 +53,7 @@ class _Follow(TorchDispatchMode):
         packet = func.overloadpacket
         outputs = list(_tensors(out if isinstance(out, (tuple, list)) else (out,)))
         if self.found is None:
-            if packet in _ROUNDING:
+            if packet in _ROUNDING or packet is _aten.threshold and args[1] != args[2]:
                 self.found = f"{packet.__name__} of a value computed from its input"
             elif packet not in _SELECTIONS and any(id(x) in self.masks for x in inputs) \
                     and any(x.is_floating_point() for x in outputs):
