@@ -44,6 +44,9 @@ def rollout(
       it must return a tensor of psi's shape, dtype and device. Parameters it reaches through its
       closure get their gradients. The backward runs it again, so it must compute the same
       function again: random draws are replayed (see preserve_rng_state), other state is not.
+      A recomputing checkpoint refuses a step_fn that changes psi or the carry in place (it keeps
+      them to recompute from); tensors it writes that outlive it (BatchNorm's statistics) are
+      found at every step and end as plain autograd leaves them.
       A `qca_lowmem.StepGraph(step_fn)` runs, for psi on a GPU, each step that is not kept as a
       full graph as replays of captured CUDA graphs (same kernels, no launch overhead).
     noise(psi, t) -> psi: applied after step t, e.g. a `qca_lowmem.NoiseSchedule`, whose random

@@ -150,6 +150,7 @@ class Episode:
         self.kept_steps: List[int] = []  # which states are saved, in saved order
         self.graphs: Optional[KeptGraph] = None
         self.buffers = buffers  # tensors the steps write that outlive them (BatchNorm's statistics)
+        self.stored = self.outputs = None  # what run() kept and made, until the Function takes them
 
     def advance(self, state: State, start: int, stop: int) -> State:
         """The state at step `stop` from the one at step `start`, without a graph (as the
