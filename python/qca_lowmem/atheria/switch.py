@@ -178,7 +178,9 @@ def enable(
 ):
     """Switch a QC_Trainer_v4- or QC_Trainer_v3-style trainer to the low-memory path, in place;
     returns the trainer. Which version it is, is read off its attributes (trainers.py);
-    train_episode then keeps that version's episode, return values and bookkeeping.
+    train_episode then keeps that version's episode, return values and bookkeeping. The enabled
+    trainer deep-copies and pickles (where the stock one does): a copy, or the trainer loaded, trains
+    its own model, enabled, and disable() works on it; a CUDA capture is made again by its first episode.
 
     checkpoint: "step" (keep one psi per step, recompute in backward), "revolve" (binomial
       checkpointing with `slots` stored states), "auto" (full graphs of as many steps as `budget`
