@@ -161,3 +161,24 @@ def test_a_step_changing_its_input_in_place_is_refused_in_one_line(policy, late_
     message = str(error.value)
     assert "\n" not in message and f"rollout(checkpoint={policy['checkpoint']!r})" in message
     assert "in place" in message and "step " in message and "out of place" in message
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_a_parameter_no_earlier_step_reaches_gets_its_gradient(policy):
+    """The first step reaches no parameter and psi0 requires no grad: the later steps that reach
+    one still give it plain autograd's gradient."""
+    results = {}
+    for name, options in (("plain", dict(checkpoint="none")), ("policy", policy)):
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(4, 4, 3, padding=1).double()
+
+        def step(psi):
+            x = qca_lowmem.qca_pack(psi)
+            delta = 0.1 * torch.tanh(conv(x)) if grown(psi, 0) else torch.full_like(x, 0.1)
+            return qca_lowmem.qca_update(psi, delta, 0.05)
+
+        results[name] = run(step, list(conv.parameters()), options)
+    (loss, grads), (plain_loss, plain_grads) = results["policy"], results["plain"]
+    assert loss == pytest.approx(plain_loss, rel=1e-12)
+    for got, expected in zip(grads, plain_grads):
+        assert got is not None and ((got - expected).abs().max() / expected.abs().max()).item() < 1e-10
