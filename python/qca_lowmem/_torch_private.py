@@ -1,7 +1,7 @@
-"""Every private torch API qca_lowmem calls, in one place. Each was checked against torch 2.11
-(CUDA 13, on an H200), 2.13 (CPU) and 2.14.1 (CUDA 13 build, on the CPU); `missing()` names any
-this torch lacks, and tests/project/test_torch_private.py fails on it, so a torch that drops one
-fails loudly there instead of answering wrongly elsewhere.
+"""Every private torch API qca_lowmem calls, in one place. Each is checked against torch 2.13 (the
+CPU build) and 2.14.1 (the CUDA 13 build, CI's second part) by tests/project/test_torch_private.py,
+which fails naming any this torch lacks (`missing()`), so a torch that drops one fails loudly there
+instead of answering wrongly elsewhere; all but `op_schema` also ran on torch 2.11 on an H200.
 
 Private attributes of torch's own objects (`node._sequence_nr()`, `tensor._backward_hooks`,
 `module._forward_hooks`, ...) are read here too, for the same reason.
@@ -10,6 +10,10 @@ Private attributes of torch's own objects (`node._sequence_nr()`, `tensor._backw
 from typing import List, Optional
 
 import torch
+# Dispatch modes (the base class of every mode that sees ops below autograd) and pytree helpers:
+# private module paths, public in all but name since torch 2.0.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 (re-exported)
+from torch.utils._pytree import tree_leaves  # noqa: F401 (re-exported)
 
 # (owner, attribute): what must exist; the CUDA ones only on a CUDA build.
 REQUIRED = [
@@ -49,6 +53,11 @@ def module_has_hooks(module: torch.nn.Module) -> bool:
     """Hooks registered on the module itself (forward, forward-pre, backward, backward-pre)."""
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or getattr(module, "_backward_pre_hooks", None))
+
+
+def op_schema(func):
+    """An OpOverload's schema (its arguments and returns, with their alias information)."""
+    return func._schema
 
 
 def below_autograd():

@@ -11,6 +11,7 @@ import types
 import pytest
 
 import qca_lowmem
+from qca_lowmem.atheria.switch import LowmemEpisode
 from qca_lowmem.atheria.stock_guard import STOCK_EPISODES, stock_origin, structure_digest
 from qca_lowmem.examples import QC_Trainer_v3, QC_Trainer_v4, make_config
 
@@ -36,7 +37,7 @@ class Overriding(QC_Trainer_v4):
 def test_the_stock_episode_is_replaced():
     for trainer in (trainer_of(), trainer_of(Logging)):
         qca_lowmem.enable(trainer, checkpoint="step")
-        assert trainer.train_episode.__func__ is not QC_Trainer_v4.train_episode
+        assert isinstance(trainer.train_episode, LowmemEpisode) and trainer.train_episode.trainer is trainer
     trainer = trainer_of()
     trainer.train_episode = types.MethodType(QC_Trainer_v4.train_episode, trainer)  # the stock one, rebound
     qca_lowmem.enable(trainer)

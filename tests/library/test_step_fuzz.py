@@ -1,6 +1,9 @@
 """A differential fuzzer of the rollout: step programs drawn from the pieces users write, run under
 every policy and under plain autograd, which must agree on the loss, the gradients, the buffers
-and the random generator's state (or the policy refuses, naming the cause).
+and the random generator's state (or the policy refuses, naming the cause). Among the pieces,
+what the episode's first step does not show: a parameter, a BatchNorm or a counter that only
+later steps reach, backwards that ask for some leaves only (`inputs=`, `autograd.grad`), a hook
+that does not add up, a step that changes psi in place (refused in one line).
 
 CI runs a fixed number of examples; QCA_FUZZ_EXAMPLES=2000 runs a long search. A failure it finds
 becomes a named test in test_rollout_semantics.py.
@@ -38,12 +41,19 @@ class Program:
     conj: bool  # the step returns a conj view
     noise: bool
     bf16: bool
+    later: str  # from step 1 on (psi no longer psi0): "none", "leaf" (a fourth conv), "batchnorm", "counter"
+    ask: str  # the backward: "backward", "inputs" (backward(inputs=ASKED)), "grad" (autograd.grad of ASKED)
+    hooked: bool  # `late` also in the loss, with a clipping hook (not additive: partial sums would show)
+    in_place: bool  # the step scales psi in place
 
 
 programs = st.builds(Program, kernel=st.sampled_from([1, 3]), branch=st.booleans(),
                      late_from=st.integers(0, STEPS), memory=st.sampled_from(["none", "detached", "grad", "first-none"]),
                      dropout=st.booleans(), batchnorm=st.booleans(), frozen=st.booleans(), tied=st.booleans(),
-                     conj=st.booleans(), noise=st.booleans(), bf16=st.booleans())
+                     conj=st.booleans(), noise=st.booleans(), bf16=st.booleans(),
+                     later=st.sampled_from(["none", "leaf", "batchnorm", "counter"]),
+                     ask=st.sampled_from(["backward", "inputs", "grad"]), hooked=st.booleans(),
+                     in_place=st.sampled_from([False, False, False, True]))
 
 
 class Model(torch.nn.Module):
@@ -55,6 +65,9 @@ class Model(torch.nn.Module):
         self.late = torch.nn.Conv2d(4, 4, k, padding=k // 2)
         self.memory = torch.nn.Conv2d(4, 4, 1)
         self.norm = torch.nn.BatchNorm2d(4) if program.batchnorm else None
+        self.later = torch.nn.Conv2d(4, 4, k, padding=k // 2)
+        self.later_norm = torch.nn.BatchNorm2d(4)
+        self.register_buffer("counter", torch.zeros(()))
         if program.tied:
             self.second.weight = self.first.weight
         if program.frozen:
@@ -67,8 +80,17 @@ def make(program: Program, seed: int):
     carried = program.memory != "none"
 
     def step(psi, carry=None):
+        later = not torch.equal(psi, PSI0)  # steps 1 on: the probe's first step does not see it
+        if program.in_place:
+            psi.mul_(1.0)
         x = qca_lowmem.qca_pack(psi)
         h = model.first(x)
+        if later and program.later == "leaf":
+            h = h + model.later(x)
+        elif later and program.later == "batchnorm":
+            h = model.later_norm(h)
+        elif later and program.later == "counter":
+            model.counter.add_(1)
         if program.branch and psi.real.sum() > 0:
             h = h + model.second(x)
         if carry is not None:
@@ -95,10 +117,20 @@ def make(program: Program, seed: int):
     return model, step, carry0
 
 
+PSI0 = stock.initial_state(1, 6, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(1))
+
+
+def clipped(grad):
+    return grad.clamp(-0.05, 0.05)
+
+
 def episode(program: Program, options: dict):
-    """(loss, gradients, buffers, generator state) of one episode, or the qca_lowmem error."""
+    """(loss, .grad of every parameter, the gradients asked for, buffers, generator state) of one
+    episode, or the qca_lowmem error."""
     model, step, carry0 = make(program, seed=0)
-    psi0 = stock.initial_state(1, 6, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(1))
+    psi0 = PSI0.clone()
+    if program.hooked:
+        model.late.weight.register_hook(clipped)
     noise = qca_lowmem.NoiseSchedule(0.3, 3000, seed=5) if program.noise else None
     torch.manual_seed(11)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=program.bf16):
@@ -112,9 +144,20 @@ def episode(program: Program, options: dict):
         loss = (psi_T.abs().square() * weights).sum() + history[1].real.sum()
         if program.memory == "grad":
             loss = loss + carry_T[1].square().sum()
-    loss.backward()
+        if program.hooked:
+            loss = loss + model.late.weight.sum()
+    # Late leaves, and one with a gradient above rounding (a bias before a BatchNorm has none).
+    asked = [model.late.weight, model.later.weight, model.norm.weight if program.batchnorm else model.first.bias]
+    if program.ask == "backward":
+        loss.backward()
+        got = []
+    elif program.ask == "inputs":
+        loss.backward(inputs=asked)
+        got = []
+    else:
+        got = list(torch.autograd.grad(loss, asked, allow_unused=True))
     params = [p for p in model.parameters() if p.requires_grad]
-    return (loss.item(), [p.grad for p in params], [b.clone() for b in model.buffers()], torch.get_rng_state())
+    return (loss.item(), [p.grad for p in params] + got, [b.clone() for b in model.buffers()], torch.get_rng_state())
 
 
 def close(a: torch.Tensor, b: torch.Tensor, tolerance: float, scale: float) -> bool:
@@ -128,6 +171,13 @@ def close(a: torch.Tensor, b: torch.Tensor, tolerance: float, scale: float) -> b
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(program=programs)
 def test_every_policy_gives_plain_autograds_answer(program):
+    if program.in_place:  # plain autograd changes the caller's tensors with it: refused, in one line
+        for options in POLICIES:
+            with pytest.raises(RuntimeError, match=r"^rollout\(checkpoint='\w+'\): step_fn changed its input psi in "
+                                                   r"place at step \d+ [^\n]*out of place") as error:
+                episode(program, options)
+            assert "\n" not in str(error.value)
+        return
     loss, grads, buffers, rng = episode(program, dict(checkpoint="none"))
     tolerance = 2e-2 if program.bf16 else 1e-9
     for options in POLICIES:
@@ -138,7 +188,7 @@ def test_every_policy_gives_plain_autograds_answer(program):
             continue
         assert got_loss == pytest.approx(loss, rel=tolerance), (program, options)
         assert [g is None for g in got_grads] == [g is None for g in grads], (program, options)
-        scale = max(g.abs().max().item() for g in grads if g is not None)
+        scale = max((g.abs().max().item() for g in grads if g is not None), default=1.0)
         for got, expected in zip(got_grads, grads):
             assert expected is None or close(got, expected, tolerance, scale), (program, options)
         assert all(torch.equal(a, b) for a, b in zip(got_buffers, buffers)), (program, options)

@@ -62,15 +62,23 @@ def test_dispatch_state_queries():
                                             torch_private.is_functorch_wrapped(x))), x.sum())[1])(torch.ones(2))
     assert seen == [(True, True)]
     assert torch_private.has_kernel_for("qca_lowmem::qca_update", "CPU")
+    schema = torch_private.op_schema(torch.ops.aten.add_.Tensor)
+    assert schema.arguments[0].alias_info.is_write and torch_private.tree_leaves(([1], {"a": 2})) == [1, 2]
 
 
 @pytest.mark.parametrize("path", sorted(p for p in PACKAGE.rglob("*.py") if p.name != "_torch_private.py"),
                          ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_no_other_module_calls_a_private_torch_api(path):
-    """torch._C, and the private attributes of torch's objects read by _torch_private."""
-    private = {"_sequence_nr", "_backward_hooks", "_forward_hooks", "_forward_pre_hooks", "_backward_pre_hooks"}
+    """torch._C, torch's private modules, and the private attributes of torch's objects read by
+    _torch_private."""
+    private = {"_sequence_nr", "_backward_hooks", "_forward_hooks", "_forward_pre_hooks", "_backward_pre_hooks",
+               "_schema"}
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            found += [f"line {node.lineno}: import {name}" for name in names
+                      if name.split(".")[0] == "torch" and any(part.startswith("_") for part in name.split("."))]
         if isinstance(node, ast.Attribute) and (node.attr in private or (
                 node.attr.startswith("_") and isinstance(node.value, ast.Attribute) and node.value.attr == "_C")):
             found.append(f"line {node.lineno}: .{node.attr}")

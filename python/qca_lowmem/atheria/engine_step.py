@@ -10,15 +10,19 @@ writes the final memory back to `motor.state`, where the engine's other code rea
 
 The fused step is only installed where it is exact: enable() refuses an engine whose state is
 not a complex tensor, and one whose own evolve_step, probed once, is not the Cartesian step
-(engine_probe.py).
+(engine_probe.py); and it keeps the engine's own step, and the stock blocks, for an operator whose
+output jumps with its input (a spiking model: discontinuity.py), which would turn the fused
+step's other rounding into other jumps.
 """
 
 import inspect
 from typing import Callable, Optional
 
+import torch
 
 from .. import stock
 from ..ops.qca_step import fused_step_once, qca_pack, qca_update
+from .discontinuity import discontinuity
 from .engine_probe import check_engine_state, check_engine_step, compiled_module, probe_shape
 
 
@@ -58,21 +62,24 @@ def check_operator_call(operator, memory: bool) -> None:
                         f"it, {call} ({error}); {advice}") from None
 
 
-def fused_memory_step(motor, gamma: float) -> Callable:
+class FusedMemoryStep:
     """step(psi, (h, c)) -> (psi, (h, c)): the engine's step with memory on the fused pack/update,
-    calling the engine's operator of the moment (current_operator)."""
+    calling the engine's operator of the moment (current_operator). A value holding the engine,
+    not a closure, so that a copy of the trainer steps its own engine and pickles."""
 
-    def step(psi, memory):
-        operator, multiplicative = current_operator(motor)
+    def __init__(self, motor, gamma: float):
+        self.motor, self.gamma = motor, gamma
+
+    def __call__(self, psi, memory):
+        operator, multiplicative = current_operator(self.motor)
         h, c = (m.detach() if m is not None else None for m in memory)
         out = operator(qca_pack(psi), h, c)
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise TypeError(f"{type(operator).__name__} on an engine with has_memory=True must return (delta, h, c), "
                             f"it returned {type(out).__name__}")
         delta, h, c = out
-        return qca_update(psi, delta, gamma, multiplicative), tuple(m.detach() if m is not None else None for m in (h, c))
-
-    return step
+        return (qca_update(psi, delta, self.gamma, multiplicative),
+                tuple(m.detach() if m is not None else None for m in (h, c)))
 
 
 def current_operator(motor):
@@ -85,38 +92,44 @@ def current_operator(motor):
     return compiled_module(operator), stock.is_multiplicative(operator)
 
 
-def fused_engine_step(motor, gamma: float, channels_last: bool = False) -> Callable:
-    """motor.evolve_step on the fused pack/update, calling the engine's operator of the moment."""
+class FusedEngineStep:
+    """motor.evolve_step on the fused pack/update, calling the engine's operator of the moment; a
+    value holding the engine (a copy of the trainer or of the engine steps its own). With
+    `channels_last` the pack writes NHWC."""
 
-    def evolve_step(psi):
-        operator, multiplicative = current_operator(motor)
-        return fused_step_once(operator, psi, gamma, multiplicative, channels_last)
+    def __init__(self, motor, gamma: float, channels_last: bool = False):
+        self.motor, self.gamma, self.channels_last = motor, gamma, channels_last
 
-    return evolve_step
+    def __call__(self, psi):
+        operator, multiplicative = current_operator(self.motor)
+        return fused_step_once(operator, psi, self.gamma, multiplicative, self.channels_last)
 
 
-def engine_memory_step(state, evolve_step: Callable) -> Callable:
+class EngineMemoryStep:
     """step(psi, (h, c)) -> (psi, (h, c)) around the engine's own evolve_step(psi), which reads
-    and writes the memory on `state`: the memory it reads is the one handed in."""
+    and writes the memory on motor.state: the memory it reads is the one handed in."""
 
-    def step(psi, memory):
+    def __init__(self, motor):
+        self.motor = motor
+
+    def __call__(self, psi, memory):
+        state = self.motor.state
         state.h_state, state.c_state = memory
-        psi = evolve_step(psi)
+        psi = self.motor.evolve_step(psi)
         return psi, (state.h_state, state.c_state)
-
-    return step
 
 
 class MemoryStep:
     """motor.evolve_step(psi) for an engine with memory: the carried step with the memory read
     from and written to motor.state, as the engine's own step does."""
 
-    def __init__(self, state, carried: Callable):
-        self.state = state
+    def __init__(self, motor, carried: Callable):
+        self.motor = motor
         self.carried = carried
 
     def __call__(self, psi):
-        psi, (self.state.h_state, self.state.c_state) = self.carried(psi, (self.state.h_state, self.state.c_state))
+        state = self.motor.state
+        psi, (state.h_state, state.c_state) = self.carried(psi, (state.h_state, state.c_state))
         return psi
 
 
@@ -129,29 +142,50 @@ def engine_gamma(motor) -> float:
 
 def lowmem_steps(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] = None, channels_last: bool = False):
     """(the engine's evolve_step for enable() to install, or None to keep the engine's own; the
-    carried step(psi, (h, c)) the episode rolls out for an engine with memory, else None).
-    `grid` and `d_state` size the probe of check_engine_step when the engine holds no psi;
-    `channels_last`: the fused pack writes NHWC (an engine without memory)."""
+    carried step(psi, (h, c)) the episode rolls out for an engine with memory, else None; why the
+    engine's own step is kept although fused_step_ops asked for the fused one, else None).
+    `grid` and `d_state` size the probes when the engine holds no psi; `channels_last`: the fused
+    pack writes NHWC (an engine without memory)."""
     check_engine_state(motor)
     operator = motor.operator
     memory = has_memory(motor)
     check_operator_call(operator, memory)
     # The engine's rule reads the class of what it calls: a compiled UNetUnitary (OptimizedModule) is additive there.
     gamma, multiplicative = engine_gamma(motor), stock.is_multiplicative(operator)
-    if not fused_step_ops:
+    shape, dtype = probe_shape(motor, grid, d_state)
+    jumps = discontinuity(compiled_module(operator), _probe_input(operator, shape, dtype), memory) \
+        if fused_step_ops else None
+    if not fused_step_ops or jumps is not None:
         if compiled_module(operator) is not operator:
-            raise TypeError(f"enable(): {type(operator).__name__} (torch.compile of {type(operator._orig_mod).__name__}) "
-                            "with fused_step_ops=False: the engine's own step would run one compiled graph in the "
-                            "forward (no grad) and another in the recompute (grad), which can round differently; "
-                            "fused_step_ops=True runs the module it wraps")
-        return None, (engine_memory_step(motor.state, motor.evolve_step) if memory else None)
+            named = f"{type(operator).__name__} (torch.compile of {type(operator._orig_mod).__name__})"
+            own_step = ("the engine's own step would run one compiled graph in the forward (no grad) and another in "
+                        "the recompute (grad), which can round differently")
+            if jumps is None:
+                raise TypeError(f"enable(): {named} with fused_step_ops=False: {own_step}; fused_step_ops=True runs "
+                                "the module it wraps")
+            raise TypeError(f"enable(): {named}: its output jumps with its input ({jumps}), so qca_lowmem keeps the "
+                            f"engine's own step for it, and {own_step}, into other jumps; set motor.operator to the "
+                            "module it wraps (operator._orig_mod)")
+        why = None if jumps is None else (
+            f"{type(operator).__name__}'s output jumps with its input ({jumps}): the fused step, rounding "
+            "differently from the engine's, would give other jumps")
+        return None, (EngineMemoryStep(motor) if memory else None), why
     if not memory:
-        step = fused_engine_step(motor, gamma, channels_last)
-        check_engine_step(motor, step, None, *probe_shape(motor, grid, d_state), multiplicative)
-        return step, None
-    carried = fused_memory_step(motor, gamma)
-    check_engine_step(motor, None, carried, *probe_shape(motor, grid, d_state), multiplicative)
-    return MemoryStep(motor.state, carried), carried
+        step = FusedEngineStep(motor, gamma, channels_last)
+        check_engine_step(motor, step, None, shape, dtype, multiplicative)
+        return step, None, None
+    carried = FusedMemoryStep(motor, gamma)
+    check_engine_step(motor, None, carried, shape, dtype, multiplicative)
+    return MemoryStep(motor, carried), carried, None
+
+
+def _probe_input(operator, shape, dtype):
+    """The packed random psi the discontinuity probe runs the operator on, drawn from a generator
+    of its own, in the operator's parameters' dtype and device."""
+    parameter = next(operator.parameters())
+    draw = torch.Generator().manual_seed(0)
+    psi = torch.randn(shape, dtype=dtype, generator=draw).to(parameter.device)
+    return qca_pack(psi, parameter.dtype)
 
 
 def memory_of(motor) -> Optional[tuple]:

@@ -91,6 +91,19 @@ def _infer_grid(trainer) -> Tuple[int, int]:
 _STATE_RESETS = ("_reset_state_random", "reset_state_random", "reset_state")
 
 
+class OwnStateReset:
+    """initial_state(trainer) -> psi0: `trainer.motor.state.<name>()`, then its psi. It reads the
+    trainer it is handed, so a copy of an enabled trainer resets its own engine."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, trainer):
+        state = trainer.motor.state
+        getattr(state, self.name)()
+        return state.psi
+
+
 def own_state_reset(trainer) -> Optional[Callable]:
     """The trainer's own psi0 draw, when its engine keeps a state object that resets itself
     (`motor.state.<reset>()` then `motor.state.psi`): psi0 then comes from exactly the code, and
@@ -98,14 +111,7 @@ def own_state_reset(trainer) -> Optional[Callable]:
     state = getattr(trainer.motor, "state", None)
     if state is None or not hasattr(state, "psi"):
         return None
-    for name in _STATE_RESETS:
-        reset = getattr(state, name, None)
-        if callable(reset):
-            def initial_state(_trainer, reset=reset, state=state):
-                reset()
-                return state.psi
-            return initial_state
-    return None
+    return next((OwnStateReset(name) for name in _STATE_RESETS if callable(getattr(state, name, None))), None)
 
 
 NOISE_SOURCES = ("trainer", "fused")

@@ -7,8 +7,8 @@ An engine with memory (`motor.has_memory`, a ConvLSTM) has its memory carried by
 (engine_step.py). `disable(trainer)` puts everything back.
 """
 
+import dataclasses
 import logging
-import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -63,6 +63,22 @@ class _Saved:
     memory_step: Any = None  # step(psi, (h, c)) -> (psi, (h, c)) for an engine with memory
     edited_episode: Optional[str] = None  # why the episode is not stock, run anyway (assume_stock_episode)
     compiled_said: bool = False  # the one line for an operator compiled after enable()
+    own_step: Optional[str] = None  # why the engine's own step and blocks run although fused ones were asked for
+
+    def __getstate__(self):
+        # A copy (deepcopy, pickle) captures its own CUDA graphs at its first CUDA episode.
+        return {**vars(self), "step_graph": None}
+
+
+class LowmemEpisode:
+    """trainer.train_episode while enabled: a value holding the trainer, not a bound function,
+    so that a copy of the trainer (deepcopy, pickle) runs its own episodes."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def __call__(self, episode_num):
+        return _lowmem_train_episode(self.trainer, episode_num)
 
 
 def _children(root: torch.nn.Module):
@@ -162,7 +178,9 @@ def enable(
 ):
     """Switch a QC_Trainer_v4- or QC_Trainer_v3-style trainer to the low-memory path, in place;
     returns the trainer. Which version it is, is read off its attributes (trainers.py);
-    train_episode then keeps that version's episode, return values and bookkeeping.
+    train_episode then keeps that version's episode, return values and bookkeeping. The enabled
+    trainer deep-copies and pickles (where the stock one does): a copy, or the trainer loaded, trains
+    its own model, enabled, and disable() works on it; a CUDA capture is made again by its first episode.
 
     checkpoint: "step" (keep one psi per step, recompute in backward), "revolve" (binomial
       checkpointing with `slots` stored states), "auto" (full graphs of as many steps as `budget`
@@ -178,8 +196,10 @@ def enable(
     fused_step_ops: replace `motor.evolve_step` by the fused pack/update ops. Only where that is
       exact: an engine whose state psi is not a complex tensor, or whose own evolve_step (run once
       on a random psi with the operator's output fixed, leaving the trainer as found) is not the
-      Cartesian step, is refused naming its class. False rolls out the engine's own step, which
-      needs only the complex tensor state.
+      Cartesian step, is refused naming its class; an operator whose output jumps with its input
+      (spikes: the ops of one probe call tell) keeps the engine's own step and stock blocks, which
+      round as stock does, and enable()'s line says so. False rolls out the engine's own step,
+      which needs only the complex tensor state.
     An engine with `motor.has_memory` True (operator(x, h, c) -> (delta, h, c), the memory on
       motor.state.h_state / c_state, detached) has its memory carried through the rollout, so
       each recompute sees the memory its forward step saw; after each episode motor.state holds
@@ -223,9 +243,14 @@ def enable(
     ))
     # Everything that can fail is decided before the trainer changes.
     new_scaler = _lowmem_scaler_for(trainer, state.options.amp_dtype) if lowmem_scaler else None
-    evolve_step, state.memory_step = lowmem_steps(trainer.motor, fused_step_ops, state.options.grid,
-                                                  state.options.d_state, channels_last)
-    if fused_blocks:
+    evolve_step, state.memory_step, state.own_step = lowmem_steps(trainer.motor, fused_step_ops, state.options.grid,
+                                                                  state.options.d_state, channels_last)
+    if state.own_step is not None:  # the fused blocks round differently too
+        if channels_last:  # NHWC convolutions round differently as well
+            raise ValueError(f"enable(): channels_last=True needs the fused step, which this operator does not get.\n"
+                             f"{state.own_step}; leave channels_last off")
+        state.options = dataclasses.replace(state.options, fused_step_ops=False, fused_blocks=False)
+    if state.options.fused_blocks:
         _convert_blocks(trainer.motor.operator, state)
     if channels_last:
         trainer.motor.operator.to(memory_format=torch.channels_last)
@@ -245,6 +270,7 @@ def _summary(state: _Saved) -> str:
     parts = [options.describe()] + [name for name, on in (
         ("the compiled operator's module uncompiled", options.fused_step_ops and state.compiled_said),
         (f"{state.version.name} episode", state.version.named_on_enable),
+        (f"the engine's own step and blocks: {state.own_step}", state.own_step is not None),
         (f"the stock episode assumed: {state.edited_episode}", state.edited_episode is not None)) if on]
     return ", ".join(parts)
 
@@ -274,18 +300,19 @@ def _convert_blocks(operator, state: _Saved):
 
 def _swap_step(trainer, state: _Saved, evolve_step):
     """motor.evolve_step -> `evolve_step` (the fused pack/update, engine_step.lowmem_steps) unless
-    None; the original is kept either way."""
+    None; an original set on the engine is kept (the class's needs no keeping: a copy of a bound
+    method would bind the original engine, and a pickled one is looked up again at loading)."""
     motor = trainer.motor
     state.had_evolve_step_attr = "evolve_step" in vars(motor)
-    state.evolve_step = motor.evolve_step
+    state.evolve_step = vars(motor).get("evolve_step")
     if evolve_step is not None:
         motor.evolve_step = evolve_step
 
 
 def _swap_episode(trainer, state: _Saved):
     state.had_train_episode_attr = "train_episode" in vars(trainer)
-    state.train_episode = trainer.train_episode
-    trainer.train_episode = types.MethodType(_lowmem_train_episode, trainer)
+    state.train_episode = vars(trainer).get("train_episode")
+    trainer.train_episode = LowmemEpisode(trainer)
 
 
 def _swap_scaler(trainer, state: _Saved, new_scaler):

@@ -7,7 +7,6 @@ backward is the reverse pass (reverse.py). With checkpoint="none", or without gr
 run as the stock loop does.
 """
 
-import contextlib
 from typing import Callable, List, Optional, Sequence, Union
 
 import torch
@@ -45,6 +44,9 @@ def rollout(
       it must return a tensor of psi's shape, dtype and device. Parameters it reaches through its
       closure get their gradients. The backward runs it again, so it must compute the same
       function again: random draws are replayed (see preserve_rng_state), other state is not.
+      A recomputing checkpoint refuses a step_fn that changes psi or the carry in place (it keeps
+      them to recompute from); tensors it writes that outlive it (BatchNorm's statistics) are
+      found at every step and end as plain autograd leaves them.
       A `qca_lowmem.StepGraph(step_fn)` runs, for psi on a GPU, each step that is not kept as a
       full graph as replays of captured CUDA graphs (same kernels, no launch overhead).
     noise(psi, t) -> psi: applied after step t, e.g. a `qca_lowmem.NoiseSchedule`, whose random
@@ -132,21 +134,25 @@ def _episode(unit: StepUnit, state0: State, steps: int, policy: Policy, recorded
     if not policy.recomputes or not torch.is_grad_enabled():
         return _run_plain(unit, state0, 0, steps, recorded, [])
     rng = RngStates(state0.psi.device, preserve_rng_state)
+    unit.refuse_in_place = policy.checkpoint
     probed, params, step_bytes, buffers = _probe(unit, state0, steps, rng, measure=policy.budget is not None)
     if not params and not any(state0.needs_grad()):
-        with torch.no_grad():
-            history = [state.psi for t, state in enumerate(probed) if t in recorded and t != steps - 1]
-            return _run_plain(unit, probed[-1], len(probed), steps, recorded, history)
+        # Nothing to differentiate so far: the rest runs as plain autograd, which keeps no graph
+        # unless a later step reaches a parameter.
+        history = [state.psi for t, state in enumerate(probed) if t in recorded and t != steps - 1]
+        unit.refuse_in_place = None
+        return _run_plain(unit, probed[-1], len(probed), steps, recorded, history)
     autocast = AutocastState(sorted({"cpu", state0.psi.device.type}))
     if isinstance(unit.step_fn, StepGraph):
-        with buffers.unchanged() if buffers is not None else contextlib.nullcontext():
+        with buffers.unchanged():
             unit.capture = unit.step_fn.for_rollout(probed[-1], unit.step, params, autocast)
     # After the capture: a budget of "free" then sees the memory its graphs' pool took.
     schedule = schedule_for(policy, steps, step_bytes, probed[-1].nbytes(), state0.psi.device, check_recompute,
                             probed=len(probed))
     plan = Episode(unit, schedule, rng, recorded, policy.checkpoint, probed, params, state0, check_recompute,
                    buffers, autocast)
-    result = EpisodeFunction.apply(plan, state0.psi, *state0.carry, *params)
+    plan.run(state0)
+    result = EpisodeFunction.apply(plan, state0.psi, *state0.carry, *plan.params)
     n_history = len(plan.history_steps)
     psi_T, history = result[0], list(result[1:1 + n_history])
     history.append(psi_T)
@@ -162,7 +168,7 @@ def _probe(unit: StepUnit, state0: State, steps: int, rng: RngStates, measure: b
     step that skips what later ones run), up to the first step with the whole carry. They also
     find the tensors a step writes that outlive it (buffers.py).
     Returns (their output states, the leaves, bytes of the largest full graph with its output,
-    the written tensors as StepBuffers or None)."""
+    the written tensors as StepBuffers)."""
     probed, params, step_bytes, writes = [], [], 0, []
     state = state0
     for t in range(steps):

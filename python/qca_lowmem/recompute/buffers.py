@@ -10,8 +10,9 @@ backward puts back the values the forward left.
 
 Found by value: BatchNorm updates its statistics inside one kernel, without bumping their
 versions or declaring the write in the op's schema, so the probe copies every tensor a step's ops
-read that the step did not make, and compares after the step. A step that writes a tensor only
-on some steps (not on the probed ones) is not seen.
+read that the step did not make, and compares after the step. Every later step of the forward
+runs under a StepWatch (watch.py), which finds a tensor written first by a step the probe did not
+run; `add` then keeps its values from then on, and before the steps recorded until then.
 """
 
 import contextlib
@@ -19,11 +20,11 @@ import weakref
 from typing import Dict, List, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from .. import _torch_private as torch_private
 
 
-class _WriteFinder(TorchDispatchMode):
+class _WriteFinder(torch_private.TorchDispatchMode):
     """Copies each tensor an op reads that no op inside made, at its first read."""
 
     def __init__(self):
@@ -33,13 +34,13 @@ class _WriteFinder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for tensor in tree_leaves((args, kwargs)):
+        for tensor in torch_private.tree_leaves((args, kwargs)):
             # Tensors requiring grad (parameters, the step's inputs) cannot be written in place.
             if isinstance(tensor, torch.Tensor) and not tensor.requires_grad and id(tensor) not in self.before \
                     and not self._made(tensor) and tensor.device.type != "meta":
                 self.before[id(tensor)] = (tensor, tensor.clone())
         out = func(*args, **kwargs)
-        for tensor in tree_leaves(out):
+        for tensor in torch_private.tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 self.made[id(tensor)] = weakref.ref(tensor)
         return out
@@ -72,12 +73,10 @@ class StepBuffers:
         return _WriteFinder()
 
     @classmethod
-    def of_probes(cls, writes: List[list]) -> Optional["StepBuffers"]:
+    def of_probes(cls, writes: List[list]) -> "StepBuffers":
         """From each probed step's written() (steps 0, 1, ...): the tensors any of them wrote, with
-        their values before each probed step; None when none wrote any."""
+        their values before each probed step."""
         tensors = list({id(x): x for step in writes for x, _ in step}.values())
-        if not tensors:
-            return None
         buffers = cls(tensors)
         later = buffers._values()  # after the last probed step: now
         for t in reversed(range(len(writes))):
@@ -85,6 +84,13 @@ class StepBuffers:
             later = [old.get(id(x), value) for x, value in zip(tensors, later)]  # unwritten: as after it
             buffers.record(t, later)
         return buffers
+
+    def add(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
+        """A tensor first written by the step being recorded last, with its value before that step:
+        its value before every step recorded until then too, since none of them wrote it."""
+        self.tensors.append(tensor)
+        for values in self.before.values():
+            values.append(value)
 
     def _values(self) -> List[torch.Tensor]:
         return [x.detach().clone() for x in self.tensors]

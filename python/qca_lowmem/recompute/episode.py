@@ -1,16 +1,20 @@
 """The episode as one autograd Function, for every schedule that recomputes.
 
-Its forward runs the steps without a graph (a step whose graph the schedule keeps runs with one)
-and keeps what the schedule says; its backward hands the kept states to the schedule, which
-drives the reverse pass (reverse.py) one step at a time.
+Its forward (Episode.run, before the Function is applied) runs the steps without a graph (a step
+whose graph the schedule keeps runs with one) and keeps what the schedule says; its backward
+hands the kept states to the schedule, which drives the reverse pass (reverse.py) one step at a
+time.
 
 Parameters are found, not listed: the probe (api.py) runs the first steps with grad enabled and
 walks their graphs to the leaf tensors they reach (the parameters of step_fn's closure). They
 become inputs of the Function, so autograd accumulates each one's gradient once per backward
-(DDP's hooks fire once) and `torch.autograd.grad(loss, params)` works too; leaves that only later
-steps reach are found by the reverse pass and given their gradients at the end of the backward.
+(DDP's hooks fire once) and `torch.autograd.grad(loss, params)` works too. Leaves that only later
+steps reach are seen by the forward's watch (watch.py) and join them before the Function is
+applied, so they are inputs too: `inputs=` and `torch.autograd.grad` leave the others' `.grad`
+untouched, as plain autograd does.
 """
 
+import contextlib
 from typing import Callable, List, Optional
 
 import torch
@@ -25,6 +29,7 @@ from .replay import AutocastState, RngStates
 from .reverse import StepReverser
 from .schedule import Schedule
 from .state import State, check_like_psi, checked_carry
+from .watch import StepWatch
 
 
 class StepUnit:
@@ -38,6 +43,9 @@ class StepUnit:
         self.noise = noise
         self.carried = carried
         self.capture = None
+        # While a recomputing episode runs its forward (the probe included): its mode, for the
+        # refusal of a step that changes its input in place (the state the backward starts from).
+        self.refuse_in_place: Optional[str] = None
         # The episode's half-precision weights, cast once (or once per shared_weight_casts() scope).
         self.weight_casts = weight_casts.for_episode()
 
@@ -53,14 +61,34 @@ class StepUnit:
                             f"it returned {type(result).__name__}")
         return result[0], checked_carry(result[1], f"the carry step_fn returned{at}", len(carry))
 
+    def replays(self, state: State) -> bool:
+        """Whether a call on `state` now replays the capture's forward graph."""
+        return self.capture is not None and not torch.is_grad_enabled() and self.capture.takes(state.carry)
+
     def __call__(self, state: State, t: int) -> State:
-        if self.capture is not None and not torch.is_grad_enabled() and self.capture.takes(state.carry):
+        if self.replays(state):
             out, carry = self.capture.forward(*state)
             return State(self.add_noise(out, t), carry)
+        given = state
+        if self.refuse_in_place is not None:
+            # A leaf requiring grad cannot change in place (autograd would refuse, naming neither the
+            # rollout nor the cause); a copy can, so that its change is seen and refused below.
+            given = State(_modifiable(state.psi), tuple(map(_modifiable, state.carry)))
+            versions = [None if x is None else x._version for x in given.tensors()]
         with self.weight_casts.active():
-            out, carry = self.step(*state, t)
+            out, carry = self.step(*given, t)
+        if self.refuse_in_place is not None:
+            self._refuse_changed_input(given, versions, t)
         check_like_psi(out, state.psi, "step_fn", t)
         return State(self.add_noise(out, t), carry)
+
+    def _refuse_changed_input(self, given: State, versions: list, t: int) -> None:
+        for (name, x), version in zip(given.entries(), versions):
+            if x is not None and x._version != version:
+                raise RuntimeError(
+                    f"rollout(checkpoint={self.refuse_in_place!r}): step_fn changed its input {name} in place at step "
+                    f"{t} (an in-place op such as {name}.mul_()); the episode keeps that state to recompute the step in "
+                    f"backward: compute out of place ({name} = {name} * 0.9), or use checkpoint='none'")
 
     def add_noise(self, out: torch.Tensor, t: int) -> torch.Tensor:
         if self.noise is None:
@@ -68,6 +96,10 @@ class StepUnit:
         noisy = self.noise(out, t)
         check_like_psi(noisy, out, "noise", t)
         return noisy
+
+
+def _modifiable(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return x.clone() if x is not None and x.is_leaf and x.requires_grad else x
 
 
 class KeptGraph:
@@ -95,7 +127,7 @@ class Episode:
 
     def __init__(self, unit: StepUnit, schedule: Schedule, rng: RngStates, history_steps: List[int], mode: str,
                  probed: List[State], params: List[torch.Tensor], state0: State, check_recompute: bool,
-                 buffers: Optional[StepBuffers], autocast: AutocastState):
+                 buffers: StepBuffers, autocast: AutocastState):
         self.unit = unit
         self.schedule = schedule
         self.rng = rng
@@ -105,8 +137,8 @@ class Episode:
         self.probed = probed  # the output states of the first steps, run before the Function
         # The parameters stay here, not in save_for_backward: saved-tensor hooks (save_on_cpu,
         # saved_bytes) would hand back copies, which the recomputed steps never use.
-        self.params = params
-        self.param_versions = [p._version for p in params]
+        self.params = params  # the probe's leaves, then those the forward's other steps read (run)
+        self.param_versions: List[int] = []
         self.input_needs_grad = state0.needs_grad()  # psi0 then each carry entry
         self.carry_width = len(state0.carry)
         self.carry_T_present: List[bool] = []  # which carry_T entries are outputs (not None)
@@ -118,6 +150,7 @@ class Episode:
         self.kept_steps: List[int] = []  # which states are saved, in saved order
         self.graphs: Optional[KeptGraph] = None
         self.buffers = buffers  # tensors the steps write that outlive them (BatchNorm's statistics)
+        self.stored = self.outputs = None  # what run() kept and made, until the Function takes them
 
     def advance(self, state: State, start: int, stop: int) -> State:
         """The state at step `stop` from the one at step `start`, without a graph (as the
@@ -129,42 +162,63 @@ class Episode:
                     state = self.unit(state, t)
         return state
 
+    def run(self, state: State) -> None:
+        """The episode's forward from its input state, without a graph (steps whose graph the
+        schedule keeps run with one): what it keeps (`stored`) and its outputs (`outputs`), for
+        EpisodeFunction. Each step the probe did not run is watched (watch.py): the leaves it reads
+        join `params`, the tensors it writes the buffers."""
+        stored, history = [], []
+        history_steps = set(self.history_steps)
+        probed, self.probed = self.probed, None
+        known_leaves = {id(p) for p in self.params}
+        known_writes = {id(x) for x in self.buffers.tensors}
+        with torch.no_grad():
+            for t in range(self.steps):
+                if self.schedule.keeps_state(t):
+                    stored.append((t, state))
+                if t < len(probed):
+                    state = probed[t]
+                else:
+                    self.rng.record()
+                    if self.schedule.recomputes(t):
+                        self.buffers.record(t)
+                    if self.schedule.keeps_graph(t) and self.graphs is None:
+                        self.graphs = KeptGraph(t, state.as_inputs(True))
+                    inputs = {id(x) for x in (*state.tensors(), *(self.graphs.inputs.tensors() if self.graphs else ()))}
+                    # A replayed capture is one fixed graph, of the leaves it was captured for.
+                    watch = None if self.unit.replays(state) else StepWatch(known_leaves, known_writes, inputs)
+                    with watch or contextlib.nullcontext():
+                        if self.schedule.keeps_graph(t):
+                            state = self.graphs.run(self.unit, t)
+                        else:
+                            state = self.unit(state, t)
+                    if watch is not None:
+                        self.params += watch.leaves
+                        for tensor, value in watch.writes:
+                            self.buffers.add(tensor, value)
+                if t in history_steps:
+                    history.append(state.psi)
+        self.unit.refuse_in_place = None  # every step ran once: its recomputes change nothing in place
+        self.buffers.forward_done()
+        self.param_versions = [p._version for p in self.params]
+        self.kept_steps = [t for t, _ in stored]
+        self.carry_T_present = [c is not None for c in state.carry]
+        self.stored = stored
+        self.outputs = [state.psi, *history, *(c for c in state.carry if c is not None)]
+
     def load_buffers(self, t: int) -> None:
         """Before step t runs again: the buffers as its forward saw them."""
-        if self.buffers is not None:
-            self.buffers.load(t)
+        self.buffers.load(t)
 
 
 class EpisodeFunction(torch.autograd.Function):
+    """The episode run by Episode.run before it is applied, so that its inputs hold every leaf the
+    forward's steps read: forward hands back what that run made and saves the kept states."""
+
     @staticmethod
     def forward(ctx, plan: Episode, psi0: torch.Tensor, *inputs: Optional[torch.Tensor]):
-        steps, schedule = plan.steps, plan.schedule
-        state = State(psi0, tuple(inputs[:plan.carry_width]))  # the input of step t below
-        stored, history = [], []
-        history_steps = set(plan.history_steps)
-        probed, plan.probed = plan.probed, None
-        for t in range(steps):
-            if schedule.keeps_state(t):
-                stored.append((t, state))
-            if t < len(probed):
-                state = probed[t]
-            else:
-                plan.rng.record()
-                if plan.buffers is not None and schedule.recomputes(t):
-                    plan.buffers.record(t)
-                if schedule.keeps_graph(t):
-                    if plan.graphs is None:
-                        plan.graphs = KeptGraph(t, state.as_inputs(True))
-                    state = plan.graphs.run(plan.unit, t)
-                else:
-                    state = plan.unit(state, t)
-            if t in history_steps:
-                history.append(state.psi)
-        if plan.buffers is not None:
-            plan.buffers.forward_done()
-        plan.kept_steps = [t for t, _ in stored]
-        plan.carry_T_present = [c is not None for c in state.carry]
-        outputs = [state.psi, *history, *(c for c in state.carry if c is not None)]
+        outputs, stored = plan.outputs, plan.stored
+        plan.outputs = plan.stored = None
         # An output must not be an input or another output (an identity step would make it so).
         seen = {id(x) for x in (psi0, *inputs) if x is not None}
         for i, out in enumerate(outputs):
@@ -172,9 +226,9 @@ class EpisodeFunction(torch.autograd.Function):
                 outputs[i] = out.clone()
             seen.add(id(outputs[i]))
         if plan.keeps_final_state:
-            carry_out = iter(outputs[1 + len(history):])
-            stored.append((steps, State(outputs[0], tuple(next(carry_out) if c is not None else None
-                                                          for c in state.carry))))
+            carry_out = iter(outputs[1 + len(plan.history_steps):])
+            stored.append((plan.steps, State(outputs[0], tuple(next(carry_out) if present else None
+                                                               for present in plan.carry_T_present))))
         ctx.plan = plan
         ctx.save_for_backward(*(x for _, kept in stored for x in kept.tensors()))
         ctx.set_materialize_grads(False)
@@ -225,26 +279,13 @@ class EpisodeFunction(torch.autograd.Function):
             with sink, plan.rng.untouched():
                 plan.schedule.reverse(kept, reverser)
         finally:
-            if plan.buffers is not None:
-                plan.buffers.restore()
+            plan.buffers.restore()
         del kept, final_state
         reverser.verify()
         if capture is not None:
             for i, grad in enumerate(capture.parameter_grads()):
                 if grad is not None:
                     sink.add(i, grad)
-        grads = sink.take()
-        _accumulate_late(sink.params[len(plan.params):], grads[len(plan.params):])
         grad_psi0, *grad_carry0 = reverser.grads_of_inputs()
-        return (None, grad_psi0, *grad_carry0, *grads[:len(plan.params)])
+        return (None, grad_psi0, *grad_carry0, *sink.take())
 
-
-def _accumulate_late(leaves, grads) -> None:
-    """Leaves found after the episode's Function was made are not its inputs: their summed
-    gradients go to them through a backward of their own, so their .grad and hooks get them once,
-    as from plain autograd's (a leaf the loss also reaches directly gets that part separately)."""
-    late = [(leaf, grad) for leaf, grad in zip(leaves, grads) if grad is not None]
-    if late:
-        with torch.enable_grad():
-            views = [leaf.view_as(leaf) for leaf, _ in late]
-        torch.autograd.backward(views, [grad for _, grad in late])

@@ -76,14 +76,6 @@ class ParamGradSink:
             self._collect(i, p)
         return self
 
-    def extend(self, params) -> None:
-        """Collect these parameters too, from now on (while active): leaves a step reaches that
-        the episode's first steps did not."""
-        for p in params:
-            self.params.append(p)
-            self.buffers.append(None)
-            self._collect(len(self.params) - 1, p)
-
     def _collect(self, i: int, p: torch.Tensor) -> None:
         hooks = torch_private.backward_hooks(p)
         original = list(hooks.items())

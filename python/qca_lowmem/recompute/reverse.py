@@ -62,7 +62,7 @@ class StepReverser:
 
     def __init__(self, plan, incoming: dict, sink, final_state: Optional[State] = None):
         self.plan = plan
-        self.sink = sink  # the episode's ParamGradSink: its params grow by the leaves found late
+        self.sink = sink  # the episode's ParamGradSink
         self.incoming = incoming  # step -> State of the gradients flowing into its output
         self.grads = State(None, (None,) * plan.carry_width)
         self.check = RecomputeCheck(plan.mode, plan.autocast.dtype(plan.state_device)) if plan.check_recompute else None
@@ -103,7 +103,7 @@ class StepReverser:
                 pairs += [(value, grad) for value, grad in zip(outputs.tensors(), g.tensors())
                           if grad is not None and value is not None and value.requires_grad]
         self.next_state = (first, kept.inputs) if self.check is not None else None
-        self._find_leaves([x for state in kept.outputs for x in state.tensors()], kept.inputs, kept.marker)
+        self._find_leaves([x for state in kept.outputs for x in state.tensors()], kept.inputs, kept.marker, first)
         self._set_grads(first, _vjp(kept.inputs, pairs, self.sink.params))
 
     def _take_incoming(self, t: int, g: Optional[State] = None) -> None:
@@ -125,17 +125,19 @@ class StepReverser:
         marker = next_sequence_nr()
         with torch.enable_grad(), plan.autocast(), keep_block_intermediates(), plan.rng.replay(t):
             outputs = plan.unit(inputs, t)
-        self._find_leaves(outputs.tensors(), inputs, marker)
+        self._find_leaves(outputs.tensors(), inputs, marker, t)
         return outputs, graph_vjp(inputs, outputs, self.sink.params)
 
-    def _find_leaves(self, outputs, inputs: State, marker: int) -> None:
-        """Leaves this step reaches that the episode's first steps did not (a parameter a later
-        step uses, a branch on psi's values): collected from now on, like the others."""
+    def _find_leaves(self, outputs, inputs: State, marker: int, t: int) -> None:
+        """Refuse a leaf this step's graph reaches that no forward step read (the forward's watch,
+        watch.py, gave the Function every leaf they read): the step is not the function it was."""
         known = {id(p) for p in self.sink.params}
         found = leaves_reached([x for x in outputs if x is not None and x.grad_fn is not None],
                                {id(x) for x in inputs.tensors()} | known, marker)
         if found:
-            self.sink.extend(found)
+            raise RuntimeError(f"rollout(checkpoint={self.plan.mode!r}): the recompute of step {t} reached a tensor "
+                               f"requiring grad (shape {tuple(found[0].shape)}) that no step of the forward read: "
+                               "step_fn must compute the same function of (psi, carry) each time it runs")
 
     def _replayed(self, t: int, state: State):
         """Step t on the capture's graphs: its forward replayed, the noise after it eager."""

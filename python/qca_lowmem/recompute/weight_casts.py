@@ -37,6 +37,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .param_grads import deposit
+from .watch import note_read
 
 _state = threading.local()
 _scopes = set()  # the WeightCasts of open shared_weight_casts() scopes, any thread
@@ -164,6 +165,7 @@ def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return weight.to(dtype)
     copy = casts.copy_of(weight, dtype)
     if not (torch.is_grad_enabled() and weight.requires_grad):
+        note_read(weight)  # the step reads it through the copy: the forward's watch must see it
         return copy
     return _CachedCast.apply(weight, copy)
 

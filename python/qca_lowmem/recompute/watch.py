@@ -1,0 +1,108 @@
+"""What each forward step the probe did not run reads and writes besides its state.
+
+The probe (api.py) sees the first steps only; a later step may reach a parameter they did not
+(a branch on psi's values) or write a tensor they did not (a BatchNorm on that branch). So every
+other step of the forward runs under a `StepWatch`: a dispatch mode that sees each op below
+autograd, so a step run without grad still shows them. It reports
+- the leaves requiring grad the step's ops read: they become inputs of the episode's Function
+  like the probe's, so their gradients reach `.grad` only where the caller's backward asks, in
+  one accumulation;
+- the tensors it writes whose storage no op of the step made (buffers.py then keeps their values
+  for the recomputes), with their values before the step's first write. A write is what the op's
+  schema declares (`add_`, `copy_`, `out=`), or a batch norm's running statistics in training,
+  which its kernels update without declaring.
+No copies but of what is written: a few microseconds of Python per op (docs/design.md).
+"""
+
+import threading
+from typing import Dict, List, Tuple
+
+import torch
+
+from .. import _torch_private as torch_private
+
+_aten = torch.ops.aten
+# Ops that update running statistics (arguments 3 and 4) when `training` (argument 5), undeclared.
+_BATCH_NORMS = (_aten.native_batch_norm.default, _aten.cudnn_batch_norm.default, _aten.miopen_batch_norm.default)
+_active = threading.local()
+_schemas: Dict[object, tuple] = {}  # op -> _schema_info(op)
+
+
+def _schema_info(func) -> Tuple[Tuple[int, ...], Tuple[str, ...], bool]:
+    """(positions of the written arguments, names of written keyword-only ones, whether every
+    output is freshly made: no return aliases an input)."""
+    positions, names = [], []
+    for i, arg in enumerate(torch_private.op_schema(func).arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            (names if arg.kwarg_only else positions).append(arg.name if arg.kwarg_only else i)
+    fresh = all(ret.alias_info is None for ret in torch_private.op_schema(func).returns)
+    return tuple(positions), tuple(names), fresh
+
+
+def note_read(tensor: torch.Tensor) -> None:
+    """A leaf the step reads through a copy made before it (weight_casts.py's cached casts)."""
+    watch = getattr(_active, "watch", None)
+    if watch is not None:
+        watch.read(tensor)
+
+
+class StepWatch(torch_private.TorchDispatchMode):
+    def __init__(self, known_leaves: set, known_writes: set, inputs: set):
+        super().__init__()
+        self.known_leaves = known_leaves  # ids of the leaves the episode already has
+        self.known_writes = known_writes  # ids of the tensors whose values it already keeps
+        self.inputs = inputs  # ids of the step's state tensors
+        self.fresh = set()  # data pointers of the storages the step's ops made
+        self.leaves: List[torch.Tensor] = []
+        self.writes: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its value before the step)
+
+    def __enter__(self):
+        self._outer, _active.watch = getattr(_active, "watch", None), self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _active.watch = self._outer
+        return super().__exit__(*exc)
+
+    def read(self, tensor) -> None:
+        key = id(tensor)
+        if key not in self.known_leaves and key not in self.inputs and tensor.requires_grad and tensor.is_leaf:
+            self.known_leaves.add(key)
+            self.leaves.append(tensor)
+
+    def _written(self, tensor) -> None:
+        if not isinstance(tensor, torch.Tensor) or id(tensor) in self.known_writes or id(tensor) in self.inputs \
+                or tensor.requires_grad or tensor.numel() == 0 or tensor.device.type == "meta" \
+                or tensor.untyped_storage().data_ptr() in self.fresh:
+            return
+        self.known_writes.add(id(tensor))
+        self.writes.append((tensor, tensor.detach().clone()))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        info = _schemas.get(func)
+        if info is None:
+            info = _schemas[func] = _schema_info(func)
+        positions, names, fresh = info
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                if value.requires_grad:
+                    self.read(value)
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    if isinstance(item, torch.Tensor) and item.requires_grad:
+                        self.read(item)
+        for i in positions:
+            if i < len(args):
+                self._written(args[i])
+        for name in names:
+            self._written(kwargs.get(name))
+        if func in _BATCH_NORMS and len(args) > 5 and args[5]:
+            self._written(args[3])
+            self._written(args[4])
+        out = func(*args, **kwargs)
+        if fresh:
+            for value in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                    self.fresh.add(value.untyped_storage().data_ptr())
+        return out

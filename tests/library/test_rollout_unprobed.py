@@ -1,0 +1,184 @@
+"""What the probe (the episode's first step) does not see, against plain autograd in float64: a
+buffer written only by later steps, a parameter only later steps reach (with `inputs=`,
+`torch.autograd.grad` and hooks), and a step that changes its input in place."""
+
+import pytest
+import torch
+
+import qca_lowmem
+from qca_lowmem import stock
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+POLICIES = [dict(checkpoint="step"), dict(checkpoint="revolve", slots=1), dict(checkpoint="revolve", slots=2),
+            dict(checkpoint="auto", budget=0), dict(checkpoint="auto", budget=30_000),
+            dict(checkpoint="auto", budget=10**9)]
+IDS = ["step", "revolve1", "revolve2", "auto0", "auto-some", "auto-all"]
+STEPS = 5
+
+
+def psi0():
+    return stock.initial_state(2, 6, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(1))
+
+
+def weighted(psi):
+    return psi.abs().square().mul(torch.linspace(0.5, 2.0, psi.numel(), dtype=torch.float64).reshape(psi.shape)).sum()
+
+
+def branch_step(gate):
+    """(conv, norm, step): a BatchNorm in train mode that only the steps `gate(psi, calls)`
+    picks run, so the first step does not."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1).double()
+    norm = torch.nn.BatchNorm2d(4).double()
+    calls = [0]
+
+    def step(psi):
+        x = qca_lowmem.qca_pack(psi)
+        h = conv(x)
+        if gate(psi, calls[0]):
+            h = norm(h)
+        calls[0] += 1
+        return qca_lowmem.qca_update(psi, 0.1 * torch.tanh(h), 0.05)
+
+    return conv, norm, step
+
+
+def grown(psi, call):  # a function of psi: False at step 0, True later (the update grows the phase)
+    return psi.real.sum().item() < SPLIT
+
+
+psi_0 = psi0()
+SPLIT = psi_0.real.sum().item()
+
+
+def run(step, params, options):
+    for p in params:
+        p.grad = None
+    loss = weighted(qca_lowmem.rollout(step, psi0(), STEPS, **options)[0])
+    loss.backward()
+    return loss.item(), [p.grad for p in params]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_a_buffer_written_only_by_later_steps_ends_as_plain_autograd_leaves_it(policy):
+    results = {}
+    for name, options in (("plain", dict(checkpoint="none")), ("policy", policy)):
+        conv, norm, step = branch_step(grown)
+        results[name] = (*run(step, [*conv.parameters(), *norm.parameters()], options),
+                         [b.tolist() for b in norm.buffers()])
+    (loss, grads, buffers), (plain_loss, plain_grads, plain_buffers) = results["policy"], results["plain"]
+    assert plain_buffers[2] != 0 and plain_buffers[2] < STEPS  # some steps, not the first, ran it
+    assert buffers == plain_buffers
+    assert loss == pytest.approx(plain_loss, rel=1e-12)
+    for got, expected in zip(grads, plain_grads):
+        assert (got is None) == (expected is None)
+        assert expected is None or ((got - expected).abs().max() / expected.abs().max()).item() < 1e-10
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_a_buffer_written_every_second_call_is_plain_autograds_or_refused(policy):
+    """Not a function of psi: each recompute is another call. Either the answer is plain
+    autograd's, buffers included, or the recompute check refuses it, naming the step."""
+    conv, norm, step = branch_step(lambda psi, call: call % 2 == 1)
+    plain = (*run(step, [*conv.parameters(), *norm.parameters()], dict(checkpoint="none")),
+             [b.tolist() for b in norm.buffers()])
+    conv, norm, step = branch_step(lambda psi, call: call % 2 == 1)
+    try:
+        got = (*run(step, [*conv.parameters(), *norm.parameters()], policy), [b.tolist() for b in norm.buffers()])
+    except qca_lowmem.RecomputeMismatchError as error:
+        assert "recompute of step" in str(error)
+        return
+    assert got[2] == plain[2] and got[0] == pytest.approx(plain[0], rel=1e-12)
+
+
+def late_model():
+    torch.manual_seed(0)
+    early = torch.nn.Conv2d(4, 4, 3, padding=1).double()
+    late = torch.nn.Conv2d(4, 4, 3, padding=1).double()
+
+    def step(psi):
+        x = qca_lowmem.qca_pack(psi)
+        h = early(x)
+        if grown(psi, 0):
+            h = h + late(x)
+        return qca_lowmem.qca_update(psi, 0.1 * torch.tanh(h), 0.05)
+
+    return early, late, step
+
+
+def clipped(grad):
+    """A hook whose result is not additive: two partial sums clipped give another gradient."""
+    return grad.clamp(-0.05, 0.05)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+@pytest.mark.parametrize("ask", ["backward", "inputs=[early]", "grad(early)", "grad(late)"])
+def test_a_late_parameter_gets_its_gradient_only_when_asked_in_one_accumulation(policy, ask):
+    """`late` is first used at step 1 and in the loss directly, with a clipping hook: its `.grad`
+    is plain autograd's (one clipped sum, the hook run once), and a backward asking only for
+    `early` leaves it None."""
+    results = {}
+    for name, options in (("plain", dict(checkpoint="none")), ("policy", policy)):
+        early, late, step = late_model()
+        calls = []
+        late.weight.register_hook(lambda grad: calls.append(1) or clipped(grad))
+        psi_T, _ = qca_lowmem.rollout(step, psi0(), STEPS, **options)
+        loss = weighted(psi_T) + late.weight.sum()
+        asked = None
+        if ask == "backward":
+            loss.backward()
+        elif ask == "inputs=[early]":
+            loss.backward(inputs=[early.weight])
+        else:
+            asked = torch.autograd.grad(loss, [early.weight if ask == "grad(early)" else late.weight])[0]
+        results[name] = (early.weight.grad, late.weight.grad, late.bias.grad, asked, len(calls))
+    got, plain = results["policy"], results["plain"]
+    for a, b in zip(got[:4], plain[:4]):
+        assert (a is None) == (b is None), ask
+        assert b is None or ((a - b).abs().max() / b.abs().max()).item() < 1e-10
+    assert got[4] == plain[4]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+@pytest.mark.parametrize("late_only", [False, True])
+def test_a_step_changing_its_input_in_place_is_refused_in_one_line(policy, late_only):
+    """Plain autograd lets a step scale psi in place (psi.mul_), and with it the caller's psi0 or
+    the history entry that psi is: a recomputing episode, which keeps psi for its backward,
+    refuses it at the forward, naming the rollout, the step and what to change."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1).double()
+
+    def step(psi):
+        if not late_only or grown(psi, 0):
+            psi.mul_(0.9)
+        return qca_lowmem.qca_update(psi, 0.1 * torch.tanh(conv(qca_lowmem.qca_pack(psi))), 0.05)
+
+    plain_loss = weighted(qca_lowmem.rollout(step, psi0(), STEPS, checkpoint="none")[0])
+    plain_loss.backward()  # plain autograd accepts it
+    with pytest.raises(RuntimeError) as error:
+        qca_lowmem.rollout(step, psi0(), STEPS, **policy)
+    message = str(error.value)
+    assert "\n" not in message and f"rollout(checkpoint={policy['checkpoint']!r})" in message
+    assert "in place" in message and "step " in message and "out of place" in message
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_a_parameter_no_earlier_step_reaches_gets_its_gradient(policy):
+    """The first step reaches no parameter and psi0 requires no grad: the later steps that reach
+    one still give it plain autograd's gradient."""
+    results = {}
+    for name, options in (("plain", dict(checkpoint="none")), ("policy", policy)):
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(4, 4, 3, padding=1).double()
+
+        def step(psi):
+            x = qca_lowmem.qca_pack(psi)
+            delta = 0.1 * torch.tanh(conv(x)) if grown(psi, 0) else torch.full_like(x, 0.1)
+            return qca_lowmem.qca_update(psi, delta, 0.05)
+
+        results[name] = run(step, list(conv.parameters()), options)
+    (loss, grads), (plain_loss, plain_grads) = results["policy"], results["plain"]
+    assert loss == pytest.approx(plain_loss, rel=1e-12)
+    for got, expected in zip(grads, plain_grads):
+        assert got is not None and ((got - expected).abs().max() / expected.abs().max()).item() < 1e-10
