@@ -140,9 +140,9 @@ def lowmem_steps(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] 
     if not fused_step_ops:
         if compiled_module(operator) is not operator:
             raise TypeError(f"enable(): {type(operator).__name__} (torch.compile of {type(operator._orig_mod).__name__}) "
-                            "with fused_step_ops=False: the engine's own step would run one compiled graph in the "
-                            "forward (no grad) and another in the recompute (grad), which can round differently; "
-                            "fused_step_ops=True runs the module it wraps")
+                            "with fused_step_ops=False; fused_step_ops=True runs the module it wraps\nThe engine's "
+                            "own step would run one compiled graph in the forward (no grad) and another in the "
+                            "recompute (grad), which can round differently")
         return None, (engine_memory_step(motor.state, motor.evolve_step) if memory else None)
     if not memory:
         step = fused_engine_step(motor, gamma)
