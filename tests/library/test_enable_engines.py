@@ -264,3 +264,10 @@ def test_a_lowmem_section_that_asks_for_it_is_refused_in_its_own_terms(monkeypat
     trainer = make_trainer(HalfStepMotor)
     assert qca_lowmem.enable_from_config(trainer, {"LOWMEM": {"enabled": True, "fused_step_ops": "false"}})
     assert trainer._qca_lowmem_state.options.fused_step_ops is False
+
+
+def test_a_section_is_told_the_setting_that_trains_an_engine_it_cannot_run_on_stock(monkeypatch):
+    monkeypatch.delenv("QCA_LOWMEM", raising=False)
+    with pytest.raises(TypeError, match=r"^enable\(\): FieldMotor\.evolve_step .*; no setting changes that: train "
+                                        r"this engine on stock, with LOWMEM: false\n"):
+        qca_lowmem.enable_from_config(make_trainer(FieldMotor), {"LOWMEM": True})

@@ -136,4 +136,5 @@ def in_config_terms(message: str) -> str:
         value = match.group(2)
         return f"LOWMEM.{match.group(1)}: {_YAML_VALUES.get(value, value.strip(chr(39)))}"
 
-    return _KEYWORD_ADVICE.sub(key, message) + "\nLOWMEM: false trains this experiment on stock."
+    message = _KEYWORD_ADVICE.sub(key, message).replace("without enable()", "with LOWMEM: false")
+    return message if "LOWMEM: false" in message else message + "\nLOWMEM: false trains this experiment on stock."
