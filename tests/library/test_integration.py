@@ -428,3 +428,16 @@ def test_an_operator_left_off_the_trainers_device_is_refused():
     assert not hasattr(trainer, "_qca_lowmem_state")
     trainer.device = "cpu"
     qca_lowmem.enable(trainer)
+
+
+def test_under_the_environment_switch_the_move_it_needs_is_still_said(monkeypatch, caplog):
+    monkeypatch.setenv("QCA_LOWMEM", "1")
+    trainer = make_trainer()
+    trainer.device = torch.device("cuda")
+    with caplog.at_level("WARNING", logger="qca_lowmem"):
+        assert qca_lowmem.enable_from_config(trainer, None) is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "off, QC_Trainer_v4 trains on stock: the trainer's device is cuda, but its operator's parameters are on cpu "
+        "(QC_Trainer_v4 does not move a model it builds): move it first with trainer.motor.operator.to('cuda'); "
+        "unset QCA_LOWMEM for it to silence this"]
+    assert not hasattr(trainer, "_qca_lowmem_state")

@@ -113,8 +113,10 @@ def enable_from_config(trainer, cfg=None, **overrides):
     try:
         enable(trainer, **options)
     except (TypeError, ValueError) as error:
-        if asked_by_config:
+        if asked_by_config and type(error) in (TypeError, ValueError):
             raise type(error)(in_config_terms(str(error))).with_traceback(error.__traceback__) from None
+        if asked_by_config:
+            raise
         # What and why, without enable()'s advice: the environment reaches none of its settings.
         why = str(error).splitlines()[0].removeprefix("enable(): ").split("; ")[0]
         say(logging.WARNING, f"off, {type(trainer).__name__} trains on stock: {why}; "
@@ -134,7 +136,8 @@ def in_config_terms(message: str) -> str:
     and how to train this experiment on stock."""
     def key(match):
         value = match.group(2)
-        return f"LOWMEM.{match.group(1)}: {_YAML_VALUES.get(value, value.strip(chr(39)))}"
+        value = _YAML_VALUES.get(value, value.strip("'"))
+        return f"LOWMEM.{match.group(1)}: {value}"
 
     message = _KEYWORD_ADVICE.sub(key, message).replace("without enable()", "with LOWMEM: false")
     return message if "LOWMEM: false" in message else message + "\nLOWMEM: false trains this experiment on stock."

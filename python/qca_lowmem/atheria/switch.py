@@ -136,7 +136,7 @@ def _check_placement(trainer):
     device = next(trainer.motor.operator.parameters()).device
     if wanted.type != device.type or None not in (wanted.index, device.index) and wanted.index != device.index:
         raise ValueError(f"enable(): the trainer's device is {wanted}, but its operator's parameters are on {device} "
-                         f"(QC_Trainer_v4 does not move a model it builds); move it first: "
+                         f"(QC_Trainer_v4 does not move a model it builds): move it first with "
                          f"trainer.motor.operator.to({str(wanted)!r})")
 
 
