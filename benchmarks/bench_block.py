@@ -12,7 +12,8 @@ On a CUDA GPU:
 On the CPU (`--device cpu`), part 2 only, at one torch thread and at all of them in the same run:
 the fused forward and backward, torch's unfused group_norm + elu (forward, and its autograd
 backward) on the same tensors and a `copy_` of x, timed interleaved (one of each per round),
-medians. Two more per row show where the time floor is: the fused forward's second pass alone
+medians; forward + backward against torch's is the ratio of the two medians' sums. Two more per row
+show where the time floor is: the fused forward's second pass alone
 (groupnorm_elu_apply: normalise + ELU with the statistics given) and torch's `elu` alone on x.
 Also writes a PNG of the kernels' bandwidth against the copy's.
 
@@ -44,6 +45,9 @@ def parse_args(argv=None):
                         help="recompute modes of the fused UNetUnitary to measure")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--calls", type=int, default=20,
+                        help="CUDA kernels: time each call inside a captured graph of this many (1: one call "
+                             "between two events, which mostly times its launch)")
     parser.add_argument("--skip-model", action="store_true", help="only the kernel benchmark")
     parser.add_argument("--skip-kernels", action="store_true", help="only the model benchmark")
     parser.add_argument("--threads", type=int, nargs="+", default=None,
@@ -52,8 +56,8 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def median_ms(fn, args):
-    return common.median_seconds(fn, torch.device("cuda"), warmup=args.warmup, reps=args.iters) * 1e3
+def median_ms(fn, args, calls=1):
+    return common.median_seconds(fn, torch.device("cuda"), warmup=args.warmup, reps=args.iters, calls=calls) * 1e3
 
 
 def bench_models(args, reference, qca_lowmem):
@@ -144,8 +148,8 @@ def bench_kernels(args):
         dtype = DTYPES[dtype_name]
         channels, height, width, groups = shape
         y, mean, rstd = ops.groupnorm_elu(x, weight, bias, groups, 1e-5)
-        fwd_ms = median_ms(lambda: ops.groupnorm_elu(x, weight, bias, groups, 1e-5), args)
-        bwd_ms = median_ms(lambda: ops.groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd), args)
+        fwd_ms = median_ms(lambda: ops.groupnorm_elu(x, weight, bias, groups, 1e-5), args, args.calls)
+        bwd_ms = median_ms(lambda: ops.groupnorm_elu_backward(grad_y, x, weight, bias, mean, rstd), args, args.calls)
         # Stock: nn.GroupNorm then nn.ELU (fp32 affine, as autocast runs it).
         xs = x.detach().requires_grad_(True)
         ws, bs = weight.detach().requires_grad_(True), bias.detach().requires_grad_(True)
@@ -153,9 +157,10 @@ def bench_kernels(args):
         def stock_forward():
             return F.elu(F.group_norm(xs, groups, ws.to(dtype), bs.to(dtype), 1e-5))
 
-        stock_fwd_ms = median_ms(stock_forward, args)
+        stock_fwd_ms = median_ms(stock_forward, args, args.calls)
         ys = stock_forward()
-        stock_bwd_ms = median_ms(lambda: torch.autograd.grad(ys, (xs, ws, bs), grad_y, retain_graph=True), args)
+        stock_bwd_ms = median_ms(lambda: torch.autograd.grad(ys, (xs, ws, bs), grad_y, retain_graph=True), args,
+                                 args.calls)
         element = x.element_size()
         fwd_bytes = 2 * x.numel() * element  # read x, write y
         bwd_bytes = 3 * x.numel() * element  # read x and grad_y, write grad_x
@@ -218,12 +223,15 @@ def bench_kernels_cpu(args):
                 "forward_fraction_of_copy": fwd_gbs / copy_gbs, "backward_fraction_of_copy": bwd_gbs / copy_gbs,
                 "forward_speedup_vs_stock": seconds["stock_forward"] / seconds["forward"],
                 "backward_speedup_vs_stock": seconds["stock_backward"] / seconds["backward"],
+                "forward_backward_speedup_vs_stock": (seconds["stock_forward"] + seconds["stock_backward"])
+                / (seconds["forward"] + seconds["backward"]),
             }
             rows.append(row)
             print(f"{threads}t B={batch} {dtype_name} {layout:13s} C={channels:4d} {height}x{width} G={groups:3d}: "
                   f"fwd {row['forward_ms'] * 1e3:7.0f} us {row['forward_speedup_vs_stock']:4.2f}x stock "
                   f"{fwd_gbs / copy_gbs:4.0%} of copy | bwd {row['backward_ms'] * 1e3:7.0f} us "
                   f"{row['backward_speedup_vs_stock']:4.2f}x stock {bwd_gbs / copy_gbs:4.0%} of copy "
+                  f"| fwd+bwd {row['forward_backward_speedup_vs_stock']:4.2f}x stock "
                   f"| ELU pass {row['apply_fraction_of_copy']:4.0%}, torch elu {row['stock_elu_fraction_of_copy']:4.0%} "
                   f"of copy | copy {copy_gbs:5.1f} GB/s", flush=True)
     return {"groupnorm_elu": rows}

@@ -19,7 +19,11 @@ graph, lowmem_fp32_auto_half with half of it, lowmem_fp32_auto_free with budget=
 device has left). Each run gets a fresh copy of the same initial weights and its own optimizer; it
 reports the peaks of torch.cuda.max_memory_allocated and max_memory_reserved over the measured
 episodes (after a warm-up episode, so AdamW's state exists) and the median episode time; a
-StepGraph run also the captures it made and whether it fell back to eager steps.
+StepGraph run also the captures it made and whether it fell back to eager steps. The _cl runs
+are their runs with the model's weights and the pack channels_last (NHWC end to end). stock_v4
+and lowmem_enable_default are the users' trainer, stock and through enable()'s defaults
+(episode_trainer.py). --profile adds one profiled episode per run: kernels and host-waiting ops
+per step, the GPU's busy fraction (episode_profile.py).
 The fp32 gradients of stock and lowmem_fp32_step are compared on the same weights, psi0 and
 noise. A run that runs out of memory is reported with an "error" and no numbers.
 
@@ -35,6 +39,7 @@ On the CPU, the embedded `qca-lowmem train` config at one thread:
 """
 
 import argparse
+import contextlib
 import copy
 import math
 import statistics
@@ -45,13 +50,16 @@ import torch
 import torch.utils.checkpoint
 
 import common
+import episode_profile
 import qca_lowmem
+from episode_trainer import TRAINER_RUNS, TrainerRun
 from qca_lowmem import stock as reference
-from qca_lowmem.recompute.memory import step_graph_bytes
 
+# channels_last: the model's weights and the pack NHWC, as the trainer's channels_last setting
+CHANNELS_LAST_RUNS = ["lowmem_fp32_step_graph_cl", "lowmem_bf16_step_graph_cl", "lowmem_bf16_step_cl"]
 RUNS = ["lowmem_fp32_step_graph", "lowmem_bf16_step_graph", "lowmem_fp16_step_graph", "stock_fp32",
         "stock_fp16_autocast", "stock_fp16_checkpoint", "lowmem_fp32_step", "lowmem_bf16_step", "lowmem_fp16_step",
-        "lowmem_bf16_revolve32"]
+        "lowmem_bf16_revolve32", *CHANNELS_LAST_RUNS, *TRAINER_RUNS]
 # Asked for by name: they take the CPU episode's time apart (what the recompute costs stock, the
 # fused kernels without any recompute, the forward pass a recompute repeats).
 EXTRA_RUNS = ["stock_fp32_checkpoint", "lowmem_fp32_keep", "lowmem_fp32_forward", "lowmem_fp32_step_unchecked",
@@ -77,7 +85,11 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--skip-grad-check", action="store_true")
-    p.add_argument("--out", default=None, help="output JSON (default benchmarks/results/episode_<device>.json)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one more episode per run: kernels and host waits per step, GPU busy fraction")
+    p.add_argument("--profile-steps", type=int, default=None, help="steps of the profiled episode (default --steps)")
+    p.add_argument("--out", default=None, help="output JSON (default benchmarks/results/<name>_<device>.json)")
+    p.add_argument("--name", default="episode", help="the result file's name before the device (default episode)")
     args = p.parse_args(argv)
     cuda_only = [name for name in args.runs if name in CUDA_ONLY_RUNS]
     if cuda_only and not args.device.startswith("cuda"):
@@ -94,7 +106,7 @@ def lowmem_model(stock_model, args):
 
 def stock_forward(model, psi0, args, rate, autocast_dtype=None, checkpoint_steps=False):
     """Stock train_episode's forward: returns the history."""
-    injector = reference.NoiseInjector()
+    injector = reference.NoiseInjector(psi0.device)  # the users' injector: boolean masks
     step = lambda psi: reference.step(psi, model, args.gamma)  # noqa: E731
     with torch.autocast(psi0.device.type, dtype=autocast_dtype or torch.float16, enabled=autocast_dtype is not None):
         if not checkpoint_steps:
@@ -110,9 +122,10 @@ def stock_forward(model, psi0, args, rate, autocast_dtype=None, checkpoint_steps
         return history
 
 
-def lowmem_step_fn(model, gamma, pack_dtype):
+def lowmem_step_fn(model, gamma, pack_dtype, channels_last=False):
     def step(psi):
-        return qca_lowmem.qca_update(psi, model(qca_lowmem.qca_pack(psi, pack_dtype)), gamma, multiplicative=True)
+        x = qca_lowmem.qca_pack(psi, pack_dtype, channels_last=channels_last)
+        return qca_lowmem.qca_update(psi, model(x), gamma, multiplicative=True)
 
     return step
 
@@ -126,6 +139,7 @@ def lowmem_forward(model, psi0, args, schedule, autocast_dtype=None, checkpoint=
 
 
 def run_forward(name, model, psi0, args, episode_seed, step=None, budget=None):
+    name = name.removesuffix("_cl")  # its model and step are channels_last (Run)
     rate = reference.noise_rate(args.episode, args.max_noise)
     schedule = qca_lowmem.NoiseSchedule(args.max_noise, args.episode, seed=episode_seed)
     if name == "stock_fp32":
@@ -144,7 +158,7 @@ def run_forward(name, model, psi0, args, episode_seed, step=None, budget=None):
     if name == "lowmem_fp32_step_unchecked":
         return lowmem_forward(model, psi0, args, schedule, check_recompute=False)
     if name == "lowmem_bf16_step":
-        return lowmem_forward(model, psi0, args, schedule, torch.bfloat16)
+        return lowmem_forward(model, psi0, args, schedule, torch.bfloat16, step=step)
     if name == "lowmem_fp16_step":
         return lowmem_forward(model, psi0, args, schedule, torch.float16)
     if name.startswith("lowmem_fp32_auto"):
@@ -196,15 +210,19 @@ class Run:
         if "fp16" in name:
             self.scaler = (qca_lowmem.amp.GradScaler if name.startswith("lowmem") else torch.amp.GradScaler)(device.type)
         self.step = None
-        if name.endswith("_step_graph"):
-            self.step = qca_lowmem.StepGraph(lowmem_step_fn(self.model, args.gamma, AMP[name.split("_")[1]]))
+        if name.endswith("_cl"):
+            self.model = self.model.to(memory_format=torch.channels_last)
+            self.step = lowmem_step_fn(self.model, args.gamma, AMP[name.split("_")[1]], channels_last=True)
+        if name.removesuffix("_cl").endswith("_step_graph"):
+            self.step = qca_lowmem.StepGraph(self.step or lowmem_step_fn(self.model, args.gamma, AMP[name.split("_")[1]]))
         self.budget = None
         if name == "lowmem_fp32_auto_free":
             self.budget = "free"
         elif name.startswith("lowmem_fp32_auto"):
-            self.step = lowmem_step_fn(self.model, args.gamma, None)  # one step_fn: its graph is measured once
-            # step_graph_bytes -> (one step's full graph with its output state, the state alone)
-            whole = args.steps * step_graph_bytes(self.step, initial_state(args, device, 0))[0]
+            self.step = lowmem_step_fn(self.model, args.gamma, None)
+            psi = initial_state(args, device, 0)
+            with torch.enable_grad(), qca_lowmem.keep_block_intermediates():  # every step's full graph and output
+                whole = args.steps * (qca_lowmem.saved_bytes(self.step, psi.requires_grad_(True)) + psi.nbytes)
             self.budget = whole // 2 if name.endswith("_half") else whole
         self.times = []
         self.episode(seed=0)
@@ -216,6 +234,14 @@ class Run:
                       episode_seed=seed, step=self.step, budget=self.budget)
         common.synchronize(self.device)
         return time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def steps_set(self, steps):
+        saved, self.args.steps = self.args.steps, steps  # read at each episode
+        try:
+            yield
+        finally:
+            self.args.steps = saved
 
     def capture_record(self):
         """A StepGraph run's captures and whether it fell back (then it is no captured row)."""
@@ -236,11 +262,15 @@ def failed(name, e):
     return {"name": name, "peak_bytes": None, "episode_s": None, "error": str(e).splitlines()[0]}
 
 
+def make_run(name, stock_model, args, device):
+    return (TrainerRun if name in TRAINER_RUNS else Run)(name, stock_model, args, device)
+
+
 def measure_run(name, stock_model, args, device):
     """A run on its own: on CUDA each run's peak memory needs the device to itself."""
     run = None
     try:
-        run = Run(name, stock_model, args, device)
+        run = make_run(name, stock_model, args, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         times = [run.episode(seed=1 + episode) for episode in range(args.episodes)]
@@ -248,6 +278,8 @@ def measure_run(name, stock_model, args, device):
         if device.type == "cuda":
             result.update(peak_bytes=torch.cuda.max_memory_allocated(device),
                           peak_reserved_bytes=torch.cuda.max_memory_reserved(device))
+        if args.profile:  # after the peaks: the profiler's buffers are not the run's
+            result.update(episode_profile.episode_counts(run, args.profile_steps))
         return {**result, **run.capture_record()}
     except (torch.OutOfMemoryError, RuntimeError) as e:
         return failed(name, e)
@@ -262,7 +294,7 @@ def measure_interleaved(names, stock_model, args, device):
     runs, results = {}, {}
     for name in names:
         try:
-            runs[name] = Run(name, stock_model, args, device)
+            runs[name] = make_run(name, stock_model, args, device)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             results[name] = failed(name, e)
     times = {name: [] for name in runs}
@@ -272,6 +304,8 @@ def measure_interleaved(names, stock_model, args, device):
     for name, run in runs.items():
         results[name] = {"name": name, "peak_bytes": None, "episode_s": statistics.median(times[name]),
                          "episodes_s": times[name], **run.capture_record()}
+        if args.profile:
+            results[name].update(episode_profile.episode_counts(run, args.profile_steps))
         run.release()
     return [results[name] for name in names]
 
@@ -315,6 +349,16 @@ def _gradient_errors(stock_model, args, device, kinds):
                       for n, g in grads["stock"].items()) for kind in kinds[1:]}
 
 
+def _profiled(result):
+    if "host_wait_ops_per_step" not in result:
+        return ""
+    text = f"   waits/step {result['host_wait_ops_per_step']:.2f}"
+    if result["kernels_per_step"] is not None:
+        text += (f"   kernels/step {result['kernels_per_step']:.0f} (layout {result['layout_conversions_per_step']:.0f})"
+                 f"   GPU busy {result['gpu_busy_fraction']:.0%}")
+    return text
+
+
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -342,7 +386,7 @@ def main(argv=None):
             graph = ""
             if "captures_made" in result:
                 graph = f"   captures {result['captures_made']}" + (", FELL BACK to eager" if result["fell_back"] else "")
-            print(f"{name:24s} peak {peak:>12s}   episode {result['episode_s']:.3f} s{ratio}{graph}")
+            print(f"{name:24s} peak {peak:>12s}   episode {result['episode_s']:.3f} s{ratio}{graph}{_profiled(result)}")
     grad_errors = {}
     if not args.skip_grad_check:
         try:
@@ -363,7 +407,8 @@ def main(argv=None):
         "noise": {"max_noise": args.max_noise, "episode": args.episode,
                   "rate": reference.noise_rate(args.episode, args.max_noise)},
     }
-    print(f"wrote {common.write_result('episode', device, payload, args.out)}")
+    out = args.out or common.RESULTS / f"{args.name}_{common.slug(common.device_name(device))}.json"
+    print(f"wrote {common.write_result('episode', device, payload, out)}")
     if not all(math.isfinite(e) for e in grad_errors.values()):
         return 1
     return 0

@@ -73,7 +73,7 @@ def main():
     for estimate in predicted["estimates"]:
         row = {"policy": estimate.name, "predicted_bytes": estimate.peak_bytes,
                "model_state_bytes": estimate.model_state_bytes, "kept_bytes": estimate.kept_bytes,
-               "working_bytes": estimate.working_bytes}
+               "working_bytes": estimate.working_bytes, "graph_pool_bytes": estimate.graph_pool_bytes}
         if estimate.peak_bytes > 0.9 * total:
             row["measured_bytes"] = None
             row["skipped"] = "predicted peak exceeds this GPU"
@@ -82,12 +82,15 @@ def main():
                 row["measured_bytes"], row["measured_reserved_bytes"] = measure_policy(config, estimate)
                 row["predicted_over_measured"] = estimate.peak_bytes / row["measured_bytes"]
                 row["within_15_percent"] = abs(row["predicted_over_measured"] - 1.0) <= 0.15
+                # With a captured step's pool, reserved is what a cap limits (issue 41: within 10%).
+                row["predicted_over_reserved"] = estimate.peak_bytes / row["measured_reserved_bytes"]
             except torch.OutOfMemoryError:
                 row["measured_bytes"] = None
                 row["skipped"] = "out of memory"
         rows.append(row)
         print(f"{row['policy']:<26} predicted {row['predicted_bytes'] / 2**20:10.1f} MiB  measured "
-              + (f"{row['measured_bytes'] / 2**20:10.1f} MiB  ratio {row['predicted_over_measured']:.3f}"
+              + (f"{row['measured_bytes'] / 2**20:10.1f} MiB  ratio {row['predicted_over_measured']:.3f}  "
+                  f"of reserved {row['predicted_over_reserved']:.3f}"
                  if row.get("measured_bytes") else row["skipped"]), flush=True)
     env = environment(torch.device("cuda"), repo=ROOT)
     result = {"kind": "plan", **env,

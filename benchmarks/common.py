@@ -20,11 +20,14 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def median_seconds(fn, device, warmup=5, reps=20, setup=None):
+def median_seconds(fn, device, warmup=5, reps=20, setup=None, calls=1):
     """Median wall time of fn(): CUDA events on a GPU, perf_counter after a sync elsewhere.
 
     `setup()`, when given, runs before each call, outside the timing (to restore inputs that fn
-    changes in place)."""
+    changes in place). `calls` > 1 (CUDA, without setup): the time of one call within a replay of
+    a captured graph of that many calls (`in_graph`)."""
+    if calls > 1 and setup is None:
+        return interleaved_medians({"fn": fn}, device, warmup, reps, calls)["fn"]
     for _ in range(warmup):
         if setup:
             setup()
@@ -69,24 +72,52 @@ def write_result(kind, device, payload, out=None):
     return path
 
 
-def interleaved_medians(candidates, device, warmup=3, reps=20):
-    """{name: median seconds} of candidates {name: fn}, timed in turn within each repetition, so
-    that load from other processes falls on all of them alike and their ratios stay fair. CUDA
-    events on a GPU, perf_counter elsewhere."""
+def in_graph(fn, device, calls):
+    """(a function replaying one captured CUDA graph of `calls` calls of fn, calls), or (fn, 1)
+    where fn cannot be captured (it syncs with the host, say) or off CUDA. At the U-Net's sizes a
+    kernel takes about as long as its launch, so one call between two events mostly times the
+    launch; a replay issues the calls back to back, as the captured step runs them."""
+    if device.type != "cuda" or calls <= 1:
+        return fn, 1
+    from qca_lowmem.recompute import graph  # StepGraph's capture: it leaves the process as found on failure
+
+    if device.index is None:  # the capture's clean-up after a failure names the device by index
+        device = torch.device("cuda", torch.cuda.current_device())
+    graphs = graph._graphs(device)
+    try:
+        with graphs.warming_up():
+            for _ in range(3):
+                fn()
+        _, replay = graphs.capture(lambda: [fn() for _ in range(calls)])
+    except RuntimeError as error:
+        print(f"not captured, timed call by call: {str(error).splitlines()[0]}", flush=True)
+        return fn, 1
+    return replay, calls
+
+
+def interleaved_medians(candidates, device, warmup=3, reps=20, calls=1, timed_in=None):
+    """{name: median seconds of one call} of candidates {name: fn}, timed in turn within each
+    repetition, so that load from other processes falls on all of them alike and their ratios
+    stay fair. CUDA events on a GPU, perf_counter elsewhere; with `calls` > 1 on CUDA, each
+    candidate's time within a captured graph of that many calls (`in_graph`); `timed_in`, a dict,
+    gets each candidate's calls per timed run (1: timed call by call)."""
     cuda = device.type == "cuda"
+    timed = {name: in_graph(fn, device, calls) for name, fn in candidates.items()}
+    if timed_in is not None:
+        timed_in.update({name: per for name, (_, per) in timed.items()})
     for _ in range(warmup):
-        for fn in candidates.values():
+        for fn, _ in timed.values():
             fn()
     times = {name: [] for name in candidates}
     for _ in range(reps):
-        for name, fn in candidates.items():
+        for name, (fn, per) in timed.items():
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 fn()
                 end.record()
                 end.synchronize()
-                times[name].append(start.elapsed_time(end) / 1e3)
+                times[name].append(start.elapsed_time(end) / 1e3 / per)
             else:
                 t0 = time.perf_counter()
                 fn()

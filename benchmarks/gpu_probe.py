@@ -11,9 +11,15 @@
    second host thread; the recompute check's margin (its measured difference over its tolerance)
    with the output head at a trained size.
 4. groupnorm: the fused GroupNorm+ELU forward and backward at the U-Net's own GroupNorm shapes
-   (read off the model with hooks), against torch's group_norm + elu and a `copy_` of the input.
+   (read off the model with hooks), against torch's group_norm + elu and a `copy_` of the input,
+   each call timed inside a captured graph of GRAPH_CALLS calls (one call between two events
+   mostly times its launch).
 5. budget: budget="free" under a 3.68 GiB per-process cap (the small-GPU emulation): what
-   `free_bytes` reads against the cap, and that an "auto" rollout under it runs.
+   `free_bytes` reads against the cap, and that an "auto" rollout of a captured step (a StepGraph)
+   runs under it, with its private pool's free bytes, which free_bytes leaves out.
+6. noise: the users' boolean-mask noise injector (stock.NoiseInjector) against its replay without
+   host waits (atheria/noise_replay.py): bitwise equal flips, the CUDA generator left alike, and
+   the ops that wait for the GPU in each.
 
 Each section is written to benchmarks/results/probe_<device>.json as soon as it ends (a killed
 run keeps what it had); a section that fails records its error and the next one runs. Without a
@@ -37,10 +43,11 @@ import qca_lowmem
 from qca_lowmem import stock
 from qca_lowmem.ops.qca_step import fused_step
 from qca_lowmem.recompute import memory
-from qca_lowmem.recompute.graph import CaptureFallbackWarning
+from qca_lowmem.recompute.cuda_graphs import CaptureFallbackWarning
 from qca_lowmem.recompute.recompute_check import ROUNDING_UNITS, _relative_difference
 
-SECTIONS = ["capture", "fallback", "determinism", "groupnorm", "budget"]
+SECTIONS = ["capture", "fallback", "determinism", "groupnorm", "budget", "noise"]
+GRAPH_CALLS = 20  # calls per captured graph when timing a kernel
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 CAP_BYTES = int(3.68 * 2**30)
 
@@ -254,8 +261,10 @@ def section_groupnorm(args, device):
                 "torch_backward": lambda: torch.autograd.grad(torch_y, (x, w, b), g, retain_graph=True),
                 "copy_of_x": common.copy_of(x.numel() * x.element_size() * 2, device),
             }
-            times = common.interleaved_medians(candidates, device, warmup=5, reps=30)
+            calls = {}
+            times = common.interleaved_medians(candidates, device, warmup=5, reps=30, calls=GRAPH_CALLS, timed_in=calls)
             row = {"shape": list(shape), "groups": groups, "dtype": str(dtype).replace("torch.", ""),
+                   "calls_per_timed_graph": calls,
                    **{f"{k}_us": v * 1e6 for k, v in times.items()},
                    "max_abs_diff_vs_torch": (fused_y.float() - torch_y.float()).abs().max().item()}
             print(f"groupnorm {shape} g={groups} {row['dtype']}: {short(row)}")
@@ -283,11 +292,15 @@ def section_budget(args, device):
             for p in unet.parameters():
                 p.grad = None
             start = psi0(args, device)
-            _, history = qca_lowmem.rollout(step, start, long_args.steps, checkpoint="auto", budget="free")
+            captured = qca_lowmem.StepGraph(step)
+            _, history = qca_lowmem.rollout(captured, start, long_args.steps, checkpoint="auto", budget="free")
             stock.evolutionary_loss(history, start)[0].backward()
             torch.cuda.synchronize(device)
             row.update(auto_free_ran=True, auto_peak_allocated=torch.cuda.max_memory_allocated(device),
-                       auto_peak_reserved=torch.cuda.max_memory_reserved(device))
+                       auto_peak_reserved=torch.cuda.max_memory_reserved(device),
+                       captures_made=captured.captures_made, fell_back=bool(captured.failed_keys),
+                       private_pool_free_bytes=memory.private_pool_free_bytes(device),
+                       free_bytes_after=memory.free_bytes(device))
         except torch.OutOfMemoryError as e:
             row.update(auto_free_ran=False, error=f"out of memory: {str(e).splitlines()[0]}")
     finally:
@@ -295,6 +308,35 @@ def section_budget(args, device):
         torch.cuda.set_per_process_memory_fraction(before, device)
     print(f"budget: {short(row)}")
     return row
+
+
+def section_noise(args, device):
+    from qca_lowmem.atheria.noise_replay import MaskFreeInjector
+
+    def flipped(injector, method, psi):
+        torch.manual_seed(5)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            out = getattr(injector, method)(psi, 0.3)
+        waits = sum(e.name in ("aten::nonzero", "aten::_local_scalar_dense") for e in profile.events())
+        generator = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+        return out, generator, waits
+
+    rows = []
+    for shape in ((1, args.grid, args.grid, args.d_state), (2, 17, 33, 3)):
+        for dtype in (torch.complex64, torch.complex128):
+            psi = torch.randn(shape, dtype=dtype, device=device)
+            for method in ("apply_phase_flip", "apply_bit_flip"):
+                theirs, rng_theirs, waits_theirs = flipped(stock.NoiseInjector(device), method, psi)
+                ours, rng_ours, waits_ours = flipped(MaskFreeInjector(device), method, psi)
+                rows.append({"shape": list(shape), "dtype": str(dtype).replace("torch.", ""), "method": method,
+                             "bitwise": torch.equal(torch.view_as_real(ours), torch.view_as_real(theirs)),
+                             "same_generator": torch.equal(rng_ours, rng_theirs),
+                             "cells_flipped": (theirs != psi).any(-1).float().mean().item(),
+                             "waits_theirs": waits_theirs, "waits_replay": waits_ours})
+    result = {"all_bitwise": all(r["bitwise"] and r["same_generator"] for r in rows), "rows": rows}
+    print(f"noise: all bitwise {result['all_bitwise']}; waits theirs/replay "
+          f"{[(r['waits_theirs'], r['waits_replay']) for r in rows[:2]]}")
+    return result
 
 
 def short(row):

@@ -14,6 +14,9 @@
 #           both the one-block and the split-group paths
 # bench:    kernels (QCA step, blocks, scaler), episode and plan (plan vs measured peaks); each
 #           also a phase of its own; results in benchmarks/results/
+# users:    the episode rows issue 41 asks for, profiled (kernels and host waits per step, GPU
+#           busy): the users' trainer stock and through enable()'s defaults, the captured step
+#           NCHW and channels_last (benchmarks/results/episode_users_<device>.json, about 3 minutes)
 # cap:      100 default-config episodes under a 3.68 GiB cap (benchmarks/results/cap_<device>.json)
 # cap128:   the small-GPU profile at grid 128 under the same cap, step and revolve (a few episodes)
 # PYTEST_ARGS adds arguments to the test phase, SANITIZE_PYTEST_ARGS to memcheck's, EPISODE_ARGS
@@ -93,12 +96,18 @@ phase() {
     # shellcheck disable=SC2086
     episode) run bench_episode "$PYTHON" benchmarks/bench_episode.py ${EPISODE_ARGS:-} ;;
     plan) run bench_plan "$PYTHON" benchmarks/bench_plan.py ;;
+    users)
+      run bench_episode_users "$PYTHON" benchmarks/bench_episode.py --episodes 2 --profile --profile-steps 50 --runs stock_fp32 \
+        stock_fp16_checkpoint stock_v4 lowmem_enable_default lowmem_enable_channels_last \
+        lowmem_fp32_step_graph lowmem_fp32_step_graph_cl lowmem_bf16_step_graph \
+        lowmem_bf16_step_graph_cl lowmem_bf16_step lowmem_bf16_step_cl --name episode_users
+      ;;
     cap) run bench_cap "$PYTHON" benchmarks/bench_cap.py ;;
     cap128)
       run cap128_step "$PYTHON" benchmarks/bench_cap.py --config configs/small_gpu.yaml --grid 128 --episodes 5 --name cap128_fp16_step
       run cap128_revolve "$PYTHON" benchmarks/bench_cap.py --config configs/small_gpu.yaml --grid 128 --episodes 5 --checkpoint revolve --slots 32 --name cap128_fp16_revolve32
       ;;
-    *) echo "unknown phase: $1 (build, probe, test, sanitize, bench, kernels, episode, plan, cap, cap128)"; exit 2 ;;
+    *) echo "unknown phase: $1 (build, probe, test, sanitize, bench, kernels, episode, plan, users, cap, cap128)"; exit 2 ;;
   esac
 }
 echo "=== $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -n 1); $("$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1); $(nproc) CPUs; $(git rev-parse --short HEAD 2>/dev/null)"

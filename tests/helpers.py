@@ -221,3 +221,47 @@ def report_lines(stderr: str):
 def write_config(path: Path, config=None, text=None) -> str:
     path.write_text(text if text is not None else yaml.safe_dump(config if config is not None else TINY))
     return str(path)
+
+
+def full_step_bytes(step, psi, carry=None) -> int:
+    """What one step's full graph keeps (blocks keeping their intermediates) plus its output
+    state, as checkpoint="auto" counts a step it keeps whole."""
+    with torch.enable_grad(), qca_lowmem.keep_block_intermediates():
+        if carry is None:
+            return qca_lowmem.saved_bytes(step, psi.detach().requires_grad_(True)) + psi.nbytes
+        return qca_lowmem.saved_bytes(step, psi.detach().requires_grad_(True), carry) + psi.nbytes + \
+            sum(c.nbytes for c in carry)
+
+
+# Ops after which the host waits for a GPU to finish: a boolean index or mask (nonzero, masked_select)
+# and a scalar read (.item(), a Python bool of a tensor). Counted on any device by the profiler,
+# which records the ops a composite one calls (a boolean index's nonzero) too.
+HOST_WAIT_OPS = ("aten::nonzero", "aten::masked_select", "aten::_local_scalar_dense")
+
+
+def host_waits(fn) -> int:
+    """How many ops `fn()` runs that make the host wait for a GPU."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        fn()
+    return sum(event.name in HOST_WAIT_OPS for event in profile.events())
+
+
+def inside(event, name: str) -> bool:
+    """Whether a profiler event ran inside an op of this name."""
+    event = event.cpu_parent
+    while event is not None:
+        if event.name == name:
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def gradient_casts_in(episode) -> int:
+    """aten::_to_copy calls from bfloat16 3x3 conv weight gradients back to float32, but for those
+    an add_ of mixed dtypes makes inside itself (on the CPU torch casts its operand to a temporary
+    first; a CUDA add reads the half-precision operand in its kernel)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        episode()
+    return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
+               and len(e.input_shapes[0]) == 4 and e.input_shapes[0][2:] == [3, 3]
+               and e.input_dtypes[0] == "c10::BFloat16" and not inside(e, "aten::add_"))

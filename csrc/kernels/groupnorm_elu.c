@@ -24,7 +24,7 @@ enum {
    * fewer, so that small planes flush few. */
   GN_STAT_LANES = 32,
   GN_STAT_RUN = 1024,
-  GN_GRAD_LANES = 8,
+  GN_GRAD_LANES = 16,
   GN_GRAD_RUN = 256,
   GN_MAX_COLS = 512,  /* channels_last: channels processed side by side */
   GN_FLUSH_ROWS = 32, /* channels_last: rows added in the compute type before going to double */
@@ -145,7 +145,7 @@ static inline double gn_elu_slope_f64(double z) { return z > 0 ? 1.0 : exp(z); }
  * mode does not contract a * b + c into an FMA. */
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
-#define GN_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#define GN_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
 #endif
 #ifndef GN_VECTOR_CLONES

@@ -32,8 +32,12 @@
 #define QCA_SIMD_CLONES
 #endif
 
-/* Components per tile: its planes stay in L1/L2. */
-#define QCA_TILE_COMPONENTS 512
+/* Components per tile (1,024 cells at d = 14): its planes stay in L2, and each plane of a tensor
+ * is read or written in runs of 4 KiB. Tiles of 512 components (36 cells) cut the 28 planes of
+ * delta or x into runs of 144 bytes, and the update spent most of its time waiting on them. */
+#define QCA_TILE_COMPONENTS 14336
+/* Components per tile of a pack of a range that fits in L2 (128 cells at d = 14). */
+#define QCA_L1_TILE_COMPONENTS 1792
 
 #define REAL float
 #define SUFFIX f32
@@ -219,46 +223,59 @@ static QCA_ALWAYS_INLINE void qca_transpose8(const float* in, const int64_t in_r
 #undef QCA_HI4
 
 /* Value c of a cell's 8 (components k0 .. k0 + 3, re and im) is in plane (k0 + c / 2, c % 2).
- * Only for planes close together (a tile's): eight planes of a large tensor, a power of two
- * apart, would evict each other's lines. */
-static int planes_close(int64_t k_stride, int64_t part_stride) {
-  return 3 * k_stride + part_stride < 1024;
+ * A tile's planes are read or written 8 cells at a time over every component, so that the rows
+ * go by once, in order. Planes a multiple of 4 KiB apart (a 64 x 64 tensor's) share their cache
+ * sets: eight of them written at once evict each other from L1, so writes into them take the
+ * narrow path (four planes at a time) and reads go one group of eight planes at a time. */
+static int planes_alias(int64_t k_stride, int64_t part_stride) {
+  return k_stride % 1024 == 0 || part_stride % 1024 == 0;
 }
 
 QCA_SIMD_CLONES static int64_t rows_to_planes_wide_f32(const float* restrict rows,
                                                        int64_t row_stride, float* restrict planes,
                                                        int64_t k_stride, int64_t part_stride,
                                                        int64_t n, int64_t d) {
-  if (!planes_close(k_stride, part_stride)) return 0;
+  if (planes_alias(k_stride, part_stride)) return 0;
   const int64_t blocked = n - n % 8;
   int64_t k0 = 0, cell_row[8], plane_row[8];
   for (int a = 0; a < 8; ++a) cell_row[a] = a * row_stride;
-  for (; k0 + 4 <= d; k0 += 4) {
-    for (int c = 0; c < 8; ++c) plane_row[c] = (k0 + c / 2) * k_stride + (c % 2) * part_stride;
-    for (int64_t i0 = 0; i0 < blocked; i0 += 8)
-      qca_transpose8(rows + i0 * row_stride + 2 * k0, cell_row, planes + i0, plane_row);
+  for (int c = 0; c < 8; ++c) plane_row[c] = (c / 2) * k_stride + (c % 2) * part_stride;
+  const int64_t wide = d - d % 4;
+  for (int64_t i0 = 0; i0 < blocked; i0 += 8)
+    for (k0 = 0; k0 < wide; k0 += 4)
+      qca_transpose8(rows + i0 * row_stride + 2 * k0, cell_row, planes + k0 * k_stride + i0,
+                     plane_row);
+  for (k0 = 0; k0 < wide; k0 += 4)
     for (int64_t i = blocked; i < n; ++i)
-      for (int c = 0; c < 8; ++c) planes[plane_row[c] + i] = rows[i * row_stride + 2 * k0 + c];
-  }
-  return k0;
+      for (int c = 0; c < 8; ++c)
+        planes[k0 * k_stride + plane_row[c] + i] = rows[i * row_stride + 2 * k0 + c];
+  return wide;
 }
 
 QCA_SIMD_CLONES static int64_t planes_to_rows_wide_f32(const float* restrict planes,
                                                        int64_t k_stride, int64_t part_stride,
                                                        float* restrict rows, int64_t row_stride,
                                                        int64_t n, int64_t d) {
-  if (!planes_close(k_stride, part_stride)) return 0;
   const int64_t blocked = n - n % 8;
   int64_t k0 = 0, cell_row[8], plane_row[8];
   for (int a = 0; a < 8; ++a) cell_row[a] = a * row_stride;
-  for (; k0 + 4 <= d; k0 += 4) {
-    for (int c = 0; c < 8; ++c) plane_row[c] = (k0 + c / 2) * k_stride + (c % 2) * part_stride;
+  for (int c = 0; c < 8; ++c) plane_row[c] = (c / 2) * k_stride + (c % 2) * part_stride;
+  const int64_t wide = d - d % 4;
+  if (planes_alias(k_stride, part_stride))
+    for (k0 = 0; k0 < wide; k0 += 4)
+      for (int64_t i0 = 0; i0 < blocked; i0 += 8)
+        qca_transpose8(planes + k0 * k_stride + i0, plane_row, rows + i0 * row_stride + 2 * k0,
+                       cell_row);
+  else
     for (int64_t i0 = 0; i0 < blocked; i0 += 8)
-      qca_transpose8(planes + i0, plane_row, rows + i0 * row_stride + 2 * k0, cell_row);
+      for (k0 = 0; k0 < wide; k0 += 4)
+        qca_transpose8(planes + k0 * k_stride + i0, plane_row, rows + i0 * row_stride + 2 * k0,
+                       cell_row);
+  for (k0 = 0; k0 < wide; k0 += 4)
     for (int64_t i = blocked; i < n; ++i)
-      for (int c = 0; c < 8; ++c) rows[i * row_stride + 2 * k0 + c] = planes[plane_row[c] + i];
-  }
-  return k0;
+      for (int c = 0; c < 8; ++c)
+        rows[i * row_stride + 2 * k0 + c] = planes[k0 * k_stride + plane_row[c] + i];
+  return wide;
 }
 #define QCA_WIDE_ROWS_TO_PLANES_F32 rows_to_planes_wide_f32
 #define QCA_WIDE_PLANES_TO_ROWS_F32 planes_to_rows_wide_f32
@@ -324,8 +341,12 @@ static int64_t run_within(const cell_layout* l, int64_t cell, int64_t left) {
   return in_period < left ? in_period : left;
 }
 
+/* A multiple of 8 cells (whole vectors) but not of 16, so that a tile's planes, n floats apart,
+ * do not all fall on the same cache sets (1,024 cells: 4 KiB apart, and the 28 planes of a cell
+ * evicted each other from L1). */
 static int64_t tile_cells(int64_t d) {
-  return d >= QCA_TILE_COMPONENTS ? 1 : QCA_TILE_COMPONENTS / d;
+  const int64_t n = QCA_TILE_COMPONENTS / d;
+  return n >= 16 ? n - n % 16 - 8 : n > 0 ? n : 1;
 }
 
 static qca_status check_grid(const qca_grid* g, int64_t cell_begin, int64_t cell_end) {
@@ -373,8 +394,13 @@ static void move_range(int to_planar, const qca_grid* g, qca_dtype state, void* 
                        const int64_t* x_stride, int64_t begin, int64_t end) {
   const cell_layout pl = layout_of(g, psi_stride[0], psi_stride[1], psi_stride[2]);
   const cell_layout xl = layout_of(g, x_stride[0], x_stride[2], x_stride[3]);
-  const int64_t tile = tile_cells(g->d);
   const int64_t psi_size = (int64_t)dtype_size(state), x_size = (int64_t)dtype_size(x_dtype);
+  /* A range of up to 2 MiB (in L2, or nearly) in tiles whose rows stay in L1 over the passes of
+   * two components each, a larger one in the update's tiles, in long runs a plane: at 64 x 64 x
+   * 14, 0.41 ns a component (B = 1) and 1.2 (B = 16), where one size for both lost a quarter. */
+  const int64_t bytes = (end - begin) * g->d * 2 * (psi_size + x_size);
+  const int64_t small = QCA_L1_TILE_COMPONENTS / g->d > 0 ? QCA_L1_TILE_COMPONENTS / g->d : 1;
+  const int64_t tile = bytes <= (2 << 20) ? small : tile_cells(g->d);
   for (int64_t cell = begin; cell < end;) {
     const int64_t run = run_within(&xl, cell, run_within(&pl, cell, end - cell));
     const int64_t psi_run = 2 * offset_of(g, &pl, cell), x_run = offset_of(g, &xl, cell);

@@ -152,7 +152,7 @@ void prepare_groupnorm_elu_backward(const at::Tensor& grad_y, const at::Tensor& 
   std::tie(b.mean, b.rstd) = checked_stats(b.x, mean, rstd, op);
   b.grad_x = at::empty(b.x.sizes(), b.x.options(), format_of(b.x));
   b.grad_weight_per_sample =
-      at::empty({b.x.size(0), b.x.size(1)}, b.x.options().dtype(stat_type_of(b.x)));
+      at::empty({b.x.size(0) * b.x.size(1)}, b.x.options().dtype(stat_type_of(b.x)));
   b.grad_bias_per_sample = at::empty_like(b.grad_weight_per_sample);
   qca_groupnorm_elu_backward_params& p = b.params;
   p = qca_groupnorm_elu_backward_params{};
@@ -168,8 +168,14 @@ void prepare_groupnorm_elu_backward(const at::Tensor& grad_y, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_groupnorm_elu_backward(
     const GroupNormEluBackward& b) {
   const auto affine_type = b.weight.scalar_type();
-  return {b.grad_x, at::sum(b.grad_weight_per_sample, {0}).to(affine_type),
-          at::sum(b.grad_bias_per_sample, {0}).to(affine_type)};
+  // One sample's sums are the totals: the reduction cost a few microseconds a call, a twentieth
+  // of the CPU kernel at the U-Net's 16x16 planes.
+  const auto total = [&](const at::Tensor& per_sample) {
+    const int64_t samples = b.x.size(0), channels = b.x.size(1);
+    return (samples == 1 ? per_sample : at::sum(per_sample.view({samples, channels}), {0}))
+        .to(affine_type);
+  };
+  return {b.grad_x, total(b.grad_weight_per_sample), total(b.grad_bias_per_sample)};
 }
 
 namespace {

@@ -27,7 +27,7 @@ void prepare_groupnorm_elu_apply(const at::Tensor& x, const at::Tensor& weight,
 struct GroupNormEluBackward {
   qca_groupnorm_elu_backward_params params;
   at::Tensor grad_y, x, weight, bias, mean, rstd, grad_x;
-  at::Tensor grad_weight_per_sample, grad_bias_per_sample;  // (N, C), summed over N afterwards
+  at::Tensor grad_weight_per_sample, grad_bias_per_sample;  // (N C), summed over N afterwards
 };
 
 void prepare_groupnorm_elu_backward(const at::Tensor& grad_y, const at::Tensor& x,

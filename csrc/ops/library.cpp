@@ -1,7 +1,7 @@
 // The qca_lowmem operator library: every schema lives in this one block; each device registers
 // its kernels with TORCH_LIBRARY_IMPL next to its glue. Fake kernels and autograd are registered
-// in Python, in the module named like the family (python/qca_lowmem/qca_step.py, groupnorm_elu.py,
-// noise.py, scaler.py).
+// in Python, in the module named like the family (python/qca_lowmem/ops/qca_step.py,
+// ops/groupnorm_elu.py, ops/noise.py, ops/scaler.py).
 #include <Python.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
@@ -65,7 +65,7 @@ TORCH_LIBRARY(qca_lowmem, m) {
 // Ops with no derivative of their own: differentiating their output raises "the derivative for
 // 'qca_lowmem::<op>' is not implemented" instead of torch's silent zero for ops without autograd.
 // Their forward ops build second-order graphs from torch ops
-// (python/qca_lowmem/_double_backward.py).
+// (python/qca_lowmem/ops/_double_backward.py).
 TORCH_LIBRARY_IMPL(qca_lowmem, Autograd, m) {
   for (const char* op : {"qca_pack_backward", "qca_update_backward", "groupnorm_elu_apply",
                          "groupnorm_elu_backward"}) {

@@ -39,6 +39,14 @@ def autocast(device_type: str, amp_dtype: Optional[torch.dtype]):
     return torch.autocast(device_type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
 
 
+def refuse_fp16_on_cpu(amp_dtype: Optional[torch.dtype], device, asked_by: str, instead: str) -> None:
+    """The one rule for fp16 off a GPU, enable()'s and the trainer's: refused. fp16 autocast on the
+    CPU is a GPU setting run where no GPU is: slower than fp32, and the CPU's half precision is
+    bf16. `asked_by` names the setting that asked, `instead` the settings that work."""
+    if amp_dtype == torch.float16 and torch.device(device).type == "cpu":
+        raise ValueError(f"fp16 on the CPU ({asked_by}) is a GPU setting, slower than fp32 there; use {instead}")
+
+
 def native_amp_dtype(amp_dtype: Optional[torch.dtype], device) -> Tuple[Optional[torch.dtype], str]:
     """(the dtype to compute in on `device`, a one-line note when it is not `amp_dtype`).
 

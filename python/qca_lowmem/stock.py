@@ -7,7 +7,6 @@ noise curriculum and the evolutionary loss. Nothing here uses qca_lowmem's kerne
 boring, so that it is obviously what the users' code does.
 """
 
-import math
 from typing import Tuple, Union
 
 import numpy
@@ -161,19 +160,29 @@ def episode_bookkeeping(writer, episode_num: int, loss: float, metrics: dict, no
 
 
 class NoiseInjector:
-    """The stock noise, on torch's generator: per-cell phase flips with independent phases,
-    per-cell bit flips."""
+    """The users' QuantumNoiseInjector (Jonakss/Atheria, module src.physics.noise), its phase and bit
+    flips as they are written there: the masks and angles drawn on the injector's device, the
+    state indexed by boolean masks (on CUDA each such index waits for the GPU; enable() replays
+    them without, atheria/noise_replay.py)."""
 
-    def apply_phase_flip(self, psi, rate):
-        b, h, w, d = psi.shape
-        hit = torch.rand(b, h, w, 1, device=psi.device) < rate
-        theta = torch.rand(b, h, w, d, device=psi.device, dtype=psi.real.dtype) * (2 * math.pi)
-        return torch.where(hit, psi * torch.exp(1j * theta), psi)
+    def __init__(self, device="cpu"):
+        self.device = device
 
-    def apply_bit_flip(self, psi, rate):
-        b, h, w, _ = psi.shape
-        hit = torch.rand(b, h, w, 1, device=psi.device) < rate
-        return torch.where(hit, -psi, psi)
+    def apply_phase_flip(self, psi, rate=0.01):
+        mask = torch.rand(psi.shape[:3], device=self.device) < rate
+        mask = mask.unsqueeze(-1).expand_as(psi)
+        random_angle = torch.rand(psi.shape, device=self.device) * 2 * torch.pi
+        phase_noise = torch.complex(torch.cos(random_angle), torch.sin(random_angle))
+        psi_out = psi.clone()
+        psi_out[mask] = psi[mask] * phase_noise[mask]
+        return psi_out
+
+    def apply_bit_flip(self, psi, rate=0.005):
+        mask = torch.rand(psi.shape[:3], device=self.device) < rate
+        mask = mask.unsqueeze(-1).expand_as(psi)
+        psi_out = psi.clone()
+        psi_out[mask] = -psi[mask]
+        return psi_out
 
 
 def evolutionary_loss(psi_history, psi_initial):

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import _torch_private as torch_private
 from . import stock
 from .recompute.intermediates import block_keeps_intermediates
 from .blocks import FusedConvBlock
@@ -140,8 +141,7 @@ def _act_mismatch(layer: nn.Module, index: int) -> Optional[str]:
 
 
 def _has_hooks(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or getattr(module, "_backward_pre_hooks", None))
+    return torch_private.module_has_hooks(module)
 
 
 def stock_block_mismatch(module: nn.Module) -> Optional[str]:

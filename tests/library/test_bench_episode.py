@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_episode.py"
@@ -55,11 +56,15 @@ def test_every_run_kind_runs_on_a_tiny_config(tmp_path):
     runs = [name for name in bench_episode.RUNS + bench_episode.EXTRA_RUNS if name not in bench_episode.CUDA_ONLY_RUNS]
     out = tmp_path / "episode.json"
     result = run("--device", "cpu", "--grid", "8", "--d-state", "2", "--hidden", "4", "--steps", "3", "--episodes", "1",
-                 "--runs", *runs, "--out", str(out))
+                 "--profile", "--profile-steps", "2", "--runs", *runs, "--out", str(out))
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert [r["name"] for r in report["runs"]] == runs
+    assert {"lowmem_enable_default", "lowmem_enable_channels_last", "stock_v4", "lowmem_bf16_step_graph_cl"} <= set(runs)
     assert all("error" not in r and r["episode_s"] > 0 for r in report["runs"]), report["runs"]
+    # Off CUDA the profile has no kernels; every episode reads its loss, so some op waits.
+    assert all(r["kernels_per_step"] is None and r["gpu_busy_fraction"] is None and r["host_wait_ops_per_step"] > 0
+               and r["profiled_steps"] == 2 for r in report["runs"])
     refused = run("--device", "cpu", "--runs", *bench_episode.CUDA_ONLY_RUNS, "--out", str(tmp_path / "refused.json"))
     assert refused.returncode == 2 and "need a CUDA device" in refused.stderr
 
@@ -84,3 +89,73 @@ def test_a_result_names_its_commit_and_says_when_the_files_differ_from_it(tmp_pa
     assert library_commit(tmp_path) == head + "-dirty"
     monkeypatch.setenv("QCA_LOWMEM_COMMIT", "abc123")
     assert library_commit(tmp_path) == "abc123"
+
+
+def bench_module(name):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def test_the_gpus_busy_time_is_the_union_of_its_intervals():
+    profile = bench_module("episode_profile")
+    assert profile.busy_seconds([(0, 10), (5, 12), (20, 25), (21, 22)]) == pytest.approx(17e-6)
+    assert profile.busy_seconds([]) == 0
+    assert profile.LAYOUT_CONVERSION.search("void cudnn::ops::nchwToNhwcKernel<float>")
+    assert not profile.LAYOUT_CONVERSION.search("sm90_xmma_fprop_implicit_gemm")
+
+
+def test_the_users_trainer_rows_run_their_episode_and_enables_defaults():
+    """stock_v4 is the stand-in's own episode; lowmem_enable_default the same trainer after
+    enable() with every default; both on an odd, noisy episode (their injector's noise on)."""
+    trainer_rows = bench_module("episode_trainer")
+    bench_episode = bench_module("bench_episode")
+    args = bench_episode.parse_args(["--device", "cpu", "--grid", "8", "--d-state", "2", "--hidden", "4", "--steps",
+                                     "2", "--episode", "1000"])
+    stock_model = bench_episode.reference.UNetUnitary(2, 4)
+    runs = {name: trainer_rows.TrainerRun(name, stock_model, args, torch.device("cpu"))
+            for name in trainer_rows.TRAINER_RUNS}
+    assert runs["stock_v4"].episode_number == 1001 and bench_episode.reference.noise_rate(1001, 0.1) > 0.001
+    assert not hasattr(runs["stock_v4"].trainer, "_qca_lowmem_state")
+    options = runs["lowmem_enable_default"].trainer._qca_lowmem_state.options
+    assert options.policy.checkpoint == "step" and options.noise == "trainer" and not options.cuda_graph
+    assert runs["lowmem_enable_default"].capture_record() == {"cuda_graph": False}
+    assert all(run.episode(seed=1) > 0 for run in runs.values())
+
+
+def test_a_kernel_is_timed_inside_a_captured_graph_of_calls(monkeypatch, capsys):
+    """On CUDA a timed call is one of `calls` in a captured graph (StepGraph's capture, replaced
+    here by an eager stand-in: a replay runs the body again); a call that cannot be captured is
+    timed call by call, and says so; off CUDA nothing is captured."""
+    import contextlib
+
+    from qca_lowmem.recompute import graph
+
+    class EagerGraphs:
+        def __init__(self, device):
+            pass
+
+        def warming_up(self):
+            return contextlib.nullcontext()
+
+        def capture(self, body):
+            return body(), body
+
+    monkeypatch.setattr(graph, "_graphs", EagerGraphs)
+    common = bench_module("common")
+    calls = []
+    replay, per = common.in_graph(lambda: calls.append(1), torch.device("cuda", 0), 5)
+    assert per == 5 and len(calls) == 3 + 5  # the warm-up, then the capture's calls
+    replay()
+    assert len(calls) == 3 + 5 + 5
+
+    def syncs():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    assert common.in_graph(syncs, torch.device("cuda", 0), 5) == (syncs, 1)
+    assert "not captured, timed call by call: operation not permitted" in capsys.readouterr().out
+    timed_in = {}
+    common.interleaved_medians({"k": lambda: None}, torch.device("cpu"), 1, 2, calls=5, timed_in=timed_in)
+    assert timed_in == {"k": 1}

@@ -4,7 +4,7 @@ kept within the budget."""
 
 import pytest
 import torch
-from helpers import episode, initial_state, randomize_affine
+from helpers import episode, full_step_bytes, initial_state, randomize_affine
 
 import qca_lowmem
 from qca_lowmem import rollout, saved_bytes
@@ -36,7 +36,7 @@ def grads(step, params, checkpoint, **options):
 
 def sizes(step):
     psi = initial_state()
-    return psi.nbytes, memory.step_graph_bytes(step, psi)[0]
+    return psi.nbytes, full_step_bytes(step, psi)
 
 
 def budgets(step):
@@ -93,8 +93,27 @@ def test_free_memory_counts_the_process_cap_and_the_allocators_unused_blocks(mon
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5_000)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2_000)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [])
     assert memory.free_bytes(torch.device("cuda", 0)) == expected
     assert Policy.auto("2KiB").budget == 2048
+
+
+def segment(device, pool, total, active):
+    return dict(device=device, segment_pool_id=pool, total_size=total, allocated_size=active, active_size=active)
+
+
+def test_free_memory_leaves_out_a_graph_pools_free_blocks(monkeypatch):
+    """Of the 5 kB reserved, 2 kB in use: a captured graph's private pool holds a 2.5 kB segment
+    with 1 kB in use, so 1.5 kB of the 3 kB unused are the pool's, kept for its replays. The
+    default pool's free blocks, and another device's pool, stay counted."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60_000, 100_000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 5_000)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2_000)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
+    segments = [segment(0, (0, 0), 2_500, 1_000), segment(0, (1, 0), 2_500, 1_000), segment(1, (1, 0), 9_000, 0)]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    assert memory.free_bytes(torch.device("cuda", 0)) == 60_000 + 1_500
+    assert memory.private_pool_free_bytes(torch.device("cuda", 1)) == 9_000
 
 
 @pytest.mark.parametrize("options,message", [
@@ -193,7 +212,7 @@ def test_train_with_checkpoint_auto_equals_step(tiny_config, tmp_path):
 def test_budget_free_on_the_cpu_is_refused_by_name(tiny_config, tmp_path, capsys):
     assert cli.main(["train", "--config", tiny_config, "--out", str(tmp_path / "run"), "--checkpoint", "auto",
                      "--budget", "free"]) == 2
-    assert "--budget free reads a GPU's free memory, but the device is cpu" in capsys.readouterr().err
+    assert "--budget: budget='free' reads the free memory of a CUDA device, but the device is cpu" in capsys.readouterr().err
 
 
 def test_oom_guard_lowers_auto_like_step():

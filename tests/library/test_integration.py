@@ -271,7 +271,7 @@ def test_environment_flag_spellings(monkeypatch, value, expected):
         qca_lowmem.enable_from_config(object(), None)
 
 
-@pytest.mark.parametrize("flag", ["fused_blocks", "cuda_graph", "fused_step_ops", "lowmem_scaler"])
+@pytest.mark.parametrize("flag", ["fused_blocks", "fused_step_ops", "lowmem_scaler"])
 @pytest.mark.parametrize("value", ["false", 0, None])
 def test_enable_refuses_a_non_bool_flag_by_name(flag, value):
     trainer = make_trainer()
@@ -318,11 +318,6 @@ def test_fp16_on_cuda_without_a_scaler_gets_one_and_disable_removes_it():
     assert trainer.scaler is None
 
 
-def test_enable_refuses_a_cuda_graph_flag_it_cannot_read():
-    with pytest.raises(ValueError, match="cuda_graph must be True or False, got 'yes'"):
-        qca_lowmem.enable(make_trainer(), cuda_graph="yes")
-
-
 @cuda_only
 def test_enable_with_cuda_graph_equals_eager_on_cuda():
     results = []
@@ -354,7 +349,7 @@ def test_max_noise_above_one_trains_as_stock_does():
 
 
 def test_options_that_cannot_work_on_the_cpu_are_decided_at_enable(recwarn):
-    """fp16 on the CPU would train without a loss scaler: refused; cuda_graph on the CPU runs eager
+    """fp16 on the CPU, a GPU setting, is refused (the trainer's rule too); cuda_graph on the CPU runs eager
     steps: said once, at enable(), not silently at every episode."""
     trainer = make_trainer()
     with pytest.raises(ValueError, match="fp16 on the CPU.*amp_dtype='bf16'"):

@@ -3,7 +3,8 @@ every mode, and the recompute check that refuses a step depending on state outsi
 
 import pytest
 import torch
-from helpers import CARRY_STEPS as STEPS, MemoryCell, carried_grads, cuda_only, initial_memory, initial_state, memory_step
+from helpers import (CARRY_STEPS as STEPS, MemoryCell, carried_grads, cuda_only, full_step_bytes, initial_memory,
+                     initial_state, memory_step)
 from torch import nn
 
 import qca_lowmem
@@ -183,13 +184,13 @@ def test_auto_carries_memory_within_its_budget(detach, first_memory):
     budget (revolve) through one state per step and some full graphs to all of them, the same
     loss, gradients and final memory as plain autograd, and never more kept than the budget plus
     one step's graph."""
-    from qca_lowmem.recompute.memory import step_graph_bytes
-
     cell = MemoryCell().double()
     step = memory_step(cell, detach)
     psi0 = initial_state()
     memory0 = initial_memory(requires_grad=not detach) if first_memory == "given" else (None, None)
-    step_bytes, state_bytes = step_graph_bytes(step, psi0, memory0)
+    made = memory0 if memory0[0] is not None else initial_memory()
+    state_bytes = psi0.nbytes + sum(m.nbytes for m in made)
+    step_bytes = full_step_bytes(step, psi0, made)
     assert state_bytes == psi0.nbytes + 2 * initial_memory()[0].nbytes  # a memory not made yet counted as made
     loss, expected, memory_expected = carried_grads(step, cell, psi0, memory0, "none", memory_loss=not detach)
     by_budget = {}

@@ -12,7 +12,7 @@ from torch import nn
 
 import qca_lowmem
 from qca_lowmem.amp import GradScaler
-from qca_lowmem.recompute.graph import caching_allocator_off
+from qca_lowmem.recompute.cuda_graphs import caching_allocator_off
 
 ops = torch.ops.qca_lowmem
 CHUNK = 65536

@@ -10,7 +10,7 @@ from helpers import episode, initial_state, randomize_affine
 from torch import nn
 
 import qca_lowmem
-from qca_lowmem.recompute import graph as step_graph
+from qca_lowmem.recompute import cuda_graphs, graph as step_graph
 from qca_lowmem.trainer import config as config_mod, train as train_mod
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,7 +31,7 @@ def failing_capture(first_error, attempts):
     class FailingCapture:
         def __init__(self, *args):
             attempts.append(args[-1])
-            with step_graph._capture_errors_explained():
+            with cuda_graphs.capture_errors_explained():
                 try:
                     raise first_error()
                 finally:
@@ -160,7 +160,7 @@ class FakeCudaCapture:
                 fake.events.append(("generator state", state))
 
         monkeypatch.setattr(torch.cuda, "default_generators", (Generator(),))
-        self.graphs = object.__new__(step_graph.CudaGraphs)
+        self.graphs = object.__new__(cuda_graphs.CudaGraphs)
         self.graphs.device, self.graphs.side, self.graphs.pool = torch.device("cuda", 0), "side", (0, 7)
 
 

@@ -9,12 +9,15 @@ import contextlib
 
 import pytest
 import torch
-from helpers import (CARRY_STEPS, MemoryCell, batchnorm_step, carried_grads, episode_grads, fused_step, initial_memory,
-                     initial_state, make_conv_net, max_relative_error, memory_step, noisy_schedule, randomize_affine)
+from helpers import (CARRY_STEPS, MemoryCell, batchnorm_step, carried_grads, episode_grads, fused_step,
+                     gradient_casts_in, host_waits, initial_memory, initial_state, make_conv_net, max_relative_error,
+                     memory_step, noisy_schedule, randomize_affine)
 
 import qca_lowmem
 from fixtures.model_families import EPISODES, assert_same_run, make_trainer, run
 from qca_lowmem import NoiseSchedule
+from qca_lowmem.atheria import noise_replay
+from qca_lowmem.examples import QC_Trainer_v4, make_config
 from qca_lowmem.recompute import graph as step_graph
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -130,12 +133,13 @@ def test_captured_carried_step_checks_its_recompute(replayed_graphs):
         carried_grads(qca_lowmem.StepGraph(step), cell, initial_state(), initial_memory(), "step", memory_loss=False)
 
 
-def test_enable_with_cuda_graph_on_a_memory_engine_equals_stock(replayed_graphs):
-    """enable(cuda_graph=True) on an engine with memory: the memory step captured, three
-    episodes equal to stock (loss, psi, memory, gradients, weights)."""
+@pytest.mark.parametrize("options", [{}, {"cuda_graph": True}], ids=["unset", "true"])
+def test_enable_with_cuda_graph_on_a_memory_engine_equals_stock(replayed_graphs, options):
+    """enable() where a capture can run (cuda_graph unset or True) on an engine with memory: the
+    memory step captured, three episodes equal to stock (loss, psi, memory, gradients, weights)."""
     expected = run(make_trainer("convlstm"))
     trainer = make_trainer("convlstm")
-    qca_lowmem.enable(trainer, cuda_graph=True)
+    qca_lowmem.enable(trainer, **options)
     actual = run(trainer)
     assert_same_run(actual, expected)
     graph = getattr(trainer, "_qca_lowmem_state").step_graph
@@ -286,3 +290,41 @@ def test_a_captured_step_casts_its_weights_once_an_episode(replayed_graphs):
             p.mul_(1.5)  # an optimizer step, in place: the copies must follow
     assert max_relative_error(_bf16_grads(graph, unet), _bf16_grads(fused_step_of(unet), unet)) == 0
     assert graph.captures_made == 1
+
+
+def test_no_host_wait_in_a_captured_step_of_the_default_episode(replayed_graphs, monkeypatch):
+    """enable()'s defaults where a capture runs, a noisy episode with the users' injector replayed
+    as on CUDA: the waits an episode makes (its loss's reads) do not grow with its steps."""
+    monkeypatch.setattr(noise_replay, "index_waits", lambda device: True)
+    waits = []
+    for steps in (3, 6):
+        torch.manual_seed(3)
+        trainer = QC_Trainer_v4(make_config(grid=8, d_state=2, hidden=4, qca_steps=steps), max_noise=0.5)
+        qca_lowmem.enable(trainer)
+        trainer.train_episode(2000)  # captures
+        waits.append(host_waits(lambda: trainer.train_episode(2000)))
+        assert getattr(trainer, "_qca_lowmem_state").step_graph.captures_made == 1
+    assert waits[0] == waits[1]
+    assert replays(replayed_graphs) > 0
+
+
+def test_the_captured_backward_adds_half_gradients_without_casting_them(replayed_graphs, monkeypatch):
+    """What the backward graph records (outside the reverse pass, whose eager steps add to sums
+    of their own): each bf16 weight gradient added to its fp32 accumulator directly (one pass on
+    CUDA, whose add reads the half operand), no cast first; the episodes the same bits as eager."""
+    recorded = []
+
+    class CountedGraphs(ReplayedGraphs):
+        def capture(self, body):
+            captured = []
+            recorded.append(gradient_casts_in(lambda: captured.append(super(CountedGraphs, self).capture(body))))
+            return captured[0]
+
+    monkeypatch.setattr(step_graph, "_graphs", CountedGraphs)
+    unet = _bf16_unet()
+    graph = qca_lowmem.StepGraph(fused_step_of(unet))
+    eager = _bf16_grads(fused_step_of(unet), unet)
+    assert max_relative_error(_bf16_grads(graph, unet), eager) == 0  # the capture's episode
+    assert recorded == [0, 0]  # the forward graph, the backward graph
+    assert max_relative_error(_bf16_grads(graph, unet), eager) == 0
+    assert replays(replayed_graphs) > 0

@@ -9,7 +9,7 @@ import csv
 import pytest
 import torch
 import yaml
-from helpers import TINY, randomize_affine
+from helpers import TINY, gradient_casts_in, inside, randomize_affine
 
 import qca_lowmem
 from qca_lowmem import rollout
@@ -78,16 +78,7 @@ def _weight_casts_in(episode):
         episode()
     return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
                and len(e.input_shapes[0]) == 4 and e.input_shapes[0][2:] == [3, 3] and e.input_dtypes[0] == "float"
-               and not _inside(e, "PythonDispatchMode"))
-
-
-def _inside(event, name: str) -> bool:
-    event = event.cpu_parent
-    while event is not None:
-        if event.name == name:
-            return True
-        event = event.cpu_parent
-    return False
+               and not inside(e, "PythonDispatchMode"))
 
 
 @pytest.mark.slow
@@ -120,18 +111,7 @@ def _casts_of(shapes, episode):
         episode()
     return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
                and e.input_shapes[0] in shapes and e.input_dtypes[0] == "float"
-               and not _inside(e, "PythonDispatchMode"))
-
-
-def _gradient_casts_in(episode):
-    """aten::_to_copy calls from bfloat16 3x3 conv weight gradients back to float32, but for those
-    an add_ of mixed dtypes makes inside itself (on the CPU torch casts its operand to a temporary
-    first; a CUDA add reads the half-precision operand in its kernel)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-        episode()
-    return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
-               and len(e.input_shapes[0]) == 4 and e.input_shapes[0][2:] == [3, 3]
-               and e.input_dtypes[0] == "c10::BFloat16" and not _inside(e, "aten::add_"))
+               and not inside(e, "PythonDispatchMode"))
 
 
 @pytest.mark.parametrize("checkpoint,slots", MODES)
@@ -140,7 +120,7 @@ def test_recomputing_backward_adds_half_gradients_without_casting_them(checkpoin
     directly; plain autograd casts each to fp32 first, as per-call casting does."""
     unet = fused_unet()
     steps = 3
-    casts = _gradient_casts_in(lambda: bf16_episode(unet, steps, checkpoint, slots))
+    casts = gradient_casts_in(lambda: bf16_episode(unet, steps, checkpoint, slots))
     assert casts == (steps * fused_convs_of(unet) if checkpoint == "none" else 0)
 
 
@@ -214,6 +194,25 @@ def test_leaving_the_scope_drops_its_copies():
         assert len(casts._copies) == fused_convs_of(unet) + 6  # and the unfused layers' weights and biases
     assert psi_T.grad_fn is not None and not casts._copies  # the episode's graph lives on, the copies do not
     assert weight_casts.for_episode() is not weight_casts.for_episode()  # outside a scope: one per episode
+
+
+
+def test_the_optimizer_hook_lives_only_while_a_scope_is_open():
+    """No process-wide optimizer hook outlives the scopes that need it; an optimizer step inside
+    one drops its copies."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    before = len(_global_optimizer_post_hooks)
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    with qca_lowmem.shared_weight_casts():
+        assert len(_global_optimizer_post_hooks) == before + 1
+        casts = weight_casts.for_episode()
+        casts.copy_of(weight, torch.bfloat16)
+        weight.grad = torch.ones(3)
+        optimizer.step()
+        assert not casts._copies
+    assert len(_global_optimizer_post_hooks) == before
 
 
 @pytest.mark.slow

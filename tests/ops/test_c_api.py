@@ -92,3 +92,19 @@ def test_pack_launcher_rejects_an_unknown_x_dtype(device):
     # and the same call with a known dtype packs psi
     assert call_pack(library, device, pack_params(psi, x, QCA_F32)) == QCA_OK
     torch.testing.assert_close(x, torch.cat([psi.real, psi.imag], dim=3).permute(0, 3, 1, 2))
+
+
+@pytest.mark.slow
+def test_the_cpu_kernels_hold_no_fused_multiply_add():
+    # Every clone (SSE2, AVX2, AVX-512F) must round products on their own, as the CUDA kernels'
+    # mul_rn does: the QCA step's bits equal the GPU's, and the clones give each other's bits.
+    # AVX-512F has FMA instructions; C11 mode must keep the compiler from contracting into them.
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump")
+    code = subprocess.run([objdump, "-d", "--no-show-raw-insn", native_module.__file__],
+                          capture_output=True, text=True, check=True).stdout
+    assert "vaddps" in code and "vdivps" in code  # vectorised kernels were disassembled
+    fused = [line for line in code.splitlines() if "vfmadd" in line or "vfmsub" in line
+             or "vfnmadd" in line or "vfnmsub" in line]
+    assert fused == []

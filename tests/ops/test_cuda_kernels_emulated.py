@@ -102,7 +102,8 @@ def planar(shape, dtype, layout, generator=None):
     return torch.randn(H, C2, W, B, generator=generator).to(dtype).permute(3, 1, 0, 2)
 
 
-QCA_SHAPES = [(1, 1, 1, 1), (2, 3, 5, 3), (0, 4, 4, 2), (3, 17, 19, 4), (2, 8, 8, 14)]
+# The last spans three of the C kernels' tiles (1,016 cells at d = 14), the last one partial.
+QCA_SHAPES = [(1, 1, 1, 1), (2, 3, 5, 3), (0, 4, 4, 2), (3, 17, 19, 4), (2, 8, 8, 14), (1, 33, 64, 14)]
 STATE_LAYOUTS = ["contiguous", "strided", "permuted"]
 PLANAR_LAYOUTS = ["nchw", "channels_last", "permuted"]
 

@@ -193,10 +193,10 @@ def test_compile_fullgraph_matches_eager():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("d", [513, 1031])
-def test_states_wider_than_a_cpu_tile_match_stock(d):
-    # d above the C kernels' tile (512 components): one cell per tile, a larger scratch; odd d
-    # leaves a component outside the transposes' 2-component blocks.
+@pytest.mark.parametrize("d", [513, 1031, 14337])
+def test_wide_states_match_stock(d):
+    # Few cells per C tile (14,336 components): 8 at d = 513, 13 at 1031, one above the tile; odd
+    # d leaves a component outside the transposes' 2-component blocks.
     psi = reference.initial_state(2, (3, 5), d, dtype=torch.complex128).requires_grad_(True)
     delta = random_delta(psi, torch.float64).requires_grad_(True)
     torch.testing.assert_close(qca_lowmem.qca_pack(psi), reference.pack(psi), rtol=0, atol=0)
@@ -209,6 +209,19 @@ def test_states_wider_than_a_cpu_tile_match_stock(d):
         torch.testing.assert_close(got, want)
     x_grad = torch.randn(2, 2 * d, 3, 5, dtype=torch.float64)
     (pack_grad,) = torch.autograd.grad(qca_lowmem.qca_pack(psi), psi, x_grad)
+    (stock_pack_grad,) = torch.autograd.grad(reference.pack(psi), psi, x_grad)
+    torch.testing.assert_close(pack_grad, stock_pack_grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_pack_in_either_tile_size_matches_stock(batch):
+    # The C pack transposes a range of up to 2 MiB in small tiles, a larger one (batch 3 here,
+    # 2.6 MiB with x) in the update's tiles; both are pure data movement.
+    psi = reference.initial_state(batch, 64, 14).requires_grad_(True)
+    x = qca_lowmem.qca_pack(psi)
+    torch.testing.assert_close(x, reference.pack(psi), rtol=0, atol=0)
+    x_grad = torch.randn_like(x)
+    (pack_grad,) = torch.autograd.grad(x, psi, x_grad)
     (stock_pack_grad,) = torch.autograd.grad(reference.pack(psi), psi, x_grad)
     torch.testing.assert_close(pack_grad, stock_pack_grad, rtol=0, atol=0)
 

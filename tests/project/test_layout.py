@@ -26,7 +26,7 @@ def layer_of(module: str) -> str:
     parts = module.split(".")
     if module in (NAME, f"{NAME}.__main__"):
         return "face"
-    if parts[1] in ("stock", "_C", "_build_info", "_version", "configs"):
+    if parts[1] in ("stock", "_C", "_build_info", "_version", "_torch_private", "configs"):
         return "base"
     if parts[1] in ("ops", "atheria", "trainer", "examples"):
         return parts[1]
@@ -138,9 +138,10 @@ def test_the_checker_sees_upward_imports_and_circles(tmp_path, monkeypatch):
 
 
 # The top level: the package faces, the model (blocks, U-Net, the stock reference), the precision
-# switches and the scaler, and the build; the rest lives in the package folders (ops/, recompute/,
-# atheria/, trainer/, examples/, configs).
-TOP_LEVEL = {"__init__", "__main__", "_version", "_build_info", "stock", "blocks", "unet", "amp", "precision"}
+# switches and the scaler, the build and the private torch APIs; the rest lives in the package
+# folders (ops/, recompute/, atheria/, trainer/, examples/, configs).
+TOP_LEVEL = {"__init__", "__main__", "_version", "_build_info", "_torch_private", "stock", "blocks", "unet", "amp",
+             "precision"}
 
 
 def test_the_top_level_holds_the_face_and_the_model_only():
@@ -156,7 +157,7 @@ def test_the_recompute_package_imports_only_ops_and_itself():
     other way round."""
     for module, targets in GRAPH.items():
         if module.startswith(f"{NAME}.recompute"):
-            outside = [t for t in targets if not t.startswith((f"{NAME}.recompute", f"{NAME}.ops"))]
+            outside = [t for t in targets if not t.startswith((f"{NAME}.recompute", f"{NAME}.ops", f"{NAME}._torch_private"))]
             assert not outside, f"{module} imports {outside}"
 
 

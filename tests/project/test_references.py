@@ -20,12 +20,25 @@ BASENAMES = {Path(p).name for p in TRACKED}
 # users' own code (github Jonakss/Atheria) and their files.
 OUTSIDE = {"_build_info.py", "episode_cpu.json", "bench_cpu.json", "cuda_runtime.h", "cuda_fp16.h", "cuda_bf16.h",
            "math.h", "_cuda.cpp", "qc_trainer_v3.py", "pipeline_train.py", "motor_factory.py", "config.json", "my.yaml"}
-FILE = re.compile(r"(?<![\w/.*-])((?:[\w.-]+/)*[\w-]+\.(?:py|md|cu|cuh|c|h|cpp|inc|json|yaml|sh|toml))(?![\w/])")
+EXTENSIONS = ("py", "md", "cu", "cuh", "c", "h", "cpp", "inc", "json", "yaml", "sh", "toml")
+FILE = re.compile(r"(?<![\w/.*-])((?:[\w.-]+/)*[\w-]+\.(?:" + "|".join(EXTENSIONS) + r"))(?![\w/])")
 MODULE = re.compile(r"(?<![\w.])(qca_lowmem(?:\.\w+)+)")
+# A module of the package named by its last part and an attribute, in backquotes: `switch.enable`.
+SHORT = re.compile(r"`([a-z_][a-z0-9_]*)\.([A-Za-z_]\w*)(?:\([^`]*\))?`")
+# Short forms that name the users' objects, not a module of ours of the same name.
+OBJECT_ATTRIBUTES = {"state.psi", "state.h_state", "state.c_state", "state._reset_state_random", "checkpoint.pt"}
+C_SOURCES = (".c", ".h", ".cu", ".cuh", ".cpp", ".inc")
+C_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 
 # The docs whole; of the code, what it says to people (comments, docstrings), not its strings.
 SOURCES = [p for p in TRACKED if not p.startswith("tests/") and (
-    p.endswith((".md", ".py", ".sh")) or p.startswith(".ci/"))]
+    p.endswith((".md", ".py", ".sh") + C_SOURCES) or p.startswith(".ci/"))]
+PACKAGE_MODULES = {}  # last part of a module's name -> its dotted names
+for _path in sorted((ROOT / "python" / "qca_lowmem").rglob("*.py")):
+    _parts = list(_path.relative_to(ROOT / "python").with_suffix("").parts)
+    if _parts[-1] == "__init__":
+        _parts.pop()
+    PACKAGE_MODULES.setdefault(_parts[-1], []).append(".".join(_parts))
 
 
 def file_exists(name: str, source: str) -> bool:
@@ -56,8 +69,24 @@ def module_exists(dotted: str) -> bool:
     return False
 
 
+def short_form_exists(stem: str, name: str) -> bool:
+    """`stem.name`: true unless stem is the last part of a package module's name and no such
+    module has `name`."""
+    if f"{stem}.{name}" in OBJECT_ATTRIBUTES or name in EXTENSIONS or stem not in PACKAGE_MODULES:
+        return True
+    return any(module_exists(f"{module}.{name}") for module in PACKAGE_MODULES[stem])
+
+
 def prose(path: str) -> str:
-    text = (ROOT / path).read_text(errors="replace")
+    return prose_of_text((ROOT / path).read_text(errors="replace"), path)
+
+
+def prose_of_text(text: str, path: str) -> str:
+    if path.endswith(C_SOURCES):  # comments only, line numbers kept
+        kept = [c if c == "\n" else " " for c in text]
+        for match in C_COMMENT.finditer(text):
+            kept[match.start():match.end()] = list(match.group(0))
+        return "".join(kept)
     if not path.endswith(".py"):
         return text
     lines = text.splitlines()
@@ -75,17 +104,26 @@ def prose(path: str) -> str:
 
 
 def references(path: str):
-    text = prose(path)
+    return references_in(prose(path))
+
+
+def references_in(text: str):
     for match in FILE.finditer(text):
         yield "file", match.group(1), text.count("\n", 0, match.start()) + 1
     for match in MODULE.finditer(text):
         yield "module", match.group(1).rstrip("."), text.count("\n", 0, match.start()) + 1
+    for match in SHORT.finditer(text):
+        yield "short", match.group(1, 2), text.count("\n", 0, match.start()) + 1
 
 
 @pytest.mark.parametrize("path", SOURCES)
 def test_every_named_file_and_module_exists(path):
     stale = []
     for kind, name, line in references(path):
+        if kind == "short":
+            if not short_form_exists(*name):
+                stale.append(f"line {line}: {'.'.join(name)}")
+            continue
         if any(c in name for c in "<*{"):
             continue
         ok = file_exists(name, path) if kind == "file" else module_exists(name)
@@ -99,3 +137,7 @@ def test_the_check_sees_a_stale_reference(tmp_path):
     assert not file_exists("qca_lowmem/episode_reverse.py", "docs/design.md")
     assert file_exists("recompute/graph.py", "docs/design.md") and file_exists("../csrc/ops/glue.h", "docs/design.md")
     assert not module_exists("qca_lowmem.step_graph") and module_exists("qca_lowmem.recompute.graph.StepGraph")
+    assert not short_form_exists("switch", "parse_flag") and short_form_exists("config_section", "parse_flag")
+    comments = prose_of_text("// see python/qca_lowmem/qca_step.py\nint f(const char* s = \"a/b.py\");\n", "x.c")
+    assert [name for _, name, _ in references_in(comments)] == ["python/qca_lowmem/qca_step.py"]
+    assert not file_exists("python/qca_lowmem/qca_step.py", "csrc/ops/library.cpp")

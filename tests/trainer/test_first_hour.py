@@ -59,16 +59,21 @@ def test_bench_per_step_column_is_what_one_more_step_adds(monkeypatch, tmp_path)
     assert "+step" in bench_mod.format_table(result)
 
 
-def test_check_says_where_the_run_runs_and_warns_of_fp16_on_the_cpu(tmp_path, capsys):
+def test_check_says_where_the_run_runs_and_refuses_fp16_on_the_cpu(tmp_path, capsys):
+    """fp16 on the CPU: the rule enable() follows too (precision.refuse_fp16_on_cpu)."""
     path = tmp_path / "fp16.yaml"
     path.write_text(yaml.safe_dump({**TINY, "device": "auto", "lowmem": {"amp_dtype": "fp16"}}))
-    assert cli.main(["train", "--config", str(path), "--out", str(tmp_path / "run"), "--check"]) == 0
-    out = capsys.readouterr().out
+    code = cli.main(["train", "--config", str(path), "--out", str(tmp_path / "run"), "--check"])
+    captured = capsys.readouterr()
     if torch.cuda.is_available():
-        assert "on cuda:0" in out and "warning" not in out
+        assert code == 0 and "on cuda:0" in captured.out
     else:
-        assert "amp_dtype=fp16" in out and "on cpu (no CUDA GPU visible)" in out
-        assert "warning: amp_dtype fp16 there is fp16 autocast on the CPU" in out
+        assert code == 2 and "fp16 on the CPU (amp_dtype fp16) is a GPU setting" in captured.err
+        assert "--amp-dtype bf16" in captured.err
+    path.write_text(yaml.safe_dump({**TINY, "device": "auto"}))
+    assert cli.main(["train", "--config", str(path), "--out", str(tmp_path / "run"), "--check"]) == 0
+    if not torch.cuda.is_available():
+        assert "on cpu (no CUDA GPU visible)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", ["qca_pack", "qca_update", "phase_flip", "UNetUnitary", "UNetUnitary parameters"])
@@ -88,13 +93,13 @@ def test_torch_func_through_our_ops_names_the_op(name):
         torch.func.grad(function)(argument)
 
 
-@pytest.mark.parametrize("cuda_graph", [False, True])
+@pytest.mark.parametrize("cuda_graph", [False, True, None])
 def test_bench_runs_lowmem_as_the_trainer_would_with_cuda_graph(cuda_graph):
     """On CUDA with cuda_graph the lowmem rows replay captured steps, one StepGraph for all of
     them (the model is made on the CPU here: only the choice is looked at)."""
     config = config_mod.config_from_dict({**TINY, "cuda_graph": cuda_graph})
     model = config_mod.build_model(config, "cpu")
     on_cuda = bench_mod.EpisodeRunner(config, torch.device("cuda"), model=model)
-    assert isinstance(on_cuda.lowmem_step, qca_lowmem.StepGraph) == cuda_graph
+    assert isinstance(on_cuda.lowmem_step, qca_lowmem.StepGraph) == (cuda_graph is not False)
     assert not isinstance(bench_mod.EpisodeRunner(config, torch.device("cpu"), model=model).lowmem_step,
                           qca_lowmem.StepGraph)

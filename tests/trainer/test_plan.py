@@ -103,16 +103,16 @@ def test_every_figure_in_a_bundled_configs_comments_is_plans(name):
     assert format_bytes(own.peak_bytes) in stated
 
 
-@pytest.mark.parametrize("cuda_graph", [False, True])
+@pytest.mark.parametrize("cuda_graph", [False, True, None])
 def test_the_memory_left_is_offered_to_auto_with_what_it_gives_up(tmp_path, capsys, cuda_graph):
-    """auto runs the steps it keeps as plain autograd: with cuda_graph on, step's captured replays
-    can beat it, so plan does not call auto faster there."""
+    """auto runs the steps it keeps as plain autograd: with cuda_graph on (unset: on, on the GPU
+    planned for), step's captured replays can beat it, so plan does not call auto faster there."""
     path = write_config(tmp_path, checkpoint="step", cuda_graph=cuda_graph)
     assert run_cli("plan", "--config", path, "--gpu-mem", "8GiB") == 0
     advice = next(line for line in capsys.readouterr().out.splitlines() if "the memory left" in line)
     command = shlex.split(advice.split(" -> ", 1)[1])
     assert command[:2] == ["qca-lowmem", "train"] and "--checkpoint" in command and "auto" in command
-    if cuda_graph:
+    if cuda_graph is not False:
         assert not advice.startswith("Faster") and "run without cuda_graph's captured replays" in advice
     else:
         assert advice.startswith("Faster, with the memory left: ")
@@ -130,3 +130,24 @@ def test_autocast_weight_copies_are_counted_once_not_per_step(tmp_path):
     assert half.weight_copy_bytes == pytest.approx(2 * weights, rel=0.05)
     assert full.weight_copy_bytes < 0.05 * half.weight_copy_bytes
     assert half.saved_bytes < full.saved_bytes
+
+
+def test_the_peak_counts_a_captured_steps_pool_where_cuda_graph_runs():
+    """cuda_graph unset or true (plan is for a GPU, where it is on): every recomputing policy's
+    working set holds a StepGraph's private pool besides the eager step's: one more working set
+    and a set of parameter gradients (fp32, and the half copy under autocast). Stock and plain
+    autograd capture nothing; cuda_graph false counts no pool."""
+    results = {cuda_graph: plan(config_mod.config_from_dict({**TINY, "lowmem": {"cuda_graph": cuda_graph}}),
+                                parse_bytes("8GiB"), 0)
+               for cuda_graph in (None, True, False)}
+    parameters = results[None]["parameters"]
+    for on, off in zip(results[None]["estimates"], results[False]["estimates"], strict=True):
+        assert off.graph_pool_bytes == 0
+        if on.policy is None or not on.policy.recomputes:
+            assert on.peak_bytes == off.peak_bytes and on.graph_pool_bytes == 0
+            continue
+        half = 2 * parameters if on.amp_dtype in ("bf16", "fp16") else 0
+        assert on.graph_pool_bytes > 4 * parameters + half
+        assert on.working_bytes == off.working_bytes + on.graph_pool_bytes
+        assert on.peak_bytes == off.peak_bytes + on.graph_pool_bytes
+    assert [e.as_dict() for e in results[True]["estimates"]] == [e.as_dict() for e in results[None]["estimates"]]

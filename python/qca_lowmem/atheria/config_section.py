@@ -1,6 +1,7 @@
 """The users' config switch: `enable_from_config` reads a config's `LOWMEM` section (a mapping, an
 object's attributes, or a boolean) and the `QCA_LOWMEM` environment variable, and calls
-`enable`. The boolean spellings are shared with the reference trainer's config.
+`enable`. Its boolean settings accept the spellings of `parse_flag` (the reference trainer's own
+config takes booleans only).
 
 `QCA_LOWMEM=1` asks for the library wherever it can run, not for one trainer: a trainer that
 enable() refuses then trains on stock, said in one warning. A section that enables it asks for
@@ -38,12 +39,13 @@ def _get(section, key, default):
 
 
 # The LOWMEM section's settings (enable()'s keyword arguments); the trainer's config shares them.
-LOWMEM_OPTIONS = ("checkpoint", "amp_dtype", "fused_blocks", "slots", "cuda_graph", "budget")
+LOWMEM_OPTIONS = ("checkpoint", "amp_dtype", "fused_blocks", "slots", "cuda_graph", "budget", "channels_last")
 # enable()'s other keyword arguments, for the users' trainer only.
 _TRAINER_ONLY_OPTIONS = ("noise", "fused_step_ops", "assume_stock_episode", "lowmem_scaler", "max_grad_norm",
                          "grid_size", "batch_size", "d_state", "initial_state")
 _CONFIG_KEYS = ("enabled", *LOWMEM_OPTIONS, *_TRAINER_ONLY_OPTIONS)
-_FLAG_OPTIONS = ("fused_blocks", "cuda_graph", "fused_step_ops", "assume_stock_episode", "lowmem_scaler")
+_FLAG_OPTIONS = ("fused_blocks", "cuda_graph", "channels_last", "fused_step_ops", "assume_stock_episode",
+                 "lowmem_scaler")
 _TRUE_SPELLINGS = ("1", "true", "yes", "on")
 _FALSE_SPELLINGS = ("0", "false", "no", "off")
 
@@ -75,7 +77,8 @@ def enable_from_config(trainer, cfg=None, **overrides):
     """enable(trainer, ...) as the config's `LOWMEM` section (dict or attributes) says.
 
     `LOWMEM: {enabled: true, checkpoint: step, amp_dtype: bf16, fused_blocks: true, slots: null}`;
-    every keyword argument of enable() is a key (`noise: fused`, `fused_step_ops: false`, ...).
+    every keyword argument of enable() is a key (`noise: fused`, `fused_step_ops: false`, ...). A
+    setting left out or null is enable()'s default (`cuda_graph`: on where a capture can run).
     `LOWMEM: true` alone means enabled with the defaults. Boolean settings take the spellings of
     `parse_flag`. `QCA_LOWMEM=1` in the environment switches it on (with the section's other
     settings, or the defaults) and `QCA_LOWMEM=0` off, whatever the config says; switched on by

@@ -85,12 +85,12 @@ def current_operator(motor):
     return compiled_module(operator), stock.is_multiplicative(operator)
 
 
-def fused_engine_step(motor, gamma: float) -> Callable:
+def fused_engine_step(motor, gamma: float, channels_last: bool = False) -> Callable:
     """motor.evolve_step on the fused pack/update, calling the engine's operator of the moment."""
 
     def evolve_step(psi):
         operator, multiplicative = current_operator(motor)
-        return fused_step_once(operator, psi, gamma, multiplicative)
+        return fused_step_once(operator, psi, gamma, multiplicative, channels_last)
 
     return evolve_step
 
@@ -127,10 +127,11 @@ def engine_gamma(motor) -> float:
     return float(getattr(cfg, "GAMMA_DECAY", 0.0) or 0.0)
 
 
-def lowmem_steps(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] = None):
+def lowmem_steps(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] = None, channels_last: bool = False):
     """(the engine's evolve_step for enable() to install, or None to keep the engine's own; the
     carried step(psi, (h, c)) the episode rolls out for an engine with memory, else None).
-    `grid` and `d_state` size the probe of check_engine_step when the engine holds no psi."""
+    `grid` and `d_state` size the probe of check_engine_step when the engine holds no psi;
+    `channels_last`: the fused pack writes NHWC (an engine without memory)."""
     check_engine_state(motor)
     operator = motor.operator
     memory = has_memory(motor)
@@ -145,7 +146,7 @@ def lowmem_steps(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] 
                             "recompute (grad), which can round differently")
         return None, (engine_memory_step(motor.state, motor.evolve_step) if memory else None)
     if not memory:
-        step = fused_engine_step(motor, gamma)
+        step = fused_engine_step(motor, gamma, channels_last)
         check_engine_step(motor, step, None, *probe_shape(motor, grid, d_state), multiplicative)
         return step, None
     carried = fused_memory_step(motor, gamma)

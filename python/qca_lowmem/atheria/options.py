@@ -11,6 +11,7 @@ import torch
 from .. import precision
 from ..precision import parse_amp_dtype
 from ..recompute import Policy, StepGraph
+from ..recompute import graph as step_graph
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,9 @@ class EpisodeOptions:
     initial_state: Optional[Callable]  # initial_state(trainer) -> psi0, where the trainer's own draw is used
     max_grad_norm: Optional[float]  # None: the trainer version's own clipping
     fused_blocks: bool
-    cuda_graph: bool
+    channels_last: bool  # the operator's weights and the fused pack NHWC
+    cuda_graph: bool  # resolved: whether the steps run as captured graphs
+    cuda_graph_said: str  # what enable()'s line says of it: "cuda_graph", "cuda_graph off", or "" off CUDA
     noise: str  # "trainer" or "fused"
     fused_step_ops: bool
     lowmem_scaler: bool
@@ -33,14 +36,26 @@ class EpisodeOptions:
         """The policy, the precision and the switches that are on, for enable()'s line."""
         parts = [self.policy.describe(), precision.amp_name(self.amp_dtype)]
         return ", ".join(parts + [name for name, on in (
-            ("fused blocks", self.fused_blocks), ("fused step", self.fused_step_ops), ("cuda_graph", self.cuda_graph),
+            ("fused blocks", self.fused_blocks), ("fused step", self.fused_step_ops),
+            ("channels_last", self.channels_last),
+            (self.cuda_graph_said, bool(self.cuda_graph_said)),
             ("fused noise", self.noise == "fused")) if on])
 
 
-def checked_flag(value, name: str) -> bool:
+def checked_flag(value, name: str, expected: str = "True or False") -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"enable(): {name} must be True or False, got {value!r}")
+        raise ValueError(f"enable(): {name} must be {expected}, got {value!r}")
     return value
+
+
+def _resolved_cuda_graph(cuda_graph: Optional[bool], policy: Policy, device: torch.device) -> Tuple[bool, str]:
+    """(whether the steps run as captured graphs, what enable()'s line says of it: on CUDA either
+    way, nothing elsewhere). Unset: on where it can run, off elsewhere without a word; True where
+    it cannot run warns why."""
+    on, why_not = StepGraph.resolve(cuda_graph, policy, device)
+    if cuda_graph and not on:
+        warnings.warn(f"enable(): cuda_graph captures CUDA graphs, but {why_not}: its steps run eagerly", stacklevel=5)
+    return on, "cuda_graph" if on else "cuda_graph off" if step_graph.on_cuda(device) else ""
 
 
 def _infer_d_state(trainer, operator) -> int:
@@ -111,27 +126,31 @@ def _checked_noise(trainer, version, noise) -> str:
 
 
 def resolve_options(trainer, version, *, policy: Policy, amp_dtype, grid_size, batch_size, d_state, initial_state,
-                    max_grad_norm, fused_blocks: bool, cuda_graph: bool, noise: str, fused_step_ops: bool,
-                    lowmem_scaler: bool, assume_stock_episode: bool) -> "EpisodeOptions":
+                    max_grad_norm, fused_blocks: bool, cuda_graph: Optional[bool], noise: str, fused_step_ops: bool,
+                    lowmem_scaler: bool, assume_stock_episode: bool, channels_last: bool = False) -> "EpisodeOptions":
     """enable()'s arguments resolved against the trainer, once: what each lowmem episode reads."""
-    for name, value in dict(fused_blocks=fused_blocks, cuda_graph=cuda_graph, fused_step_ops=fused_step_ops,
+    for name, value in dict(fused_blocks=fused_blocks, fused_step_ops=fused_step_ops, channels_last=channels_last,
                             lowmem_scaler=lowmem_scaler, assume_stock_episode=assume_stock_episode).items():
         checked_flag(value, name)
+    if cuda_graph is not None:
+        checked_flag(cuda_graph, "cuda_graph", "True, False or None (on where it can run)")
     if amp_dtype is None and getattr(trainer, "use_amp", False):
         compute_dtype = torch.float16
     else:
         compute_dtype = parse_amp_dtype(amp_dtype)
     device = next(trainer.motor.operator.parameters()).device
-    if compute_dtype == torch.float16 and device.type == "cpu":
-        raise ValueError("enable(): fp16 on the CPU (amp_dtype='fp16', or the trainer's use_amp) would train without a "
-                         "loss scaler, and slower than fp32; use amp_dtype='bf16' (the CPU's half precision) or 'fp32'")
+    try:
+        precision.refuse_fp16_on_cpu(compute_dtype, device, "amp_dtype='fp16', or the trainer's use_amp",
+                                     "amp_dtype='bf16' (the CPU's half precision) or 'fp32'")
+    except ValueError as error:
+        raise ValueError(f"enable(): {error}") from None
     compute_dtype, note = precision.native_amp_dtype(compute_dtype, device)
     if note:
         warnings.warn(f"enable(): {note}", stacklevel=4)
-    if cuda_graph and not StepGraph.captures_on(device):
-        warnings.warn(f"enable(): cuda_graph captures CUDA graphs, but {StepGraph.why_not_captured(device)}: its "
-                      "steps run eagerly", stacklevel=4)
-        cuda_graph = False
+    if channels_last and (not fused_step_ops or getattr(trainer.motor, "has_memory", False) is True):
+        raise ValueError("enable(): channels_last needs the fused step (fused_step_ops=True) on an engine without "
+                         "memory: the engine's own pack, and a ConvLSTM's memory, are NCHW")
+    cuda_graph, cuda_graph_said = _resolved_cuda_graph(cuda_graph, policy, device)
     grid, batch_size, initial_state = _psi0_options(trainer, version, grid_size, batch_size, initial_state)
     if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
         raise ValueError(f"enable(): max_grad_norm must be a number > 0 or None (the trainer's own), "
@@ -139,7 +158,8 @@ def resolve_options(trainer, version, *, policy: Policy, amp_dtype, grid_size, b
     return EpisodeOptions(
         policy=policy, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
         d_state=d_state or _infer_d_state(trainer, trainer.motor.operator), initial_state=initial_state,
-        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, cuda_graph=cuda_graph,
+        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, channels_last=channels_last, cuda_graph=cuda_graph,
+        cuda_graph_said=cuda_graph_said,
         noise=_checked_noise(trainer, version, noise), fused_step_ops=fused_step_ops, lowmem_scaler=lowmem_scaler,
         assume_stock_episode=assume_stock_episode,
     )

@@ -58,7 +58,6 @@ class _Saved:
     had_train_episode_attr: bool = False
     scaler: Any = None
     had_scaler_attr: bool = True
-    convert_report: Any = None
     step_graph: Any = None  # a StepGraph of the motor's step, made at the first CUDA episode
     memory_step: Any = None  # step(psi, (h, c)) -> (psi, (h, c)) for an engine with memory
     edited_episode: Optional[str] = None  # why the episode is not stock, run anyway (assume_stock_episode)
@@ -146,7 +145,7 @@ def enable(
     amp_dtype=None,
     fused_blocks: bool = True,
     slots: Optional[int] = None,
-    cuda_graph: bool = False,
+    cuda_graph: Optional[bool] = None,
     *,
     fused_step_ops: bool = True,
     lowmem_scaler: bool = True,
@@ -158,6 +157,7 @@ def enable(
     budget=None,
     noise: str = "trainer",
     assume_stock_episode: bool = False,
+    channels_last: bool = False,
 ):
     """Switch a QC_Trainer_v4- or QC_Trainer_v3-style trainer to the low-memory path, in place;
     returns the trainer. Which version it is, is read off its attributes (trainers.py);
@@ -170,8 +170,10 @@ def enable(
       "bf16" or "fp16"; the state and its normalisation stay complex64 either way. bf16 on a GPU
       below compute capability 8.0 (emulated there) becomes fp16 with the loss scaler, with a warning.
     fused_blocks: convert the operator's ConvBlocks to FusedConvBlock in place (same Parameters).
-    cuda_graph: on CUDA, with checkpoint "step" or "revolve", run each step as replays of
-      captured CUDA graphs (qca_lowmem.StepGraph): the same kernels without launch overhead.
+    cuda_graph: run each recomputed step as replays of captured CUDA graphs (qca_lowmem.StepGraph):
+      the same kernels without launch overhead. None (the default): on where it can run (CUDA with
+      torch's caching allocator, a checkpoint other than "none"), off elsewhere; True where it
+      cannot run warns why, once; False: eager steps. enable()'s line says which on CUDA.
     fused_step_ops: replace `motor.evolve_step` by the fused pack/update ops. Only where that is
       exact: an engine whose state psi is not a complex tensor, or whose own evolve_step (run once
       on a random psi with the operator's output fixed, leaving the trainer as found) is not the
@@ -196,6 +198,10 @@ def enable(
       its own, `motor.get_initial_state(trainer.batch_size)`, and refuses grid_size and batch_size.
       `initial_state(trainer) -> psi0` overrides both for trainers that draw psi0 differently.
     max_grad_norm: None clips as the trainer does (V4 at 1.0; V3 at its gradient_clip, when > 0).
+    channels_last: the operator's weights (in place, the same Parameters) and the fused pack in
+      NHWC, so cuDNN's convolutions need no layout conversion; the same function (float64 within
+      rounding of NCHW). Off by default until a GPU measurement shows it faster (docs/benchmarks.md).
+      Needs the fused step on an engine without memory. disable() puts the weights back in NCHW.
     assume_stock_episode: run qca_lowmem's stock episode in place of a train_episode that is not
       one it follows (edited, overridden), at your own risk: what yours does differently is
       dropped. enable()'s line says so. False (the default) refuses such a trainer.
@@ -212,14 +218,16 @@ def enable(
         trainer, version, policy=policy, amp_dtype=amp_dtype, grid_size=grid_size, batch_size=batch_size,
         d_state=d_state, initial_state=initial_state, max_grad_norm=max_grad_norm, fused_blocks=fused_blocks,
         cuda_graph=cuda_graph, noise=noise, fused_step_ops=fused_step_ops, lowmem_scaler=lowmem_scaler,
-        assume_stock_episode=assume_stock_episode,
+        assume_stock_episode=assume_stock_episode, channels_last=channels_last,
     ))
     # Everything that can fail is decided before the trainer changes.
     new_scaler = _lowmem_scaler_for(trainer, state.options.amp_dtype) if lowmem_scaler else None
     evolve_step, state.memory_step = lowmem_steps(trainer.motor, fused_step_ops, state.options.grid,
-                                                  state.options.d_state)
+                                                  state.options.d_state, channels_last)
     if fused_blocks:
         _convert_blocks(trainer.motor.operator, state)
+    if channels_last:
+        trainer.motor.operator.to(memory_format=torch.channels_last)
     _swap_step(trainer, state, evolve_step)
     _swap_episode(trainer, state)
     _swap_scaler(trainer, state, new_scaler)
@@ -255,7 +263,7 @@ def _convert_blocks(operator, state: _Saved):
     """Stock ConvBlocks -> FusedConvBlock in place, remembering what was swapped for disable()."""
     params_before = [id(p) for p in operator.parameters()]
     edges = _children(operator)
-    _, state.convert_report = convert(operator)
+    convert(operator)
     # What convert() swapped, so disable() can put the very same stock modules back.
     state.blocks = [(parent, name, child) for parent, name, child in edges if getattr(parent, name) is not child]
     if [id(p) for p in operator.parameters()] != params_before:
@@ -297,6 +305,8 @@ def disable(trainer):
     if state is None:
         raise RuntimeError("disable(): qca_lowmem is not enabled on this trainer")
     _restore_blocks(state.blocks)
+    if state.options.channels_last:
+        trainer.motor.operator.to(memory_format=torch.contiguous_format)
     motor = trainer.motor
     if state.had_evolve_step_attr:
         motor.evolve_step = state.evolve_step

@@ -17,6 +17,7 @@ import torch
 from .. import stock
 from ..ops.noise import NoiseSchedule
 from .engine_step import store_memory
+from .noise_replay import without_host_waits
 
 
 def _missing(trainer, paths) -> list:
@@ -57,14 +58,15 @@ class TrainerV4:
     def noise(trainer, episode, source: str) -> Optional[Callable]:
         """The episode's noise(psi, t), None when the curriculum leaves it off. "trainer": the
         trainer's injector as stock applies it, the same draws in the same order (the rollout
-        replays the generators' states in its recomputes); "fused": a NoiseSchedule keyed by one
+        replays the generators' states in its recomputes), without host waits on CUDA
+        (noise_replay.py); "fused": a NoiseSchedule keyed by one
         draw from torch's generator, replayed by construction."""
         rate = stock.noise_rate(episode, trainer.max_noise)
         if rate <= stock.NOISE_RATE_THRESHOLD:
             return None
         if source == "fused":
             return NoiseSchedule(trainer.max_noise, episode, int(torch.randint(0, 2**62, (1,)).item()))
-        injector = trainer.noise_injector
+        injector = without_host_waits(trainer.noise_injector)
         return lambda psi, t: stock.noise_step(injector, psi, rate)
 
     @staticmethod

@@ -6,6 +6,8 @@ kernel: without these checks it would hand back uninitialised memory on the othe
 
 import torch
 
+from .. import _torch_private as torch_private
+
 # ATen's ScalarType names, as the C glue's `describe` prints them.
 _SCALAR_TYPE_NAMES = {
     torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
@@ -39,7 +41,7 @@ def refuse_func_transforms(op: str, *tensors: torch.Tensor) -> None:
     without naming the op: say which op and what works instead."""
     if torch.compiler.is_compiling():
         return  # compiled graphs see no functorch wrappers; the call would break fullgraph
-    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors if isinstance(t, torch.Tensor)):
+    if any(torch_private.is_functorch_wrapped(t) for t in tensors if isinstance(t, torch.Tensor)):
         raise RuntimeError(
             f"{op}: torch.func transforms (grad, vmap, jvp, jacrev, ...) are not supported through qca_lowmem's "
             "ops; differentiate with loss.backward() or torch.autograd.grad, or use qca_lowmem.stock's "

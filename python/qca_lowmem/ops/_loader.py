@@ -5,6 +5,8 @@ import os
 
 import torch
 
+from .. import _torch_private as torch_private
+
 # --no-deps: --force-reinstall would otherwise replace the environment's torch with the index's newest;
 # --no-cache-dir: a wheel pip cached from an earlier build may be for another torch.
 REBUILD_COMMAND = "pip install --force-reinstall --no-deps --no-cache-dir ."
@@ -35,4 +37,4 @@ def load_native():
 
 def has_cuda_kernels():
     """True when the loaded library registered CUDA kernels (built with CUDA)."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key("qca_lowmem::qca_update", "CUDA")
+    return torch_private.has_kernel_for("qca_lowmem::qca_update", "CUDA")

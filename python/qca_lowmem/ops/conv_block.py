@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _torch_private as torch_private
 from ._checks import check_same_device
 from ._double_backward import reference_backward, second_order_requested
 from .groupnorm_elu import output_layout, stat_dtype
@@ -41,7 +42,7 @@ def _below_autograd():
     """The ops inside a block's forward and first-order backward record no autograd history (the
     block's own autograd covers them), so they skip the autograd layer: for groupnorm_elu that
     layer is Python, about 20 us a call on a CPU, more than a small call's kernel."""
-    return torch._C._AutoDispatchBelowAutograd()
+    return torch_private.below_autograd()
 
 
 def _check_block_devices(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias):
@@ -219,8 +220,8 @@ def _plain_eager(tensors) -> bool:
     transform, and no tensor with its own __torch_function__; there the Function above is the
     op's autograd exactly, and everything else sees the op itself (a device mix, its checks)."""
     device = tensors[0].device
-    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-                or torch._C._are_functorch_transforms_active() or torch.overrides.has_torch_function(tensors)
+    return not (torch.compiler.is_compiling() or torch_private.dispatch_modes_active()
+                or torch_private.functorch_transforms_active() or torch.overrides.has_torch_function(tensors)
                 or any(t.device != device for t in tensors))
 
 

@@ -12,7 +12,8 @@ imports by its dotted name, `import qca_lowmem.recompute.graph`.
 """
 
 from .api import rollout
-from .graph import CaptureFallbackWarning, StepGraph
+from .cuda_graphs import CaptureFallbackWarning
+from .graph import StepGraph
 from .intermediates import block_keeps_intermediates, keep_block_intermediates
 from .memory import saved_bytes
 from .policy import Policy

@@ -35,31 +35,20 @@ too, so a StepGraph costs about one extra copy of the parameters.
 
 import contextlib
 import gc
-import os
 import warnings
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from .. import _torch_private as torch_private
+from .cuda_graphs import (CaptureFailed, CaptureFallbackWarning, CudaGraphs, caching_allocator_off,
+                          capture_errors_explained, random_draws_refused)
 from .intermediates import keep_block_intermediates
-from .state import State, differentiable, signature
+from .param_grads import Accumulators, deposited_into
+from .state import State, check_like_psi, differentiable, signature
 from .weight_casts import StaticCasts
 
 WARMUP_STEPS = 3  # eager runs on a side stream before capture: lazy inits, cuDNN/cuBLAS handles
-
-
-class CaptureFallbackWarning(RuntimeWarning):
-    """A StepGraph could not capture a configuration and rolls it out eagerly."""
-
-
-class _CaptureFailed(RuntimeError):
-    """A capture failed; the message holds the whole chain. Out of memory too: the eager steps
-    need less than a capture (no pool of its own), and an OOM guard lowering the policy would
-    not change the capture's memory."""
-
-    def __init__(self, message: str, out_of_memory: bool = False):
-        super().__init__(message)
-        self.out_of_memory = out_of_memory
 
 
 class StepGraph:
@@ -91,10 +80,22 @@ class StepGraph:
         device = torch.device(device)
         if _captures_on(device):
             return None
-        if device.type != "cuda":
+        if not on_cuda(device):
             return f"the operator is on {device}"
         return ("PYTORCH_NO_CUDA_MEMORY_CACHING is set, and a capture allocates from torch's caching allocator "
                 "(cudaMalloc is not allowed while capturing)")
+
+    @staticmethod
+    def resolve(cuda_graph: Optional[bool], policy, device: torch.device) -> Tuple[bool, Optional[str]]:
+        """(whether a rollout under `policy` on `device` runs captured steps, why not where it does
+        not) for a cuda_graph setting: None means on wherever it can run, False off. Plain autograd
+        (checkpoint "none") has no recomputed step to capture."""
+        if cuda_graph is False:
+            return False, "cuda_graph is off"
+        why_not = StepGraph.why_not_captured(device)
+        if why_not is None and not policy.recomputes:
+            why_not = f"{policy.describe()} runs plain autograd, with no recomputed step to capture"
+        return why_not is None, why_not
 
     def for_rollout(self, state: State, step: Callable, params: List[torch.Tensor],
                     autocast_state) -> Optional["_Capture"]:
@@ -111,7 +112,7 @@ class StepGraph:
             self.capture = None  # release the old graphs and pool before capturing anew
             try:
                 self.capture = _Capture(step, state, params, autocast_state, key)
-            except _CaptureFailed as failure:
+            except CaptureFailed as failure:
                 self.failed_keys.add(key)
                 gc.collect()  # the half-made graphs and their pool
                 if failure.out_of_memory:
@@ -130,13 +131,12 @@ def _captures(psi: torch.Tensor) -> bool:
 
 
 def _captures_on(device: torch.device) -> bool:
-    return device.type == "cuda" and not caching_allocator_off()
+    return on_cuda(device) and not caching_allocator_off()
 
 
-def caching_allocator_off() -> bool:
-    """PYTORCH_NO_CUDA_MEMORY_CACHING (set for compute-sanitizer's memcheck) makes every allocation
-    a cudaMalloc, which a capture cannot make."""
-    return os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "") not in ("", "0")
+def on_cuda(device: torch.device) -> bool:
+    """The device query every capture decision reads (tests replace it to decide as on CUDA)."""
+    return torch.device(device).type == "cuda"
 
 
 def _capture_key(state: State, params, autocast_state):
@@ -150,8 +150,8 @@ def _hooks_set_aside(params):
     graphs compute per-step gradients: the rollout hands the totals to autograd at the end."""
     saved = []
     for p in params:
-        hooks = p._backward_hooks
-        if hooks:
+        if torch_private.has_hooks(p):
+            hooks = torch_private.backward_hooks(p)
             saved.append((hooks, dict(hooks)))
             hooks.clear()
     try:
@@ -159,74 +159,6 @@ def _hooks_set_aside(params):
     finally:
         for hooks, original in saved:
             hooks.update(original)
-
-
-class CudaGraphs:
-    """CUDA graphs sharing one memory pool, warmed up and captured on one side stream. A capture
-    runs a body once while recording it; each replay reruns its kernels on the same memory."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        # Garbage from earlier work is collected first: freeing it during a capture would make
-        # the allocator touch other streams' events.
-        gc.collect()
-        torch.cuda.synchronize(device)
-        self.side = torch.cuda.Stream(device)
-        self.pool = torch.cuda.graph_pool_handle()
-
-    @contextlib.contextmanager
-    def warming_up(self):
-        """Eager runs before capturing (lazy inits, cuDNN/cuBLAS handles), on the side stream."""
-        self.side.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            with torch.cuda.stream(self.side):
-                yield
-        finally:  # also when the warm-up refuses the step: its work is in flight on the side stream
-            torch.cuda.current_stream(self.device).wait_stream(self.side)
-
-    def capture(self, body: Callable):
-        """(what body returned, a function replaying it). However the capture ends, the caller's
-        stream is current again and the allocator no longer routes allocations to the pool
-        (torch.cuda.graph leaves both behind when ending a failed capture raises)."""
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize(self.device)
-        with torch.cuda.stream(self.side):
-            graph.capture_begin(self.pool, capture_error_mode="thread_local")
-            try:
-                outputs = body()
-            except BaseException:
-                self._end_failed(graph)  # the body's error is the one to report
-                raise
-            try:
-                graph.capture_end()
-            except BaseException:
-                self._undo_capture_state()
-                raise
-        return outputs, graph.replay
-
-    def _end_failed(self, graph) -> None:
-        try:
-            graph.capture_end()
-        except Exception:
-            self._undo_capture_state()
-
-    def _undo_capture_state(self) -> None:
-        """What capture_end undoes after it ends the stream's capture, done when ending raised
-        before it got there: untold, the allocator sends this stream's allocations to the pool
-        (empty_cache() then asserts), and the default generator stays in capture mode (every
-        later random draw raises "Offset increment outside graph capture")."""
-        try:
-            torch._C._cuda_endAllocateToPool(self.device.index, self.pool)
-        except RuntimeError:
-            pass  # it had been told
-        generator = torch.cuda.default_generators[self.device.index]
-        generator.graphsafe_set_state(generator.clone_state())  # the same seed and offset, not capturing
-
-    @staticmethod
-    def live(outputs):
-        """The tensors a later capture differentiates for `outputs` of a capture: themselves, whose
-        memory every replay rewrites."""
-        return outputs
 
 
 def _graphs(device: torch.device):
@@ -267,15 +199,18 @@ class _Capture:
         torch.clear_autocast_cache()
         graphs = _graphs(psi.device)
         with _hooks_set_aside(params):
-            with graphs.warming_up(), _random_draws_refused(psi.device):
+            with graphs.warming_up(), random_draws_refused(psi.device):
                 for _ in range(WARMUP_STEPS):
                     out, carry_out = forward()
-                    _check_output(out, psi)
+                    check_like_psi(out, psi, "step_fn", None)
+                    if not out.requires_grad:
+                        raise ValueError("StepGraph: step_fn's output does not require grad: nothing to capture a "
+                                         "backward for")
                     outputs = [out, *(c for c in carry_out if _requires_grad(c))]
                     torch.autograd.grad(outputs, self._inputs() + params, [torch.zeros_like(o) for o in outputs],
                                         allow_unused=True)
                     del out, carry_out, outputs
-            with _capture_errors_explained():
+            with capture_errors_explained():
                 self.static_outputs, self.replay_forward = graphs.capture(forward)
                 self.static_out, self.static_carry_out = self.static_outputs
                 self.static_grad_out = torch.zeros_like(self.static_out)
@@ -296,12 +231,15 @@ class _Capture:
         differentiated = [(out, self.static_grad_out)] + [
             (c, g) for c, g in zip(carry_out, self.static_grad_carry_out) if g is not None]
         inputs = self._inputs()
-        grads = torch.autograd.grad([o for o, _ in differentiated], inputs + self.params,
-                                    [g for _, g in differentiated], allow_unused=True)
+        # A half-precision weight copy's gradient is added to its fp32 accumulator in the graph
+        # (deposit()): one pass over the weight, not a cast and then an add.
+        with deposited_into(Accumulators(self.params, self.accumulators), self.params) as deposits:
+            grads = torch.autograd.grad([o for o, _ in differentiated], inputs + self.params,
+                                        [g for _, g in differentiated], allow_unused=True)
         by_input = iter(grads[1:len(inputs)])
         grad_carry_in = tuple(next(by_input) if _requires_grad(c) else None for c in self.static_carry_in)
         param_grads = grads[len(inputs):]
-        self.reached = [g is not None for g in param_grads]
+        self.reached = [g is not None or d for g, d in zip(param_grads, deposits.reached)]
         reached = [(a, g) for a, g in zip(self.accumulators, param_grads) if g is not None]
         if reached:
             torch._foreach_add_([a for a, _ in reached], [g for _, g in reached])
@@ -361,65 +299,3 @@ def _load_or_zero(static: torch.Tensor, value: Optional[torch.Tensor]) -> None:
         static.zero_()
     else:
         static.copy_(value)
-
-
-def _check_output(out, psi):
-    if not isinstance(out, torch.Tensor) or out.shape != psi.shape or out.dtype != psi.dtype or out.device != psi.device:
-        got = (f"shape={tuple(out.shape)} dtype={out.dtype} device={out.device}" if isinstance(out, torch.Tensor)
-               else type(out).__name__)
-        raise ValueError(f"StepGraph: step_fn must keep psi's shape, dtype and device "
-                         f"(shape={tuple(psi.shape)} dtype={psi.dtype} device={psi.device}), it returned {got}")
-    if not out.requires_grad:
-        raise ValueError("StepGraph: step_fn's output does not require grad: nothing to capture a backward for")
-
-
-@contextlib.contextmanager
-def _random_draws_refused(device):
-    """A step that draws from torch's generators cannot be captured (every replay would repeat
-    the captured draw): the warm-up's draws are undone, so the eager steps that follow draw what
-    they would have drawn without a StepGraph."""
-    cpu_before = torch.get_rng_state()
-    cuda_before = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    yield
-    drew = not torch.equal(cpu_before, torch.get_rng_state()) or (
-        cuda_before is not None and not torch.equal(cuda_before, torch.cuda.get_rng_state(device)))
-    if drew:
-        torch.set_rng_state(cpu_before)
-        if cuda_before is not None:
-            torch.cuda.set_rng_state(cuda_before, device)
-        raise _CaptureFailed(
-            "StepGraph: step_fn draws random numbers from torch's generators, which a captured graph would "
-            "repeat at every replay; rolling this configuration out eagerly. Keep random draws out of step_fn "
-            "(a rollout's noise= with a qca_lowmem.NoiseSchedule is keyed by step) to have it captured.")
-
-
-@contextlib.contextmanager
-def _capture_errors_explained():
-    """A failed capture raised as _CaptureFailed with every error of the chain, first first."""
-    try:
-        yield
-    except Exception as error:
-        chain = _exception_chain(error)
-        story = " <- then: ".join(f"{type(e).__name__}: {str(e).strip()}" for e in chain)
-        if any(isinstance(e, torch.OutOfMemoryError) for e in chain):
-            raise _CaptureFailed(
-                f"StepGraph: out of memory while capturing the step as a CUDA graph; rolling this configuration out "
-                f"eagerly, which needs less. Errors, first first: {story}.", out_of_memory=True) from error
-        cause = ("A captured step must not synchronise with the host (.item(), printing tensors, data-dependent "
-                 "branches or shapes).")
-        if "cudaErrorStreamCaptureImplicit" in story or "legacy stream depend on a capturing" in story:
-            cause = ("A graph made before the capture on another stream still holds the parameters' gradient "
-                     "accumulators (an earlier episode's output kept with its graph: keep it .detach()ed).")
-        raise _CaptureFailed(
-            f"StepGraph: capturing the step as a CUDA graph failed; rolling this configuration out eagerly. "
-            f"Errors, first first: {story}. {cause}") from error
-
-
-def _exception_chain(error: BaseException) -> List[BaseException]:
-    """error and the errors it was raised from or during, the first one first."""
-    chain, seen = [], set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        chain.append(error)
-        error = error.__cause__ if error.__cause__ is not None else error.__context__
-    return chain[::-1]

@@ -4,13 +4,15 @@ refusing a tensor that requires grad but was computed before the step."""
 from typing import List
 
 import torch
+from .. import _torch_private as torch_private
+
 
 
 def next_sequence_nr() -> int:
     """Autograd nodes created from now on in this thread have a sequence number >= this."""
     with torch.enable_grad():
         node = torch.zeros((), requires_grad=True).view(()).grad_fn
-    return node._sequence_nr() + 1
+    return torch_private.sequence_nr(node) + 1
 
 
 def leaves_reached(outputs, inputs: set, marker: int) -> List[torch.Tensor]:
@@ -29,7 +31,7 @@ def leaves_reached(outputs, inputs: set, marker: int) -> List[torch.Tensor]:
                 seen_leaves.add(id(variable))
                 leaves.append(variable)
             continue
-        if node._sequence_nr() < marker and not _cast_of_a_leaf(node):
+        if torch_private.sequence_nr(node) < marker and not _cast_of_a_leaf(node):
             raise RuntimeError(
                 "rollout: step_fn uses a tensor that requires grad but was computed outside "
                 f"step_fn (its autograd node {node.name()} predates the step). Only leaf tensors "
@@ -44,5 +46,5 @@ def _cast_of_a_leaf(node) -> bool:
     """A dtype cast of a parameter made before the step: autocast's cache hands a step the cast an
     earlier op in the same autocast block made (a model call, the rollout before). Its node keeps
     nothing for backward, and a recompute, under its own autocast, casts afresh."""
-    return node.name() == "ToCopyBackward0" and all(
+    return torch_private.is_dtype_cast(node) and all(
         next_node is not None and hasattr(next_node, "variable") for next_node, _ in node.next_functions)

@@ -1,9 +1,12 @@
 """Parameter gradients of a recomputing backward, summed over its steps into one buffer each."""
 
+import contextlib
 import functools
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from .. import _torch_private as torch_private
+
 from torch.utils.hooks import RemovableHandle
 
 
@@ -21,6 +24,35 @@ def deposit(param: torch.Tensor, grad: torch.Tensor) -> bool:
         return False
     entry[0].add(entry[1], grad)
     return True
+
+
+@contextlib.contextmanager
+def deposited_into(sink, params):
+    """Inside, deposit() adds params' gradients to `sink` (`sink.add(i, grad)`, `sink.params`)."""
+    outer = [_collecting.get(id(p)) for p in params]
+    for i, p in enumerate(params):
+        _collecting[id(p)] = (sink, i)
+    try:
+        yield sink
+    finally:
+        for p, entry in zip(params, outer):
+            if entry is None:
+                del _collecting[id(p)]
+            else:
+                _collecting[id(p)] = entry
+
+
+class Accumulators:
+    """deposit()'s target while a StepGraph's backward is captured (graph.py): its per-parameter
+    accumulators, noting which it reached."""
+
+    def __init__(self, params, accumulators):
+        self.params, self.accumulators = params, accumulators
+        self.reached = [False] * len(params)
+
+    def add(self, i: int, grad: torch.Tensor) -> None:
+        self.accumulators[i].add_(grad)
+        self.reached[i] = True
 
 
 class ParamGradSink:
@@ -53,9 +85,7 @@ class ParamGradSink:
             self._collect(len(self.params) - 1, p)
 
     def _collect(self, i: int, p: torch.Tensor) -> None:
-        if p._backward_hooks is None:
-            p.register_hook(_identity_hook).remove()  # creates the hook dict, as register_hook does
-        hooks = p._backward_hooks
+        hooks = torch_private.backward_hooks(p)
         original = list(hooks.items())
         hooks.clear()
         handle = RemovableHandle(hooks)
@@ -97,7 +127,3 @@ class ParamGradSink:
     def take(self):
         buffers, self.buffers = self.buffers, None
         return buffers
-
-
-def _identity_hook(grad):
-    return None

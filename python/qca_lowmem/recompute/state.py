@@ -70,13 +70,15 @@ def checked_carry(carry, what: str, width: Optional[int] = None) -> tuple:
     return tuple(carry)
 
 
-def check_like_psi(out, psi: torch.Tensor, name: str, t: int) -> None:
-    """A step or noise output must be a tensor of psi's shape, dtype and device."""
+def check_like_psi(out, psi: torch.Tensor, name: str, t: Optional[int]) -> None:
+    """A step or noise output must be a tensor of psi's shape, dtype and device (`t`: the step,
+    None while a capture warms up)."""
+    when = "while warming up its capture" if t is None else f"at step {t}"
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"rollout: {name} must return a tensor like psi, at step {t} it returned {type(out).__name__}")
+        raise TypeError(f"rollout: {name} must return a tensor like psi, {when} it returned {type(out).__name__}")
     if out.shape != psi.shape or out.dtype != psi.dtype or out.device != psi.device:
         raise ValueError(
-            f"rollout: {name} must keep psi's shape, dtype and device; at step {t} it got psi "
+            f"rollout: {name} must keep psi's shape, dtype and device; {when} it got psi "
             f"shape={tuple(psi.shape)} dtype={psi.dtype} device={psi.device} and returned "
             f"shape={tuple(out.shape)} dtype={out.dtype} device={out.device}"
         )

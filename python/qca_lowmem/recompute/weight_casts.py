@@ -14,8 +14,8 @@ step either: inside `with qca_lowmem.shared_weight_casts():` every rollout uses 
 `WeightCasts`, so the copies are made once for all of them. A weight changed inside the scope is
 cast again at its next use: in place (its version), given new memory (`p.data = ...`, its
 address), or by any optimizer's step, fused ones included, which change weights without their
-versions (a global optimizer step hook, installed with the first scope, drops every scope's
-copies). Only an in-place edit through `.data` outside an optimizer goes unseen: leave the
+versions (a global optimizer step hook, installed while any scope is open, drops every open
+scope's copies). Only an in-place edit through `.data` outside an optimizer goes unseen: leave the
 scope first. Leaving the scope drops its copies (a rollout whose backward runs after it casts
 again what it needs), so close it before the optimizer step, whose memory then does not hold
 them.
@@ -31,7 +31,6 @@ operand in its kernel (on the CPU torch still casts it to a temporary inside the
 
 import contextlib
 import threading
-import weakref
 from typing import Dict
 
 import torch
@@ -40,8 +39,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .param_grads import deposit
 
 _state = threading.local()
-_scopes = weakref.WeakSet()  # the WeightCasts of open shared_weight_casts() scopes, any thread
-_step_hook = None  # the optimizer step hook that drops their copies, once installed
+_scopes = set()  # the WeightCasts of open shared_weight_casts() scopes, any thread
+_scopes_lock = threading.Lock()
+_step_hook = None  # the optimizer step hook that drops their copies, while any is open
 
 
 class WeightCasts:
@@ -102,23 +102,40 @@ def shared_weight_casts():
     if getattr(_state, "shared", None) is not None:
         yield
         return
-    global _step_hook
-    if _step_hook is None:
-        _step_hook = register_optimizer_step_post_hook(_drop_shared_copies)
     casts = WeightCasts()
+    _opened(casts)
     _state.shared = casts
-    _scopes.add(casts)
     try:
         yield
     finally:
         _state.shared = None
+        _closed(casts)
         casts._copies.clear()  # freed even while an episode's graph, holding `casts`, lives on
+
+
+def _opened(casts: WeightCasts) -> None:
+    global _step_hook
+    with _scopes_lock:
+        _scopes.add(casts)
+        if _step_hook is None:
+            _step_hook = register_optimizer_step_post_hook(_drop_shared_copies)
+
+
+def _closed(casts: WeightCasts) -> None:
+    """The hook goes with the last open scope: optimizers run without it when nothing shares copies."""
+    global _step_hook
+    with _scopes_lock:
+        _scopes.discard(casts)
+        if not _scopes and _step_hook is not None:
+            _step_hook.remove()
+            _step_hook = None
 
 
 def _drop_shared_copies(optimizer, args, kwargs) -> None:
     """After any optimizer step: its weights changed, perhaps without a version bump (fused)."""
-    for casts in list(_scopes):
-        casts._copies.clear()
+    with _scopes_lock:
+        for casts in _scopes:
+            casts._copies.clear()
 
 
 def for_episode() -> WeightCasts:

@@ -82,9 +82,9 @@ class EpisodeRunner:
         self.amp_dtype = parse_amp_dtype(config.amp_dtype)
         self.model = model if model is not None else build_model(config, device)
         self.stock_model = stock.StockForward(self.model)
-        # lowmem's step, as the trainer runs it: on CUDA with cuda_graph, captured (once, reused)
+        # lowmem's step, as the trainer runs it: captured (once, reused) where cuda_graph resolves on
         self.lowmem_step = fused_step(self.model, config.gamma, multiplicative=True, channels_last=config.channels_last)
-        if config.cuda_graph and device.type == "cuda":
+        if StepGraph.resolve(config.cuda_graph, config.policy(), device)[0]:
             self.lowmem_step = StepGraph(self.lowmem_step)
 
     def episode_loss(self, variant: str, steps: int, psi0):

@@ -35,7 +35,8 @@ def _add_config_options(parser, training: bool):
     parser.add_argument("--fused-blocks", action=argparse.BooleanOptionalAction, default=None,
                         help="the U-Net's ConvBlocks as fused kernels (default: the config's; on)")
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
-                        help="on CUDA, run each step as replays of captured CUDA graphs (default: the config's)")
+                        help="run each step as replays of captured CUDA graphs (default: the config's; "
+                             "unset: on where it can run, CUDA)")
     parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                         help="NHWC from the pack through the U-Net to the update (default: the config's; off)")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: 1 for the embedded config, "

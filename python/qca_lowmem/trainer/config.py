@@ -51,7 +51,9 @@ class TrainConfig:
     budget: Union[int, str, None] = None  # checkpoint "auto": bytes of saved tensors, a size, or "free"
     amp_dtype: Optional[str] = None
     fused_blocks: bool = True
-    cuda_graph: bool = False  # on CUDA: each step as replays of captured graphs (StepGraph)
+    # Each recomputed step as replays of captured graphs (StepGraph). None: on where it can run (CUDA
+    # with torch's caching allocator, a policy that recomputes); false: eager steps.
+    cuda_graph: Optional[bool] = None
     # NHWC from the pack through the U-Net to the update, weights included. Off by default: no
     # GPU measurement shows it faster yet (issue 22).
     channels_last: bool = False
@@ -92,9 +94,11 @@ class TrainConfig:
             refuse("max_grad_norm", "a finite number > 0 (0 would zero every gradient)")
         if self.scheduler not in ("none", "cosine"):
             refuse("scheduler", "'none' or 'cosine'")
-        for name in ("fused_blocks", "cuda_graph", "channels_last"):
+        for name in ("fused_blocks", "channels_last"):
             if not isinstance(getattr(self, name), bool):
                 refuse(name, "true or false")
+        if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
+            refuse("cuda_graph", "true, false or null (on where it can run)")
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             refuse("device", "auto, cpu, cuda or cuda:N")
         if not isinstance(self.out_dir, str) or not self.out_dir:
@@ -111,8 +115,12 @@ class TrainConfig:
 
     def policy(self, caller: str = "config") -> Policy:
         """The rollout policy of checkpoint, slots and budget (ValueError naming `caller` unless
-        they make one)."""
-        return Policy.of(self.checkpoint, self.slots, self.budget, caller)
+        they make one), built once for as long as they stay the same."""
+        key = (self.checkpoint, self.slots, self.budget)
+        made = self.__dict__.get("_policy")
+        if made is None or made[0] != key:
+            self.__dict__["_policy"] = made = (key, Policy.of(*key, caller))
+        return made[1]
 
 
 
@@ -139,7 +147,7 @@ _SECTIONS = {
     "model": ("d_state", "hidden", "gamma"),
     "training": ("grid", "qca_steps", "batch", "max_noise", "episodes", "accumulate", "lr",
                  "weight_decay", "max_grad_norm", "max_skipped_steps", "scheduler", "seed"),
-    "lowmem": config_section.LOWMEM_OPTIONS + ("channels_last",),
+    "lowmem": config_section.LOWMEM_OPTIONS,
     "output": ("out_dir", "save_every"),
 }
 _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}

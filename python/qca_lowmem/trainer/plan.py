@@ -2,7 +2,9 @@
 
 Peak = model state (fp32 weights 4 B/param, gradients 4 B/param, AdamW moments 8 B/param) + the
 states the policy keeps across the episode + one step's working set (the step's graph while it is
-backpropagated, plus gradients in flight, estimated as twice its largest tensor). Under autocast
+backpropagated, plus gradients in flight, estimated as twice its largest tensor), and, with
+cuda_graph on (a recomputing policy, cuda_graph not false), a StepGraph's private pool, which
+holds a second such working set and a set of parameter gradients for its replays. Under autocast
 the step's graph holds the half-precision copy of the weights, which the rollout makes once per
 episode and keeps to its end (the trainer: once per optimizer step, shared by its episodes,
 recompute/weight_casts.py), so the copy is counted once, in the working set.
@@ -23,9 +25,9 @@ from .. import stock
 from ..precision import autocast, native_amp_dtype, parse_amp_dtype
 from ..ops.qca_step import fused_step
 from ..recompute import Policy, keep_block_intermediates
-from ..recompute.memory import (LOSS_STATES, SAFETY, format_bytes, kept_bytes, model_state_bytes, parse_bytes, psi_bytes,
-                              saved_storage_sizes)
+from ..recompute.memory import SAFETY, format_bytes, parse_bytes, saved_storage_sizes
 from .config import TrainConfig, build_model
+from .footprint import LOSS_STATES, kept_bytes, model_state_bytes, psi_bytes
 from .errors import UsageError
 
 _PROBE_GRIDS = (8, 16)
@@ -53,16 +55,20 @@ class Estimate:
     working_bytes: int
     from_config: bool = False  # the config's own policy
     full_graph_bytes: int = 0  # one step's full graph with its output state (what "auto" keeps per step)
+    graph_pool_bytes: int = 0  # of working_bytes: a StepGraph's private pool, where cuda_graph runs
 
     @property
     def peak_bytes(self) -> int:
         return self.model_state_bytes + self.kept_bytes + self.working_bytes
 
     def as_dict(self) -> dict:
-        policy = self.policy.options() if self.policy is not None else dict(checkpoint="stock", slots=None, budget=None)
-        return dict(name=self.name, **policy, amp_dtype=self.amp_dtype, model_state_bytes=self.model_state_bytes,
+        # The users' stock trainer is plain autograd (checkpoint "none") on the stock model.
+        policy = self.policy if self.policy is not None else Policy.plain()
+        return dict(name=self.name, model="stock" if self.policy is None else "lowmem", **policy.options(),
+                    amp_dtype=self.amp_dtype, model_state_bytes=self.model_state_bytes,
                     kept_bytes=self.kept_bytes, working_bytes=self.working_bytes, from_config=self.from_config,
-                    full_graph_bytes=self.full_graph_bytes, peak_bytes=self.peak_bytes)
+                    full_graph_bytes=self.full_graph_bytes, graph_pool_bytes=self.graph_pool_bytes,
+                    peak_bytes=self.peak_bytes)
 
 
 def _measure_one(model, config: TrainConfig, variant: str, amp_dtype, grid: int):
@@ -124,6 +130,16 @@ def candidates(config: TrainConfig, half: str = "bf16"):
                                     for candidate in [own] + [c for c in others if c != own]]
 
 
+def graph_pool_bytes(m: StepMeasure, parameters: int, amp: Optional[str]) -> int:
+    """A StepGraph's private pool (cuda_graph unset plans for a GPU, where it is on): the captured
+    forward's saved activations and the backward's gradients in flight, as the eager step's
+    working set, and one set of per-step parameter gradients (fp32, and in the compute dtype too
+    under autocast), held apart from the eager allocations for the graphs' replays. Weight copies
+    are made outside the graphs (StaticCasts), so not counted again."""
+    per_parameter = 4 + (2 if amp in ("bf16", "fp16") else 0)
+    return m.saved_bytes + 2 * m.largest_bytes + per_parameter * parameters
+
+
 def estimate_all(config: TrainConfig, parameters: int, measures: dict, half: str = "bf16") -> List[Estimate]:
     """measures[(variant, amp)]: StepMeasure of ("stock", None) and of ("lowmem", amp) for every
     amp among the candidates (None, `half`, the config's)."""
@@ -136,8 +152,10 @@ def estimate_all(config: TrainConfig, parameters: int, measures: dict, half: str
             kept, working = config.qca_steps * m.saved_bytes, m.weight_copy_bytes + 2 * m.largest_bytes
         else:  # ("auto" with budget "free" adapts to what is free: at least one state per step)
             kept = kept_bytes(policy, config.qca_steps, psi, m.saved_bytes + psi)
-        estimates.append(Estimate(name, policy, amp, model_state_bytes(parameters), kept, working,
-                                  from_config=index == 1, full_graph_bytes=m.saved_bytes + psi))
+        pool = graph_pool_bytes(m, parameters, amp) if config.cuda_graph is not False and policy is not None \
+            and policy.recomputes else 0
+        estimates.append(Estimate(name, policy, amp, model_state_bytes(parameters), kept, working + pool,
+                                  from_config=index == 1, full_graph_bytes=m.saved_bytes + psi, graph_pool_bytes=pool))
     return estimates
 
 
@@ -264,7 +282,7 @@ def auto_advice(auto: Estimate, config: TrainConfig, config_flags: List[str]) ->
     cuda_graph, step's captured replays skip the launches those pay for (on an H200 at batch 1 an
     episode of step with cuda_graph took 0.76x stock's time, auto with every step kept 0.99x)."""
     command = train_command(auto, config, config_flags)
-    if config.cuda_graph:
+    if config.cuda_graph is not False:  # unset: on, on the GPU planned for
         return ("With the memory left, auto could keep steps whole instead of recomputing them. "
                 "Those steps run without cuda_graph's captured replays, so auto is faster only where "
                 f"kernels, not their launches, take the time (large batches or grids): {auto.name} -> {command}")

@@ -73,8 +73,11 @@ class Trainer:
             message(note, self.dist.rank)
         self.model = build_model(config, self.device)
         self.step_fn = fused_step(self.model, config.gamma, multiplicative=True, channels_last=config.channels_last)
-        if config.cuda_graph and self.device.type == "cuda":
+        captured, why_not = StepGraph.resolve(config.cuda_graph, config.policy(), self.device)
+        if captured:
             self.step_fn = StepGraph(self.step_fn)
+        elif config.cuda_graph:
+            message(f"cuda_graph: {why_not}; the steps run eagerly", self.dist.rank)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = None
@@ -360,9 +363,12 @@ def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = 
         raise UsageError(f"--device {config.device}: {error}") from None
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise UsageError(f"--device {config.device}: only {torch.cuda.device_count()} CUDA devices are visible")
-    if config.policy().reads_free_memory and device.type != "cuda":
-        raise UsageError(f"--budget free reads a GPU's free memory, but the device is {device}: give the budget "
-                         "in bytes (e.g. --budget 2GiB)")
+    try:
+        config.policy().check_device(device, "--budget")
+        precision.refuse_fp16_on_cpu(parse_amp_dtype(config.amp_dtype), device, "amp_dtype fp16",
+                                     "--amp-dtype bf16 (the CPU's half precision) or fp32")
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     checkpoint.check_out_dir(config.out_dir, create and rank == 0)
     if rank == 0:
         if create:
@@ -388,14 +394,9 @@ def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = 
 
 
 def device_note(config: TrainConfig) -> str:
-    """Where the run will run, said when the config does not pin it, and a warning for fp16 on the
-    CPU (a GPU config run where no GPU is)."""
+    """Where the run will run, said when the config does not pin it."""
     device = resolve_device(config.device)
-    note = f"on {device}" + (" (no CUDA GPU visible)" if config.device == "auto" and device.type == "cpu" else "")
-    if device.type == "cpu" and config.amp_dtype == "fp16":
-        note += ("; warning: amp_dtype fp16 there is fp16 autocast on the CPU, a setting meant for a GPU: "
-                 "--amp-dtype fp32 for a CPU run")
-    return note
+    return f"on {device}" + (" (no CUDA GPU visible)" if config.device == "auto" and device.type == "cpu" else "")
 
 
 def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, progress: bool = True,

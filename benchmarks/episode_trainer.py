@@ -1,0 +1,71 @@
+"""bench_episode's runs through the users' trainer: the QC_Trainer_v4 stand-in
+(qca_lowmem.examples) set up as they train it (on CUDA: fp16 autocast from `use_amp` and torch's
+GradScaler), its noise their injector's (stock.NoiseInjector, boolean masks).
+
+stock_v4: the stand-in's own train_episode. lowmem_enable_default: the same trainer after
+`qca_lowmem.enable(trainer)` with every default (step recompute, fp16 from use_amp, the fused
+blocks and step, cuda_graph on where it can run, the trainer's noise replayed without host
+waits on CUDA): what `LOWMEM: true` gives them. lowmem_enable_channels_last: the same with
+`channels_last=True`. Their weights are the other runs' initial
+weights; psi0 is drawn by the trainer (batch 1). The episode number is the benchmark's, made odd
+where it is a multiple of ten, at which the stock episode empties the CUDA cache.
+"""
+
+import contextlib
+import copy
+import time
+
+import numpy
+import torch
+
+import common
+import qca_lowmem
+from qca_lowmem.examples import QC_Trainer_v4, make_config
+
+TRAINER_RUNS = ["stock_v4", "lowmem_enable_default", "lowmem_enable_channels_last"]
+
+
+class TrainerRun:
+    """A trainer run with Run's interface: warmed up by one episode, then episode(seed) -> seconds."""
+
+    def __init__(self, name, stock_model, args, device):
+        self.name, self.args, self.device = name, args, device
+        on_cuda = device.type == "cuda"
+        config = make_config(grid=args.grid, d_state=args.d_state, hidden=args.hidden, qca_steps=args.steps,
+                             gamma=args.gamma)
+        self.trainer = QC_Trainer_v4(config, device=device, max_noise=args.max_noise, use_amp=on_cuda,
+                                     scaler=torch.amp.GradScaler("cuda") if on_cuda else None,
+                                     operator=copy.deepcopy(stock_model))
+        if name.startswith("lowmem_enable"):
+            qca_lowmem.enable(self.trainer, channels_last=name.endswith("_channels_last"))
+        self.episode_number = args.episode + (args.episode % 10 == 0)
+        self.episode(seed=0)
+
+    def episode(self, seed):
+        torch.manual_seed(seed)
+        numpy.random.seed(seed)  # the bit flip's coin
+        common.synchronize(self.device)
+        start = time.perf_counter()
+        self.trainer.train_episode(self.episode_number)
+        common.synchronize(self.device)
+        return time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def steps_set(self, steps):
+        saved, self.trainer.qca_steps = self.trainer.qca_steps, steps
+        try:
+            yield
+        finally:
+            self.trainer.qca_steps = saved
+
+    def capture_record(self):
+        state = getattr(self.trainer, "_qca_lowmem_state", None)
+        graph = None if state is None else state.step_graph
+        if graph is None:
+            return {"cuda_graph": state.options.cuda_graph} if state is not None else {}
+        return {"cuda_graph": True, "captures_made": graph.captures_made, "fell_back": bool(graph.failed_keys)}
+
+    def release(self):
+        del self.trainer
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,91 @@
+"""Every private torch API qca_lowmem calls, in one place. Each was checked against torch 2.11
+(CUDA 13, on an H200), 2.13 (CPU) and 2.14.1 (CUDA 13 build, on the CPU); `missing()` names any
+this torch lacks, and tests/project/test_torch_private.py fails on it, so a torch that drops one
+fails loudly there instead of answering wrongly elsewhere.
+
+Private attributes of torch's own objects (`node._sequence_nr()`, `tensor._backward_hooks`,
+`module._forward_hooks`, ...) are read here too, for the same reason.
+"""
+
+from typing import List, Optional
+
+import torch
+
+# (owner, attribute): what must exist; the CUDA ones only on a CUDA build.
+REQUIRED = [
+    ("torch._C", "_AutoDispatchBelowAutograd"),
+    ("torch._C", "_len_torch_dispatch_stack"),
+    ("torch._C", "_are_functorch_transforms_active"),
+    ("torch._C", "_dispatch_has_kernel_for_dispatch_key"),
+    ("torch._C._functorch", "is_functorch_wrapped_tensor"),
+]
+REQUIRED_WITH_CUDA = [("torch._C", "_cuda_endAllocateToPool")]
+# The autograd node of a dtype cast (`tensor.to(dtype)`), by its class name.
+TO_COPY_NODE = "ToCopyBackward0"
+
+
+def sequence_nr(node) -> int:
+    """An autograd node's creation order within its thread (nodes made later have larger ones)."""
+    return node._sequence_nr()
+
+
+def is_dtype_cast(node) -> bool:
+    return node.name() == TO_COPY_NODE
+
+
+def backward_hooks(tensor: torch.Tensor) -> dict:
+    """The tensor's hook dict (`register_hook`'s), made where it has none yet, so that hooks can
+    be set aside and put back in their order."""
+    if tensor._backward_hooks is None:
+        tensor.register_hook(lambda grad: grad).remove()  # creates the dict, as register_hook does
+    return tensor._backward_hooks
+
+
+def has_hooks(tensor: torch.Tensor) -> bool:
+    return bool(tensor._backward_hooks)
+
+
+def module_has_hooks(module: torch.nn.Module) -> bool:
+    """Hooks registered on the module itself (forward, forward-pre, backward, backward-pre)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or getattr(module, "_backward_pre_hooks", None))
+
+
+def below_autograd():
+    """A context in which calls dispatch below the Autograd key (a custom Function's body)."""
+    return torch._C._AutoDispatchBelowAutograd()
+
+
+def dispatch_modes_active() -> bool:
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
+def functorch_transforms_active() -> bool:
+    return torch._C._are_functorch_transforms_active()
+
+
+def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
+    return torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+
+
+def has_kernel_for(op: str, dispatch_key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key)
+
+
+def end_allocate_to_pool(device_index: int, pool) -> None:
+    """Stop routing this thread's allocations on the device to a graph pool (what a CUDA graph's
+    capture_end does, needed where ending a failed capture raised before it got there)."""
+    torch._C._cuda_endAllocateToPool(device_index, pool)
+
+
+def missing(with_cuda: Optional[bool] = None) -> List[str]:
+    """The private APIs this torch lacks, by dotted name."""
+    with_cuda = torch.version.cuda is not None if with_cuda is None else with_cuda
+    absent = []
+    for owner, name in REQUIRED + (REQUIRED_WITH_CUDA if with_cuda else []):
+        target = torch
+        for part in owner.split(".")[1:]:
+            target = getattr(target, part, None)
+        if not hasattr(target, name):
+            absent.append(f"{owner}.{name}")
+    return absent

@@ -1,0 +1,79 @@
+"""The private torch APIs qca_lowmem calls (python/qca_lowmem/_torch_private.py) exist in this
+torch and do what the library relies on; and nothing outside that module calls one."""
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import qca_lowmem
+from qca_lowmem import _torch_private as torch_private
+
+PACKAGE = Path(qca_lowmem.__file__).parent
+
+
+def test_every_private_api_is_there():
+    assert torch_private.missing() == [], f"torch {torch.__version__} lacks {torch_private.missing()}"
+
+
+def test_a_missing_one_is_named(monkeypatch):
+    monkeypatch.delattr(torch._C, "_len_torch_dispatch_stack")
+    assert torch_private.missing(with_cuda=False) == ["torch._C._len_torch_dispatch_stack"]
+
+
+def test_sequence_numbers_grow_and_casts_are_recognised():
+    w = torch.ones(2, requires_grad=True)
+    first = (w * 2).grad_fn
+    cast = w.to(torch.float64).grad_fn
+    assert torch_private.sequence_nr(cast) > torch_private.sequence_nr(first)
+    assert torch_private.is_dtype_cast(cast) and not torch_private.is_dtype_cast(first)
+
+
+def test_backward_hooks_are_the_tensors_own():
+    w = torch.ones(2, requires_grad=True)
+    assert not torch_private.has_hooks(w)
+    hooks = torch_private.backward_hooks(w)
+    assert hooks == {} and torch_private.backward_hooks(w) is hooks
+    seen = []
+    w.register_hook(seen.append)
+    assert torch_private.has_hooks(w) and len(hooks) == 1
+    hooks.clear()  # set aside: the hook no longer runs
+    (w * 3).sum().backward()
+    assert seen == []
+    module = torch.nn.Linear(2, 2)
+    assert not torch_private.module_has_hooks(module)
+    module.register_forward_pre_hook(lambda m, x: None)
+    assert torch_private.module_has_hooks(module)
+
+
+def test_dispatch_state_queries():
+    assert not torch_private.dispatch_modes_active() and not torch_private.functorch_transforms_active()
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():
+        assert torch_private.dispatch_modes_active()
+    seen = []
+    torch.func.grad(lambda x: (seen.append((torch_private.functorch_transforms_active(),
+                                            torch_private.is_functorch_wrapped(x))), x.sum())[1])(torch.ones(2))
+    assert seen == [(True, True)]
+    assert torch_private.has_kernel_for("qca_lowmem::qca_update", "CPU")
+
+
+@pytest.mark.parametrize("path", sorted(p for p in PACKAGE.rglob("*.py") if p.name != "_torch_private.py"),
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_other_module_calls_a_private_torch_api(path):
+    """torch._C, and the private attributes of torch's objects read by _torch_private."""
+    private = {"_sequence_nr", "_backward_hooks", "_forward_hooks", "_forward_pre_hooks", "_backward_pre_hooks"}
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and (node.attr in private or (
+                node.attr.startswith("_") and isinstance(node.value, ast.Attribute) and node.value.attr == "_C")):
+            found.append(f"line {node.lineno}: .{node.attr}")
+        if isinstance(node, ast.Constant) and node.value == torch_private.TO_COPY_NODE:
+            found.append(f"line {node.lineno}: {node.value!r}")
+    assert not found, f"{path.name} calls private torch APIs {found}: go through qca_lowmem._torch_private"
