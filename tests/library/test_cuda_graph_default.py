@@ -31,7 +31,7 @@ def enabled(caplog, recwarn, **options):
     caplog.clear()
     trainer = QC_Trainer_v4(make_config(grid=8, qca_steps=2))
     qca_lowmem.enable(trainer, **options)
-    line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("qca_lowmem: on")]
+    line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("on, ")]
     warned = [str(w.message) for w in recwarn if "cuda_graph" in str(w.message)]
     recwarn.clear()
     return getattr(trainer, "_qca_lowmem_state").options.cuda_graph, line, warned
@@ -41,7 +41,7 @@ def enabled(caplog, recwarn, **options):
 def test_unset_is_on_where_a_capture_can_run(as_on_cuda, caplog, recwarn, checkpoint, slots):
     on, line, warned = enabled(caplog, recwarn, checkpoint=checkpoint, slots=slots)
     assert on and warned == []
-    assert line == [f"qca_lowmem: on, {Policy.of(checkpoint, slots).describe()}, fp32, fused blocks, "
+    assert line == [f"on, {Policy.of(checkpoint, slots).describe()}, fp32, fused blocks, "
                     "fused step, cuda_graph"]
 
 
@@ -78,7 +78,7 @@ def test_true_where_it_cannot_run_says_why_once(as_on_cuda, caplog, recwarn, che
 def test_on_the_cpu_unset_is_off_silently_and_the_line_does_not_name_it(caplog, recwarn):
     on, line, warned = enabled(caplog, recwarn)
     assert not on and warned == []
-    assert line == ["qca_lowmem: on, checkpoint=step, fp32, fused blocks, fused step"]
+    assert line == ["on, checkpoint=step, fp32, fused blocks, fused step"]
 
 
 @pytest.mark.parametrize("value", ["yes", 0, 1])

@@ -4,6 +4,7 @@ one line naming the engine class, and the trainer is left as it was. Small stand
 each the shape of one way an engine can differ."""
 
 import random
+import re
 
 import numpy
 import pytest
@@ -67,8 +68,9 @@ def refused(trainer, match, **options):
     before = snapshot(trainer)
     with pytest.raises(TypeError, match=match) as error:
         qca_lowmem.enable(trainer, **options)
-    assert "\n" not in str(error.value)
-    assert "qca_lowmem supports engines whose state psi is a complex (B, H, W, d) tensor" in str(error.value)
+    first, *rest = str(error.value).split("\n")
+    assert len(first) <= 200, first  # what and why, with the advice; the details on the second line
+    assert rest and rest[0].startswith("qca_lowmem supports engines whose state psi is a complex (B, H, W, d) tensor")
     assert_unchanged(trainer, before)
     return str(error.value)
 
@@ -159,18 +161,22 @@ class SubclassKeepingTheStep(Motor):
         return self.state.psi.abs()
 
 
-@pytest.mark.parametrize("engine,reason", [
-    (HalfStepMotor, r"its new psi differs by \d\.\de-\d\d, tolerance 1e-14"),
-    (NoDecayMotor, r"its new psi differs by"),
-    (PhaseKickMotor, r"its new psi differs by"),
-    (FieldMotor, r"it called the operator 0 times, the Cartesian step once"),
-    (LayoutMotor, r"it called the operator on another input than pack\(psi\)"),
+OWN_STEP = r"fused_step_ops=False rolls out the engine's own step instead"
+ON_STOCK_TEXT = "no setting changes that: train this engine on stock, without enable()"
+ON_STOCK = re.escape(ON_STOCK_TEXT)
+
+
+@pytest.mark.parametrize("engine,reason,advice", [
+    (HalfStepMotor, r"its new psi differs by \d\.\de-\d\d, tolerance 1e-14", OWN_STEP),
+    (NoDecayMotor, r"its new psi differs by", OWN_STEP),
+    (PhaseKickMotor, r"its new psi differs by", OWN_STEP),
+    (FieldMotor, r"it called the operator 0 times, the Cartesian step once", ON_STOCK),  # no gradient to recompute
+    (LayoutMotor, r"it called the operator on another input than pack\(psi\)", OWN_STEP),
 ])
-def test_an_engine_stepping_otherwise_is_refused(engine, reason):
+def test_an_engine_stepping_otherwise_is_refused(engine, reason, advice):
     trainer = make_trainer(engine)
-    refused(trainer, rf"^enable\(\): {engine.__name__}\.evolve_step is not the Cartesian engine step that "
-                     rf"fused_step_ops=True computes \({reason}[^)]*\); .*; fused_step_ops=False rolls out the engine's "
-                     r"own evolve_step instead$")
+    refused(trainer, rf"(?m)^enable\(\): {engine.__name__}\.evolve_step is not the Cartesian step "
+                     rf"\({reason}[^)]*\); {advice}$")
 
 
 def test_the_probe_is_tight_in_complex64():
@@ -194,7 +200,7 @@ def test_a_state_that_is_not_a_complex_tensor_is_refused(fused_step_ops):
     trainer.motor.state._reset_state_random()
     message = refused(trainer, r"^enable\(\): Motor\.state\.psi is a MagnitudePhase, not a complex \(B, H, W, d\) "
                                r"tensor; ", fused_step_ops=fused_step_ops)
-    assert message.endswith("(or, with fused_step_ops=False, their own evolve_step)")
+    assert message.split("\n")[0].endswith(f"; {ON_STOCK_TEXT}")  # fused_step_ops=False cannot carry it either
     trainer.motor.state.psi = torch.ones(1, 8, 8, D_STATE)
     refused(trainer, r"Motor\.state\.psi is a torch\.float32 tensor of shape \(1, 8, 8, 2\), not a complex",
             fused_step_ops=fused_step_ops)
@@ -229,3 +235,39 @@ def test_fused_step_ops_false_rolls_out_the_engines_own_step():
     accepted(trainer, fused_step_ops=False)
     assert "evolve_step" not in vars(trainer.motor)
     assert_same_runs(run(trainer), run(stock))
+
+
+def test_the_environment_switch_leaves_an_engine_it_cannot_run_on_stock(monkeypatch, caplog):
+    """QCA_LOWMEM=1 asks for the library wherever it can run: a refused engine trains on stock,
+    said in one warning that says why and how to silence it."""
+    monkeypatch.setenv("QCA_LOWMEM", "1")
+    trainer = make_trainer(FieldMotor)
+    before = snapshot(trainer)
+    with caplog.at_level("INFO", logger="qca_lowmem"):
+        assert qca_lowmem.enable_from_config(trainer, None) is False
+    assert_unchanged(trainer, before)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert caplog.records[0].levelname == "WARNING" and "\n" not in line and len(line) <= 200, line
+    assert line.startswith("off, QC_Trainer_v4 trains on stock: FieldMotor.evolve_step is not the "
+                           "Cartesian step (it called the operator 0 times")
+    assert line.endswith("Cartesian step once); unset QCA_LOWMEM for it to silence this")
+
+
+def test_a_lowmem_section_that_asks_for_it_is_refused_in_its_own_terms(monkeypatch):
+    """The section's user reads the advice as section keys, and can set every one of them."""
+    monkeypatch.setenv("QCA_LOWMEM", "1")  # the section asks too: a refusal stands
+    with pytest.raises(TypeError, match=r"(?m)HalfStepMotor\.evolve_step .*; LOWMEM\.fused_step_ops: false rolls out "
+                                        r"the engine's own step instead$") as error:
+        qca_lowmem.enable_from_config(make_trainer(HalfStepMotor), {"LOWMEM": {"enabled": True}})
+    first, *rest = str(error.value).split("\n")
+    assert len(first) <= 200 and rest[-1] == "LOWMEM: false trains this experiment on stock."
+    trainer = make_trainer(HalfStepMotor)
+    assert qca_lowmem.enable_from_config(trainer, {"LOWMEM": {"enabled": True, "fused_step_ops": "false"}})
+    assert trainer._qca_lowmem_state.options.fused_step_ops is False
+
+
+def test_a_section_is_told_the_setting_that_trains_an_engine_it_cannot_run_on_stock(monkeypatch):
+    monkeypatch.delenv("QCA_LOWMEM", raising=False)
+    with pytest.raises(TypeError, match=r"^enable\(\): FieldMotor\.evolve_step .*; no setting changes that: train "
+                                        r"this engine on stock, with LOWMEM: false\n"):
+        qca_lowmem.enable_from_config(make_trainer(FieldMotor), {"LOWMEM": True})

@@ -363,12 +363,13 @@ def test_options_that_cannot_work_on_the_cpu_are_decided_at_enable(recwarn):
 
 
 def test_enable_says_in_one_line_whether_it_is_on_and_why(caplog, monkeypatch):
-    """A user who forgot the flag must not believe the library is training."""
+    """A user who forgot the flag must not believe the library is training. (pytest's log format
+    names the logger, so the line carries no prefix of its own: say.py.)"""
     caplog.set_level("INFO", logger="qca_lowmem")
     monkeypatch.delenv("QCA_LOWMEM", raising=False)
-    cases = [({}, "qca_lowmem: off, no LOWMEM in the config and QCA_LOWMEM unset"),
-             ({"LOWMEM": {"enabled": False}}, "qca_lowmem: off, LOWMEM is off in the config"),
-             ({"LOWMEM": False}, "qca_lowmem: off, LOWMEM is off in the config")]
+    cases = [({}, "off, no LOWMEM in the config and QCA_LOWMEM unset"),
+             ({"LOWMEM": {"enabled": False}}, "off, LOWMEM is off in the config"),
+             ({"LOWMEM": False}, "off, LOWMEM is off in the config")]
     for config, line in cases:
         caplog.clear()
         assert qca_lowmem.enable_from_config(make_trainer(), config) is False
@@ -376,12 +377,12 @@ def test_enable_says_in_one_line_whether_it_is_on_and_why(caplog, monkeypatch):
     monkeypatch.setenv("QCA_LOWMEM", "0")
     caplog.clear()
     assert qca_lowmem.enable_from_config(make_trainer(), {"LOWMEM": True}) is False
-    assert [r.getMessage() for r in caplog.records] == ["qca_lowmem: off, QCA_LOWMEM=0 in the environment"]
+    assert [r.getMessage() for r in caplog.records] == ["off, QCA_LOWMEM=0 in the environment"]
     monkeypatch.delenv("QCA_LOWMEM")
     caplog.clear()
     assert qca_lowmem.enable_from_config(make_trainer(), {"LOWMEM": {"enabled": True, "checkpoint": "revolve", "slots": 3}})
     assert [r.getMessage() for r in caplog.records] == [
-        "qca_lowmem: on, checkpoint=revolve slots=3, fp32, fused blocks, fused step"]
+        "on, checkpoint=revolve slots=3, fp32, fused blocks, fused step"]
 
 
 class ScalarLog:
@@ -422,3 +423,16 @@ def test_an_operator_left_off_the_trainers_device_is_refused():
     assert not hasattr(trainer, "_qca_lowmem_state")
     trainer.device = "cpu"
     qca_lowmem.enable(trainer)
+
+
+def test_under_the_environment_switch_the_move_it_needs_is_still_said(monkeypatch, caplog):
+    monkeypatch.setenv("QCA_LOWMEM", "1")
+    trainer = make_trainer()
+    trainer.device = torch.device("cuda")
+    with caplog.at_level("WARNING", logger="qca_lowmem"):
+        assert qca_lowmem.enable_from_config(trainer, None) is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "off, QC_Trainer_v4 trains on stock: the trainer's device is cuda, but its operator's parameters are on cpu "
+        "(QC_Trainer_v4 does not move a model it builds): move it first with trainer.motor.operator.to('cuda'); "
+        "unset QCA_LOWMEM for it to silence this"]
+    assert not hasattr(trainer, "_qca_lowmem_state")

@@ -71,7 +71,7 @@ def test_a_budget_the_reserve_takes_whole_is_refused_in_one_line(capsys):
     assert run_cli("plan", "--gpu-mem", "300MiB") == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1
-    assert "--gpu-mem 300MiB leaves nothing once --reserve 0.3GiB" in err
+    assert "--gpu-mem 300MiB is no more than --reserve 0.3GiB, the memory the CUDA context takes." in err
     assert run_cli("plan", "--gpu-mem", "1GiB", "--reserve", "1GiB") == 2
 
 
@@ -109,13 +109,13 @@ def test_the_memory_left_is_offered_to_auto_with_what_it_gives_up(tmp_path, caps
     planned for), step's captured replays can beat it, so plan does not call auto faster there."""
     path = write_config(tmp_path, checkpoint="step", cuda_graph=cuda_graph)
     assert run_cli("plan", "--config", path, "--gpu-mem", "8GiB") == 0
-    advice = next(line for line in capsys.readouterr().out.splitlines() if "with the memory left" in line)
+    advice = next(line for line in capsys.readouterr().out.splitlines() if "the memory left" in line)
     command = shlex.split(advice.split(" -> ", 1)[1])
     assert command[:2] == ["qca-lowmem", "train"] and "--checkpoint" in command and "auto" in command
     if cuda_graph is not False:
-        assert not advice.startswith("faster") and "without the captured replays cuda_graph gives step" in advice
+        assert not advice.startswith("Faster") and "run without cuda_graph's captured replays" in advice
     else:
-        assert advice.startswith("faster with the memory left ")
+        assert advice.startswith("Faster, with the memory left: ")
 
 
 def test_autocast_weight_copies_are_counted_once_not_per_step(tmp_path):

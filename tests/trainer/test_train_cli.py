@@ -328,7 +328,7 @@ def test_plan_predicts_and_recommends(tiny_config, tmp_path, capsys):
         assert abs(by_name[name]["kept_bytes"] / measured - 1) < 0.15, (name, by_name[name]["kept_bytes"], measured)
     # Nothing fits in less than the model state: exit 1 with advice.
     assert run_cli("plan", "--config", tiny_config, "--gpu-mem", f"{16 * params}B", "--reserve", "0") == 1
-    assert "nothing fits" in capsys.readouterr().out
+    assert "Nothing fits in the " in capsys.readouterr().out
 
 
 def _estimate(name, policy, peak):

@@ -51,7 +51,8 @@ def check_engine_state(motor) -> None:
             found = (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
                      else f"a {type(value).__name__}")
             raise TypeError(f"enable(): {type(motor).__name__}.state.{name} is {found}, not {kind}; "
-                            f"{SUPPORTED_ENGINES} (or, with fused_step_ops=False, their own evolve_step)")
+                            f"no setting changes that: train this engine on stock, without enable()\n"
+                            f"{SUPPORTED_ENGINES}")
 
 
 # The probe's update moves each cell by up to this fraction of its norm: large, so a missing or
@@ -219,16 +220,19 @@ def check_engine_step(motor, fused: Optional[Callable], carried: Optional[Callab
             try:
                 actual = motor.evolve_step(psi)
             except Exception as error:  # an engine that cannot step a plain complex psi is not the Cartesian step
-                first_line = (str(error).splitlines() or [""])[0][:200]
-                reason = f"on a random psi it raised {type(error).__name__}: {first_line}"
+                first_line = (str(error).splitlines() or [""])[0][:100]
+                reason, never_calls = f"on a random psi it raised {type(error).__name__}: {first_line}", False
             else:
+                never_calls = not probe.calls
                 kept = (motor.state.h_state, motor.state.c_state) if carried else None
                 reason = _step_difference(probe.calls, expected_calls, actual, expected, kept, expected_memory,
                                           tolerance, carried is not None)
     if reason is not None:
-        raise TypeError(f"enable(): {engine}.evolve_step is not the Cartesian engine step that fused_step_ops=True "
-                        f"computes ({reason}); {SUPPORTED_ENGINES}; fused_step_ops=False rolls out the engine's own "
-                        "evolve_step instead")
+        # A step that never calls the operator gives its parameters no gradient, whoever rolls it out.
+        advice = ("no setting changes that: train this engine on stock, without enable()" if never_calls
+                  else "fused_step_ops=False rolls out the engine's own step instead")
+        raise TypeError(f"enable(): {engine}.evolve_step is not the Cartesian step ({reason}); {advice}\n"
+                        f"{SUPPORTED_ENGINES}")
 
 
 def _step_difference(calls, expected_calls, actual, expected, kept, expected_memory, tolerance, memory):

@@ -158,14 +158,14 @@ def lowmem_steps(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] 
     if not fused_step_ops or jumps is not None:
         if compiled_module(operator) is not operator:
             named = f"{type(operator).__name__} (torch.compile of {type(operator._orig_mod).__name__})"
-            own_step = ("the engine's own step would run one compiled graph in the forward (no grad) and another in "
+            own_step = ("The engine's own step would run one compiled graph in the forward (no grad) and another in "
                         "the recompute (grad), which can round differently")
             if jumps is None:
-                raise TypeError(f"enable(): {named} with fused_step_ops=False: {own_step}; fused_step_ops=True runs "
-                                "the module it wraps")
-            raise TypeError(f"enable(): {named}: its output jumps with its input ({jumps}), so qca_lowmem keeps the "
-                            f"engine's own step for it, and {own_step}, into other jumps; set motor.operator to the "
-                            "module it wraps (operator._orig_mod)")
+                raise TypeError(f"enable(): {named} with fused_step_ops=False; fused_step_ops=True runs the module it "
+                                f"wraps\n{own_step}")
+            raise TypeError(f"enable(): {named} keeps the engine's own step, its output jumping with its input; set "
+                            f"motor.operator to the module it wraps (operator._orig_mod)\n{own_step}, into other "
+                            f"jumps ({jumps})")
         why = None if jumps is None else (
             f"{type(operator).__name__}'s output jumps with its input ({jumps}): the fused step, rounding "
             "differently from the engine's, would give other jumps")

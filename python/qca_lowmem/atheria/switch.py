@@ -22,10 +22,9 @@ from ..unet import convert
 from .engine_probe import compiled_module
 from .engine_step import lowmem_steps, memory_of
 from .options import EpisodeOptions, checked_flag, resolve_options
+from .say import say
 from .stock_guard import check_stock_episode
 from .trainers import adapter_for
-
-log = logging.getLogger("qca_lowmem")  # enable()'s one line: on, and how
 
 _STATE_ATTR = "_qca_lowmem_state"
 
@@ -96,8 +95,8 @@ def _lowmem_train_episode(trainer, episode_num):
 
     if opts.fused_step_ops and not state.compiled_said and compiled_module(operator) is not operator:
         state.compiled_said = True
-        log.warning("qca_lowmem: motor.operator is compiled (%s); the fused step runs the module it wraps, "
-                    "uncompiled", type(operator).__name__)
+        say(logging.WARNING, f"motor.operator is compiled ({type(operator).__name__}); the fused step runs the "
+                             "module it wraps, uncompiled")
     model = version.model(trainer)
     model.train()  # as the stock episode: a model left in eval mode (by a visualisation) trains in train mode
     trainer.optimizer.zero_grad()
@@ -152,7 +151,7 @@ def _check_placement(trainer):
     device = next(trainer.motor.operator.parameters()).device
     if wanted.type != device.type or None not in (wanted.index, device.index) and wanted.index != device.index:
         raise ValueError(f"enable(): the trainer's device is {wanted}, but its operator's parameters are on {device} "
-                         f"(QC_Trainer_v4 does not move a model it builds); move it first: "
+                         f"(QC_Trainer_v4 does not move a model it builds): move it first with "
                          f"trainer.motor.operator.to({str(wanted)!r})")
 
 
@@ -259,7 +258,7 @@ def enable(
     _swap_scaler(trainer, state, new_scaler)
     state.compiled_said = compiled_module(trainer.motor.operator) is not trainer.motor.operator
     setattr(trainer, _STATE_ATTR, state)
-    log.info("qca_lowmem: on, %s", _summary(state))
+    say(logging.INFO, f"on, {_summary(state)}")
     return trainer
 
 

@@ -171,5 +171,6 @@ def adapter_for(trainer):
             adapter.check(trainer)
             return adapter
     said = "; ".join(f"{name} attributes {missing}" for name, missing in lacks.items())
-    raise TypeError(f"enable(): {type(trainer).__name__} lacks the {said} (docs/design.md lists what the switch "
-                    "relies on)")
+    raise TypeError(f"enable(): {type(trainer).__name__} is not a trainer qca_lowmem knows; no setting changes that: "
+                    f"train it on stock, without enable()\nIt lacks the {said} (docs/design.md lists what the "
+                    "switch relies on)")

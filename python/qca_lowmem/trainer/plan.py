@@ -213,11 +213,11 @@ def plan(config: TrainConfig, gpu_mem: int, reserve: int, half: Optional[str] = 
 
 def advice_when_nothing_fits(config: TrainConfig, estimates: List[Estimate], gpu_mem: int, reserve: int) -> str:
     smallest = min((e for e in estimates if e.policy is not None), key=lambda e: e.peak_bytes)
-    return (f"nothing fits in {format_bytes(gpu_mem - reserve)} usable: the smallest policy ({smallest.name}) needs "
-            f"{format_bytes(smallest.peak_bytes * SAFETY)} with margin, of which "
-            f"{format_bytes(smallest.model_state_bytes)} is model state (weights, gradients, AdamW) that no policy "
-            f"removes. Use a GPU with more memory, or change the model (hidden {config.hidden}, grid {config.grid}, "
-            f"batch {config.batch}).")
+    return (f"Nothing fits in the {format_bytes(gpu_mem - reserve)} usable. The smallest policy, {smallest.name}, "
+            f"needs {format_bytes(smallest.peak_bytes * SAFETY)} with margin. "
+            f"{format_bytes(smallest.model_state_bytes)} of that is model state (weights, gradients, AdamW), "
+            f"which no policy removes. Use a GPU with more memory, or a smaller model "
+            f"(now hidden {config.hidden}, grid {config.grid}, batch {config.batch}).")
 
 
 def train_command(estimate: Estimate, config: TrainConfig, config_flags: List[str]) -> str:
@@ -234,9 +234,9 @@ def usable_memory(gpu_mem_text: str, reserve_text: str):
     """(gpu_mem, reserve) in bytes; a budget that leaves nothing after the reserve is refused."""
     gpu_mem, reserve = parse_bytes(gpu_mem_text), parse_bytes(reserve_text, allow_zero=True)
     if gpu_mem <= reserve:
-        raise UsageError(f"--gpu-mem {gpu_mem_text} leaves nothing once --reserve {reserve_text} (the CUDA "
-                         f"context) is taken: give the GPU's whole memory (e.g. 3.68GiB), or --reserve 0 for a "
-                         f"budget already inside PyTorch's allocator (set_per_process_memory_fraction)")
+        raise UsageError(f"--gpu-mem {gpu_mem_text} is no more than --reserve {reserve_text}, the memory the CUDA "
+                         f"context takes. Give the GPU's whole memory (e.g. 3.68GiB). Or, for a budget already inside "
+                         f"PyTorch's allocator (set_per_process_memory_fraction), give --reserve 0.")
     return gpu_mem, reserve
 
 
@@ -283,8 +283,8 @@ def auto_advice(auto: Estimate, config: TrainConfig, config_flags: List[str]) ->
     episode of step with cuda_graph took 0.76x stock's time, auto with every step kept 0.99x)."""
     command = train_command(auto, config, config_flags)
     if config.cuda_graph is not False:  # unset: on, on the GPU planned for
-        return ("with the memory left, auto recomputes nothing but runs the steps it keeps as plain autograd, "
-                "without the captured replays cuda_graph gives step: faster only where kernels, not their "
-                f"launches, take the time (large batches or grids): {auto.name} -> {command}")
-    return ("faster with the memory left (full graphs instead of recomputes for as many steps as the budget "
-            f"holds): {auto.name} -> {command}")
+        return ("With the memory left, auto could keep steps whole instead of recomputing them. "
+                "Those steps run without cuda_graph's captured replays, so auto is faster only where "
+                f"kernels, not their launches, take the time (large batches or grids): {auto.name} -> {command}")
+    return ("Faster, with the memory left: auto keeps as many steps whole as fit and recomputes only "
+            f"the others: {auto.name} -> {command}")
