@@ -62,3 +62,37 @@ def test_continuous_operators_are_not_discontinuous():
         assert discontinuity(operator, x, memory=False) is None
     assert "sign" in discontinuity(type("Sign", (torch.nn.Module,), {"forward": lambda self, x: x.sign()})(), x, False)
     assert "threshold" in discontinuity(torch.nn.Threshold(0.5, 0.0), x, memory=False)
+
+
+class Membrane(torch.nn.Module):
+    """Keeps its membrane as a buffer rebound at every call (`self.mem = ...`), as snntorch's
+    neurons do: a recompute binds it again, which no op shows."""
+
+    def __init__(self, d_state):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2 * d_state, 2 * d_state, 3, padding=1)
+        self.register_buffer("mem", torch.zeros(()))
+
+    def forward(self, x):
+        self.mem = torch.tanh(self.conv(x))
+        return 0.05 * self.mem
+
+
+@pytest.mark.parametrize("checkpoint", ["step", "revolve", "auto"])
+def test_a_buffer_rebound_by_each_step_ends_as_the_forward_left_it(checkpoint):
+    """What stock leaves bound is the last forward step's membrane; the recomputes bind earlier
+    steps' again, which enable() puts back after the backward."""
+    def membrane_trainer():
+        torch.manual_seed(0)
+        cfg = make_config(grid=8, d_state=2, hidden=4, qca_steps=6, gamma=0.05)
+        return QC_Trainer_v3(cfg, operator=Membrane(2), batch_size=2, lr=1e-2)
+
+    stock = membrane_trainer()
+    expected = episodes(stock)
+    enabled = membrane_trainer()
+    qca_lowmem.enable(enabled, checkpoint=checkpoint, **({"slots": 2} if checkpoint == "revolve" else {}),
+                      **({"budget": 1} if checkpoint == "auto" else {}))
+    losses, weights = episodes(enabled)
+    assert [x for row in losses for x in row] == pytest.approx([x for row in expected[0] for x in row], rel=1e-6)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(weights, expected[1]))
+    assert torch.allclose(enabled.motor.operator.mem, stock.motor.operator.mem, rtol=1e-5, atol=1e-7)
