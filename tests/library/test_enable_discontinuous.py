@@ -96,3 +96,12 @@ def test_a_buffer_rebound_by_each_step_ends_as_the_forward_left_it(checkpoint):
     assert [x for row in losses for x in row] == pytest.approx([x for row in expected[0] for x in row], rel=1e-6)
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(weights, expected[1]))
     assert torch.allclose(enabled.motor.operator.mem, stock.motor.operator.mem, rtol=1e-5, atol=1e-7)
+
+
+def test_the_probes_leave_a_rebound_buffer_as_found():
+    """enable()'s probe of the operator's jumps runs it once: a buffer it rebinds is bound back."""
+    torch.manual_seed(0)
+    trainer = QC_Trainer_v3(make_config(grid=8, d_state=2, hidden=4, qca_steps=2), operator=Membrane(2))
+    before = trainer.motor.operator.mem
+    qca_lowmem.enable(trainer)
+    assert trainer.motor.operator.mem is before

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from .. import _torch_private as torch_private
+from .engine_probe import buffer_bindings, rebind
 
 _aten = torch.ops.aten
 _ROUNDING = {_aten.sign, _aten.sgn, _aten.round, _aten.floor, _aten.ceil, _aten.trunc, _aten.frac, _aten.heaviside,
@@ -69,11 +70,13 @@ class _Follow(torch_private.TorchDispatchMode):
 
 @contextlib.contextmanager
 def _buffers_kept(module: torch.nn.Module):
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    bound = buffer_bindings(module)
+    saved = [(b, b.detach().clone()) for _, _, b in bound]
     with torch.random.fork_rng(devices=[]):
         try:
             yield
         finally:
+            rebind(bound)
             with torch.no_grad():
                 for buffer, value in saved:
                     buffer.copy_(value)

@@ -19,7 +19,7 @@ from ..precision import autocast
 from ..recompute import Policy, StepGraph, rollout
 from ..recompute.policy import STEP
 from ..unet import convert
-from .engine_probe import compiled_module
+from .engine_probe import buffer_bindings, compiled_module, rebind
 from .engine_step import lowmem_steps, memory_of
 from .options import EpisodeOptions, checked_flag, resolve_options
 from .say import say
@@ -80,20 +80,6 @@ class LowmemEpisode:
         return _lowmem_train_episode(self.trainer, episode_num)
 
 
-def _buffer_bindings(root: torch.nn.Module):
-    """(module, name, tensor) of every buffer under root."""
-    return [(module, name, buffer) for module in root.modules() for name, buffer in module.named_buffers(recurse=False)]
-
-
-def _rebind(bindings) -> None:
-    """A buffer a step rebinds (`self.mem = ...`, as snntorch's neurons keep their membrane) is bound
-    again by every recompute, which the rollout's watch, seeing ops, cannot see: put back what the
-    forward left, as plain autograd leaves it. Writes in place are the rollout's (buffers.py)."""
-    for module, name, buffer in bindings:
-        if getattr(module, name) is not buffer:
-            setattr(module, name, buffer)
-
-
 def _children(root: torch.nn.Module):
     """(parent, attribute name, child) of every submodule edge under root."""
     return [(parent, name, child) for parent in root.modules() for name, child in parent.named_children()]
@@ -127,7 +113,7 @@ def _lowmem_train_episode(trainer, episode_num):
         psi, history, *memory_T = rollout(step, psi0, trainer.qca_steps, checkpoint=opts.policy, noise=noise,
                                           record_every=version.record_every(trainer), **memory)
         loss, details = version.loss(trainer, psi0, psi, history)
-    bound = _buffer_bindings(compiled_module(operator))  # as the forward left them
+    bound = buffer_bindings(compiled_module(operator))  # as the forward left them
 
     parameters = [p for p in model.parameters() if p.requires_grad]
     max_norm = opts.max_grad_norm if opts.max_grad_norm is not None else version.max_grad_norm(trainer)
@@ -145,7 +131,7 @@ def _lowmem_train_episode(trainer, episode_num):
             torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         trainer.optimizer.step()
     # After the backward, whose recomputes ran the steps again.
-    _rebind(bound)
+    rebind(bound)  # a buffer each recompute bound again (snntorch's membrane): as the forward left it
     version.after_backward(trainer, memory_T[0] if memory_T else None)
     return version.result(trainer, episode_num, loss, details, psi)
 
