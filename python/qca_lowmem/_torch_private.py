@@ -19,6 +19,9 @@ from torch.utils._pytree import tree_leaves  # noqa: F401 (re-exported)
 REQUIRED = [
     ("torch._C", "_AutoDispatchBelowAutograd"),
     ("torch._C", "_len_torch_dispatch_stack"),
+    ("torch._C", "_get_dispatch_stack_at"),
+    ("torch._C", "_DisableTorchDispatch"),
+    ("torch.nn.modules.module", "_has_any_global_hook"),
     ("torch._C", "_are_functorch_transforms_active"),
     ("torch._C", "_dispatch_has_kernel_for_dispatch_key"),
     ("torch._C._functorch", "is_functorch_wrapped_tensor"),
@@ -49,6 +52,11 @@ def has_hooks(tensor: torch.Tensor) -> bool:
     return bool(tensor._backward_hooks)
 
 
+def global_module_hooks() -> bool:
+    """Whether hooks registered for every module (`register_module_forward_hook`, ...) exist."""
+    return bool(torch.nn.modules.module._has_any_global_hook())
+
+
 def module_has_hooks(module: torch.nn.Module) -> bool:
     """Hooks registered on the module itself (forward, forward-pre, backward, backward-pre)."""
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
@@ -65,8 +73,30 @@ def below_autograd():
     return torch._C._AutoDispatchBelowAutograd()
 
 
+class WatchingDispatchMode(TorchDispatchMode):
+    """A mode that only watches the ops it sees and runs them as they are (the episode's
+    StepWatch). A fused op may run its pieces hidden from it (`dispatch_disabled`), telling it
+    what they read and made, where another mode must see the op whole."""
+
+    def ran_unseen(self, read, made) -> None:
+        """An op ran without this mode seeing it: the tensors it read, those it made."""
+        raise NotImplementedError
+
+
 def dispatch_modes_active() -> bool:
     return torch._C._len_torch_dispatch_stack() > 0
+
+
+def watching_modes() -> Optional[list]:
+    """The dispatch modes active when every one is a WatchingDispatchMode ([] without any), None
+    when another is."""
+    modes = [torch._C._get_dispatch_stack_at(i) for i in range(torch._C._len_torch_dispatch_stack())]
+    return modes if all(isinstance(mode, WatchingDispatchMode) for mode in modes) else None
+
+
+def dispatch_disabled():
+    """A context in which no dispatch mode or tensor subclass sees the ops run."""
+    return torch._C._DisableTorchDispatch()
 
 
 def functorch_transforms_active() -> bool:

@@ -55,7 +55,7 @@ class FusedConvBlock(nn.Module):
         """`keep_intermediates` overrides the block's own choice (for callers that recompute
         around the block themselves); None: keep them when `recompute` is False or inside
         `keep_block_intermediates()`."""
-        refuse_func_transforms("qca_lowmem.FusedConvBlock", x, *self.parameters())
+        refuse_func_transforms("qca_lowmem.FusedConvBlock", x, module=self)
         conv1, norm1, _, conv2, norm2, _ = self.conv_block
         conv1_weight, conv2_weight = conv1.weight, conv2.weight
         compute_dtype = autocast_dtype(x.device.type)

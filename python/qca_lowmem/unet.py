@@ -1,6 +1,7 @@
 """The stock U-Net operator on fused blocks, and `convert()` for models that already exist."""
 
 import dataclasses
+import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -12,7 +13,7 @@ from . import _torch_private as torch_private
 from . import stock
 from .recompute.intermediates import block_keeps_intermediates
 from .blocks import FusedConvBlock
-from .ops import refuse_func_transforms
+from .ops import refuse_func_transforms, run_hidden, watching_modes
 from .precision import autocast_dtype
 from .recompute.weight_casts import cast_weight, checkpoint_kwargs
 
@@ -51,7 +52,7 @@ class UNetUnitary(nn.Module):
         return f"recompute={self.recompute!r}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        refuse_func_transforms("qca_lowmem.UNetUnitary", x, *self.parameters())
+        refuse_func_transforms("qca_lowmem.UNetUnitary", x, module=self)
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"UNetUnitary: recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if block_keeps_intermediates() or self.recompute == "none":
@@ -70,15 +71,33 @@ class UNetUnitary(nn.Module):
         """The stock U-Net forward with `run_block(block, h)` applying each ConvBlock, so that the
         stock computation (`block.conv_block(h)`) and the fused one share the wiring."""
         x1 = run_block(self.inc, x)
-        x2 = run_block(self.down1[1], self.down1[0](x1))
-        x3 = run_block(self.down2[1], self.down2[0](x2))
+        x2 = run_block(self.down1[1], _as_one_op(self.down1[0], x1, functools.partial(self.down1[0], x1)))
+        x3 = run_block(self.down2[1], _as_one_op(self.down2[0], x2, functools.partial(self.down2[0], x2)))
         b = run_block(self.bot, x3)
         c1 = run_block(self.conv_up1, torch.cat([_unfused(self.up1, b), x2], dim=1))
         c2 = run_block(self.conv_up2, torch.cat([_unfused(self.up2, c1), x1], dim=1))
         return _unfused(self.outc, c2)
 
 
+_TORCH_LAYERS = (nn.MaxPool2d, nn.Conv2d, nn.ConvTranspose2d)
+
+
+def _as_one_op(layer: nn.Module, x: torch.Tensor, run) -> torch.Tensor:
+    """run(), layer applied to x; hidden from an episode's watch when layer is a torch layer and no
+    hook runs (it then reads x and its parameters and writes only its output): under a dispatch
+    mode max_pool2d takes a slower path, computing its indices too."""
+    watchers = None if torch.compiler.is_compiling() else watching_modes()
+    if watchers and type(layer) in _TORCH_LAYERS and not torch_private.module_has_hooks(layer) \
+            and not torch_private.global_module_hooks():
+        return run_hidden(run, (x, *layer.parameters(recurse=False)), watchers)
+    return run()
+
+
 def _unfused(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return _as_one_op(layer, x, functools.partial(_unfused_run, layer, x))
+
+
+def _unfused_run(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """layer(x), under autocast with its weights from the episode's copies (cast once per episode,
     as the fused blocks' are) instead of autocast's per-call casts: the same values and gradients."""
     compute_dtype = autocast_dtype(x.device.type)

@@ -7,6 +7,7 @@ import torch
 
 import qca_lowmem
 from qca_lowmem import stock
+from qca_lowmem.recompute.watch import StepWatch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -182,3 +183,79 @@ def test_a_parameter_no_earlier_step_reaches_gets_its_gradient(policy):
     assert loss == pytest.approx(plain_loss, rel=1e-12)
     for got, expected in zip(grads, plain_grads):
         assert got is not None and ((got - expected).abs().max() / expected.abs().max()).item() < 1e-10
+
+
+def late_block_model(gate=grown):
+    """`late` is a fused block (whose ops run hidden from the forward's watch, which it tells what
+    they read and made) that only the steps `gate` picks reach; its output is then changed in
+    place. `taken` lists the gate's answers."""
+    torch.manual_seed(0)
+    early = torch.nn.Conv2d(4, 4, 3, padding=1).double()
+    late = qca_lowmem.FusedConvBlock(4, 4).double()
+    taken = []
+
+    def step(psi):
+        x = qca_lowmem.qca_pack(psi)
+        h = early(x)
+        taken.append(gate(psi, 0))
+        if taken[-1]:
+            y = late(x)
+            y.mul_(0.5)  # the block made y: a write the step's own, no buffer to keep
+            h = h + y
+        return qca_lowmem.qca_update(psi, 0.1 * torch.tanh(h), 0.05)
+
+    return early, late, step, taken
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_a_fused_block_only_later_steps_reach_gets_plain_autograds_gradients(policy):
+    results = {}
+    for name, options in (("plain", dict(checkpoint="none")), ("policy", policy)):
+        early, late, step, taken = late_block_model()
+        results[name] = run(step, [*early.parameters(), *late.parameters()], options)
+        assert not taken[0] and any(taken)
+    (loss, grads), (plain_loss, plain_grads) = results["policy"], results["plain"]
+    assert loss == pytest.approx(plain_loss, rel=1e-12)
+    for got, expected in zip(grads, plain_grads):
+        assert got is not None and ((got - expected).abs().max() / expected.abs().max()).item() < 1e-10
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad step", "kept-graph step"])
+def test_the_watch_sees_a_fused_blocks_reads_and_takes_its_outputs_for_the_steps_own(grad):
+    early, late, step, _ = late_block_model(gate=lambda psi, call: True)
+    psi = psi0()
+    watch = StepWatch(known_leaves={id(p) for p in early.parameters()}, known_writes=set(), inputs={id(psi)})
+    with torch.set_grad_enabled(grad), watch:
+        step(psi)
+    assert {id(p) for p in watch.leaves} == {id(p) for p in late.parameters()}
+    assert watch.writes == []
+
+
+@pytest.mark.parametrize("hook", [None, "layer", "global"])
+def test_the_watch_sees_what_the_fused_unets_hidden_layers_read_and_what_a_hook_writes(hook):
+    """The fused U-Net's blocks and torch layers run hidden from the watch, telling it their
+    parameters; a hook (on a layer, or on every module) makes the layer run watched, so what the
+    hook writes is seen."""
+    torch.manual_seed(0)
+    model = qca_lowmem.UNetUnitary(2, 8).double()
+    x = torch.randn(1, 4, 8, 8, dtype=torch.float64)
+    counter = torch.zeros((), dtype=torch.float64)
+
+    def count(module, args, out):
+        if module in (model.down1[0], model.up1):
+            counter.add_(1)
+
+    handle = None
+    if hook == "layer":
+        handle = model.down1[0].register_forward_hook(count)
+    elif hook == "global":
+        handle = torch.nn.modules.module.register_module_forward_hook(count)
+    watch = StepWatch(known_leaves=set(), known_writes=set(), inputs={id(x)})
+    try:
+        with torch.no_grad(), watch:
+            model(x)
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert {id(p) for p in watch.leaves} == {id(p) for p in model.parameters()}
+    assert [id(tensor) for tensor, _ in watch.writes] == ([] if hook is None else [id(counter)])

@@ -55,8 +55,24 @@ def test_dispatch_state_queries():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
+    class Watcher(torch_private.WatchingDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    seen = []
+    assert torch_private.watching_modes() == []
     with Passthrough():
-        assert torch_private.dispatch_modes_active()
+        assert torch_private.dispatch_modes_active() and torch_private.watching_modes() is None
+        with Watcher():
+            assert torch_private.watching_modes() is None
+    with Watcher() as watcher:
+        assert torch_private.watching_modes() == [watcher]
+        with torch_private.dispatch_disabled():
+            torch.ones(2).add(1)
+        assert seen == []
+        torch.ones(2).add(1)
+    assert torch.ops.aten.add.Tensor in seen
     seen = []
     torch.func.grad(lambda x: (seen.append((torch_private.functorch_transforms_active(),
                                             torch_private.is_functorch_wrapped(x))), x.sum())[1])(torch.ones(2))

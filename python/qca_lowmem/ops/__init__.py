@@ -4,8 +4,8 @@ around them), and the helpers they share.
 
 The lowest layer of the package: it imports only torch, the native library and `stock` (the
 reference the ops' double backward runs through). The helpers that the library above uses too
-(input checks, second order, the native library's build) are named here; their modules, whose
-names start with an underscore, are this package's own.
+(input checks, second order, the native library's build, running hidden from an episode's watch)
+are named here; their modules, whose names start with an underscore, are this package's own.
 """
 
 from ._loader import REBUILD_COMMAND, has_cuda_kernels, load_native
@@ -16,6 +16,7 @@ load_native()
 
 from ._checks import check_same_device, refuse_func_transforms  # noqa: E402
 from ._double_backward import reference_backward, second_order_requested  # noqa: E402
+from ._watchers import run_hidden, watching_modes  # noqa: E402
 
 __all__ = ["REBUILD_COMMAND", "check_same_device", "has_cuda_kernels", "load_native", "reference_backward",
-           "refuse_func_transforms", "second_order_requested"]
+           "refuse_func_transforms", "run_hidden", "second_order_requested", "watching_modes"]

@@ -6,6 +6,7 @@ the block is torch's convs around this package's C/CUDA ops. The module around t
 `FusedConvBlock`, is blocks.py.
 """
 
+import functools
 from typing import Tuple
 
 import torch
@@ -15,6 +16,7 @@ from torch import Tensor
 from .. import _torch_private as torch_private
 from ._checks import check_same_device
 from ._double_backward import reference_backward, second_order_requested
+from ._watchers import run_hidden, watching_modes
 from .groupnorm_elu import output_layout, stat_dtype
 from .groupnorm_elu import reference as groupnorm_elu_reference
 
@@ -46,6 +48,10 @@ def _below_autograd():
 
 
 def _check_block_devices(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias):
+    device = x.device
+    if (conv1_weight.device == device and norm1_weight.device == device and norm1_bias.device == device
+            and conv2_weight.device == device and norm2_weight.device == device and norm2_bias.device == device):
+        return  # the checks below name the tensor; they cost more than a small block's kernels
     for name, t in dict(conv1_weight=conv1_weight, norm1_weight=norm1_weight, norm1_bias=norm1_bias,
                         conv2_weight=conv2_weight, norm2_weight=norm2_weight, norm2_bias=norm2_bias).items():
         check_same_device(x, "x", t, name, "conv_block")
@@ -216,13 +222,13 @@ _ConvBlockKeepFunction = _eager_function("_ConvBlockKeepFunction", _conv_block_k
 
 
 def _plain_eager(tensors) -> bool:
-    """Plain eager execution on one device: no torch.compile, dispatch mode or functorch
-    transform, and no tensor with its own __torch_function__; there the Function above is the
-    op's autograd exactly, and everything else sees the op itself (a device mix, its checks)."""
+    """Plain eager execution on one device: no torch.compile or functorch transform, and no tensor
+    with its own __torch_function__; there (and under no dispatch mode but those that only watch,
+    conv_block_forward) the Function above is the op's autograd exactly, and everything else sees
+    the op itself (a device mix, its checks)."""
     device = tensors[0].device
-    return not (torch.compiler.is_compiling() or torch_private.dispatch_modes_active()
-                or torch_private.functorch_transforms_active() or torch.overrides.has_torch_function(tensors)
-                or any(t.device != device for t in tensors))
+    return not (torch.compiler.is_compiling() or torch_private.functorch_transforms_active()
+                or torch.overrides.has_torch_function(tensors) or any(t.device != device for t in tensors))
 
 
 def conv_block_forward(x: Tensor, conv1_weight: Tensor, norm1_weight: Tensor, norm1_bias: Tensor,
@@ -232,7 +238,13 @@ def conv_block_forward(x: Tensor, conv1_weight: Tensor, norm1_weight: Tensor, no
     plain eager execution through their autograd.Functions, without the custom ops' wrappers."""
     args = (x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias,
             groups1, groups2, eps1, eps2)
-    if _plain_eager(args[:7]):
-        function = _ConvBlockKeepFunction if keep_intermediates else _ConvBlockFunction
-        return function.apply(*args)[0]
-    return (conv_block_keep if keep_intermediates else conv_block)(*args)[0]
+    watchers = watching_modes() if _plain_eager(args[:7]) else None
+    if watchers is None:
+        return (conv_block_keep if keep_intermediates else conv_block)(*args)[0]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in args[:7]):
+        run = (_ConvBlockKeepFunction if keep_intermediates else _ConvBlockFunction).apply
+    else:
+        run = _block_forward  # nothing for autograd to record: no Function to apply
+    if watchers:
+        return run_hidden(functools.partial(run, *args), args[:7], watchers)[0]
+    return run(*args)[0]

@@ -69,7 +69,7 @@ class ParamGradSink:
         self.params = list(params)
         self.buffers: List[Optional[torch.Tensor]] = [None] * len(params)
         self._set_aside = []
-        self._zeros = {}  # a scalar zero broadcast to each (dtype, device, shape), made once
+        self._zeros: List[Optional[torch.Tensor]] = [None] * len(self.params)  # a scalar zero broadcast to each
 
     def __enter__(self):
         for i, p in enumerate(self.params):
@@ -109,11 +109,15 @@ class ParamGradSink:
     def _accumulate(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if grad is None:  # all of this step's gradient went in through deposit()
             return None
-        self.add(i, grad)
-        key = (grad.dtype, grad.device, grad.shape)
-        zero = self._zeros.get(key)
+        buffer = self.buffers[i]
+        if buffer is None:
+            self.add(i, grad)
+        else:
+            buffer.add_(grad)
+        # Per parameter: autograd hands a leaf's hook a gradient of the leaf's dtype and shape.
+        zero = self._zeros[i]
         if zero is None:
-            zero = self._zeros[key] = torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+            zero = self._zeros[i] = torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
         return zero
 
     def take(self):

@@ -60,6 +60,9 @@ def _tf32_allowed() -> bool:
     return torch.backends.cudnn.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
 
 
+_ZERO = torch.zeros((), dtype=torch.float32)
+
+
 def _relative_difference(actual: torch.Tensor, expected: torch.Tensor, before: Optional[torch.Tensor]) -> torch.Tensor:
     """max|actual - expected| / max|expected - before| (the change the forward step made; the
     size of `expected` where there is no `before`) as a float32 scalar on the device; NaN where
@@ -96,9 +99,13 @@ class RecomputeCheck:
             names.append(name)
             if old is not None and (old.shape != wanted.shape or old.dtype != wanted.dtype):
                 old = None
-            difference = _relative_difference(actual.detach(), wanted.detach(), None if old is None else old.detach())
+            tolerance = _tolerance(wanted, self.compute_dtype)
+            if tolerance == 0.0 and actual.device.type == "cpu" and torch.equal(actual, wanted):
+                difference = _ZERO  # the common case, at a tenth of the cost (no host sync on the CPU)
+            else:
+                difference = _relative_difference(actual.detach(), wanted.detach(), None if old is None else old.detach())
             differences.append(difference.to(differences[0].device) if differences else difference)
-            tolerances.append(_tolerance(wanted, self.compute_dtype))
+            tolerances.append(tolerance)
         self.steps.append(t)
         self.names.append(names)
         self.differences.append(torch.stack(differences))

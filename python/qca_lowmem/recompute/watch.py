@@ -11,7 +11,9 @@ autograd, so a step run without grad still shows them. It reports
   for the recomputes), with their values before the step's first write. A write is what the op's
   schema declares (`add_`, `copy_`, `out=`), or a batch norm's running statistics in training,
   which its kernels update without declaring.
-No copies but of what is written: a few microseconds of Python per op (docs/design.md).
+No copies but of what is written. A fused block, and the fused U-Net's torch layers, run hidden
+from the watch and tell it what they read and made (`ran_unseen`): under a dispatch mode each op
+costs microseconds of Python, and some take a slower path (docs/design.md).
 """
 
 import threading
@@ -46,7 +48,7 @@ def note_read(tensor: torch.Tensor) -> None:
         watch.read(tensor)
 
 
-class StepWatch(torch_private.TorchDispatchMode):
+class StepWatch(torch_private.WatchingDispatchMode):
     def __init__(self, known_leaves: set, known_writes: set, inputs: set):
         super().__init__()
         self.known_leaves = known_leaves  # ids of the leaves the episode already has
@@ -69,6 +71,15 @@ class StepWatch(torch_private.TorchDispatchMode):
         if key not in self.known_leaves and key not in self.inputs and tensor.requires_grad and tensor.is_leaf:
             self.known_leaves.add(key)
             self.leaves.append(tensor)
+
+    def ran_unseen(self, read, made) -> None:
+        """A fused block ran its ops hidden from the watch (ops/conv_block.py): what it read, what
+        it made; it writes nothing it did not make."""
+        for tensor in read:
+            if tensor.requires_grad:
+                self.read(tensor)
+        for tensor in made:
+            self.fresh.add(tensor.untyped_storage().data_ptr())
 
     def _written(self, tensor) -> None:
         if not isinstance(tensor, torch.Tensor) or id(tensor) in self.known_writes or id(tensor) in self.inputs \
