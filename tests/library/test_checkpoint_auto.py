@@ -59,6 +59,40 @@ def test_gradients_equal_the_full_graph(case):
         assert ((g - e).abs().max() / e.abs().max()).item() < 1e-12
 
 
+@pytest.mark.parametrize("short", [0, 1], ids=["every graph fits", "one byte short"])
+def test_a_budget_holding_every_graph_is_plain_autograd(short):
+    """With every step's full graph within the budget, and a state that needs no gradient, the
+    episode is plain autograd from the probe's step on: step_fn runs once a step, nothing is
+    recomputed, and the gradients are plain autograd's bit for bit; one byte less, step 0 (the
+    probe's, whose graph the budget then does not hold) is recomputed."""
+    params, step = fused_unet_step()
+    calls = []
+
+    def counted(psi):
+        calls.append(1)
+        return step(psi)
+
+    def run(**options):
+        calls.clear()
+        for p in params:
+            p.grad = None
+        psi0 = initial_state()
+        psi_T, history = rollout(counted, psi0, STEPS, noise=qca_lowmem.NoiseSchedule(0.5, 2000, seed=1),
+                                 record_every=3, **options)
+        weighted_history_loss(psi0, psi_T, history).backward()
+        return len(calls), [p.grad for p in params]
+
+    with qca_lowmem.keep_block_intermediates():
+        _, expected = run(checkpoint="none")
+    budget = budgets(step)["all full"] - short
+    n_calls, got = run(checkpoint="auto", budget=budget)
+    assert n_calls == STEPS + short
+    assert all(torch.equal(g, e) for g, e in zip(got, expected)) or short
+    for g, e in zip(got, expected):
+        assert ((g - e).abs().max() / e.abs().max()).item() < 1e-12
+    assert saved_bytes(lambda: rollout(step, initial_state(), STEPS, checkpoint="auto", budget=budget)) <= budget
+
+
 def test_what_the_episode_keeps_stays_within_the_budget():
     params, step = fused_unet_step()
     kept = {}

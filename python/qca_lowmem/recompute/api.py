@@ -16,10 +16,10 @@ from .episode import Episode, EpisodeFunction, StepUnit
 from .graph import StepGraph
 from .intermediates import keep_block_intermediates
 from .leaves import leaves_reached, next_sequence_nr
-from .memory import counted_and_dropped
+from .memory import saves_counted
 from .policy import STEP, Policy
 from .replay import AutocastState, RngStates
-from .schedule import schedule_for
+from .schedule import holds_every_graph, schedule_for
 from .state import State, checked_carry
 
 
@@ -135,13 +135,25 @@ def _episode(unit: StepUnit, state0: State, steps: int, policy: Policy, recorded
         return _run_plain(unit, state0, 0, steps, recorded, [])
     rng = RngStates(state0.psi.device, preserve_rng_state)
     unit.refuse_in_place = policy.checkpoint
-    probed, params, step_bytes, buffers = _probe(unit, state0, steps, rng, measure=policy.budget is not None)
+    # A budget may hold every step's graph, the probed steps' too: they keep theirs until that is
+    # known. Their inputs are copies of the state, so only a state that needs no gradient allows it.
+    may_run_plain = policy.budget is not None and not isinstance(unit.step_fn, StepGraph) \
+        and not any(state0.needs_grad())
+    probed, params, step_bytes, buffers, graphs = _probe(unit, state0, steps, rng, measure=policy.budget is not None,
+                                                         keep_graphs=may_run_plain)
     if not params and not any(state0.needs_grad()):
         # Nothing to differentiate so far: the rest runs as plain autograd, which keeps no graph
         # unless a later step reaches a parameter.
         history = [state.psi for t, state in enumerate(probed) if t in recorded and t != steps - 1]
         unit.refuse_in_place = None
         return _run_plain(unit, probed[-1], len(probed), steps, recorded, history)
+    if graphs is not None and len(graphs) == 1 and holds_every_graph(policy, steps, step_bytes, state0.psi.device):
+        # Plain autograd on from step 0's graph: nothing to recompute, so nothing to watch. (Probed
+        # steps after the first start from a copy of the state: their graphs are not one chain.)
+        unit.refuse_in_place = None
+        with keep_block_intermediates():
+            return _run_plain(unit, graphs[0], 1, steps, recorded, [graphs[0].psi] if 0 in recorded and steps > 1 else [])
+    del graphs
     autocast = AutocastState(sorted({"cpu", state0.psi.device.type}))
     if isinstance(unit.step_fn, StepGraph):
         with buffers.unchanged():
@@ -160,7 +172,7 @@ def _episode(unit: StepUnit, state0: State, steps: int, policy: Policy, recorded
     return psi_T, history, tuple(next(carry_T) if present else None for present in plan.carry_T_present)
 
 
-def _probe(unit: StepUnit, state0: State, steps: int, rng: RngStates, measure: bool):
+def _probe(unit: StepUnit, state0: State, steps: int, rng: RngStates, measure: bool, keep_graphs: bool = False):
     """The episode's first steps run with grad enabled: their graphs tell which leaves
     (parameters) the episode depends on, and, with `measure`, what one step's full graph keeps
     (blocks keeping their intermediates), each storage counted once. Nothing they would save for
@@ -168,8 +180,10 @@ def _probe(unit: StepUnit, state0: State, steps: int, rng: RngStates, measure: b
     step that skips what later ones run), up to the first step with the whole carry. They also
     find the tensors a step writes that outlive it (buffers.py).
     Returns (their output states, the leaves, bytes of the largest full graph with its output,
-    the written tensors as StepBuffers)."""
+    the written tensors as StepBuffers, and with `keep_graphs` their output states with their
+    graphs, else None)."""
     probed, params, step_bytes, writes = [], [], 0, []
+    graphs = [] if keep_graphs else None
     state = state0
     for t in range(steps):
         marker = next_sequence_nr()
@@ -177,8 +191,8 @@ def _probe(unit: StepUnit, state0: State, steps: int, rng: RngStates, measure: b
         inputs = state.as_inputs(True)
         saved = []
         finder = StepBuffers.finder()
-        with torch.enable_grad(), keep_block_intermediates(measure), counted_and_dropped(saved if measure else None), \
-                finder:
+        with torch.enable_grad(), keep_block_intermediates(measure), \
+                saves_counted(saved if measure else None, keep=keep_graphs), finder:
             outputs = unit(inputs, t)
         writes.append(finder.written())
         found = {id(p) for p in params}
@@ -187,10 +201,12 @@ def _probe(unit: StepUnit, state0: State, steps: int, rng: RngStates, measure: b
                    if id(leaf) not in found]
         state = outputs.detached()
         probed.append(state)
+        if keep_graphs:
+            graphs.append(outputs)
         step_bytes = max(step_bytes, sum(saved) + state.nbytes())
         if all(c is not None for c in inputs.carry):
             break
-    return probed, params, step_bytes, StepBuffers.of_probes(writes)
+    return probed, params, step_bytes, StepBuffers.of_probes(writes), graphs
 
 
 def _run_plain(unit: StepUnit, state: State, start: int, steps: int, recorded: List[int], history: list):

@@ -44,19 +44,20 @@ def saved_storage_sizes(fn, *args, **kwargs) -> List[int]:
 
 
 @contextlib.contextmanager
-def counted_and_dropped(sizes: Optional[list]):
+def saves_counted(sizes: Optional[list], keep: bool = False):
     """Tensors saved for backward inside are dropped (the graph is only walked, never
-    differentiated); with `sizes`, the bytes of their storages, each counted once as saved_bytes
-    counts them, are appended to it on exit (the storages live until then)."""
+    differentiated) unless `keep`; with `sizes`, the bytes of their storages,
+    each counted once as saved_bytes counts them, are appended to it on exit (the storages live
+    until then)."""
     storages = {}
 
     def pack(tensor):
         if sizes is not None and not isinstance(tensor, torch.nn.Parameter) and tensor.device.type != "meta":
             storage = tensor.untyped_storage()
             storages[(tensor.device, storage.data_ptr())] = storage
-        return None
+        return tensor if keep else None
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield
     if sizes is not None:
         sizes.append(sum(storage.nbytes() for storage in storages.values()))

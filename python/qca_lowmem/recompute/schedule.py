@@ -84,6 +84,15 @@ def budget_split(steps: int, state_bytes: int, step_bytes: int, budget: int, mos
     return min(most_graphs, (budget - steps * state_bytes) // (step_bytes - state_bytes)), None
 
 
+def holds_every_graph(policy: Policy, steps: int, step_bytes: int, device: torch.device) -> bool:
+    """Whether the policy's budget holds every step's full graph with its output: the episode is
+    then plain autograd (blocks keeping their intermediates), nothing recomputed."""
+    if policy.budget is None or policy.slots is not None:
+        return False
+    budget = free_budget(device, step_bytes) if policy.reads_free_memory else policy.budget
+    return budget >= steps * step_bytes
+
+
 def schedule_for(policy: Policy, steps: int, step_bytes: int, state_bytes: int, device: torch.device,
                  keeps_final_state: bool, probed: int) -> Schedule:
     """The schedule of a recomputing policy (plain autograd has none). A budget is spent on
