@@ -431,6 +431,10 @@ static QCA_ALWAYS_INLINE int64_t backward_blocks_body(
                        to = block_rows(2 * d);
   const qca_f32x8 gammas = splat8(gamma);
   const int stream = gd && (uintptr_t)gd % 16 == 0 && gd_plane % 4 == 0;
+  /* grad_psi's rows too, a block at a time from the stack: without reading its lines first,
+   * the backward's five streams fit memory's bandwidth better (7% at B = 16). */
+  const int stream_rows = grad_psi && (uintptr_t)grad_psi % 16 == 0;
+  qca_f32x8 staged[4 * QCA_BLOCK_MAX_D];
   const int64_t blocked = n - n % 16;
   for (int64_t i0 = 0; i0 < blocked; i0 += 16) {
     const int64_t ahead = i0 + QCA_PREFETCH_READ_CELLS, write_ahead = i0 + QCA_PREFETCH_WRITE_CELLS;
@@ -440,7 +444,8 @@ static QCA_ALWAYS_INLINE int64_t backward_blocks_body(
       prefetch_planes(ar + ahead, plane, d, 0);
       prefetch_planes(ai + ahead, plane, d, 0);
     }
-    if (write_ahead < n && grad_psi) prefetch_rows(grad_psi + 2 * d * write_ahead, 32 * d, 1);
+    if (write_ahead < n && grad_psi && !stream_rows)
+      prefetch_rows(grad_psi + 2 * d * write_ahead, 32 * d, 1);
     if (write_ahead < n && gd && !stream) prefetch_planes(gd + write_ahead, gd_plane, 2 * d, 1);
     for (int h = 0; h < 2; ++h) {
       block_to_planes(psi + (i0 + 8 * h) * row_stride, &in, d, psi_planes[h]);
@@ -484,11 +489,15 @@ static QCA_ALWAYS_INLINE int64_t backward_blocks_body(
         grad[h][2 * k] = gpr;
         grad[h][2 * k + 1] = gpi;
       }
-    if (grad_psi)
+    if (stream_rows) {
+      for (int h = 0; h < 2; ++h) block_to_rows(grad[h], &to, d, (float*)staged + 16 * d * h);
+      for (int64_t j = 0; j < 4 * d; ++j) stream8(grad_psi + 2 * d * i0 + 8 * j, staged[j]);
+    } else if (grad_psi) {
       for (int h = 0; h < 2; ++h) block_to_rows(grad[h], &to, d, grad_psi + 2 * d * (i0 + 8 * h));
+    }
   }
 #if defined(__SSE__)
-  if (stream) _mm_sfence(); /* the streamed stores before any later one */
+  if (stream || stream_rows) _mm_sfence(); /* the streamed stores before any later one */
 #endif
   return blocked;
 }
