@@ -26,7 +26,8 @@ CUDA_FLAGS = [CXX, "-std=c++17", "-O2", "-g1", "-fPIC", "-x", "c++", "-DQCA_CUDA
               "-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0",
               "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas", *INCLUDES]
 # The C kernels as setup.py builds them.
-C_FLAGS = [CC, "-std=c11", "-O3", "-fno-trapping-math", "-fPIC", "-Wall", "-Wextra", "-I", str(ROOT / "include")]
+C_FLAGS = [CC, "-std=c11", "-O3", "-fno-trapping-math", "-fPIC", "-Wall", "-Wextra", "-Wno-psabi", "-I",
+           str(ROOT / "include")]
 CXX_FLAGS = [CXX, "-std=c++20", "-O2", "-fPIC", "-ffp-contract=off", "-Wall", "-Wextra", "-Werror",
              "-Werror=missing-field-initializers", *INCLUDES]
 
