@@ -7,7 +7,6 @@ makes) runs with dispatch off instead, and tells each watcher what it read and m
 
 from typing import Callable, Sequence
 
-import torch
 from torch import Tensor, nn
 
 from .. import _torch_private as torch_private
