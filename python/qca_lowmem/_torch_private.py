@@ -83,10 +83,6 @@ class WatchingDispatchMode(TorchDispatchMode):
         raise NotImplementedError
 
 
-def dispatch_modes_active() -> bool:
-    return torch._C._len_torch_dispatch_stack() > 0
-
-
 def watching_modes() -> Optional[list]:
     """The dispatch modes active when every one is a WatchingDispatchMode ([] without any), None
     when another is."""

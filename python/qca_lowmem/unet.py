@@ -71,8 +71,8 @@ class UNetUnitary(nn.Module):
         """The stock U-Net forward with `run_block(block, h)` applying each ConvBlock, so that the
         stock computation (`block.conv_block(h)`) and the fused one share the wiring."""
         x1 = run_block(self.inc, x)
-        x2 = run_block(self.down1[1], _as_one_op(self.down1[0], x1, functools.partial(self.down1[0], x1)))
-        x3 = run_block(self.down2[1], _as_one_op(self.down2[0], x2, functools.partial(self.down2[0], x2)))
+        x2 = run_block(self.down1[1], _as_one_op(self.down1[0], x1))
+        x3 = run_block(self.down2[1], _as_one_op(self.down2[0], x2))
         b = run_block(self.bot, x3)
         c1 = run_block(self.conv_up1, torch.cat([_unfused(self.up1, b), x2], dim=1))
         c2 = run_block(self.conv_up2, torch.cat([_unfused(self.up2, c1), x1], dim=1))
@@ -82,10 +82,11 @@ class UNetUnitary(nn.Module):
 _TORCH_LAYERS = (nn.MaxPool2d, nn.Conv2d, nn.ConvTranspose2d)
 
 
-def _as_one_op(layer: nn.Module, x: torch.Tensor, run) -> torch.Tensor:
-    """run(), layer applied to x; hidden from an episode's watch when layer is a torch layer and no
-    hook runs (it then reads x and its parameters and writes only its output): under a dispatch
-    mode max_pool2d takes a slower path, computing its indices too."""
+def _as_one_op(layer: nn.Module, x: torch.Tensor, run=None) -> torch.Tensor:
+    """run() (default layer(x)), layer applied to x; hidden from an episode's watch when layer is a
+    torch layer and no hook runs (it then reads x and its parameters and writes only its output):
+    under a dispatch mode max_pool2d takes a slower path, computing its indices too."""
+    run = run or functools.partial(layer, x)
     watchers = None if torch.compiler.is_compiling() else watching_modes()
     if watchers and type(layer) in _TORCH_LAYERS and not torch_private.module_has_hooks(layer) \
             and not torch_private.global_module_hooks():

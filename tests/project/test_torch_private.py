@@ -48,7 +48,7 @@ def test_backward_hooks_are_the_tensors_own():
 
 
 def test_dispatch_state_queries():
-    assert not torch_private.dispatch_modes_active() and not torch_private.functorch_transforms_active()
+    assert torch_private.watching_modes() == [] and not torch_private.functorch_transforms_active()
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Passthrough(TorchDispatchMode):
@@ -61,9 +61,8 @@ def test_dispatch_state_queries():
             return func(*args, **(kwargs or {}))
 
     seen = []
-    assert torch_private.watching_modes() == []
     with Passthrough():
-        assert torch_private.dispatch_modes_active() and torch_private.watching_modes() is None
+        assert torch_private.watching_modes() is None
         with Watcher():
             assert torch_private.watching_modes() is None
     with Watcher() as watcher:

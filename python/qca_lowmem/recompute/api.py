@@ -144,15 +144,14 @@ def _episode(unit: StepUnit, state0: State, steps: int, policy: Policy, recorded
     if not params and not any(state0.needs_grad()):
         # Nothing to differentiate so far: the rest runs as plain autograd, which keeps no graph
         # unless a later step reaches a parameter.
-        history = [state.psi for t, state in enumerate(probed) if t in recorded and t != steps - 1]
         unit.refuse_in_place = None
-        return _run_plain(unit, probed[-1], len(probed), steps, recorded, history)
+        return _run_plain(unit, probed[-1], len(probed), steps, recorded, _history_of(probed, recorded, steps))
     if graphs is not None and len(graphs) == 1 and holds_every_graph(policy, steps, step_bytes, state0.psi.device):
         # Plain autograd on from step 0's graph: nothing to recompute, so nothing to watch. (Probed
         # steps after the first start from a copy of the state: their graphs are not one chain.)
         unit.refuse_in_place = None
         with keep_block_intermediates():
-            return _run_plain(unit, graphs[0], 1, steps, recorded, [graphs[0].psi] if 0 in recorded and steps > 1 else [])
+            return _run_plain(unit, graphs[0], 1, steps, recorded, _history_of(graphs, recorded, steps))
     del graphs
     autocast = AutocastState(sorted({"cpu", state0.psi.device.type}))
     if isinstance(unit.step_fn, StepGraph):
@@ -207,6 +206,11 @@ def _probe(unit: StepUnit, state0: State, steps: int, rng: RngStates, measure: b
         if all(c is not None for c in inputs.carry):
             break
     return probed, params, step_bytes, StepBuffers.of_probes(writes), graphs
+
+
+def _history_of(states: List[State], recorded: List[int], steps: int) -> list:
+    """The history entries of the first steps' output states (the last step's is psi_T, added at the end)."""
+    return [state.psi for t, state in enumerate(states) if t in recorded and t != steps - 1]
 
 
 def _run_plain(unit: StepUnit, state: State, start: int, steps: int, recorded: List[int], history: list):

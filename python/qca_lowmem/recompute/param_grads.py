@@ -109,11 +109,7 @@ class ParamGradSink:
     def _accumulate(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if grad is None:  # all of this step's gradient went in through deposit()
             return None
-        buffer = self.buffers[i]
-        if buffer is None:
-            self.add(i, grad)
-        else:
-            buffer.add_(grad)
+        self.add(i, grad)
         # Per parameter: autograd hands a leaf's hook a gradient of the leaf's dtype and shape.
         zero = self._zeros[i]
         if zero is None:

@@ -84,13 +84,14 @@ def budget_split(steps: int, state_bytes: int, step_bytes: int, budget: int, mos
     return min(most_graphs, (budget - steps * state_bytes) // (step_bytes - state_bytes)), None
 
 
+def _budget_bytes(policy: Policy, device: torch.device, step_bytes: int) -> int:
+    return free_budget(device, step_bytes) if policy.reads_free_memory else policy.budget
+
+
 def holds_every_graph(policy: Policy, steps: int, step_bytes: int, device: torch.device) -> bool:
     """Whether the policy's budget holds every step's full graph with its output: the episode is
     then plain autograd (blocks keeping their intermediates), nothing recomputed."""
-    if policy.budget is None or policy.slots is not None:
-        return False
-    budget = free_budget(device, step_bytes) if policy.reads_free_memory else policy.budget
-    return budget >= steps * step_bytes
+    return policy.budget is not None and _budget_bytes(policy, device, step_bytes) >= steps * step_bytes
 
 
 def schedule_for(policy: Policy, steps: int, step_bytes: int, state_bytes: int, device: torch.device,
@@ -103,7 +104,7 @@ def schedule_for(policy: Policy, steps: int, step_bytes: int, state_bytes: int, 
         return Revolve(steps, policy.slots)
     if policy.budget is None:
         return EveryStep(steps)
-    budget = free_budget(device, step_bytes) if policy.reads_free_memory else policy.budget
+    budget = _budget_bytes(policy, device, step_bytes)
     if keeps_final_state:
         budget = max(0, budget - state_bytes)
     full_graphs, slots = budget_split(steps, state_bytes, step_bytes, budget, most_graphs=steps - probed)
