@@ -13,14 +13,19 @@ that per-step recompute in fp32: what recomputing costs stock), lowmem_fp32_keep
 kernels under plain autograd, blocks keeping their intermediates: nothing recomputed) and
 lowmem_fp32_forward (lowmem_fp32_step's forward and loss under no_grad, no backward: the pass a
 step recompute runs again); lowmem_fp32_step_unchecked (lowmem_fp32_step with check_recompute=False:
-against lowmem_fp32_step, what the check that each recompute reproduces the forward costs). Two more,
+against lowmem_fp32_step, what the check that each recompute reproduces the forward costs);
+lowmem_fp32_step_by_hand (the same step recompute written out by hand: the forward under no_grad
+keeping each step's state, then from the last step back each step run again with grad and
+torch.autograd.grad for its input and the parameters, summed: no watch, check or generator replay,
+so the least a per-step recompute on these kernels and autograd costs). Two more,
 also by name, are checkpoint="auto": lowmem_fp32_auto with a budget that holds every step's full
 graph, lowmem_fp32_auto_half with half of it, lowmem_fp32_auto_free with budget="free" (what the
 device has left). Each run gets a fresh copy of the same initial weights and its own optimizer; it
 reports the peaks of torch.cuda.max_memory_allocated and max_memory_reserved over the measured
 episodes (after a warm-up episode, so AdamW's state exists) and the median episode time; a
 StepGraph run also the captures it made and whether it fell back to eager steps. The _cl runs
-are their runs with the model's weights and the pack channels_last (NHWC end to end). stock_v4
+are their runs with the model's weights and the pack channels_last (NHWC end to end); by name,
+the runs that take the episode apart have them too (lowmem_fp32_step_cl, ...). stock_v4
 and lowmem_enable_default are the users' trainer, stock and through enable()'s defaults
 (episode_trainer.py). --profile adds one profiled episode per run: kernels and host-waiting ops
 per step, the GPU's busy fraction (episode_profile.py).
@@ -62,8 +67,10 @@ RUNS = ["lowmem_fp32_step_graph", "lowmem_bf16_step_graph", "lowmem_fp16_step_gr
         "lowmem_bf16_revolve32", *CHANNELS_LAST_RUNS, *TRAINER_RUNS]
 # Asked for by name: they take the CPU episode's time apart (what the recompute costs stock, the
 # fused kernels without any recompute, the forward pass a recompute repeats).
-EXTRA_RUNS = ["stock_fp32_checkpoint", "lowmem_fp32_keep", "lowmem_fp32_forward", "lowmem_fp32_step_unchecked",
-              "lowmem_fp32_auto", "lowmem_fp32_auto_half", "lowmem_fp32_auto_free"]
+TAKEN_APART_RUNS = ["lowmem_fp32_step", "lowmem_fp32_keep", "lowmem_fp32_forward", "lowmem_fp32_step_unchecked",
+                    "lowmem_fp32_step_by_hand"]
+EXTRA_RUNS = ["stock_fp32_checkpoint", *TAKEN_APART_RUNS[1:], "lowmem_fp32_auto", "lowmem_fp32_auto_half",
+              "lowmem_fp32_auto_free", *(name + "_cl" for name in TAKEN_APART_RUNS)]
 CUDA_ONLY_RUNS = ["lowmem_fp32_auto_free"]  # budget="free" reads a GPU's free memory
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -152,11 +159,11 @@ def run_forward(name, model, psi0, args, episode_seed, step=None, budget=None):
         return stock_forward(model, psi0, args, rate, checkpoint_steps=True)
     if name == "lowmem_fp32_keep":
         with qca_lowmem.keep_block_intermediates():
-            return lowmem_forward(model, psi0, args, schedule, checkpoint="none")
+            return lowmem_forward(model, psi0, args, schedule, checkpoint="none", step=step)
     if name == "lowmem_fp32_step":
-        return lowmem_forward(model, psi0, args, schedule)
+        return lowmem_forward(model, psi0, args, schedule, step=step)
     if name == "lowmem_fp32_step_unchecked":
-        return lowmem_forward(model, psi0, args, schedule, check_recompute=False)
+        return lowmem_forward(model, psi0, args, schedule, check_recompute=False, step=step)
     if name == "lowmem_bf16_step":
         return lowmem_forward(model, psi0, args, schedule, torch.bfloat16, step=step)
     if name == "lowmem_fp16_step":
@@ -175,13 +182,45 @@ def initial_state(args, device, seed):
     return reference.initial_state(args.batch, args.grid, args.d_state, device, generator)
 
 
+def step_back_by_hand(model, psi0, args, schedule, step):
+    """lowmem_fp32_step_by_hand's forward, loss and backward: returns the loss, the parameters'
+    .grad set."""
+    step = step or lowmem_step_fn(model, args.gamma, None)
+    params = list(model.parameters())
+    states, psi = [], psi0
+    with torch.no_grad():
+        for t in range(args.steps):
+            states.append(psi)
+            psi = schedule(step(psi), t)
+    psi = psi.requires_grad_()
+    loss, _ = reference.evolutionary_loss([psi], psi0)
+    grad, = torch.autograd.grad(loss, psi)
+    sums = [None] * len(params)
+    for t in reversed(range(args.steps)):
+        x = states[t].requires_grad_()
+        with torch.enable_grad(), qca_lowmem.keep_block_intermediates():
+            out = schedule(step(x), t)
+        grad, *grads = torch.autograd.grad(out, [x, *params], grad)
+        sums = [g if s is None else s.add_(g) for s, g in zip(sums, grads)]
+    for p, g in zip(params, sums):
+        p.grad = g
+    return loss
+
+
 def train_episode(name, model, optimizer, scaler, args, device, episode_seed, step=None, budget=None):
     optimizer.zero_grad(set_to_none=True)
     psi0 = initial_state(args, device, episode_seed)
+    name = name.removesuffix("_cl")  # its model and step are channels_last (Run)
     if name == "lowmem_fp32_forward":
         with torch.no_grad():
             history = run_forward("lowmem_fp32_step", model, psi0, args, episode_seed, step)
             return reference.evolutionary_loss(history, psi0)[0].item()
+    if name == "lowmem_fp32_step_by_hand":
+        schedule = qca_lowmem.NoiseSchedule(args.max_noise, args.episode, seed=episode_seed)
+        loss = step_back_by_hand(model, psi0, args, schedule, step)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return loss.item()
     history = run_forward(name, model, psi0, args, episode_seed, step, budget)
     loss, _ = reference.evolutionary_loss(history, psi0)
     del history

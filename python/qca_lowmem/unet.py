@@ -13,7 +13,7 @@ from . import _torch_private as torch_private
 from . import stock
 from .recompute.intermediates import block_keeps_intermediates
 from .blocks import FusedConvBlock
-from .ops import refuse_func_transforms, run_hidden, watching_modes
+from .ops import call_unwatched, refuse_func_transforms, run_hidden, watching_modes
 from .precision import autocast_dtype
 from .recompute.weight_casts import cast_weight, checkpoint_kwargs
 
@@ -74,9 +74,13 @@ class UNetUnitary(nn.Module):
         x2 = run_block(self.down1[1], _as_one_op(self.down1[0], x1))
         x3 = run_block(self.down2[1], _as_one_op(self.down2[0], x2))
         b = run_block(self.bot, x3)
-        c1 = run_block(self.conv_up1, torch.cat([_unfused(self.up1, b), x2], dim=1))
-        c2 = run_block(self.conv_up2, torch.cat([_unfused(self.up2, c1), x1], dim=1))
+        c1 = run_block(self.conv_up1, call_unwatched(_cat_channels, (_unfused(self.up1, b), x2)))
+        c2 = run_block(self.conv_up2, call_unwatched(_cat_channels, (_unfused(self.up2, c1), x1)))
         return _unfused(self.outc, c2)
+
+
+def _cat_channels(skip_from: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+    return torch.cat([skip_from, skip], dim=1)
 
 
 _TORCH_LAYERS = (nn.MaxPool2d, nn.Conv2d, nn.ConvTranspose2d)

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import qca_lowmem
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_episode.py"
 # lowmem_fp32_step and the runs that take its time apart
@@ -159,3 +161,29 @@ def test_a_kernel_is_timed_inside_a_captured_graph_of_calls(monkeypatch, capsys)
     timed_in = {}
     common.interleaved_medians({"k": lambda: None}, torch.device("cpu"), 1, 2, calls=5, timed_in=timed_in)
     assert timed_in == {"k": 1}
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_the_step_recompute_written_by_hand_is_the_rollouts(channels_last):
+    """lowmem_fp32_step_by_hand, the floor docs/benchmarks.md measures the step policy against,
+    computes lowmem_fp32_step's loss and gradients."""
+    bench_episode = bench_module("bench_episode")
+    args = bench_episode.parse_args(["--device", "cpu", "--grid", "8", "--d-state", "2", "--hidden", "4", "--steps",
+                                     "4", "--episode", "2000", "--max-noise", "0.5"])
+    torch.manual_seed(0)
+    model = bench_episode.lowmem_model(bench_episode.reference.UNetUnitary(2, 4), args)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    step = bench_episode.lowmem_step_fn(model, args.gamma, None, channels_last=channels_last)
+    psi0 = bench_episode.initial_state(args, torch.device("cpu"), 5)
+    schedule = qca_lowmem.NoiseSchedule(args.max_noise, args.episode, seed=5)
+    assert schedule.active  # the recompute replays the noise
+    loss = bench_episode.step_back_by_hand(model, psi0, args, schedule, step)
+    by_hand = [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    history = bench_episode.lowmem_forward(model, psi0, args, schedule, step=step)
+    rolled_loss, _ = bench_episode.reference.evolutionary_loss(history, psi0)
+    rolled_loss.backward()
+    assert loss.item() == rolled_loss.item()
+    for got, expected in zip(by_hand, (p.grad for p in model.parameters())):
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-7 * expected.abs().max().item())

@@ -268,3 +268,63 @@ def test_the_watch_sees_what_the_fused_unets_hidden_layers_read_and_what_a_hook_
             handle.remove()
     assert {id(p) for p in watch.leaves} == {id(p) for p in model.parameters()}
     assert [id(tensor) for tensor, _ in watch.writes] == ([] if hook is None else [id(counter)])
+
+
+class SeeingWatch(StepWatch):
+    """A StepWatch that lists the ops its dispatch sees."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func.overloadpacket))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class Counting(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def noisy_fused_step(model, drift):
+    """pack -> the fused U-Net -> update, then an update by the leaf `drift` -> the stock noise (a
+    bit flip at step 0 of seed 2), and a write into what the pack made."""
+    noise = qca_lowmem.NoiseSchedule(0.5, 2000, seed=2)
+    assert noise.bit_flips_at(0)
+
+    def step(psi):
+        x = qca_lowmem.qca_pack(psi)
+        x.mul_(1.0)  # the pack made x: the step's own tensor, no buffer
+        psi = qca_lowmem.qca_update(psi, model(x), 0.05)
+        return noise(qca_lowmem.qca_update(psi, drift, 0.0), 0)
+
+    return step
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad step", "kept-graph step"])
+def test_the_step_ops_and_the_unets_cat_run_hidden_from_the_watch_and_tell_it_their_reads(grad):
+    torch.manual_seed(0)
+    model = qca_lowmem.UNetUnitary(2, 8).double()
+    psi = stock.initial_state(2, 8, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(1))
+    drift = (0.01 * torch.randn(2, 4, 8, 8, dtype=torch.float64)).requires_grad_()
+    step = noisy_fused_step(model, drift)
+    watch = SeeingWatch(known_leaves=set(), known_writes=set(), inputs={id(psi)})
+    with torch.set_grad_enabled(grad), watch:
+        step(psi)
+    assert watch.seen == ["aten.mul_"]  # only the step's own op between the fused ones
+    # drift reaches the step only through the hidden update: it told the watch.
+    assert {id(p) for p in watch.leaves} == {id(p) for p in [*model.parameters(), drift]}
+    assert watch.writes == []
+
+    counting = Counting()  # any other mode sees every op
+    with torch.set_grad_enabled(grad), counting:
+        step(psi.clone())
+    for op in ("qca_lowmem.qca_pack", "qca_lowmem.qca_update", "qca_lowmem.phase_flip", "qca_lowmem.bit_flip",
+               "qca_lowmem.noise_coin", "aten.cat"):
+        assert op in counting.seen, op

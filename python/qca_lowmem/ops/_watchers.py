@@ -5,8 +5,10 @@ whose reads and writes are known (a fused block: its input and parameters, writi
 makes) runs with dispatch off instead, and tells each watcher what it read and made.
 """
 
+import functools
 from typing import Callable, Sequence
 
+import torch
 from torch import Tensor, nn
 
 from .. import _torch_private as torch_private
@@ -21,7 +23,16 @@ def run_hidden(run: Callable, read: Sequence[Tensor], watchers: list):
         return run()
     with torch_private.dispatch_disabled():
         out = run()
-    made = out if isinstance(out, (tuple, list)) else (out,)
+    made = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, Tensor)]
     for watcher in watchers:
         watcher.ran_unseen(read, made)
     return out
+
+
+def call_unwatched(op: Callable, tensors: Sequence[Tensor], *args):
+    """op(*tensors, *args) for an op that reads `tensors` and writes only the tensor it returns
+    (this package's QCA and noise ops, `cat`): hidden from watching modes, seen by any other."""
+    watchers = None if torch.compiler.is_compiling() else watching_modes()
+    if watchers:
+        return run_hidden(functools.partial(op, *tensors, *args), tensors, watchers)
+    return op(*tensors, *args)

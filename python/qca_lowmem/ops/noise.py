@@ -13,6 +13,7 @@ import torch
 
 from .. import stock
 from ._checks import refuse_func_transforms
+from ._watchers import call_unwatched
 
 _lib = torch.ops.qca_lowmem
 
@@ -46,7 +47,8 @@ def phase_flip(psi: torch.Tensor, rate: float, seed: int, step: int, *, conjugat
     Differentiable: the gradient of a hit cell is multiplied by the conjugate phase.
     """
     refuse_func_transforms("qca_lowmem.phase_flip", psi)
-    return _lib.phase_flip(psi, _as_rate(rate), _as_int64(seed, "seed"), _as_int64(step, "step"), bool(conjugate))
+    return call_unwatched(_lib.phase_flip, (psi,), _as_rate(rate), _as_int64(seed, "seed"), _as_int64(step, "step"),
+                          bool(conjugate))
 
 
 def bit_flip(psi: torch.Tensor, rate: float, seed: int, step: int) -> torch.Tensor:
@@ -54,13 +56,13 @@ def bit_flip(psi: torch.Tensor, rate: float, seed: int, step: int) -> torch.Tens
     hit negates all its components. Returns a new tensor. Differentiable (a hit negates the
     gradient). The hits are independent of phase_flip's for the same (seed, step)."""
     refuse_func_transforms("qca_lowmem.bit_flip", psi)
-    return _lib.bit_flip(psi, _as_rate(rate), _as_int64(seed, "seed"), _as_int64(step, "step"))
+    return call_unwatched(_lib.bit_flip, (psi,), _as_rate(rate), _as_int64(seed, "seed"), _as_int64(step, "step"))
 
 
 def noise_coin(seed: int, step: int) -> float:
     """The step's coin in [0, 1), from the same keyed generator (its own stream): the stock
     schedule bit-flips step `step` when it is below 0.2. Computed on the host, no device sync."""
-    return _lib.noise_coin(_as_int64(seed, "seed"), _as_int64(step, "step"))
+    return call_unwatched(_lib.noise_coin, (), _as_int64(seed, "seed"), _as_int64(step, "step"))
 
 
 class NoiseSchedule:

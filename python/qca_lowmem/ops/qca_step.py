@@ -8,6 +8,7 @@ import torch
 
 from .. import stock
 from ._checks import check_same_device, describe, refuse_func_transforms
+from ._watchers import call_unwatched
 from ._double_backward import reference_backward, second_order_requested
 
 _lib = torch.ops.qca_lowmem
@@ -20,7 +21,7 @@ def qca_pack(psi: torch.Tensor, dtype: Optional[torch.dtype] = None, *, channels
     output layout. Differentiable; backward saves nothing.
     """
     refuse_func_transforms("qca_lowmem.qca_pack", psi)
-    return _lib.qca_pack(psi, dtype, channels_last)
+    return call_unwatched(_lib.qca_pack, (psi,), dtype, channels_last)
 
 
 def qca_update(
@@ -38,7 +39,7 @@ def qca_update(
     Differentiable; backward saves only psi and delta and recomputes the rest.
     """
     refuse_func_transforms("qca_lowmem.qca_update", psi, delta)
-    return _lib.qca_update(psi, delta, float(gamma), bool(multiplicative), float(eps))
+    return call_unwatched(_lib.qca_update, (psi, delta), float(gamma), bool(multiplicative), float(eps))
 
 
 class fused_step:  # noqa: N801  (a function to its callers; a class so that it copies and pickles)
