@@ -1,6 +1,6 @@
-"""channels_last end to end (pack -> U-Net -> update in NHWC), an explicit setting: the same
-episode as NCHW on the CPU, the layout kept through the step, recorded in metrics and
-checkpoints."""
+"""channels_last end to end (pack -> U-Net -> update in NHWC): the same episode as NCHW on the
+CPU, the layout kept through the step, recorded in metrics and checkpoints; the trainer's default
+where it is unset."""
 
 import csv
 
@@ -13,6 +13,8 @@ import qca_lowmem
 from qca_lowmem import rollout
 from qca_lowmem.ops.qca_step import fused_step
 from qca_lowmem.trainer import cli
+from qca_lowmem.trainer.config import CPU_CHANNELS_LAST_MAX_HIDDEN, TrainConfig, channels_last_for
+from qca_lowmem.trainer.errors import UsageError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -95,3 +97,36 @@ def test_the_trainer_setting_is_recorded_in_metrics_and_checkpoints(tmp_path):
         assert row["policy"].endswith(" channels_last") == (flag == "--channels-last")
         assert state["config"]["channels_last"] == (flag == "--channels-last")
     assert runs["--channels-last"] == pytest.approx(runs["--no-channels-last"], rel=1e-5)
+
+
+@pytest.mark.parametrize("changes, device, amp, expected", [
+    ({}, "cpu", None, True),
+    ({"hidden": CPU_CHANNELS_LAST_MAX_HIDDEN}, "cpu", None, True),
+    ({"hidden": 2 * CPU_CHANNELS_LAST_MAX_HIDDEN}, "cpu", None, False),
+    ({}, "cpu", torch.bfloat16, False),
+    ({"fused_blocks": False}, "cpu", None, False),
+    ({}, "cuda", None, False),
+    ({"channels_last": False}, "cpu", None, False),
+    ({"channels_last": True, "hidden": 128}, "cuda", torch.bfloat16, True),
+], ids=["embedded", "widest", "wider", "bf16", "unfused", "cuda", "asked-off", "asked-on"])
+def test_unset_it_is_on_where_it_measured_faster_and_as_asked_otherwise(changes, device, amp, expected):
+    config = TrainConfig(**{"hidden": 16, **changes}).validate()
+    assert channels_last_for(config, torch.device(device), amp) is expected
+
+
+def test_the_trainers_default_on_the_cpu_at_the_embedded_size_is_nhwc(tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({"model": {"d_state": 2, "hidden": 8}, "device": "cpu",
+                                      "training": {"grid": 8, "qca_steps": 3, "episodes": 1}}))
+    out = tmp_path / "run"
+    assert cli.main(["train", "--config", str(config), "--out", str(out), "--no-progress"]) == 0
+    with open(out / "metrics.csv") as f:
+        assert next(csv.DictReader(f))["policy"].endswith(" channels_last")
+    state = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert state["config"]["channels_last"] is None  # unset stays unset: a resume decides again
+    assert state["model_state_dict"]["inc.conv_block.0.weight"].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_a_setting_that_is_not_a_flag_is_refused_by_name():
+    with pytest.raises(UsageError, match=r"config channels_last must be true, false or null .*got 'yes'"):
+        TrainConfig(channels_last="yes").validate()

@@ -177,8 +177,8 @@ def test_resume_honours_a_new_recompute_policy(tmp_path, capsys):
         assert cli.main(["train", "--config", config, "--out", str(split), "--resume", "--no-progress",
                          "--episodes", str(1 + len(read_rows(split / "metrics.csv"))), *policy]) == 0
     rows = read_rows(split / "metrics.csv")
-    assert [r["policy"] for r in rows] == ["checkpoint=step batch=1 fp32", "checkpoint=none batch=1 fp32",
-                                           "checkpoint=revolve slots=2 batch=1 fp32"]
+    assert [r["policy"] for r in rows] == [f"checkpoint={policy} batch=1 fp32 channels_last"
+                                           for policy in ("step", "none", "revolve slots=2")]
     assert [float(r["loss"]) for r in rows] == pytest.approx([float(r["loss"]) for r in read_rows(full / "metrics.csv")],
                                                              rel=1e-6)
 

@@ -66,7 +66,7 @@ def test_train_writes_csv_and_checkpoint(tiny_config, tmp_path, capsys):
     for r in rows:
         assert float(r["loss"]) == float(r["loss"])  # finite, not NaN
         assert int(r["saved_bytes"]) > 0 and float(r["seconds"]) > 0
-        assert r["policy"] == "checkpoint=step batch=1 fp32"
+        assert r["policy"] == "checkpoint=step batch=1 fp32 channels_last"
         assert {"survival", "symmetry", "complexity"} <= set(r)
     state = torch.load(out / "checkpoint.pt", weights_only=False)
     assert state["episode"] == 4
@@ -153,7 +153,8 @@ def test_oom_guard_lowers_the_policy_and_continues(tiny_config, tmp_path, monkey
                          (1, "checkpoint=revolve slots=1 batch=1")]
     assert "out of memory at episode 1" in capsys.readouterr().err
     rows = read_csv(out / "metrics.csv")
-    assert [r["policy"] for r in rows] == ["checkpoint=step batch=1 fp32"] + ["checkpoint=revolve slots=1 batch=1 fp32"] * 3
+    assert [r["policy"] for r in rows] == [f"checkpoint={policy} batch=1 fp32 channels_last"
+                                           for policy in ["step"] + ["revolve slots=1"] * 3]
     # The retried episodes are the same episodes: revolve gives stock gradients, so the same losses.
     for r, ref in zip(rows, read_csv(reference / "metrics.csv")):
         assert float(r["loss"]) == pytest.approx(float(ref["loss"]), rel=1e-5)

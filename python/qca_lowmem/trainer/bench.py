@@ -25,7 +25,7 @@ from .distributed import resolve_device
 from ..recompute.memory import format_bytes, saved_bytes
 from ..ops.qca_step import fused_step
 from ..recompute import Policy, StepGraph, rollout
-from .config import TrainConfig, build_model
+from .config import TrainConfig, build_model, channels_last_for
 
 
 def library_commit(repo=None) -> Optional[str]:
@@ -80,10 +80,11 @@ class EpisodeRunner:
         self.config = config
         self.device = device
         self.amp_dtype = parse_amp_dtype(config.amp_dtype)
-        self.model = model if model is not None else build_model(config, device)
+        channels_last = channels_last_for(config, device, self.amp_dtype)
+        self.model = model if model is not None else build_model(config, device, channels_last)
         self.stock_model = stock.StockForward(self.model)
         # lowmem's step, as the trainer runs it: captured (once, reused) where cuda_graph resolves on
-        self.lowmem_step = fused_step(self.model, config.gamma, multiplicative=True, channels_last=config.channels_last)
+        self.lowmem_step = fused_step(self.model, config.gamma, multiplicative=True, channels_last=channels_last)
         if StepGraph.resolve(config.cuda_graph, config.policy(), device)[0]:
             self.lowmem_step = StepGraph(self.lowmem_step)
 

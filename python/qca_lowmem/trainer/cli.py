@@ -38,7 +38,8 @@ def _add_config_options(parser, training: bool):
                         help="run each step as replays of captured CUDA graphs (default: the config's; "
                              "unset: on where it can run, CUDA)")
     parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
-                        help="NHWC from the pack through the U-Net to the update (default: the config's; off)")
+                        help="NHWC from the pack through the U-Net to the update (default: the config's; unset: on "
+                             "where it measured faster, a CPU run in fp32 of hidden <= 32)")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: 1 for the embedded config, "
                                                     "else torch's choice; 1 is much faster on a shared CPU)")
     if training:

@@ -54,9 +54,9 @@ class TrainConfig:
     # Each recomputed step as replays of captured graphs (StepGraph). None: on where it can run (CUDA
     # with torch's caching allocator, a policy that recomputes); false: eager steps.
     cuda_graph: Optional[bool] = None
-    # NHWC from the pack through the U-Net to the update, weights included. Off by default: no
-    # GPU measurement shows it faster yet (issue 22).
-    channels_last: bool = False
+    # NHWC from the pack through the U-Net to the update, weights included. None: where it measured
+    # faster (channels_last_for): a CPU run of a narrow U-Net; no GPU measurement shows it faster yet.
+    channels_last: Optional[bool] = None
     # run
     device: str = "auto"
     # CPU threads (None: torch's choice). The small embedded model gains little from a second
@@ -94,11 +94,12 @@ class TrainConfig:
             refuse("max_grad_norm", "a finite number > 0 (0 would zero every gradient)")
         if self.scheduler not in ("none", "cosine"):
             refuse("scheduler", "'none' or 'cosine'")
-        for name in ("fused_blocks", "channels_last"):
-            if not isinstance(getattr(self, name), bool):
-                refuse(name, "true or false")
+        if not isinstance(self.fused_blocks, bool):
+            refuse("fused_blocks", "true or false")
         if self.cuda_graph is not None and not isinstance(self.cuda_graph, bool):
             refuse("cuda_graph", "true, false or null (on where it can run)")
+        if self.channels_last is not None and not isinstance(self.channels_last, bool):
+            refuse("channels_last", "true, false or null (on where it measured faster)")
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             refuse("device", "auto, cpu, cuda or cuda:N")
         if not isinstance(self.out_dir, str) or not self.out_dir:
@@ -271,12 +272,27 @@ def load_config(path: Optional[str] = None, *, flags: Optional[dict] = None, **o
 
 
 
-def build_model(config: TrainConfig, device) -> torch.nn.Module:
+# The widest U-Net (hidden channels) that NHWC made faster on the CPU, fp32 with fused blocks: at
+# hidden 16 and 32 an episode took 0.88-0.95x its NCHW time, at 64 and 128 1.08-1.09x (torch's CPU
+# convolutions; docs/benchmarks.md, "channels_last on the CPU").
+CPU_CHANNELS_LAST_MAX_HIDDEN = 32
+
+
+def channels_last_for(config: TrainConfig, device: torch.device, amp_dtype: Optional[torch.dtype]) -> bool:
+    """config.channels_last, or where it is unset whether NHWC measured faster for this run: on the
+    CPU, in fp32, with fused blocks and at most CPU_CHANNELS_LAST_MAX_HIDDEN hidden channels."""
+    if config.channels_last is not None:
+        return config.channels_last
+    return (torch.device(device).type == "cpu" and amp_dtype is None and config.fused_blocks
+            and config.hidden <= CPU_CHANNELS_LAST_MAX_HIDDEN)
+
+
+def build_model(config: TrainConfig, device, channels_last: bool = False) -> torch.nn.Module:
     torch.manual_seed(config.seed)
     # fused_blocks: the U-Net recomputes its intermediates in backward (outside a step-level
     # recompute, which already does); off, it keeps them as stock autograd does.
     model = UNetUnitary(config.d_state, config.hidden, recompute="unet" if config.fused_blocks else "none").to(device)
-    return model.to(memory_format=torch.channels_last) if config.channels_last else model
+    return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
 

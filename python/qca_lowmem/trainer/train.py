@@ -29,7 +29,7 @@ from ..precision import amp_name, autocast, parse_amp_dtype
 from ..recompute import StepGraph, rollout, saved_bytes, shared_weight_casts
 from ..ops.noise import episode_noise
 from ..ops.qca_step import fused_step
-from .config import TrainConfig, build_model, parameter_count
+from .config import TrainConfig, build_model, channels_last_for, parameter_count
 from .distributed import Distributed, resolve_device
 from .errors import Interrupted, TrainingStopped, UsageError, error_text
 from .metrics import METRIC_KEYS, EpisodeLog, duration_text, message, record_of
@@ -71,8 +71,9 @@ class Trainer:
         self.amp_dtype, note = precision.native_amp_dtype(parse_amp_dtype(config.amp_dtype), self.device)
         if note:
             message(note, self.dist.rank)
-        self.model = build_model(config, self.device)
-        self.step_fn = fused_step(self.model, config.gamma, multiplicative=True, channels_last=config.channels_last)
+        self.channels_last = channels_last_for(config, self.device, self.amp_dtype)
+        self.model = build_model(config, self.device, self.channels_last)
+        self.step_fn = fused_step(self.model, config.gamma, multiplicative=True, channels_last=self.channels_last)
         captured, why_not = StepGraph.resolve(config.cuda_graph, config.policy(), self.device)
         if captured:
             self.step_fn = StepGraph(self.step_fn)
@@ -331,7 +332,7 @@ class Trainer:
     def policy_label(self) -> str:
         """How the episodes run now, as metrics.csv's policy column says: the policy, the batch, the
         precision the U-Net computes in, and channels_last when on."""
-        return f"{self.policy.describe()} {amp_name(self.amp_dtype)}" + " channels_last" * self.config.channels_last
+        return f"{self.policy.describe()} {amp_name(self.amp_dtype)}" + " channels_last" * self.channels_last
 
     def _time_estimate(self, rows, left: int) -> str:
         """After the first optimizer step: its time per episode and per step, and the time left."""
