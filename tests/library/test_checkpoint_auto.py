@@ -239,7 +239,7 @@ def test_train_with_checkpoint_auto_equals_step(tiny_config, tmp_path):
     assert cli.main(["train", "--config", tiny_config, "--out", str(tmp_path / "auto"), "--no-progress",
                      "--budget", "1MiB"]) == 0
     (step_losses, _), (auto_losses, policies) = losses(tmp_path / "step"), losses(tmp_path / "auto")
-    assert policies == ["checkpoint=auto budget=1MiB batch=1 fp32"] * 2
+    assert policies == ["checkpoint=auto budget=1MiB batch=1 fp32 channels_last"] * 2
     assert auto_losses == pytest.approx(step_losses, rel=1e-5)
 
 

@@ -112,7 +112,7 @@ def test_the_trainer_keeps_its_policy_after_an_oom_during_capture(simulated_cuda
     trainer.step_fn = qca_lowmem.StepGraph(trainer.step_fn)
     with pytest.warns(qca_lowmem.CaptureFallbackWarning, match="out of memory while capturing"):
         records = trainer.fit()
-    assert [r["policy"] for r in records] == ["checkpoint=step batch=1 fp32"] * 2  # not lowered
+    assert [r["policy"] for r in records] == ["checkpoint=step batch=1 fp32 channels_last"] * 2  # not lowered
     assert len(attempts) == 1 and all(r["loss"] == r["loss"] for r in records)
 
 
