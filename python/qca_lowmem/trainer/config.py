@@ -273,7 +273,7 @@ def load_config(path: Optional[str] = None, *, flags: Optional[dict] = None, **o
 
 
 # The widest U-Net (hidden channels) that NHWC made faster on the CPU, fp32 with fused blocks: at
-# hidden 16 and 32 a step-recompute episode took 0.89-0.95x its NCHW time, at 64 and 128 1.03-1.08x
+# hidden 16 and 32 a step-recompute episode took 0.89-0.95x its NCHW time, at 64 and 128 1.02-1.08x
 # (torch's CPU convolutions; docs/benchmarks.md, "channels_last on the CPU").
 CPU_CHANNELS_LAST_MAX_HIDDEN = 32
 
