@@ -13,7 +13,7 @@ from . import _torch_private as torch_private
 from . import stock
 from .recompute.intermediates import block_keeps_intermediates
 from .blocks import FusedConvBlock
-from .ops import call_unwatched, refuse_func_transforms, run_hidden, watching_modes
+from .ops import call_unwatched, eager_watchers, refuse_func_transforms, run_hidden
 from .precision import autocast_dtype
 from .recompute.weight_casts import cast_weight, checkpoint_kwargs
 
@@ -91,7 +91,7 @@ def _as_one_op(layer: nn.Module, x: torch.Tensor, run=None) -> torch.Tensor:
     torch layer and no hook runs (it then reads x and its parameters and writes only its output):
     under a dispatch mode max_pool2d takes a slower path, computing its indices too."""
     run = run or functools.partial(layer, x)
-    watchers = None if torch.compiler.is_compiling() else watching_modes()
+    watchers = eager_watchers()
     if watchers and type(layer) in _TORCH_LAYERS and not torch_private.module_has_hooks(layer) \
             and not torch_private.global_module_hooks():
         return run_hidden(run, (x, *layer.parameters(recurse=False)), watchers)

@@ -16,7 +16,7 @@ load_native()
 
 from ._checks import check_same_device, refuse_func_transforms  # noqa: E402
 from ._double_backward import reference_backward, second_order_requested  # noqa: E402
-from ._watchers import call_unwatched, run_hidden, watching_modes  # noqa: E402
+from ._watchers import call_unwatched, eager_watchers, run_hidden  # noqa: E402
 
-__all__ = ["REBUILD_COMMAND", "call_unwatched", "check_same_device", "has_cuda_kernels", "load_native", "reference_backward",
-           "refuse_func_transforms", "run_hidden", "second_order_requested", "watching_modes"]
+__all__ = ["REBUILD_COMMAND", "call_unwatched", "check_same_device", "eager_watchers", "has_cuda_kernels", "load_native",
+           "reference_backward", "refuse_func_transforms", "run_hidden", "second_order_requested"]

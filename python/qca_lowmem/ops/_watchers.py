@@ -16,6 +16,11 @@ from .. import _torch_private as torch_private
 watching_modes = torch_private.watching_modes
 
 
+def eager_watchers():
+    """watching_modes() in eager execution; None under torch.compile, whose graphs see the ops."""
+    return None if torch.compiler.is_compiling() else watching_modes()
+
+
 def run_hidden(run: Callable, read: Sequence[Tensor], watchers: list):
     """run() with dispatch off, then each watcher told `read` and the tensors run() returned. A
     tensor subclass among `read` keeps its own dispatch: then run() runs as it is, watched."""
@@ -32,7 +37,7 @@ def run_hidden(run: Callable, read: Sequence[Tensor], watchers: list):
 def call_unwatched(op: Callable, tensors: Sequence[Tensor], *args):
     """op(*tensors, *args) for an op that reads `tensors` and writes only the tensor it returns
     (this package's QCA and noise ops, `cat`): hidden from watching modes, seen by any other."""
-    watchers = None if torch.compiler.is_compiling() else watching_modes()
+    watchers = eager_watchers()
     if watchers:
         return run_hidden(functools.partial(op, *tensors, *args), tensors, watchers)
     return op(*tensors, *args)

@@ -11,9 +11,10 @@ autograd, so a step run without grad still shows them. It reports
   for the recomputes), with their values before the step's first write. A write is what the op's
   schema declares (`add_`, `copy_`, `out=`), or a batch norm's running statistics in training,
   which its kernels update without declaring.
-No copies but of what is written. A fused block, and the fused U-Net's torch layers, run hidden
-from the watch and tell it what they read and made (`ran_unseen`): under a dispatch mode each op
-costs microseconds of Python, and some take a slower path (docs/design.md).
+No copies but of what is written. A fused block, this package's QCA and noise ops, and the fused
+U-Net's `cat` and torch layers run hidden from the watch and tell it what they read and made
+(`ran_unseen`, ops/_watchers.py): under a dispatch mode each op costs microseconds of Python, and
+some take a slower path (docs/design.md).
 """
 
 import threading
@@ -73,8 +74,8 @@ class StepWatch(torch_private.WatchingDispatchMode):
             self.leaves.append(tensor)
 
     def ran_unseen(self, read, made) -> None:
-        """A fused block ran its ops hidden from the watch (ops/conv_block.py): what it read, what
-        it made; it writes nothing it did not make."""
+        """A computation ran hidden from the watch (ops/_watchers.py): what it read, what it made;
+        it writes nothing it did not make."""
         for tensor in read:
             if tensor.requires_grad:
                 self.read(tensor)
