@@ -1,6 +1,8 @@
 """enable(channels_last=True): the operator's weights (the same Parameters) and the fused pack in
 NHWC, episodes equal to NCHW's within rounding (float64), disable() back to NCHW; refused where
-the step it needs is not the fused one. Off by default until a GPU measurement decides."""
+the step it needs is not the fused one. Unset: on where precision.gpu_prefers_nhwc says (GPUs
+faked here: the rule reads the compute capability, the name and the compute dtype) and the
+operator gets the fused step, off elsewhere (the CPU included)."""
 
 import numpy
 import pytest
@@ -8,10 +10,15 @@ import torch
 
 import qca_lowmem
 from fixtures.model_families import make_operator
-from qca_lowmem import stock
+from qca_lowmem import precision, stock
 from qca_lowmem.examples import QC_Trainer_v4, make_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def small_trainer(**kw):
+    torch.manual_seed(3)
+    return QC_Trainer_v4(make_config(grid=8, d_state=2, hidden=4, qca_steps=2), **kw)
 
 
 def trainer_of(**kw):
@@ -54,7 +61,7 @@ def test_channels_last_episodes_equal_nchw_and_disable_puts_the_layout_back(capl
     assert all(w.is_contiguous() for w in nhwc.motor.operator.parameters())
 
 
-def test_channels_last_is_off_by_default_and_refused_without_the_fused_step():
+def test_channels_last_is_off_by_default_on_the_cpu_and_refused_without_the_fused_step():
     trainer = trainer_of()
     qca_lowmem.enable(trainer)
     assert not trainer._qca_lowmem_state.options.channels_last
@@ -66,7 +73,7 @@ def test_channels_last_is_off_by_default_and_refused_without_the_fused_step():
                                 operator=make_operator("convlstm", 2, 4), memory=True)
     with pytest.raises(ValueError, match=r"on an engine without memory: .* a ConvLSTM's memory, are NCHW"):
         qca_lowmem.enable(with_memory, channels_last=True)
-    with pytest.raises(ValueError, match=r"channels_last must be True or False, got 'yes'"):
+    with pytest.raises(ValueError, match=r"channels_last must be True, False or None \(on where it measured faster\), got 'yes'"):
         qca_lowmem.enable(other, channels_last="yes")
     assert not hasattr(other, "_qca_lowmem_state") and all(p.is_contiguous() for p in other.motor.operator.parameters())
 
@@ -77,3 +84,80 @@ def test_the_config_section_reads_channels_last(monkeypatch):
     monkeypatch.delenv("QCA_LOWMEM", raising=False)
     qca_lowmem.enable_from_config(object(), {"LOWMEM": {"enabled": True, "channels_last": "on"}})
     assert calls == [{"channels_last": True}]
+
+
+@pytest.mark.parametrize("capability, name, amp_dtype, tf32, expected", [
+    ((9, 0), "NVIDIA H200", None, True, True),  # measured: fp32 (TF32), bf16 and fp16 faster NHWC
+    ((9, 0), "NVIDIA H200", torch.bfloat16, True, True),
+    ((9, 0), "NVIDIA H200", torch.float16, True, True),
+    ((8, 6), "NVIDIA GeForce RTX 3050 Laptop GPU", None, True, True),  # inferred from here on
+    ((8, 6), "NVIDIA GeForce RTX 3050 Laptop GPU", None, False, False),  # fp32 without TF32
+    ((7, 5), "NVIDIA GeForce RTX 2060", torch.float16, True, True),
+    ((7, 5), "NVIDIA GeForce RTX 2060", None, True, False),  # Turing has no TF32
+    ((7, 5), "NVIDIA GeForce GTX 1650", torch.float16, True, False),  # Turing without Tensor Cores
+    ((7, 0), "Tesla V100-SXM2-16GB", torch.float16, True, True),
+    ((6, 1), "NVIDIA GeForce GTX 1050 Ti", torch.float16, True, False),
+])
+def test_the_gpu_rule_is_tensor_core_convolutions(capability, name, amp_dtype, tf32, expected):
+    assert precision.gpu_prefers_nhwc(capability, name, amp_dtype, tf32) is expected
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A visible GPU of this compute capability and name, as torch.cuda reports it."""
+
+    def install(capability, name):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+    return install
+
+
+def test_nhwc_faster_reads_the_device(gpu, monkeypatch):
+    gpu((9, 0), "NVIDIA H200")
+    assert precision.nhwc_faster("cuda", None) and precision.nhwc_faster(torch.device("cuda:0"), torch.float16)
+    assert not precision.nhwc_faster("cpu", torch.float16)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    assert not precision.nhwc_faster("cuda", None) and precision.nhwc_faster("cuda", torch.bfloat16)
+    gpu((7, 5), "NVIDIA GeForce GTX 1650")
+    assert not precision.nhwc_faster("cuda", torch.float16)
+
+
+def test_enable_unset_is_off_on_the_cpu_as_before(caplog):
+    caplog.set_level("INFO", logger="qca_lowmem")
+    trainer = qca_lowmem.enable(small_trainer(state_object=True))
+    assert trainer._qca_lowmem_state.options.channels_last is False
+    assert "channels_last" not in caplog.records[-1].getMessage()
+    assert all(p.is_contiguous() for p in trainer.motor.operator.parameters())
+
+
+class Rounding(torch.nn.Module):
+    """An operator whose output jumps with its input: it keeps the engine's own step."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return 0.05 * torch.round(self.conv(x) * 1e3) / 1e3
+
+
+def test_enable_unset_follows_the_rule_and_the_engines_verdict(monkeypatch, caplog):
+    """Where the rule says NHWC (faked here on the CPU), unset turns it on with the fused step and
+    says so; for an operator that keeps the engine's own step, unset is off without an error."""
+    caplog.set_level("INFO", logger="qca_lowmem")
+    asked = []
+    monkeypatch.setattr(precision, "nhwc_faster", lambda device, amp_dtype: asked.append(amp_dtype) or True)
+    trainer = qca_lowmem.enable(small_trainer(state_object=True))
+    assert asked == [None] and trainer._qca_lowmem_state.options.channels_last
+    assert caplog.records[-1].getMessage().endswith(", fused step, channels_last")
+    assert any(not p.is_contiguous() for p in trainer.motor.operator.parameters())
+    trainer.train_episode(0)
+    kept = qca_lowmem.enable(small_trainer(state_object=True, operator=Rounding()))
+    assert not kept._qca_lowmem_state.options.channels_last and "evolve_step" not in vars(kept.motor)
+    assert "channels_last" not in caplog.records[-1].getMessage()
+    assert all(p.is_contiguous() for p in kept.motor.operator.parameters())
+    with pytest.raises(ValueError, match=r"channels_last=True needs the fused step"):
+        qca_lowmem.enable(small_trainer(state_object=True, operator=Rounding()), channels_last=True)
+    unfused = qca_lowmem.enable(small_trainer(state_object=True), fused_step_ops=False)
+    assert not unfused._qca_lowmem_state.options.channels_last

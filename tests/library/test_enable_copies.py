@@ -1,6 +1,7 @@
 """An enabled trainer copied (copy.deepcopy) or pickled, and its engine copied alone as a
 snapshot: each copy trains itself, never the original, its episodes equal the original's, and
-disable() on a copy puts the stock trainer back there."""
+disable() on a copy puts the stock trainer back there. A shallow copy (copy.copy) runs its own
+settings on the engine it shares, as stock's copy does, and refuses where that engine changed."""
 
 import copy
 import pickle
@@ -62,3 +63,82 @@ def test_a_copy_of_an_enabled_engine_steps_its_own_operator():
     snapshot.evolve_step(psi).abs().sum().backward()
     assert all(p.grad is None for p in trainer.motor.operator.parameters())
     assert all(p.grad is not None for p in snapshot.operator.parameters())
+
+
+@pytest.mark.parametrize("how", [*COPIES, "copy"])
+@pytest.mark.parametrize("kind", TRAINERS)
+def test_every_copy_runs_its_own_settings(kind, how):
+    """A copy's episodes read the copy's attributes (qca_steps here), as the stock copy's do."""
+    torch.manual_seed(0)
+    trainer = qca_lowmem.enable(TRAINERS[kind]())
+    duplicate = {**COPIES, "copy": copy.copy}[how](trainer)
+    assert duplicate.train_episode.trainer is duplicate and trainer.train_episode.trainer is trainer
+    assert vars(duplicate)["__reduce_ex__"].trainer is duplicate
+    steps = []
+    duplicate.motor.operator.register_forward_pre_hook(lambda module, args: steps.append(1))
+    duplicate.qca_steps = 2
+    episode(duplicate)
+    assert len(steps) in (2, 4)  # its 2 steps (and their recomputes), not the original's 3
+    assert copy.copy(copy.deepcopy(duplicate)).train_episode.trainer is not trainer
+
+
+def test_a_shallow_copy_trains_the_model_it_shares_as_the_stock_copy_does():
+    """copy.copy shares the engine, optimizer and scaler: the copy's episode trains that model,
+    as stock's copy.copy would, with the copy's own settings."""
+    results = []
+    for enabled in (False, True):
+        torch.manual_seed(0)
+        trainer = TRAINERS["v4"]()
+        if enabled:
+            qca_lowmem.enable(trainer)
+        duplicate = copy.copy(trainer)
+        duplicate.qca_steps = 2
+        loss = episode(duplicate)
+        results.append((loss, weights(trainer), weights(duplicate)))
+    (stock_loss, stock_original, stock_copy), (loss, original, copied) = results
+    assert loss == pytest.approx(stock_loss, rel=1e-5)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(copied, stock_copy))
+    assert all(a is not b and torch.equal(a, b) for a, b in zip(original, copied))  # one model
+
+
+def test_disable_on_one_of_two_trainers_sharing_an_engine():
+    """disable() on the original puts the shared engine back; the shallow copy then refuses to
+    train until disable() is called on it too, which leaves it stock."""
+    torch.manual_seed(0)
+    trainer = qca_lowmem.enable(TRAINERS["v4"]())
+    duplicate = copy.copy(trainer)
+    qca_lowmem.disable(trainer)
+    assert "evolve_step" not in vars(trainer.motor) and "__reduce_ex__" not in vars(trainer)
+    with pytest.raises(RuntimeError, match=r"disable\(\) was called on a trainer sharing this one's engine .* "
+                                           r"call qca_lowmem.disable\(\) on this trainer too"):
+        episode(duplicate)
+    qca_lowmem.disable(duplicate)
+    assert not {"train_episode", "_qca_lowmem_state", "__reduce_ex__"} & set(vars(duplicate))
+    assert type(duplicate.scaler) is type(trainer.scaler)
+    episode(duplicate)  # stock's episode
+    qca_lowmem.enable(duplicate)  # and enabled again, on its own
+
+
+def test_a_copy_given_another_engine_refuses_to_train_on_it():
+    torch.manual_seed(0)
+    trainer = qca_lowmem.enable(TRAINERS["v4"]())
+    duplicate = copy.copy(trainer)
+    duplicate.motor = copy.deepcopy(TRAINERS["v4"]().motor)
+    with pytest.raises(RuntimeError, match=r"trainer.motor \(.*\) is not the engine enable\(\) changed"):
+        episode(duplicate)
+    episode(trainer)
+
+
+class OwnReduce(QC_Trainer_v4):
+    def __reduce__(self):
+        return (OwnReduce.__new__, (OwnReduce,), dict(vars(self)))
+
+
+def test_a_trainer_with_its_own_reduce_refuses_to_be_copied_while_enabled():
+    trainer = qca_lowmem.enable(OwnReduce(make_config(grid=8, qca_steps=3)))
+    for how in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match=r"OwnReduce has its own __reduce__.*qca_lowmem.disable\(trainer\) before "
+                                            r"copying it"):
+            how(trainer)
+    qca_lowmem.disable(trainer)
+    copy.copy(trainer)

@@ -48,7 +48,7 @@ def snapshot(trainer):
 def assert_unchanged(trainer, before, *, installed=False):
     after = snapshot(trainer)
     if installed:  # enable() sets exactly these when it accepts
-        for name in ("train_episode", "scaler", "_qca_lowmem_state"):
+        for name in ("train_episode", "scaler", "_qca_lowmem_state", "__reduce_ex__"):
             after["trainer"].pop(name, None), before["trainer"].pop(name, None)
         after["motor"].pop("evolve_step", None)
     for part in ("trainer", "motor", "state"):

@@ -7,11 +7,14 @@ config takes booleans only).
 enable() refuses then trains on stock, said in one warning. A section that enables it asks for
 this trainer, so a refusal stands, its advice in the section's terms."""
 
+import inspect
 import logging
 import os
 import re
+from collections.abc import Mapping
 from typing import Optional
 
+from .options import OPTION_NAMES, OPTIONS, check_options
 from .say import say
 from .switch import enable
 
@@ -21,7 +24,7 @@ _ENV_FLAG = "QCA_LOWMEM"
 def _section(cfg, name):
     if cfg is None:
         return None
-    if isinstance(cfg, dict):
+    if isinstance(cfg, Mapping):
         for key in (name, name.lower()):
             if key in cfg:
                 return cfg[key]
@@ -32,20 +35,25 @@ def _section(cfg, name):
     return None
 
 
-def _get(section, key, default):
-    if isinstance(section, dict):
-        return section.get(key, default)
-    return getattr(section, key, default)
+def section_settings(section) -> dict:
+    """A LOWMEM section's settings by key, whatever holds them: a mapping (a dict or any other
+    Mapping), or an object's public attributes (a SimpleNamespace, as their load_experiment_config
+    makes, a dataclass, a class), its bound methods left out. One dict, so that every kind is
+    validated alike."""
+    if isinstance(section, Mapping):
+        return dict(section)
+    settings = {}
+    for name in dir(section):
+        value = getattr(section, name, None) if not name.startswith("_") else None
+        if value is not None and not inspect.ismethod(value) and not inspect.isbuiltin(value):
+            settings[name] = value
+    return settings
 
 
-# The LOWMEM section's settings (enable()'s keyword arguments); the trainer's config shares them.
-LOWMEM_OPTIONS = ("checkpoint", "amp_dtype", "fused_blocks", "slots", "cuda_graph", "budget", "channels_last")
-# enable()'s other keyword arguments, for the users' trainer only.
-_TRAINER_ONLY_OPTIONS = ("noise", "fused_step_ops", "assume_stock_episode", "lowmem_scaler", "max_grad_norm",
-                         "grid_size", "batch_size", "d_state", "initial_state")
-_CONFIG_KEYS = ("enabled", *LOWMEM_OPTIONS, *_TRAINER_ONLY_OPTIONS)
-_FLAG_OPTIONS = ("fused_blocks", "cuda_graph", "channels_last", "fused_step_ops", "assume_stock_episode",
-                 "lowmem_scaler")
+# The LOWMEM section's settings (enable()'s keyword arguments) the trainer's config shares.
+LOWMEM_OPTIONS = tuple(option.name for option in OPTIONS if option.lowmem_key)
+_CONFIG_KEYS = ("enabled", *OPTION_NAMES)
+_FLAG_OPTIONS = tuple(option.name for option in OPTIONS if option.flag)
 _TRUE_SPELLINGS = ("1", "true", "yes", "on")
 _FALSE_SPELLINGS = ("0", "false", "no", "off")
 
@@ -73,6 +81,21 @@ def _env_enabled() -> Optional[bool]:
     return parse_flag(value, _ENV_FLAG)
 
 
+def _read_section(section):
+    """(enabled, enable()'s keyword arguments) of a LOWMEM section of any kind, checked alike:
+    unknown keys refused by name, every setting by its type (options.OPTIONS)."""
+    settings = section_settings(section)
+    unknown = sorted(set(settings) - set(_CONFIG_KEYS), key=str)
+    if unknown:
+        raise ValueError(f"LOWMEM section ({type(section).__name__}): unknown keys {unknown}; "
+                         f"known keys are {list(_CONFIG_KEYS)}")
+    enabled = parse_flag(settings.get("enabled", False), "LOWMEM.enabled")
+    options = {key: parse_flag(value, f"LOWMEM.{key}") if key in _FLAG_OPTIONS else value
+               for key, value in settings.items() if key != "enabled" and value is not None}
+    check_options(options, lambda name: f"LOWMEM.{name}", yaml=True)
+    return enabled, options
+
+
 def enable_from_config(trainer, cfg=None, **overrides):
     """enable(trainer, ...) as the config's `LOWMEM` section (dict or attributes) says.
 
@@ -86,16 +109,15 @@ def enable_from_config(trainer, cfg=None, **overrides):
     Returns True when enabled; either way one line says which and why (say.py).
     """
     section = _section(cfg, "LOWMEM")
-    if isinstance(section, (bool, int, str)):
+    options = {}
+    if section is None:
+        enabled = False
+    elif isinstance(section, (bool, int, str)):
         enabled, section = parse_flag(section, "LOWMEM"), None
-    elif isinstance(section, (list, tuple, float)):
+    elif isinstance(section, (list, tuple, set, frozenset, float, complex, bytes)):
         raise ValueError(f"LOWMEM must be a mapping of settings or a boolean, got {section!r}")
     else:
-        if isinstance(section, dict):
-            unknown = sorted(set(section) - set(_CONFIG_KEYS))
-            if unknown:
-                raise ValueError(f"LOWMEM section: unknown keys {unknown}; known keys are {list(_CONFIG_KEYS)}")
-        enabled = parse_flag(_get(section, "enabled", False), "LOWMEM.enabled") if section is not None else False
+        enabled, options = _read_section(section)
     asked_by_config = enabled
     env = _env_enabled()
     if env is not None:
@@ -106,12 +128,6 @@ def enable_from_config(trainer, cfg=None, **overrides):
                else f"no LOWMEM in the config and {_ENV_FLAG} unset")
         say(logging.INFO, f"off, {why}")
         return False
-    options = {}
-    if section is not None:
-        for key in LOWMEM_OPTIONS + _TRAINER_ONLY_OPTIONS:
-            value = _get(section, key, None)
-            if value is not None:
-                options[key] = parse_flag(value, f"LOWMEM.{key}") if key in _FLAG_OPTIONS else value
     options.update(overrides)
     try:
         enable(trainer, **options)
@@ -129,7 +145,7 @@ def enable_from_config(trainer, cfg=None, **overrides):
 
 
 # enable()'s keyword advice, `fused_step_ops=False`, as the LOWMEM section spells it.
-_KEYWORD_ADVICE = re.compile(r"\b(" + "|".join(LOWMEM_OPTIONS + _TRAINER_ONLY_OPTIONS)
+_KEYWORD_ADVICE = re.compile(r"\b(" + "|".join(OPTION_NAMES)
                              + r")=(True|False|None|'[^']*'|\d+|\.\.\.)")
 _YAML_VALUES = {"True": "true", "False": "false", "None": "null"}
 

@@ -2,9 +2,11 @@
 and the trainer, read by attribute by the episode and the trainer adapters, and said in
 enable()'s one line."""
 
+import math
+import re
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -12,6 +14,79 @@ from .. import precision
 from ..precision import parse_amp_dtype
 from ..recompute import Policy, StepGraph
 from ..recompute import graph as step_graph
+from ..recompute.policy import MODES
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_amp_dtype(value) -> bool:
+    try:
+        parse_amp_dtype(value)
+    except ValueError:
+        return False
+    return True
+
+
+NOISE_SOURCES = ("trainer", "fused")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One of enable()'s settings, as enable(), resolve_options and the LOWMEM section read it."""
+
+    name: str
+    expected: str  # what a message says it takes
+    accepts: Callable[[Any], bool]  # whether a value is of that type (None, where it is allowed, included)
+    flag: bool = False  # a boolean: the LOWMEM section takes parse_flag's spellings
+    lowmem_key: bool = False  # a key of the reference trainer's lowmem section too
+
+
+_FLAG = "True or False"
+OPTIONS = (
+    Option("checkpoint", f"one of {MODES} or a Policy",
+           lambda v: isinstance(v, Policy) or isinstance(v, str) and v in MODES, lowmem_key=True),
+    Option("amp_dtype", "one of None, 'fp32', 'bf16', 'fp16' (or a torch dtype)", _is_amp_dtype, lowmem_key=True),
+    Option("fused_blocks", _FLAG, lambda v: isinstance(v, bool), flag=True, lowmem_key=True),
+    # slots and budget: their ranges, and which checkpoint reads them, are Policy.of's
+    Option("slots", "an int >= 1 or None", lambda v: v is None or _positive_int(v), lowmem_key=True),
+    Option("cuda_graph", "True, False or None (on where it can run)", lambda v: v is None or isinstance(v, bool),
+           flag=True, lowmem_key=True),
+    Option("budget", "an int >= 0 (bytes), a size such as '2GiB', 'free' or None",
+           lambda v: v is None or isinstance(v, str) or isinstance(v, int) and not isinstance(v, bool),
+           lowmem_key=True),
+    Option("channels_last", "True, False or None (on where it measured faster)",
+           lambda v: v is None or isinstance(v, bool), flag=True, lowmem_key=True),
+    Option("noise", f"one of {NOISE_SOURCES}", lambda v: isinstance(v, str) and v in NOISE_SOURCES),
+    Option("fused_step_ops", _FLAG, lambda v: isinstance(v, bool), flag=True),
+    Option("assume_stock_episode", _FLAG, lambda v: isinstance(v, bool), flag=True),
+    Option("lowmem_scaler", _FLAG, lambda v: isinstance(v, bool), flag=True),
+    Option("max_grad_norm", "a finite number > 0 or None (the trainer's own)",
+           lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0),
+    Option("grid_size", "an int >= 1, a pair of ints >= 1 or None",
+           lambda v: v is None or _positive_int(v) or isinstance(v, (tuple, list)) and len(v) == 2
+           and all(_positive_int(side) for side in v)),
+    Option("batch_size", "an int >= 1 or None", lambda v: v is None or _positive_int(v)),
+    Option("d_state", "an int >= 1 or None", lambda v: v is None or _positive_int(v)),
+    Option("initial_state", "a callable initial_state(trainer) -> psi0, or None", lambda v: v is None or callable(v)),
+)
+OPTION_NAMES = tuple(option.name for option in OPTIONS)
+
+
+_YAML_WORDS = {"None": "null", "True": "true", "False": "false"}
+
+
+def check_options(values: Dict[str, Any], label: Callable[[str], str], yaml: bool = False) -> None:
+    """Refuse a value not of its option's type, naming it as `label(name)` does and the value
+    (what it takes in YAML's words where `yaml`)."""
+    for option in OPTIONS:
+        if option.name in values and not option.accepts(values[option.name]):
+            value = values[option.name]
+            expected = re.sub(r"\b(None|True|False)\b", lambda word: _YAML_WORDS[word.group()], option.expected) \
+                if yaml else option.expected
+            kind = f" (a {type(value).__name__})" if isinstance(value, (str, bool, float, list, tuple, dict)) else ""
+            raise ValueError(f"{label(option.name)} must be {expected}, got {value!r}{kind}")
 
 
 @dataclass(frozen=True)
@@ -42,10 +117,16 @@ class EpisodeOptions:
             ("fused noise", self.noise == "fused")) if on])
 
 
-def checked_flag(value, name: str, expected: str = "True or False") -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"enable(): {name} must be {expected}, got {value!r}")
-    return value
+def _resolved_channels_last(channels_last: Optional[bool], fused_step_ops: bool, memory: bool, device,
+                            compute_dtype) -> bool:
+    """Unset: on where the fused step can take it and NHWC is faster (precision.nhwc_faster); True where it
+    cannot apply is refused."""
+    if channels_last and (not fused_step_ops or memory):
+        raise ValueError("enable(): channels_last needs the fused step (fused_step_ops=True) on an engine without "
+                         "memory: the engine's own pack, and a ConvLSTM's memory, are NCHW")
+    if channels_last is None:
+        return fused_step_ops and not memory and precision.nhwc_faster(device, compute_dtype)
+    return channels_last
 
 
 def _resolved_cuda_graph(cuda_graph: Optional[bool], policy: Policy, device: torch.device) -> Tuple[bool, str]:
@@ -114,13 +195,8 @@ def own_state_reset(trainer) -> Optional[Callable]:
     return next((OwnStateReset(name) for name in _STATE_RESETS if callable(getattr(state, name, None))), None)
 
 
-NOISE_SOURCES = ("trainer", "fused")
-
-
 def _checked_noise(trainer, version, noise) -> str:
     """enable()'s `noise`, refused where the trainer cannot give it (an episode without noise reads none)."""
-    if noise not in NOISE_SOURCES:
-        raise ValueError(f"enable(): noise must be one of {NOISE_SOURCES}, got {noise!r}")
     if noise == "trainer" and version.has_noise:
         injector = getattr(trainer, "noise_injector", None)
         missing = [name for name in ("apply_phase_flip", "apply_bit_flip") if not callable(getattr(injector, name, None))]
@@ -133,13 +209,10 @@ def _checked_noise(trainer, version, noise) -> str:
 
 def resolve_options(trainer, version, *, policy: Policy, amp_dtype, grid_size, batch_size, d_state, initial_state,
                     max_grad_norm, fused_blocks: bool, cuda_graph: Optional[bool], noise: str, fused_step_ops: bool,
-                    lowmem_scaler: bool, assume_stock_episode: bool, channels_last: bool = False) -> "EpisodeOptions":
-    """enable()'s arguments resolved against the trainer, once: what each lowmem episode reads."""
-    for name, value in dict(fused_blocks=fused_blocks, fused_step_ops=fused_step_ops, channels_last=channels_last,
-                            lowmem_scaler=lowmem_scaler, assume_stock_episode=assume_stock_episode).items():
-        checked_flag(value, name)
-    if cuda_graph is not None:
-        checked_flag(cuda_graph, "cuda_graph", "True, False or None (on where it can run)")
+                    lowmem_scaler: bool, assume_stock_episode: bool,
+                    channels_last: Optional[bool] = None) -> "EpisodeOptions":
+    """enable()'s arguments (their types checked by check_options) resolved against the trainer,
+    once: what each lowmem episode reads."""
     if amp_dtype is None and getattr(trainer, "use_amp", False):
         compute_dtype = torch.float16
     else:
@@ -153,14 +226,10 @@ def resolve_options(trainer, version, *, policy: Policy, amp_dtype, grid_size, b
     compute_dtype, note = precision.native_amp_dtype(compute_dtype, device)
     if note:
         warnings.warn(f"enable(): {note}", stacklevel=4)
-    if channels_last and (not fused_step_ops or getattr(trainer.motor, "has_memory", False) is True):
-        raise ValueError("enable(): channels_last needs the fused step (fused_step_ops=True) on an engine without "
-                         "memory: the engine's own pack, and a ConvLSTM's memory, are NCHW")
+    channels_last = _resolved_channels_last(channels_last, fused_step_ops,
+                                            getattr(trainer.motor, "has_memory", False) is True, device, compute_dtype)
     cuda_graph, cuda_graph_said = _resolved_cuda_graph(cuda_graph, policy, device)
     grid, batch_size, initial_state = _psi0_options(trainer, version, grid_size, batch_size, initial_state)
-    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
-        raise ValueError(f"enable(): max_grad_norm must be a number > 0 or None (the trainer's own), "
-                         f"got {max_grad_norm!r}")
     return EpisodeOptions(
         policy=policy, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
         d_state=d_state or _infer_d_state(trainer, trainer.motor.operator), initial_state=initial_state,
@@ -182,12 +251,10 @@ def _psi0_options(trainer, version, grid_size, batch_size, initial_state):
     if isinstance(grid_size, int):
         grid = (grid_size, grid_size)
     elif grid_size is not None:
-        grid = (int(grid_size[0]), int(grid_size[1]))
+        grid = tuple(grid_size)
     else:
         if initial_state is None:
             initial_state = own_state_reset(trainer)
         grid = None if initial_state is not None else _infer_grid(trainer)
     batch_size = 1 if batch_size is None else batch_size
-    if initial_state is None and (not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError(f"enable(): batch_size must be a positive int, got {batch_size!r}")
     return grid, batch_size, initial_state

@@ -7,6 +7,7 @@ An engine with memory (`motor.has_memory`, a ConvLSTM) has its memory carried by
 (engine_step.py). `disable(trainer)` puts everything back.
 """
 
+import copyreg
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from ..recompute.policy import STEP
 from ..unet import convert
 from .engine_probe import buffer_bindings, compiled_module, rebind
 from .engine_step import lowmem_steps, memory_of
-from .options import EpisodeOptions, checked_flag, resolve_options
+from .options import OPTION_NAMES, EpisodeOptions, check_options, resolve_options
 from .say import say
 from .stock_guard import check_stock_episode
 from .trainers import adapter_for
@@ -63,6 +64,8 @@ class _Saved:
     edited_episode: Optional[str] = None  # why the episode is not stock, run anyway (assume_stock_episode)
     compiled_said: bool = False  # the one line for an operator compiled after enable()
     own_step: Optional[str] = None  # why the engine's own step and blocks run although fused ones were asked for
+    motor: Any = None  # the engine enable() changed, which every trainer sharing this state must still hold
+    live: bool = True  # False once disable() put the engine back, for a shallow copy still holding this state
 
     def __getstate__(self):
         # A copy (deepcopy, pickle) captures its own CUDA graphs at its first CUDA episode.
@@ -70,14 +73,46 @@ class _Saved:
 
 
 class LowmemEpisode:
-    """trainer.train_episode while enabled: a value holding the trainer, not a bound function,
-    so that a copy of the trainer (deepcopy, pickle) runs its own episodes."""
+    """trainer.train_episode while enabled: a value holding the trainer, not a bound function;
+    every copy of the trainer gets its own (_CopyHook)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
 
     def __call__(self, episode_num):
         return _lowmem_train_episode(self.trainer, episode_num)
+
+
+_COPY_HOOK = "__reduce_ex__"  # copy.copy, copy.deepcopy and pickle read it off the instance
+
+
+class _CopyHook:
+    """trainer.__reduce_ex__ while enabled: the class's own reduction of the trainer, whose copy
+    (shallow, deep, or loaded) is made by _enabled_copy, so that its train_episode and this hook
+    hold the copy, not the original. The rest of the copy is what the class's copy would be: a
+    shallow copy shares the engine, optimizer and scaler, and the state that enable() left on them."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def __call__(self, protocol):
+        trainer = self.trainer
+        func, args, state, *rest = type(trainer).__reduce_ex__(trainer, max(protocol, 2))
+        if func is not copyreg.__newobj__ or not isinstance(state, dict):
+            raise TypeError(f"qca_lowmem: {type(trainer).__name__} has its own __reduce__ (or __getstate__ without "
+                            "a dict, or __slots__), so a copy of the enabled trainer cannot be bound to itself (its "
+                            "episodes would train this trainer): qca_lowmem.disable(trainer) before copying it, "
+                            "then enable() each")
+        state = {key: value for key, value in state.items() if key != _COPY_HOOK
+                 and not (isinstance(value, LowmemEpisode) and value.trainer is trainer)}
+        return (_enabled_copy, args, state, *rest)
+
+
+def _enabled_copy(cls, *args):
+    """copyreg.__newobj__ with the enabled trainer's episode and copy hook bound to the new object."""
+    new = cls.__new__(cls, *args)
+    vars(new).update({"train_episode": LowmemEpisode(new), _COPY_HOOK: _CopyHook(new)})
+    return new
 
 
 def _children(root: torch.nn.Module):
@@ -89,6 +124,7 @@ def _lowmem_train_episode(trainer, episode_num):
     """train_episode with the stock semantics of the trainer's version (trainers.py),
     running the episode through qca_lowmem.rollout."""
     state: _Saved = getattr(trainer, _STATE_ATTR)
+    _check_engine(trainer, state)
     opts, version = state.options, state.version
     operator = trainer.motor.operator
     device = next(operator.parameters()).device
@@ -136,6 +172,19 @@ def _lowmem_train_episode(trainer, episode_num):
     return version.result(trainer, episode_num, loss, details, psi)
 
 
+def _check_engine(trainer, state: _Saved):
+    """The episode runs on the engine enable() changed, still enabled: a shallow copy of the trainer
+    shares it, and may be given another, or see it disabled through the original (or the other way)."""
+    if not state.live:
+        raise RuntimeError("qca_lowmem: disable() was called on a trainer sharing this one's engine (a copy.copy "
+                           "of it, or the trainer it was copied from) and put the engine back to stock; "
+                           "call qca_lowmem.disable() on this trainer too, then enable() to train it low-memory")
+    if trainer.motor is not state.motor:
+        raise RuntimeError(f"qca_lowmem: trainer.motor ({type(trainer.motor).__name__}) is not the engine enable() "
+                           "changed (set after enable(), or after copying the trainer): qca_lowmem.disable(trainer), "
+                           "then enable(trainer) again")
+
+
 def _clip(scaler, parameters, max_norm):
     clip = getattr(scaler, "clip_grad_norm_", None)
     if clip is not None:  # right after unscale_: the gradients are as it measured them
@@ -175,13 +224,16 @@ def enable(
     budget=None,
     noise: str = "trainer",
     assume_stock_episode: bool = False,
-    channels_last: bool = False,
+    channels_last: Optional[bool] = None,
 ):
     """Switch a QC_Trainer_v4- or QC_Trainer_v3-style trainer to the low-memory path, in place;
     returns the trainer. Which version it is, is read off its attributes (trainers.py);
     train_episode then keeps that version's episode, return values and bookkeeping. The enabled
-    trainer deep-copies and pickles (where the stock one does): a copy, or the trainer loaded, trains
+    trainer copies and pickles (where the stock one does): a deep copy, or the trainer loaded, trains
     its own model, enabled, and disable() works on it; a CUDA capture is made again by its first episode.
+    A shallow copy (copy.copy) runs its own episodes on the engine, optimizer and scaler it shares
+    with the original, as the stock copy does; disable() on one of them puts that shared engine
+    back, and the other then refuses to train until disable() is called on it too.
 
     checkpoint: "step" (keep one psi per step, recompute in backward), "revolve" (binomial
       checkpointing with `slots` stored states), "auto" (full graphs of as many steps as `budget`
@@ -222,16 +274,23 @@ def enable(
     max_grad_norm: None clips as the trainer does (V4 at 1.0; V3 at its gradient_clip, when > 0).
     channels_last: the operator's weights (in place, the same Parameters) and the fused pack in
       NHWC, so cuDNN's convolutions need no layout conversion; the same function (float64 within
-      rounding of NCHW). Off by default until a GPU measurement shows it faster (docs/benchmarks.md).
-      Needs the fused step on an engine without memory. disable() puts the weights back in NCHW.
+      rounding of NCHW). None (the default): on for a CUDA operator whose convolutions run on
+      Tensor Cores (precision.gpu_prefers_nhwc; measured faster on an H200, docs/benchmarks.md) when
+      it gets the fused step on an engine without memory, off elsewhere (the CPU included);
+      enable()'s line names it when on. True needs the fused step on an engine without memory.
+      disable() puts the weights back in NCHW.
     assume_stock_episode: run qca_lowmem's stock episode in place of a train_episode that is not
       one it follows (edited, overridden), at your own risk: what yours does differently is
       dropped. enable()'s line says so. False (the default) refuses such a trainer.
     """
-    checked_flag(assume_stock_episode, "assume_stock_episode")
+    arguments = locals()
+    check_options({name: arguments[name] for name in OPTION_NAMES}, lambda name: f"enable(): {name}")
     version = adapter_for(trainer)
     if hasattr(trainer, _STATE_ATTR):
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
+    if _COPY_HOOK in vars(trainer):
+        raise TypeError(f"enable(): the trainer has its own {_COPY_HOOK} ({vars(trainer)[_COPY_HOOK]!r}), where enable() "
+                        "binds the trainer's copies to themselves; remove it first")
     edited_episode = check_stock_episode(trainer, assume_stock_episode)
     policy = checkpoint if isinstance(checkpoint, Policy) else Policy.of(checkpoint, slots, budget, "enable()")
     _check_placement(trainer)
@@ -245,16 +304,19 @@ def enable(
     # Everything that can fail is decided before the trainer changes.
     new_scaler = _lowmem_scaler_for(trainer, state.options.amp_dtype) if lowmem_scaler else None
     evolve_step, state.memory_step, state.own_step = lowmem_steps(trainer.motor, fused_step_ops, state.options.grid,
-                                                                  state.options.d_state, channels_last)
+                                                                  state.options.d_state, state.options.channels_last)
     if state.own_step is not None:  # the fused blocks round differently too
         if channels_last:  # NHWC convolutions round differently as well
             raise ValueError(f"enable(): channels_last=True needs the fused step, which this operator does not get.\n"
                              f"{state.own_step}; leave channels_last off")
-        state.options = dataclasses.replace(state.options, fused_step_ops=False, fused_blocks=False)
+        # channels_last unset: off with the engine's own step, which the line says
+        state.options = dataclasses.replace(state.options, fused_step_ops=False, fused_blocks=False,
+                                            channels_last=False)
     if state.options.fused_blocks:
         _convert_blocks(trainer.motor.operator, state)
-    if channels_last:
+    if state.options.channels_last:
         trainer.motor.operator.to(memory_format=torch.channels_last)
+    state.motor = trainer.motor
     _swap_step(trainer, state, evolve_step)
     _swap_episode(trainer, state)
     _swap_scaler(trainer, state, new_scaler)
@@ -314,6 +376,7 @@ def _swap_episode(trainer, state: _Saved):
     state.had_train_episode_attr = "train_episode" in vars(trainer)
     state.train_episode = vars(trainer).get("train_episode")
     trainer.train_episode = LowmemEpisode(trainer)
+    vars(trainer)[_COPY_HOOK] = _CopyHook(trainer)
 
 
 def _swap_scaler(trainer, state: _Saved, new_scaler):
@@ -329,18 +392,16 @@ def _restore_blocks(blocks):
 
 
 def disable(trainer):
-    """Undo enable(): stock blocks, step, train_episode and scaler (keeping the scaler's state)."""
+    """Undo enable(): stock blocks, step, train_episode and scaler (keeping the scaler's state). On
+    a shallow copy sharing an engine another trainer's disable() already put back: its own
+    train_episode and scaler."""
     state: Optional[_Saved] = getattr(trainer, _STATE_ATTR, None)
     if state is None:
         raise RuntimeError("disable(): qca_lowmem is not enabled on this trainer")
-    _restore_blocks(state.blocks)
-    if state.options.channels_last:
-        trainer.motor.operator.to(memory_format=torch.contiguous_format)
-    motor = trainer.motor
-    if state.had_evolve_step_attr:
-        motor.evolve_step = state.evolve_step
-    elif "evolve_step" in vars(motor):
-        del motor.evolve_step
+    if state.live:
+        _restore_engine(state)
+        state.live = False
+    vars(trainer).pop(_COPY_HOOK, None)
     if state.had_train_episode_attr:
         trainer.train_episode = state.train_episode
     else:
@@ -353,3 +414,15 @@ def disable(trainer):
         del trainer.scaler
     delattr(trainer, _STATE_ATTR)
     return trainer
+
+
+def _restore_engine(state: _Saved):
+    """The engine's stock blocks, layout and step."""
+    _restore_blocks(state.blocks)
+    if state.options.channels_last:
+        state.motor.operator.to(memory_format=torch.contiguous_format)
+    motor = state.motor
+    if state.had_evolve_step_attr:
+        motor.evolve_step = state.evolve_step
+    elif "evolve_step" in vars(motor):
+        del motor.evolve_step
