@@ -5,8 +5,9 @@ GradScaler), its noise their injector's (stock.NoiseInjector, boolean masks).
 stock_v4: the stand-in's own train_episode. lowmem_enable_default: the same trainer after
 `qca_lowmem.enable(trainer)` with every default (step recompute, fp16 from use_amp, the fused
 blocks and step, cuda_graph on where it can run, the trainer's noise replayed without host
-waits on CUDA): what `LOWMEM: true` gives them. lowmem_enable_channels_last: the same with
-`channels_last=True`. Their weights are the other runs' initial
+waits on CUDA, channels_last where enable() turns it on): what `LOWMEM: true` gives them.
+lowmem_enable_channels_last and lowmem_enable_nchw: the same with `channels_last=True` and
+`channels_last=False`. Their weights are the other runs' initial
 weights; psi0 is drawn by the trainer (batch 1). The episode number is the benchmark's, made odd
 where it is a multiple of ten, at which the stock episode empties the CUDA cache.
 """
@@ -22,7 +23,8 @@ import common
 import qca_lowmem
 from qca_lowmem.examples import QC_Trainer_v4, make_config
 
-TRAINER_RUNS = ["stock_v4", "lowmem_enable_default", "lowmem_enable_channels_last"]
+TRAINER_RUNS = ["stock_v4", "lowmem_enable_default", "lowmem_enable_channels_last", "lowmem_enable_nchw"]
+_CHANNELS_LAST = {"lowmem_enable_channels_last": True, "lowmem_enable_nchw": False}  # the default: unset
 
 
 class TrainerRun:
@@ -37,7 +39,7 @@ class TrainerRun:
                                      scaler=torch.amp.GradScaler("cuda") if on_cuda else None,
                                      operator=copy.deepcopy(stock_model))
         if name.startswith("lowmem_enable"):
-            qca_lowmem.enable(self.trainer, channels_last=name.endswith("_channels_last"))
+            qca_lowmem.enable(self.trainer, channels_last=_CHANNELS_LAST.get(name))
         self.episode_number = args.episode + (args.episode % 10 == 0)
         self.episode(seed=0)
 

@@ -98,7 +98,7 @@ phase() {
     plan) run bench_plan "$PYTHON" benchmarks/bench_plan.py ;;
     users)
       run bench_episode_users "$PYTHON" benchmarks/bench_episode.py --episodes 2 --profile --profile-steps 50 --runs stock_fp32 \
-        stock_fp16_checkpoint stock_v4 lowmem_enable_default lowmem_enable_channels_last \
+        stock_fp16_checkpoint stock_v4 lowmem_enable_default lowmem_enable_channels_last lowmem_enable_nchw \
         lowmem_fp32_step_graph lowmem_fp32_step_graph_cl lowmem_bf16_step_graph \
         lowmem_bf16_step_graph_cl lowmem_bf16_step lowmem_bf16_step_cl --name episode_users
       ;;

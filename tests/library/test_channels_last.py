@@ -105,10 +105,9 @@ def test_the_trainer_setting_is_recorded_in_metrics_and_checkpoints(tmp_path):
     ({"hidden": 2 * CPU_CHANNELS_LAST_MAX_HIDDEN}, "cpu", None, False),
     ({}, "cpu", torch.bfloat16, False),
     ({"fused_blocks": False}, "cpu", None, False),
-    ({}, "cuda", None, False),
     ({"channels_last": False}, "cpu", None, False),
     ({"channels_last": True, "hidden": 128}, "cuda", torch.bfloat16, True),
-], ids=["embedded", "widest", "wider", "bf16", "unfused", "cuda", "asked-off", "asked-on"])
+], ids=["embedded", "widest", "wider", "bf16", "unfused", "asked-off", "asked-on"])
 def test_unset_it_is_on_where_it_measured_faster_and_as_asked_otherwise(changes, device, amp, expected):
     config = TrainConfig(**{"hidden": 16, **changes}).validate()
     assert channels_last_for(config, torch.device(device), amp) is expected
@@ -130,3 +129,19 @@ def test_the_trainers_default_on_the_cpu_at_the_embedded_size_is_nhwc(tmp_path):
 def test_a_setting_that_is_not_a_flag_is_refused_by_name():
     with pytest.raises(UsageError, match=r"config channels_last must be true, false or null .*got 'yes'"):
         TrainConfig(channels_last="yes").validate()
+
+
+@pytest.mark.parametrize("changes, gpu_name, amp_dtype, expected", [
+    ({}, "NVIDIA H200", None, True),
+    ({"hidden": 128}, "NVIDIA H200", torch.bfloat16, True),
+    ({"fused_blocks": False}, "NVIDIA H200", None, False),
+    ({"channels_last": False}, "NVIDIA H200", None, False),
+    ({}, "NVIDIA GeForce GTX 1650", torch.float16, False),
+    ({"channels_last": True}, "NVIDIA GeForce GTX 1650", torch.float16, True),
+])
+def test_the_trainers_unset_channels_last_on_cuda(monkeypatch, changes, gpu_name, amp_dtype, expected):
+    """Unset on CUDA with fused blocks: where the convolutions run on Tensor Cores (a faked GPU)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0) if "H200" in gpu_name else (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu_name)
+    config = TrainConfig(**{"hidden": 16, **changes}).validate()
+    assert channels_last_for(config, torch.device("cuda"), amp_dtype) is expected

@@ -15,7 +15,7 @@ from .. import configs as bundled
 from ..atheria import config_section
 from ..recompute import Policy
 from ..recompute.policy import STEP
-from ..precision import parse_amp_dtype
+from ..precision import nhwc_faster, parse_amp_dtype
 from ..unet import UNetUnitary
 from .errors import UsageError, error_text
 
@@ -54,8 +54,8 @@ class TrainConfig:
     # Each recomputed step as replays of captured graphs (StepGraph). None: on where it can run (CUDA
     # with torch's caching allocator, a policy that recomputes); false: eager steps.
     cuda_graph: Optional[bool] = None
-    # NHWC from the pack through the U-Net to the update, weights included. None: where it measured
-    # faster (channels_last_for): a CPU run of a narrow U-Net; no GPU measurement shows it faster yet.
+    # NHWC from the pack through the U-Net to the update, weights included. None: where it is faster
+    # (channels_last_for): a CPU run of a narrow U-Net, a CUDA run whose convolutions use Tensor Cores.
     channels_last: Optional[bool] = None
     # run
     device: str = "auto"
@@ -279,12 +279,17 @@ CPU_CHANNELS_LAST_MAX_HIDDEN = 32
 
 
 def channels_last_for(config: TrainConfig, device: torch.device, amp_dtype: Optional[torch.dtype]) -> bool:
-    """config.channels_last, or where it is unset whether NHWC measured faster for this run: on the
-    CPU, in fp32, with fused blocks and at most CPU_CHANNELS_LAST_MAX_HIDDEN hidden channels."""
+    """config.channels_last, or where it is unset whether NHWC is faster for this run, with fused
+    blocks: on the CPU in fp32 at most CPU_CHANNELS_LAST_MAX_HIDDEN hidden channels (measured); on
+    CUDA where the convolutions run on Tensor Cores (precision.gpu_prefers_nhwc: measured on an H200,
+    inferred for other GPUs)."""
     if config.channels_last is not None:
         return config.channels_last
-    return (torch.device(device).type == "cpu" and amp_dtype is None and config.fused_blocks
-            and config.hidden <= CPU_CHANNELS_LAST_MAX_HIDDEN)
+    if not config.fused_blocks:
+        return False
+    if torch.device(device).type == "cpu":
+        return amp_dtype is None and config.hidden <= CPU_CHANNELS_LAST_MAX_HIDDEN
+    return nhwc_faster(device, amp_dtype)
 
 
 def build_model(config: TrainConfig, device, channels_last: bool = False) -> torch.nn.Module:
