@@ -9,6 +9,7 @@ import types
 from collections import UserDict
 from types import SimpleNamespace
 
+import numpy
 import pytest
 import torch
 
@@ -55,11 +56,12 @@ def test_the_section_refuses_a_wrong_type_by_its_key(monkeypatch, name, value):
     assert calls == []
 
 
-def test_a_grid_given_as_a_pair_trains_on_that_grid():
+def test_a_grid_given_as_a_pair_or_a_numpy_int_trains_on_that_grid():
     shapes = []
-    for grid_size in ((12, 12), [12, 12]):
+    for grid_size in ((12, 12), [12, 12], numpy.int64(12), [numpy.int32(12), 12]):
         trainer = qca_lowmem.enable(trainer_of(), grid_size=grid_size)
         assert trainer._qca_lowmem_state.options.grid == (12, 12)
+        assert all(type(side) is int for side in trainer._qca_lowmem_state.options.grid)
         trainer.motor.operator.register_forward_pre_hook(lambda module, args: shapes.append(args[0].shape[-2:]))
         trainer.train_episode(0)
     assert shapes and set(shapes) == {(12, 12)}
@@ -93,9 +95,10 @@ def test_a_misspelt_key_is_refused_whatever_holds_the_section(monkeypatch, kind)
     for cfg in ({"LOWMEM": section}, SimpleNamespace(LOWMEM=section)):
         with pytest.raises(ValueError, match=r"unknown keys \['chekpoint'\]; known keys are \['enabled', 'checkpoint'"):
             qca_lowmem.enable_from_config(object(), cfg)
-    with pytest.raises(ValueError, match=r"unknown keys \['chekpoint'\]"):  # misspelt, even where it is off
-        qca_lowmem.enable_from_config(object(), {"LOWMEM": SECTIONS[kind]({"enabled": False, "chekpoint": "step"})})
-    good = SECTIONS[kind]({"enabled": "yes", "checkpoint": "revolve", "slots": 4, "grid_size": [8, 8]})
+    for off in ({"enabled": False, "chekpoint": "step"}, {"enabled": True, "chekpoint": None}):  # off, or null
+        with pytest.raises(ValueError, match=r"unknown keys \['chekpoint'\]"):
+            qca_lowmem.enable_from_config(object(), {"LOWMEM": SECTIONS[kind](off)})
+    good = SECTIONS[kind]({"enabled": "yes", "checkpoint": "revolve", "slots": 4, "grid_size": [8, 8], "budget": None})
     assert qca_lowmem.enable_from_config(object(), {"LOWMEM": good}) is True
     assert calls == [{"checkpoint": "revolve", "slots": 4, "grid_size": [8, 8]}]
 

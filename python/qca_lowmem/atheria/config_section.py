@@ -44,9 +44,10 @@ def section_settings(section) -> dict:
         return dict(section)
     settings = {}
     for name in dir(section):
-        value = getattr(section, name, None) if not name.startswith("_") else None
-        if value is not None and not inspect.ismethod(value) and not inspect.isbuiltin(value):
-            settings[name] = value
+        if not name.startswith("_"):
+            value = getattr(section, name)
+            if not inspect.ismethod(value) and not inspect.isbuiltin(value):
+                settings[name] = value
     return settings
 
 

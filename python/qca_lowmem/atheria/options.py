@@ -3,6 +3,7 @@ and the trainer, read by attribute by the episode and the trainer adapters, and 
 enable()'s one line."""
 
 import math
+import numbers
 import re
 import warnings
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from ..recompute.policy import MODES
 
 
 def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
 
 
 def _is_amp_dtype(value) -> bool:
@@ -63,7 +64,7 @@ OPTIONS = (
     Option("assume_stock_episode", _FLAG, lambda v: isinstance(v, bool), flag=True),
     Option("lowmem_scaler", _FLAG, lambda v: isinstance(v, bool), flag=True),
     Option("max_grad_norm", "a finite number > 0 or None (the trainer's own)",
-           lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0),
+           lambda v: v is None or isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0),
     Option("grid_size", "an int >= 1, a pair of ints >= 1 or None",
            lambda v: v is None or _positive_int(v) or isinstance(v, (tuple, list)) and len(v) == 2
            and all(_positive_int(side) for side in v)),
@@ -248,13 +249,13 @@ def _psi0_options(trainer, version, grid_size, batch_size, initial_state):
                              "motor.get_initial_state(trainer.batch_size), so grid_size and batch_size are not read; "
                              "set trainer.batch_size, or pass initial_state=callable")
         return None, None, initial_state
-    if isinstance(grid_size, int):
-        grid = (grid_size, grid_size)
+    if isinstance(grid_size, numbers.Integral):
+        grid = (int(grid_size), int(grid_size))
     elif grid_size is not None:
-        grid = tuple(grid_size)
+        grid = (int(grid_size[0]), int(grid_size[1]))  # checked: a pair of ints
     else:
         if initial_state is None:
             initial_state = own_state_reset(trainer)
         grid = None if initial_state is not None else _infer_grid(trainer)
-    batch_size = 1 if batch_size is None else batch_size
+    batch_size = 1 if batch_size is None else int(batch_size)
     return grid, batch_size, initial_state
