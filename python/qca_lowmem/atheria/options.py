@@ -35,7 +35,7 @@ NOISE_SOURCES = ("trainer", "fused")
 
 @dataclass(frozen=True)
 class Option:
-    """One of enable()'s settings, as enable(), resolve_options and the LOWMEM section read it."""
+    """One of enable()'s settings: one row, read by enable(), the LOWMEM section and its key check."""
 
     name: str
     expected: str  # what a message says it takes
