@@ -5,14 +5,14 @@ evolutionary loss (docs/design.md), backward, clip_grad_norm_(1.0), AdamW(1e-4, 
 Runs: stock_fp32, stock_fp16_autocast (with a GradScaler), stock_fp16_checkpoint (autocast and
 one torch.utils.checkpoint per step, the users' proposed fix), lowmem_fp32_step,
 lowmem_bf16_step, lowmem_fp16_step (with qca_lowmem.amp.GradScaler), lowmem_bf16_revolve32, and
-lowmem_{fp32,bf16,fp16}_step_graph (each step as replays of captured CUDA graphs, StepGraph),
-stock_compiled_checkpoint (the strongest peer: stock's U-Net through torch.compile, checkpointed
-per step, bf16 autocast, channels_last; on CUDA each compile mode tried and the fastest kept,
---compile-modes; episode_peer.py)
+lowmem_{fp32,bf16,fp16}_step_graph (each step as replays of captured CUDA graphs, StepGraph)
 (the lowmem runs: qca_lowmem.UNetUnitary with fused blocks, fused pack/update,
-qca_lowmem.rollout with the replayable NoiseSchedule). Three more, run
-only when named, take a lowmem_fp32_step episode's time apart: stock_fp32_checkpoint (stock with
-that per-step recompute in fp32: what recomputing costs stock), lowmem_fp32_keep (the fused
+qca_lowmem.rollout with the replayable NoiseSchedule). By name, the strongest peer,
+stock_compiled_checkpoint: stock's U-Net through torch.compile, checkpointed per step, bf16
+autocast, channels_last; on CUDA each compile mode tried and the fastest kept (--compile-modes,
+episode_peer.py). Three more, run only when named, take a lowmem_fp32_step episode's time
+apart: stock_fp32_checkpoint (stock with that per-step recompute in fp32: what recomputing costs
+stock), lowmem_fp32_keep (the fused
 kernels under plain autograd, blocks keeping their intermediates: nothing recomputed) and
 lowmem_fp32_forward (lowmem_fp32_step's forward and loss under no_grad, no backward: the pass a
 step recompute runs again); lowmem_fp32_step_unchecked (lowmem_fp32_step with check_recompute=False:
@@ -69,13 +69,14 @@ from qca_lowmem import stock as reference
 # channels_last: the model's weights and the pack NHWC, as the trainer's channels_last setting
 CHANNELS_LAST_RUNS = ["lowmem_fp32_step_graph_cl", "lowmem_bf16_step_graph_cl", "lowmem_bf16_step_cl"]
 RUNS = ["lowmem_fp32_step_graph", "lowmem_bf16_step_graph", "lowmem_fp16_step_graph", "stock_fp32",
-        "stock_fp16_autocast", "stock_fp16_checkpoint", *PEER_RUNS, "lowmem_fp32_step", "lowmem_bf16_step", "lowmem_fp16_step",
+        "stock_fp16_autocast", "stock_fp16_checkpoint", "lowmem_fp32_step", "lowmem_bf16_step", "lowmem_fp16_step",
         "lowmem_bf16_revolve32", *CHANNELS_LAST_RUNS, *TRAINER_RUNS]
 # Asked for by name: they take the CPU episode's time apart (what the recompute costs stock, the
 # fused kernels without any recompute, the forward pass a recompute repeats).
 TAKEN_APART_RUNS = ["lowmem_fp32_step", "lowmem_fp32_keep", "lowmem_fp32_forward", "lowmem_fp32_step_unchecked",
                     "lowmem_fp32_step_by_hand"]
-EXTRA_RUNS = ["stock_fp32_checkpoint", *TAKEN_APART_RUNS[1:], "lowmem_fp32_auto", "lowmem_fp32_auto_half",
+# The compiled peer by name too: its compiles take minutes on a GPU (gpu_checks.sh's peer phase).
+EXTRA_RUNS = [*PEER_RUNS, "stock_fp32_checkpoint", *TAKEN_APART_RUNS[1:], "lowmem_fp32_auto", "lowmem_fp32_auto_half",
               "lowmem_fp32_auto_free", *(name + "_cl" for name in TAKEN_APART_RUNS)]
 CUDA_ONLY_RUNS = ["lowmem_fp32_auto_free"]  # budget="free" reads a GPU's free memory
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
