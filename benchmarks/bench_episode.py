@@ -7,9 +7,12 @@ one torch.utils.checkpoint per step, the users' proposed fix), lowmem_fp32_step,
 lowmem_bf16_step, lowmem_fp16_step (with qca_lowmem.amp.GradScaler), lowmem_bf16_revolve32, and
 lowmem_{fp32,bf16,fp16}_step_graph (each step as replays of captured CUDA graphs, StepGraph)
 (the lowmem runs: qca_lowmem.UNetUnitary with fused blocks, fused pack/update,
-qca_lowmem.rollout with the replayable NoiseSchedule). Three more, run
-only when named, take a lowmem_fp32_step episode's time apart: stock_fp32_checkpoint (stock with
-that per-step recompute in fp32: what recomputing costs stock), lowmem_fp32_keep (the fused
+qca_lowmem.rollout with the replayable NoiseSchedule). By name, the strongest peer,
+stock_compiled_checkpoint: stock's U-Net through torch.compile, checkpointed per step, bf16
+autocast, channels_last; on CUDA each compile mode tried and the fastest kept (--compile-modes,
+episode_peer.py). Three more, run only when named, take a lowmem_fp32_step episode's time
+apart: stock_fp32_checkpoint (stock with that per-step recompute in fp32: what recomputing costs
+stock), lowmem_fp32_keep (the fused
 kernels under plain autograd, blocks keeping their intermediates: nothing recomputed) and
 lowmem_fp32_forward (lowmem_fp32_step's forward and loss under no_grad, no backward: the pass a
 step recompute runs again); lowmem_fp32_step_unchecked (lowmem_fp32_step with check_recompute=False:
@@ -38,6 +41,7 @@ to keep apart), so that other processes' load falls on all of them alike.
 Writes benchmarks/results/episode_<device>.json. Usage (on a CUDA machine):
     python benchmarks/bench_episode.py                  # default config: grid 64, d 14, hidden 128, 500 steps
     python benchmarks/bench_episode.py --steps 50 --runs lowmem_fp32_step stock_fp32
+    python benchmarks/bench_episode.py --grid 256 --runs stock_fp16_checkpoint lowmem_enable_default  # GPU-bound
 On the CPU, the embedded `qca-lowmem train` config at one thread:
     python benchmarks/bench_episode.py --device cpu --threads 1 --grid 32 --d-state 4 --hidden 16 --steps 48 \
         --runs stock_fp32 lowmem_fp32_step
@@ -55,8 +59,10 @@ import torch
 import torch.utils.checkpoint
 
 import common
+import episode_peer
 import episode_profile
 import qca_lowmem
+from episode_peer import PEER_RUNS
 from episode_trainer import TRAINER_RUNS, TrainerRun
 from qca_lowmem import stock as reference
 
@@ -69,7 +75,8 @@ RUNS = ["lowmem_fp32_step_graph", "lowmem_bf16_step_graph", "lowmem_fp16_step_gr
 # fused kernels without any recompute, the forward pass a recompute repeats).
 TAKEN_APART_RUNS = ["lowmem_fp32_step", "lowmem_fp32_keep", "lowmem_fp32_forward", "lowmem_fp32_step_unchecked",
                     "lowmem_fp32_step_by_hand"]
-EXTRA_RUNS = ["stock_fp32_checkpoint", *TAKEN_APART_RUNS[1:], "lowmem_fp32_auto", "lowmem_fp32_auto_half",
+# The compiled peer by name too: its compiles take minutes on a GPU (gpu_checks.sh's peer phase).
+EXTRA_RUNS = [*PEER_RUNS, "stock_fp32_checkpoint", *TAKEN_APART_RUNS[1:], "lowmem_fp32_auto", "lowmem_fp32_auto_half",
               "lowmem_fp32_auto_free", *(name + "_cl" for name in TAKEN_APART_RUNS)]
 CUDA_ONLY_RUNS = ["lowmem_fp32_auto_free"]  # budget="free" reads a GPU's free memory
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -91,6 +98,9 @@ def parse_args(argv=None):
     p.add_argument("--runs", nargs="+", default=RUNS, choices=RUNS + EXTRA_RUNS)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--compile-modes", nargs="+", choices=episode_peer.MODES, default=None,
+                   help="torch.compile modes of stock_compiled_checkpoint, the fastest kept (default: "
+                        f"{' '.join(episode_peer.CUDA_MODES)} on CUDA, default elsewhere)")
     p.add_argument("--skip-grad-check", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="profile one more episode per run: kernels and host waits per step, GPU busy fraction")
@@ -101,6 +111,10 @@ def parse_args(argv=None):
     cuda_only = [name for name in args.runs if name in CUDA_ONLY_RUNS]
     if cuda_only and not args.device.startswith("cuda"):
         p.error(f"{', '.join(cuda_only)} need a CUDA device (budget='free' reads its free memory), got --device {args.device}")
+    try:
+        args.compile_modes = episode_peer.compile_modes(args.compile_modes, torch.device(args.device))
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -111,10 +125,12 @@ def lowmem_model(stock_model, args):
     return model
 
 
-def stock_forward(model, psi0, args, rate, autocast_dtype=None, checkpoint_steps=False):
-    """Stock train_episode's forward: returns the history."""
+def stock_forward(model, psi0, args, rate, autocast_dtype=None, checkpoint_steps=False, step=None):
+    """Stock train_episode's forward (with `checkpoint_steps`, each step through
+    torch.utils.checkpoint; `step`, where given, in place of the stock step of `model`): returns
+    the history."""
     injector = reference.NoiseInjector(psi0.device)  # the users' injector: boolean masks
-    step = lambda psi: reference.step(psi, model, args.gamma)  # noqa: E731
+    step = step or (lambda psi: reference.step(psi, model, args.gamma))
     with torch.autocast(psi0.device.type, dtype=autocast_dtype or torch.float16, enabled=autocast_dtype is not None):
         if not checkpoint_steps:
             return reference.rollout(psi0, model, args.steps, args.gamma, injector, rate)[1]
@@ -157,6 +173,9 @@ def run_forward(name, model, psi0, args, episode_seed, step=None, budget=None):
         return stock_forward(model, psi0, args, rate, torch.float16, checkpoint_steps=True)
     if name == "stock_fp32_checkpoint":
         return stock_forward(model, psi0, args, rate, checkpoint_steps=True)
+    if name == "stock_compiled_checkpoint":
+        episode_peer.begin_episode(args.compile_modes[0])
+        return stock_forward(model, psi0, args, rate, torch.bfloat16, checkpoint_steps=True, step=step)
     if name == "lowmem_fp32_keep":
         with qca_lowmem.keep_block_intermediates():
             return lowmem_forward(model, psi0, args, schedule, checkpoint="none", step=step)
@@ -249,8 +268,11 @@ class Run:
         if "fp16" in name:
             self.scaler = (qca_lowmem.amp.GradScaler if name.startswith("lowmem") else torch.amp.GradScaler)(device.type)
         self.step = None
-        if name.endswith("_cl"):
+        if name.endswith("_cl") or name in PEER_RUNS:
             self.model = self.model.to(memory_format=torch.channels_last)
+        if name in PEER_RUNS:
+            self.step = episode_peer.peer_step_fn(self.model, args.gamma, args.compile_modes[0])
+        elif name.endswith("_cl"):
             self.step = lowmem_step_fn(self.model, args.gamma, AMP[name.split("_")[1]], channels_last=True)
         if name.removesuffix("_cl").endswith("_step_graph"):
             self.step = qca_lowmem.StepGraph(self.step or lowmem_step_fn(self.model, args.gamma, AMP[name.split("_")[1]]))
@@ -264,7 +286,8 @@ class Run:
                 whole = args.steps * (qca_lowmem.saved_bytes(self.step, psi.requires_grad_(True)) + psi.nbytes)
             self.budget = whole // 2 if name.endswith("_half") else whole
         self.times = []
-        self.episode(seed=0)
+        for _ in range(episode_peer.WARMUP_EPISODES if name in PEER_RUNS else 1):
+            self.episode(seed=0)
 
     def episode(self, seed):
         common.synchronize(self.device)
@@ -283,13 +306,18 @@ class Run:
             self.args.steps = saved
 
     def capture_record(self):
-        """A StepGraph run's captures and whether it fell back (then it is no captured row)."""
+        """A StepGraph run's captures and whether it fell back (then it is no captured row); the
+        compiled peer's mode."""
+        if self.name in PEER_RUNS:
+            return {"compile_mode": self.args.compile_modes[0]}
         if not isinstance(self.step, qca_lowmem.StepGraph):
             return {}
         return {"captures_made": self.step.captures_made, "fell_back": bool(self.step.failed_keys)}
 
     def release(self):
         del self.model, self.optimizer, self.step
+        if self.name in PEER_RUNS:
+            torch._dynamo.reset()  # its compiled graphs and CUDA graph pool, before the next run's peak
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -398,6 +426,33 @@ def _profiled(result):
     return text
 
 
+def _modes(result):
+    """The compiled peer's mode, and on CUDA every mode's episode or error."""
+    if "compile_mode" not in result:
+        return ""
+    modes = result.get("compile_modes", {})
+    times = [f"{mode} {m['error'] or format(m['episode_s'], '.3f') + ' s'}" for mode, m in modes.items()]
+    return f"   mode {result['compile_mode']}" + (f" (of {'; '.join(times)})" if times else "")
+
+
+def write_report(args, device, runs, grad_errors=None):
+    """The result file; `complete` false (and no gradient check) while runs are still to come."""
+    payload = {
+        "config": {"grid": args.grid, "d_state": args.d_state, "hidden": args.hidden, "qca_steps": args.steps,
+                   "batch": args.batch},
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "timing": "medians of episodes timed in turn across runs" if device.type == "cpu" else "medians, one run at a time",
+        "complete": grad_errors is not None,
+        "runs": runs,
+        "max_grad_rel_err_fp32": (grad_errors or {}).get("lowmem"),
+        "max_grad_rel_err_fp32_graph": (grad_errors or {}).get("lowmem_graph"),
+        "noise": {"max_noise": args.max_noise, "episode": args.episode,
+                  "rate": reference.noise_rate(args.episode, args.max_noise)},
+    }
+    out = args.out or common.RESULTS / f"{args.name}_{common.slug(common.device_name(device))}.json"
+    return common.write_result("episode", device, payload, out)
+
+
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -407,7 +462,14 @@ def main(argv=None):
     stock_model = reference.UNetUnitary(args.d_state, args.hidden)
     print(f"device {common.device_name(device)}, torch {torch.__version__}")
     if device.type == "cuda":
-        runs = [measure_run(name, stock_model, args, device) for name in args.runs]
+        runs = []
+        for name in args.runs:
+            if name in PEER_RUNS:
+                runs.append(episode_peer.fastest_mode(
+                    lambda name, mode_args: measure_run(name, stock_model, mode_args, device), name, args, args.compile_modes))
+            else:
+                runs.append(measure_run(name, stock_model, args, device))
+            write_report(args, device, runs)  # what finished, should the command be stopped
     else:
         runs = measure_interleaved(args.runs, stock_model, args, device)
     stock_s = next((r["episode_s"] for r in runs if r["name"] == "stock_fp32" and r["episode_s"]), None)
@@ -416,7 +478,7 @@ def main(argv=None):
         if stock_s and result["episode_s"]:
             result["vs_stock_fp32"] = result["episode_s"] / stock_s
         if "error" in result:
-            print(f"{name:24s} {result['error']}")
+            print(f"{name:26s} {result['error']}")
         else:
             peak = "n/a" if result["peak_bytes"] is None else f"{result['peak_bytes'] / 2**30:.3f} GiB"
             if result.get("peak_reserved_bytes") is not None:
@@ -425,7 +487,8 @@ def main(argv=None):
             graph = ""
             if "captures_made" in result:
                 graph = f"   captures {result['captures_made']}" + (", FELL BACK to eager" if result["fell_back"] else "")
-            print(f"{name:24s} peak {peak:>12s}   episode {result['episode_s']:.3f} s{ratio}{graph}{_profiled(result)}")
+            print(f"{name:26s} peak {peak:>12s}   episode {result['episode_s']:.3f} s{ratio}{graph}{_profiled(result)}"
+                  f"{_modes(result)}")
     grad_errors = {}
     if not args.skip_grad_check:
         try:
@@ -434,20 +497,7 @@ def main(argv=None):
                 print(f"max fp32 gradient relative error ({kind} vs stock): {error:.3e}")
         except torch.OutOfMemoryError as e:
             print(f"fp32 gradient check ran out of memory: {str(e).splitlines()[0]}")
-    grad_error = grad_errors.get("lowmem")
-    payload = {
-        "config": {"grid": args.grid, "d_state": args.d_state, "hidden": args.hidden, "qca_steps": args.steps,
-                   "batch": args.batch},
-        "threads": torch.get_num_threads() if device.type == "cpu" else None,
-        "timing": "medians of episodes timed in turn across runs" if device.type == "cpu" else "medians, one run at a time",
-        "runs": runs,
-        "max_grad_rel_err_fp32": grad_error,
-        "max_grad_rel_err_fp32_graph": grad_errors.get("lowmem_graph"),
-        "noise": {"max_noise": args.max_noise, "episode": args.episode,
-                  "rate": reference.noise_rate(args.episode, args.max_noise)},
-    }
-    out = args.out or common.RESULTS / f"{args.name}_{common.slug(common.device_name(device))}.json"
-    print(f"wrote {common.write_result('episode', device, payload, out)}")
+    print(f"wrote {write_report(args, device, runs, grad_errors)}")
     if not all(math.isfinite(e) for e in grad_errors.values()):
         return 1
     return 0

@@ -17,6 +17,13 @@
 # users:    the episode rows issue 41 asks for, profiled (kernels and host waits per step, GPU
 #           busy): the users' trainer stock and through enable()'s defaults, the captured step
 #           NCHW and channels_last (benchmarks/results/episode_users_<device>.json, about 3 minutes)
+# peer:     the strongest peer against the users' fix and `LOWMEM: true`, profiled: stock's U-Net
+#           through torch.compile (each CUDA mode, the fastest kept), a checkpoint per step, bf16,
+#           channels_last (benchmarks/results/episode_peer_<device>.json; bounded at 480 s, so that
+#           `build peer` fits a ten-minute command; the peer runs last, its compiles the unknown)
+# grids:    the users' fix against `LOWMEM: true` at grid 128 (with stock fp32, which needs about
+#           111 GiB) and at grid 256, where the GPU is the bound (episode_grid128/256_<device>.json;
+#           each bounded at 240 s)
 # cap:      100 default-config episodes under a 3.68 GiB cap (benchmarks/results/cap_<device>.json)
 # cap128:   the small-GPU profile at grid 128 under the same cap, step and revolve (a few episodes)
 # PYTEST_ARGS adds arguments to the test phase, SANITIZE_PYTEST_ARGS to memcheck's, EPISODE_ARGS
@@ -61,6 +68,9 @@ run() {  # name, command...: run (bounded by TIMEOUT_<name>), log, remember fail
   fi
   save
 }
+# The peer's compiles (max-autotune autotunes) and the grid-256 episodes have not run on a GPU yet:
+# bounded, so that each phase stays under ten minutes.
+: "${TIMEOUT_bench_episode_peer:=480}" "${TIMEOUT_bench_episode_grid128:=240}" "${TIMEOUT_bench_episode_grid256:=240}"
 has_module() { "$PYTHON" -c "import $1" 2>/dev/null; }
 TEST_ARGS=()  # parallel workers and per-test timeouts where the plugins are installed
 has_module xdist && TEST_ARGS+=(-n "${TEST_WORKERS:-8}")
@@ -102,12 +112,22 @@ phase() {
         lowmem_fp32_step_graph lowmem_fp32_step_graph_cl lowmem_bf16_step_graph \
         lowmem_bf16_step_graph_cl lowmem_bf16_step lowmem_bf16_step_cl --name episode_users
       ;;
+    peer)
+      run bench_episode_peer "$PYTHON" benchmarks/bench_episode.py --episodes 2 --profile --profile-steps 50 --runs stock_fp32 \
+        stock_fp16_checkpoint lowmem_enable_default lowmem_enable_channels_last stock_compiled_checkpoint --name episode_peer
+      ;;
+    grids)
+      run bench_episode_grid128 "$PYTHON" benchmarks/bench_episode.py --grid 128 --episodes 2 --skip-grad-check --runs \
+        stock_fp32 stock_fp16_checkpoint lowmem_enable_default lowmem_enable_channels_last --name episode_grid128
+      run bench_episode_grid256 "$PYTHON" benchmarks/bench_episode.py --grid 256 --episodes 2 --skip-grad-check --runs \
+        stock_fp16_checkpoint lowmem_enable_default lowmem_enable_channels_last --name episode_grid256
+      ;;
     cap) run bench_cap "$PYTHON" benchmarks/bench_cap.py ;;
     cap128)
       run cap128_step "$PYTHON" benchmarks/bench_cap.py --config configs/small_gpu.yaml --grid 128 --episodes 5 --name cap128_fp16_step
       run cap128_revolve "$PYTHON" benchmarks/bench_cap.py --config configs/small_gpu.yaml --grid 128 --episodes 5 --checkpoint revolve --slots 32 --name cap128_fp16_revolve32
       ;;
-    *) echo "unknown phase: $1 (build, probe, test, sanitize, bench, kernels, episode, plan, users, cap, cap128)"; exit 2 ;;
+    *) echo "unknown phase: $1 (build, probe, test, sanitize, bench, kernels, episode, plan, users, peer, grids, cap, cap128)"; exit 2 ;;
   esac
 }
 echo "=== $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -n 1); $("$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1); $(nproc) CPUs; $(git rev-parse --short HEAD 2>/dev/null)"

@@ -187,3 +187,91 @@ def test_the_step_recompute_written_by_hand_is_the_rollouts(channels_last):
     assert loss.item() == rolled_loss.item()
     for got, expected in zip(by_hand, (p.grad for p in model.parameters())):
         assert torch.allclose(got, expected, rtol=1e-5, atol=1e-7 * expected.abs().max().item())
+
+
+def _stock_episode_gradients(bench_episode, stock_model, args, autocast_dtype=None, compile_mode=None):
+    """Loss and parameter gradients of one stock episode of a copy of stock_model, its noise on
+    (the users' injector, global generators seeded); through the compiled peer's checkpointed
+    step where compile_mode is given."""
+    import copy
+
+    import numpy
+
+    episode_peer = bench_module("episode_peer")
+    model, step = copy.deepcopy(stock_model), None
+    if compile_mode is not None:
+        model = model.to(memory_format=torch.channels_last)
+        step = episode_peer.peer_step_fn(model, args.gamma, compile_mode)
+    psi0 = bench_episode.initial_state(args, torch.device("cpu"), 5)
+    torch.manual_seed(7)
+    numpy.random.seed(7)
+    history = bench_episode.stock_forward(model, psi0, args, bench_episode.reference.noise_rate(args.episode, args.max_noise),
+                                          autocast_dtype, checkpoint_steps=step is not None, step=step)
+    loss, _ = bench_episode.reference.evolutionary_loss(history, psi0)
+    loss.backward()
+    return loss.item(), [p.grad for p in model.parameters()]
+
+
+@pytest.mark.slow
+def test_the_compiled_peer_computes_the_stock_episode():
+    """stock_compiled_checkpoint's step (torch.compile, a checkpoint per step, channels_last) in
+    fp32 gives stock's loss and gradients on the same weights, psi0 and noise; under its bf16
+    autocast, within bf16's rounding of them."""
+    bench_episode = bench_module("bench_episode")
+    args = bench_episode.parse_args(["--device", "cpu", "--grid", "8", "--d-state", "2", "--hidden", "4", "--steps",
+                                     "4", "--episode", "2000", "--max-noise", "0.5"])
+    torch.manual_seed(0)
+    stock_model = bench_episode.reference.UNetUnitary(2, 4)
+    loss, grads = _stock_episode_gradients(bench_episode, stock_model, args)
+    compiled_loss, compiled_grads = _stock_episode_gradients(bench_episode, stock_model, args, compile_mode="default")
+    assert compiled_loss == pytest.approx(loss, rel=1e-6)
+    for got, expected in zip(compiled_grads, grads):
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+    bf16_loss, bf16_grads = _stock_episode_gradients(bench_episode, stock_model, args, torch.bfloat16, "default")
+    assert bf16_loss == pytest.approx(loss, rel=1e-3) and bf16_loss != loss  # bf16 ran
+    for got, expected in zip(bf16_grads, grads):
+        assert (got - expected).norm() <= 0.05 * expected.norm()
+
+
+def test_the_fastest_compile_mode_is_the_row_and_every_mode_is_reported():
+    """On CUDA the peer runs once per compile mode: the fastest mode that ran is the row, each
+    mode's time or error is kept beside it; where none ran, the fallback mode runs; where that
+    fails too, the first mode's error is the row."""
+    bench_episode = bench_module("bench_episode")
+    episode_peer = bench_module("episode_peer")
+    args = bench_episode.parse_args(["--device", "cpu"])
+    modes = ["max-autotune", "reduce-overhead"]
+    times = {"max-autotune": 2.0, "reduce-overhead": 1.5, episode_peer.FALLBACK_MODE: 3.0}
+
+    def measure(name, mode_args):
+        mode, = mode_args.compile_modes
+        if times[mode] is None:
+            return bench_episode.failed(name, RuntimeError(f"{mode} failed\nsecond line"))
+        return {"name": name, "episode_s": times[mode], "peak_bytes": 10}
+
+    row = episode_peer.fastest_mode(measure, "stock_compiled_checkpoint", args, modes)
+    assert row["episode_s"] == 1.5 and row["compile_mode"] == "reduce-overhead" and row["name"] == "stock_compiled_checkpoint"
+    assert {mode: m["episode_s"] for mode, m in row["compile_modes"].items()} == {"max-autotune": 2.0, "reduce-overhead": 1.5}
+    assert args.compile_modes == ["default"]  # each mode measured on a copy
+    times.update({"max-autotune": None, "reduce-overhead": None})
+    row = episode_peer.fastest_mode(measure, "stock_compiled_checkpoint", args, modes)
+    assert row["episode_s"] == 3.0 and row["compile_mode"] == episode_peer.FALLBACK_MODE
+    assert row["compile_modes"]["reduce-overhead"] == {"episode_s": None, "peak_bytes": None,
+                                                       "error": "reduce-overhead failed",
+                                                       "wall_s": row["compile_modes"]["reduce-overhead"]["wall_s"]}
+    times[episode_peer.FALLBACK_MODE] = None
+    row = episode_peer.fastest_mode(measure, "stock_compiled_checkpoint", args, modes)
+    assert row["error"] == "max-autotune failed" and row["episode_s"] is None and row["compile_mode"] == "max-autotune"
+    assert list(row["compile_modes"]) == [*modes, episode_peer.FALLBACK_MODE]
+
+
+def test_cuda_only_compile_modes_are_refused_off_cuda(capsys):
+    episode_peer = bench_module("episode_peer")
+    bench_episode = bench_module("bench_episode")
+    assert episode_peer.compile_modes(None, torch.device("cpu")) == ["default"]
+    assert episode_peer.compile_modes(None, torch.device("cuda")) == episode_peer.CUDA_MODES
+    assert bench_episode.parse_args(["--device", "cpu"]).compile_modes == ["default"]
+    with pytest.raises(SystemExit) as refused:
+        bench_episode.parse_args(["--device", "cpu", "--compile-modes", "default", "max-autotune"])
+    assert refused.value.code == 2
+    assert "--compile-modes max-autotune need a CUDA device" in capsys.readouterr().err

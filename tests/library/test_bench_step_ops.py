@@ -1,0 +1,57 @@
+"""The ops a step of the step recompute issues (benchmarks/bench_step_ops.py, torch's profiler on
+the CPU) stay within today's counts, kind by kind: one more fill, add, copy or cat a step fails."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# Today's counts a step, the same at every size and in both layouts (docs/benchmarks.md): adds are
+# the 42 parameters' gradient accumulators, psi's gradient and the U-Net's two skip-connection
+# gradient sums; fills the 42 zero gradients autograd makes for the fused blocks' unused outputs
+# and the scalar that reads autograd's sequence number; cats the U-Net's two, in the forward and
+# in the recompute, and the recompute check's stack.
+BOUNDS = {"adds": 45, "fills": 43, "copies": 0, "cats": 5, "total": 193}
+
+
+def bench_step_ops():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_step_ops as module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_a_steps_ops_stay_within_todays_counts(channels_last):
+    counts = bench_step_ops().step_counts(8, 2, 4, 1, channels_last=channels_last)
+    assert counts["linear_in_steps"]  # exact counts a step
+    over = {kind: (counts["issued"][kind], bound) for kind, bound in BOUNDS.items() if counts["issued"][kind] > bound}
+    assert not over, f"a step issues more ops than today's (count, bound): {over}"
+
+
+@pytest.mark.slow
+def test_the_count_sees_one_more_op_a_step():
+    """An add in the step is counted twice a step, in the forward and in the recompute: the bounds
+    above can fail."""
+    module = bench_step_ops()
+    counts = module.step_counts(8, 2, 4, 1)
+    more = module.step_counts(8, 2, 4, 1, wrap_step=lambda step: lambda psi: step(psi).add(0))
+    assert more["issued"]["adds"] == counts["issued"]["adds"] + 2 > BOUNDS["adds"]
+    assert more["issued"]["total"] == counts["issued"]["total"] + 2
+    assert {kind: more["issued"][kind] for kind in ("fills", "copies", "cats")} == \
+        {kind: counts["issued"][kind] for kind in ("fills", "copies", "cats")}
+
+
+def test_the_result_file_states_the_bounds():
+    """benchmarks/results/step_ops_cpu.json (what docs/benchmarks.md quotes) holds the counts the
+    bounds are: a change in either is made in both."""
+    report = json.loads((ROOT / "benchmarks" / "results" / "step_ops_cpu.json").read_text())
+    assert report["kind"] == "step_ops" and report["config"]["checkpoint"] == "step"
+    for layout in ("nchw", "channels_last"):
+        assert report["per_step"][layout]["linear_in_steps"]
+        assert report["per_step"][layout]["issued"] == BOUNDS
