@@ -149,5 +149,7 @@ def test_the_peak_counts_a_captured_steps_pool_where_cuda_graph_runs():
         half = 2 * parameters if on.amp_dtype in ("bf16", "fp16") else 0
         assert on.graph_pool_bytes > 4 * parameters + half
         assert on.working_bytes == off.working_bytes + on.graph_pool_bytes
-        assert on.peak_bytes == off.peak_bytes + on.graph_pool_bytes
+        # The pool's own segments and its warm-up's share of the margin come on top.
+        assert on.margin_bytes > off.margin_bytes
+        assert on.peak_bytes >= off.peak_bytes + on.graph_pool_bytes + on.margin_bytes - off.margin_bytes
     assert [e.as_dict() for e in results[True]["estimates"]] == [e.as_dict() for e in results[None]["estimates"]]
