@@ -157,10 +157,43 @@ def test_a_kernel_is_timed_inside_a_captured_graph_of_calls(monkeypatch, capsys)
         raise RuntimeError("operation not permitted when stream is capturing")
 
     assert common.in_graph(syncs, torch.device("cuda", 0), 5) == (syncs, 1)
-    assert "not captured, timed call by call: operation not permitted" in capsys.readouterr().out
+    assert "not captured: operation not permitted" in capsys.readouterr().out
     timed_in = {}
     common.interleaved_medians({"k": lambda: None}, torch.device("cpu"), 1, 2, calls=5, timed_in=timed_in)
     assert timed_in == {"k": 1}
+
+
+def test_a_kernel_that_cannot_be_captured_is_timed_by_its_kernels_summed(monkeypatch):
+    """On CUDA a candidate in_graph cannot capture is timed by torch's profiler, its kernels'
+    durations summed (one call between two events would time its launches), and says so."""
+    common = bench_module("common")
+    monkeypatch.setattr(common, "in_graph", lambda fn, device, calls: (fn, 1))
+    monkeypatch.setattr(common, "kernel_seconds", lambda fn, reps: 7e-6)
+    timed_in = {}
+    times = common.interleaved_medians({"k": lambda: None}, torch.device("cuda", 0), 1, 2, calls=5, timed_in=timed_in)
+    assert times == {"k": 7e-6} and timed_in == {"k": "profiler"}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        torch.ones(4).sin()
+    assert common.summed_device_seconds(profile.key_averages()) == 0.0  # no device: no kernel time
+
+
+def test_a_backward_candidates_graph_is_made_at_its_first_call():
+    """The probe's backward candidates make their forward's graph at their first call (in_graph's
+    warm-up, on the stream its capture runs on), once, and return the forward's gradients."""
+    common = bench_module("common")
+    forwards = []
+
+    def forward(x):
+        forwards.append(x)
+        return x.sin()
+
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 3, dtype=torch.float64)
+    run = common.backward_of(forward, (x,), g)
+    assert forwards == []
+    grads = [run() for _ in range(3)]
+    assert len(forwards) == 1
+    assert all(torch.equal(grad, g * x.detach().cos()) for (grad,) in grads)
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
