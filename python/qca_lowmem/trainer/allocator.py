@@ -1,6 +1,6 @@
 """What torch's CUDA caching allocator reserves for a set of tensors alive at once, for `qca-lowmem
 plan`'s reserved peak (what a GPU's memory must hold, where the allocated peak is what tensors
-use). The rules are the allocator's (c10/cuda/CUDACachingAllocator.cpp):
+use). The rules are those of torch's CUDACachingAllocator (its C++ source):
 
 - every block is rounded up to 512 bytes;
 - blocks of at most 1 MiB come from the small pool, in segments of 2 MiB;
