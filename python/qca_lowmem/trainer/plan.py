@@ -179,23 +179,26 @@ def graph_pool_sizes(m: StepMeasure, numels: Sequence[int], amp: Optional[str]) 
     return [*m.activation_sizes, m.largest_bytes, m.largest_bytes, *(4 * n for n in numels), *half_gradients]
 
 
-def auto_split(policy: Policy, steps: int, psi: int, m: StepMeasure) -> Tuple[int, int]:
+def auto_split(policy: Policy, steps: int, psi: int, m: StepMeasure, captured: bool = True) -> Tuple[int, int]:
     """(full graphs, states) an "auto" episode keeps with a budget in bytes, as the rollout's own
     schedule splits it: its probe counts a step with the weight copies it reaches, the recompute
     check's last state comes out of the budget, and the probed first step keeps no graph; a
-    budget below one state per step is revolve's."""
+    budget below one state per step is revolve's. Without a captured step (`captured`), a budget
+    that holds every step's graph runs the episode as plain autograd, the first step's graph kept."""
     step_bytes = m.saved_bytes + m.weight_copy_bytes + psi
+    if not captured and policy.byte_budget >= steps * step_bytes:
+        return steps, steps
     full, slots = budget_split(steps, psi, step_bytes, max(0, policy.byte_budget - psi), most_graphs=steps - 1)
     return (0, slots) if slots is not None else (full, steps)
 
 
-def kept_sizes(policy: Optional[Policy], steps: int, psi: int, m: StepMeasure) -> List[int]:
+def kept_sizes(policy: Optional[Policy], steps: int, psi: int, m: StepMeasure, captured: bool = True) -> List[int]:
     """The tensors an episode keeps across its steps, and the loss's states. A full graph step
     keeps its activations and its output state."""
     if policy is None or not policy.recomputes:  # plain autograd keeps every step's graph
         return list(m.activation_sizes) * steps
     if policy.byte_budget is not None:
-        full, states = auto_split(policy, steps, psi, m)
+        full, states = auto_split(policy, steps, psi, m, captured)
         return list(m.activation_sizes) * full + [psi] * (states + LOSS_STATES)
     # ("auto" with budget "free" adapts to what is free: at least one state per step)
     return [psi] * (policy.kept_states(steps) + LOSS_STATES)
@@ -214,8 +217,9 @@ def estimate(config: TrainConfig, name: str, policy: Optional[Policy], amp: Opti
     psi = psi_bytes(config.batch, config.grid, config.d_state)
     recomputes = policy is not None and policy.recomputes
     working = [*m.weight_copy_sizes, *(m.activation_sizes if recomputes else ()), m.largest_bytes, m.largest_bytes]
-    pool = graph_pool_sizes(m, numels, amp) if config.cuda_graph is not False and recomputes else []
-    kept = kept_sizes(policy, config.qca_steps, psi, m)
+    captured = config.cuda_graph is not False  # unset: on, on the GPU planned for
+    pool = graph_pool_sizes(m, numels, amp) if captured and recomputes else []
+    kept = kept_sizes(policy, config.qca_steps, psi, m, captured)
     parameters = sum(numels)
     model_state = [4 * n for n in numels] * (MODEL_STATE_BYTES_PER_PARAMETER // 4)
     tensors = sum(model_state) + sum(kept) + sum(working) + sum(pool)
