@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qca_lowmem.trainer.allocator import MiB, reserved_bytes
+from qca_lowmem.trainer.allocator import MiB, expandable_in_environment, reserved_bytes
 from qca_lowmem.trainer.config import load_config
 from qca_lowmem.trainer.plan import plan
 
@@ -17,7 +17,7 @@ MEASURED_COMMIT = "d26e294"
 H200_BYTES = 143771 * MiB  # what bench_plan planned for: the H200's whole memory
 CAPPED_RUNS = ("cap128_fp16_step_20", "cap256_fp16_revolve32_5")
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def measured(name: str) -> dict:
@@ -31,6 +31,7 @@ def within_ten_percent(predicted: int, reserved: int) -> bool:
     return abs(predicted / reserved - 1) <= 0.10
 
 
+@pytest.mark.slow
 def test_every_bench_plan_row_is_within_10_percent_of_reserved():
     """bench_plan ran with the allocator's defaults (no expandable_segments), grid 64, every policy
     plan listed; "auto" with the budget plan gave it (every step's full graph)."""
@@ -47,6 +48,7 @@ def test_every_bench_plan_row_is_within_10_percent_of_reserved():
     assert all(abs(ratio - 1) <= 0.10 for ratio in ratios.values()), ratios
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CAPPED_RUNS)
 def test_every_capped_run_is_within_10_percent_of_reserved(name):
     """bench_cap sets expandable_segments, as `qca-lowmem train` does."""
@@ -70,3 +72,14 @@ def test_the_allocator_rounds_as_torchs_caching_allocator():
     # expandable_segments: blocks end to end, pages of 2 MiB (small) and 20 MiB (large)
     assert reserved_bytes([8 * MiB] * 3, expandable=True) == 40 * MiB
     assert reserved_bytes([8 * MiB] * 2 + [state] * 5, expandable=True) == 20 * MiB + 4 * MiB
+
+
+def test_plan_reads_the_allocators_settings_as_train_leaves_them(monkeypatch):
+    """Unset, `train` sets expandable_segments; settings of one's own are kept as they are."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    assert expandable_in_environment(unset=True) and not expandable_in_environment()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    assert not expandable_in_environment(unset=True)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
+    assert expandable_in_environment()

@@ -58,7 +58,10 @@ def _whole(total: float, segment: int) -> int:
     return math.ceil(total / segment) * segment
 
 
-def expandable_in_environment() -> bool:
-    """Whether this process's allocator runs with expandable_segments, as its settings say."""
-    settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+def expandable_in_environment(unset: bool = False) -> bool:
+    """Whether this process's allocator runs with expandable_segments, as its settings say;
+    `unset` where there are none (`qca-lowmem train` then sets it: True)."""
+    settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+    if settings is None:
+        return unset
     return "expandable_segments:True" in settings.replace(" ", "")

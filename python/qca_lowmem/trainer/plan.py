@@ -35,7 +35,7 @@ from ..ops.qca_step import fused_step
 from ..recompute import Policy, keep_block_intermediates
 from ..recompute.memory import SAFETY, format_bytes, parse_bytes, saved_storage_sizes
 from ..recompute.schedule import budget_split
-from .allocator import reserved_bytes
+from .allocator import expandable_in_environment, reserved_bytes
 from .config import TrainConfig, build_model
 from .footprint import LOSS_STATES, MODEL_STATE_BYTES_PER_PARAMETER, model_state_bytes, psi_bytes
 from .errors import UsageError
@@ -337,7 +337,8 @@ def main_plan(config: TrainConfig, gpu_mem_text: str, reserve_text: str, as_json
               config_flags: Optional[List[str]] = None) -> int:
     """`config_flags`: how the `train` command it prints names this config (e.g. ["--config", "default"])."""
     gpu_mem, reserve = usable_memory(gpu_mem_text, reserve_text)
-    result = plan(config, gpu_mem, reserve, half)
+    # As `train` runs: with expandable_segments unless the environment's allocator settings say otherwise.
+    result = plan(config, gpu_mem, reserve, half, expandable=expandable_in_environment(unset=True))
     estimates, choice = result["estimates"], result["recommendation"]
     command = train_command(choice, config, config_flags or []) if choice else None
     if as_json:
