@@ -177,23 +177,45 @@ def test_a_kernel_that_cannot_be_captured_is_timed_by_its_kernels_summed(monkeyp
     assert common.summed_device_seconds(profile.key_averages()) == 0.0  # no device: no kernel time
 
 
-def test_a_backward_candidates_graph_is_made_at_its_first_call():
-    """The probe's backward candidates make their forward's graph at their first call (in_graph's
-    warm-up, on the stream its capture runs on), once, and return the forward's gradients."""
+def test_a_backward_candidates_graph_is_made_in_the_captures_warm_up(monkeypatch):
+    """The probe's backward candidates make their forward's graph at their first call, which is
+    in_graph's warm-up, on the stream its capture runs on (a stand-in here records where it is),
+    once; every call returns the forward's gradients."""
+    import contextlib
+
+    from qca_lowmem.recompute import graph
+
+    where = ["caller's stream"]
+
+    class SideStreamGraphs:
+        def __init__(self, device):
+            pass
+
+        @contextlib.contextmanager
+        def warming_up(self):
+            where.append("side stream")
+            yield
+            where.pop()
+
+        def capture(self, body):
+            return body(), body
+
+    monkeypatch.setattr(graph, "_graphs", SideStreamGraphs)
     common = bench_module("common")
     forwards = []
 
     def forward(x):
-        forwards.append(x)
+        forwards.append(where[-1])
         return x.sin()
 
     x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
     g = torch.randn(2, 3, dtype=torch.float64)
     run = common.backward_of(forward, (x,), g)
     assert forwards == []
-    grads = [run() for _ in range(3)]
-    assert len(forwards) == 1
-    assert all(torch.equal(grad, g * x.detach().cos()) for (grad,) in grads)
+    replay, per = common.in_graph(run, torch.device("cuda", 0), 5)
+    assert per == 5 and forwards == ["side stream"]
+    grads = replay()
+    assert forwards == ["side stream"] and all(torch.equal(grad, g * x.detach().cos()) for grad in grads[0])
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
