@@ -90,27 +90,67 @@ def in_graph(fn, device, calls):
                 fn()
         _, replay = graphs.capture(lambda: [fn() for _ in range(calls)])
     except RuntimeError as error:
-        print(f"not captured, timed call by call: {str(error).splitlines()[0]}", flush=True)
+        print(f"not captured: {str(error).splitlines()[0]}", flush=True)
         return fn, 1
     return replay, calls
+
+
+def backward_of(forward, inputs, grad):
+    """A timing candidate: the gradients of forward(*inputs) w.r.t. inputs for `grad`. Its graph is
+    made at its first call, on the stream current then: autograd runs a node's backward on the
+    stream its forward ran on, so a graph made beforehand on the default stream makes a capture
+    on in_graph's side stream fail ("operation would make the legacy stream depend on a
+    capturing blocking stream"); made while in_graph warms up, it is on the side stream."""
+    made = []
+
+    def run():
+        if not made:
+            made.append(forward(*inputs))
+        return torch.autograd.grad(made[0], inputs, grad, retain_graph=True)
+
+    return run
+
+
+def kernel_seconds(fn, reps):
+    """Seconds one call of fn keeps the GPU's kernels busy: the summed durations of the kernels
+    torch's profiler records over `reps` calls, over reps (what a captured graph's replay takes,
+    less the gaps between kernels), for a fn that cannot be captured."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return summed_device_seconds(profile.key_averages()) / reps
+
+
+def summed_device_seconds(averages) -> float:
+    """The device time of the profiler's key averages (microseconds each, self time: every
+    kernel counted once)."""
+    return sum(a.self_device_time_total for a in averages) / 1e6
 
 
 def interleaved_medians(candidates, device, warmup=3, reps=20, calls=1, timed_in=None):
     """{name: median seconds of one call} of candidates {name: fn}, timed in turn within each
     repetition, so that load from other processes falls on all of them alike and their ratios
     stay fair. CUDA events on a GPU, perf_counter elsewhere; with `calls` > 1 on CUDA, each
-    candidate's time within a captured graph of that many calls (`in_graph`); `timed_in`, a dict,
-    gets each candidate's calls per timed run (1: timed call by call)."""
+    candidate's time within a captured graph of that many calls (`in_graph`), or, where it cannot
+    be captured, its kernels' summed times (`kernel_seconds`: one call between two events would
+    time its launches); `timed_in`, a dict, gets each candidate's calls per timed run (1: timed
+    call by call) or "profiler"."""
     cuda = device.type == "cuda"
     timed = {name: in_graph(fn, device, calls) for name, fn in candidates.items()}
+    profiled = {name for name, (_, per) in timed.items() if cuda and calls > 1 and per == 1}
     if timed_in is not None:
-        timed_in.update({name: per for name, (_, per) in timed.items()})
+        timed_in.update({name: "profiler" if name in profiled else per for name, (_, per) in timed.items()})
     for _ in range(warmup):
         for fn, _ in timed.values():
             fn()
-    times = {name: [] for name in candidates}
+    times = {name: [kernel_seconds(candidates[name], reps)] for name in profiled}
+    times.update({name: [] for name in candidates if name not in profiled})
     for _ in range(reps):
         for name, (fn, per) in timed.items():
+            if name in profiled:
+                continue
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()

@@ -13,7 +13,8 @@
 4. groupnorm: the fused GroupNorm+ELU forward and backward at the U-Net's own GroupNorm shapes
    (read off the model with hooks), against torch's group_norm + elu and a `copy_` of the input,
    each call timed inside a captured graph of GRAPH_CALLS calls (one call between two events
-   mostly times its launch).
+   mostly times its launch; the backwards' graphs are made on the capture's stream), or where a
+   candidate cannot be captured, its kernels' times summed by torch's profiler.
 5. budget: budget="free" under a 3.68 GiB per-process cap (the small-GPU emulation): what
    `free_bytes` reads against the cap, and that an "auto" rollout of a captured step (a StepGraph)
    runs under it, with its private pool's free bytes, which free_bytes leaves out.
@@ -29,6 +30,7 @@ GPU it prints what it would measure and exits 0.
 
 import argparse
 import copy
+import functools
 import sys
 import threading
 import time
@@ -244,6 +246,14 @@ def unet_groupnorm_shapes(args, device):
     return seen
 
 
+def fused_groupnorm_elu(x, w, b, groups):
+    return qca_lowmem.groupnorm_elu(x, w, b, groups)
+
+
+def torch_groupnorm_elu(x, w, b, groups):
+    return F.elu(F.group_norm(x, groups, w, b, 1e-5))
+
+
 def section_groupnorm(args, device):
     rows = []
     for shape, groups in unet_groupnorm_shapes(args, device):
@@ -252,13 +262,14 @@ def section_groupnorm(args, device):
             w = torch.randn(shape[1], device=device, dtype=dtype, requires_grad=True)
             b = torch.randn(shape[1], device=device, dtype=dtype, requires_grad=True)
             g = torch.randn(shape, device=device, dtype=dtype)
-            fused_y = qca_lowmem.groupnorm_elu(x, w, b, groups)
-            torch_y = F.elu(F.group_norm(x, groups, w, b, 1e-5))
+            fused = functools.partial(fused_groupnorm_elu, groups=groups)
+            reference = functools.partial(torch_groupnorm_elu, groups=groups)
+            fused_y, torch_y = fused(x, w, b), reference(x, w, b)
             candidates = {
-                "fused_forward": lambda: qca_lowmem.groupnorm_elu(x.detach(), w.detach(), b.detach(), groups),
-                "torch_forward": lambda: F.elu(F.group_norm(x.detach(), groups, w.detach(), b.detach(), 1e-5)),
-                "fused_backward": lambda: torch.autograd.grad(fused_y, (x, w, b), g, retain_graph=True),
-                "torch_backward": lambda: torch.autograd.grad(torch_y, (x, w, b), g, retain_graph=True),
+                "fused_forward": lambda: fused(x.detach(), w.detach(), b.detach()),
+                "torch_forward": lambda: reference(x.detach(), w.detach(), b.detach()),
+                "fused_backward": common.backward_of(fused, (x, w, b), g),
+                "torch_backward": common.backward_of(reference, (x, w, b), g),
                 "copy_of_x": common.copy_of(x.numel() * x.element_size() * 2, device),
             }
             calls = {}

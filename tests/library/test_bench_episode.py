@@ -157,10 +157,65 @@ def test_a_kernel_is_timed_inside_a_captured_graph_of_calls(monkeypatch, capsys)
         raise RuntimeError("operation not permitted when stream is capturing")
 
     assert common.in_graph(syncs, torch.device("cuda", 0), 5) == (syncs, 1)
-    assert "not captured, timed call by call: operation not permitted" in capsys.readouterr().out
+    assert "not captured: operation not permitted" in capsys.readouterr().out
     timed_in = {}
     common.interleaved_medians({"k": lambda: None}, torch.device("cpu"), 1, 2, calls=5, timed_in=timed_in)
     assert timed_in == {"k": 1}
+
+
+def test_a_kernel_that_cannot_be_captured_is_timed_by_its_kernels_summed(monkeypatch):
+    """On CUDA a candidate in_graph cannot capture is timed by torch's profiler, its kernels'
+    durations summed (one call between two events would time its launches), and says so."""
+    common = bench_module("common")
+    monkeypatch.setattr(common, "in_graph", lambda fn, device, calls: (fn, 1))
+    monkeypatch.setattr(common, "kernel_seconds", lambda fn, reps: 7e-6)
+    timed_in = {}
+    times = common.interleaved_medians({"k": lambda: None}, torch.device("cuda", 0), 1, 2, calls=5, timed_in=timed_in)
+    assert times == {"k": 7e-6} and timed_in == {"k": "profiler"}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        torch.ones(4).sin()
+    assert common.summed_device_seconds(profile.key_averages()) == 0.0  # no device: no kernel time
+
+
+def test_a_backward_candidates_graph_is_made_in_the_captures_warm_up(monkeypatch):
+    """The probe's backward candidates make their forward's graph at their first call, which is
+    in_graph's warm-up, on the stream its capture runs on (a stand-in here records where it is),
+    once; every call returns the forward's gradients."""
+    import contextlib
+
+    from qca_lowmem.recompute import graph
+
+    where = ["caller's stream"]
+
+    class SideStreamGraphs:
+        def __init__(self, device):
+            pass
+
+        @contextlib.contextmanager
+        def warming_up(self):
+            where.append("side stream")
+            yield
+            where.pop()
+
+        def capture(self, body):
+            return body(), body
+
+    monkeypatch.setattr(graph, "_graphs", SideStreamGraphs)
+    common = bench_module("common")
+    forwards = []
+
+    def forward(x):
+        forwards.append(where[-1])
+        return x.sin()
+
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 3, dtype=torch.float64)
+    run = common.backward_of(forward, (x,), g)
+    assert forwards == []
+    replay, per = common.in_graph(run, torch.device("cuda", 0), 5)
+    assert per == 5 and forwards == ["side stream"]
+    grads = replay()
+    assert forwards == ["side stream"] and all(torch.equal(grad, g * x.detach().cos()) for grad in grads[0])
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])

@@ -261,23 +261,28 @@ def plan_json(tiny_config, capsys, gpu_mem):
 
 
 def test_plan_shows_auto_with_what_it_would_keep(tiny_config, capsys):
-    """auto's row keeps every step's full graph when the GPU holds them (not the whole GPU as its
-    budget), else the budget that fills the GPU."""
+    """auto's row keeps what the rollout's schedule keeps: one state per step and every step's
+    full graph but the first's (probed, then recomputed) when the GPU holds them (its budget every
+    step's full graph, not the whole GPU), else what the budget that fills the GPU buys."""
     result, by_name = plan_json(tiny_config, capsys, "1GiB")
     auto, step = by_name["lowmem auto fp32"], by_name["lowmem step fp32"]
     assert result["recommendation"] == "lowmem step fp32"
-    loss_states = step["kept_bytes"] - TINY["training"]["qca_steps"] * (8 * 8 * 2 * 8)
-    whole = TINY["training"]["qca_steps"] * auto["full_graph_bytes"]
-    assert auto["budget"] == whole and auto["kept_bytes"] == whole + loss_states
-    assert auto["peak_bytes"] * 1.10 < result["gpu_mem"] / 100  # 1 GiB is far more than it needs
+    steps, psi = TINY["training"]["qca_steps"], 8 * 8 * 2 * 8
+    loss_states = step["kept_bytes"] - steps * psi
+    whole = steps * auto["full_graph_bytes"]
+    activations = auto["full_graph_bytes"] - psi
+    assert auto["budget"] == whole
+    assert auto["kept_bytes"] == steps * psi + (steps - 1) * activations + loss_states
+    assert auto["peak_bytes"] * 1.10 < result["gpu_mem"] / 5  # 1 GiB is far more than it needs
 
-    # A GPU that holds half the full graphs beyond one state per step: the budget fills it.
-    half = (step["kept_bytes"] - loss_states + whole) // 2
-    gpu_mem = int((auto["model_state_bytes"] + auto["working_bytes"] + loss_states + half) * 1.10) + 1
+    # A GPU with room for two or three full graphs beyond step's peak: the budget fills it.
+    gpu_mem = int((step["peak_bytes"] + 2.5 * activations + 2 * 512 * 64) * 1.10)
     result, by_name = plan_json(tiny_config, capsys, f"{gpu_mem}B")
     auto = by_name["lowmem auto fp32"]
     assert step["kept_bytes"] - loss_states < auto["budget"] < whole
-    assert auto["peak_bytes"] * 1.10 <= gpu_mem < (auto["peak_bytes"] + 16) * 1.10
+    graphs, rest = divmod(auto["kept_bytes"] - step["kept_bytes"], activations)
+    assert 2 <= graphs < steps - 1 and rest == 0
+    assert auto["peak_bytes"] * 1.10 <= gpu_mem
 
 
 def test_enable_with_checkpoint_auto_equals_step():

@@ -11,7 +11,9 @@ import yaml
 
 from qca_lowmem.recompute.memory import format_bytes, parse_bytes
 from qca_lowmem.trainer import cli, config as config_mod
-from qca_lowmem.trainer.plan import measure_step, plan
+from qca_lowmem.recompute import Policy
+from qca_lowmem.recompute.schedule import EveryStep, schedule_for
+from qca_lowmem.trainer.plan import StepMeasure, auto_split, measure_step, plan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -149,5 +151,26 @@ def test_the_peak_counts_a_captured_steps_pool_where_cuda_graph_runs():
         half = 2 * parameters if on.amp_dtype in ("bf16", "fp16") else 0
         assert on.graph_pool_bytes > 4 * parameters + half
         assert on.working_bytes == off.working_bytes + on.graph_pool_bytes
-        assert on.peak_bytes == off.peak_bytes + on.graph_pool_bytes
+        # The pool's own segments and its warm-up's share of the margin come on top.
+        assert on.margin_bytes > off.margin_bytes
+        assert on.peak_bytes >= off.peak_bytes + on.graph_pool_bytes + on.margin_bytes - off.margin_bytes
     assert [e.as_dict() for e in results[True]["estimates"]] == [e.as_dict() for e in results[None]["estimates"]]
+
+
+def test_auto_keeps_what_the_rollouts_own_schedule_keeps():
+    """plan's "auto" row splits its budget as the rollout does: its probe counts a step with the
+    weight copies it reaches (under autocast, more than the step's own graph), the probed first
+    step is recomputed where a captured step runs, and without one a budget holding every step
+    runs plain autograd (on an H200 "auto bf16" kept a third of the graphs plan had assumed)."""
+    m = StepMeasure(saved_bytes=1000, largest_bytes=600, weight_copy_bytes=500, activation_sizes=(600, 400),
+                    weight_copy_sizes=(500,))
+    psi, steps = 10, 6
+    counted = m.saved_bytes + m.weight_copy_bytes + psi  # a step as the rollout's probe counts it
+    every = Policy.auto(steps * counted)
+    assert auto_split(every, steps, psi, m, captured=False) == (steps, steps)
+    assert auto_split(every, steps, psi, m, captured=True) == (steps - 1, steps)
+    for budget in (steps * psi + 2 * counted, steps * (m.saved_bytes + psi)):
+        schedule = schedule_for(Policy.auto(budget), steps, counted, psi, torch.device("cpu"), keeps_final_state=True,
+                                probed=1)
+        assert isinstance(schedule, EveryStep)
+        assert auto_split(Policy.auto(budget), steps, psi, m) == (steps - schedule.graphs_from, steps)

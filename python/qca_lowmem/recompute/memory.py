@@ -9,9 +9,11 @@ from typing import List, Optional
 
 import torch
 
-# Allocator rounding, fragmentation and library workspaces: what `qca-lowmem plan` adds to a
-# predicted peak, and what budget="free" leaves unused.
+# What `qca-lowmem plan` leaves beyond its predicted reserved peak (which counts the allocator's
+# rounding and a calibrated margin, within 10% of the peaks measured), and what budget="free"
+# leaves unused.
 SAFETY = 1.10
+
 def saved_bytes(fn, *args, **kwargs) -> int:
     """Run `fn(*args, **kwargs)` and return the unique bytes its autograd graph saves for backward.
 
