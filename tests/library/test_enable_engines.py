@@ -253,6 +253,28 @@ def test_the_environment_switch_leaves_an_engine_it_cannot_run_on_stock(monkeypa
     assert line.endswith("Cartesian step once); unset QCA_LOWMEM for it to silence this")
 
 
+class ActionEngine:
+    """An engine without the step the switch replaces, as their LAGRANGIAN one: a model and an
+    integrator of its own, no operator, no evolve_step."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def evolve_internal_state(self):
+        pass
+
+
+def test_the_environment_switch_names_what_an_engine_without_our_step_lacks(monkeypatch, caplog):
+    monkeypatch.setenv("QCA_LOWMEM", "1")
+    trainer = make_trainer()
+    trainer.motor = ActionEngine(trainer.motor.operator)
+    with caplog.at_level("INFO", logger="qca_lowmem"):
+        assert qca_lowmem.enable_from_config(trainer, None) is False
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line == ("off, QC_Trainer_v4 trains on stock: QC_Trainer_v4 lacks motor.operator, motor.evolve_step (its "
+                    "motor: ActionEngine), which the switch replaces or reads; unset QCA_LOWMEM for it to silence this")
+
+
 def test_a_lowmem_section_that_asks_for_it_is_refused_in_its_own_terms(monkeypatch):
     """The section's user reads the advice as section keys, and can set every one of them."""
     monkeypatch.setenv("QCA_LOWMEM", "1")  # the section asks too: a refusal stands

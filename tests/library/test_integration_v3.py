@@ -194,8 +194,8 @@ def test_v3_refusals_name_the_cause():
         with pytest.raises(ValueError, match=r"draws psi0 as motor.get_initial_state\(trainer.batch_size\)"):
             qca_lowmem.enable(make_trainer("mlp"), **option)
     neither = SimpleNamespace(motor=SimpleNamespace(operator=torch.nn.Linear(1, 1)), optimizer=None, qca_steps=2)
-    with pytest.raises(TypeError, match=r"lacks the QC_Trainer_v4 attributes \[.*'loss_fn'.*\]; QC_Trainer_v3 "
-                                        r"attributes \[.*'compute_reward'.*\]"):
+    with pytest.raises(TypeError, match=r"SimpleNamespace lacks .*loss_fn.* \(as QC_Trainer_v4\) and "
+                                        r".*compute_reward.* \(as QC_Trainer_v3\)"):
         qca_lowmem.enable(neither)
 
 

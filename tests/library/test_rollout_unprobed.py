@@ -317,7 +317,10 @@ def test_the_step_ops_and_the_unets_cat_run_hidden_from_the_watch_and_tell_it_th
     watch = SeeingWatch(known_leaves=set(), known_writes=set(), inputs={id(psi)})
     with torch.set_grad_enabled(grad), watch:
         step(psi)
-    assert watch.seen == ["aten.mul_"]  # only the step's own op between the fused ones
+    # Only the step's own op between the fused ones; and with grad, on torch before 2.13, the two
+    # empty tensors the U-Net's torch.utils.checkpoint makes to save its inputs (_NoopSaveInputs).
+    checkpoint_dummies = ["aten.empty"] * 2 if grad and hasattr(torch.utils.checkpoint, "_NoopSaveInputs") else []
+    assert watch.seen == ["aten.mul_", *checkpoint_dummies]
     # drift reaches the step only through the hidden update: it told the watch.
     assert {id(p) for p in watch.leaves} == {id(p) for p in [*model.parameters(), drift]}
     assert watch.writes == []

@@ -61,11 +61,17 @@ def test_the_patch_reads_their_lines_where_they_are():
         assert [line_hash(text) for text in expected] == recorded, f"the hunk at line {start}"
 
 
-def test_the_patch_adds_the_import_and_one_call_per_trainer_branch():
+ENABLE = "        qca_lowmem.enable_from_config(trainer, exp_cfg)"
+# V4 builds a new model on the CPU whatever the device (their engine keeps it where it was made);
+# the pipeline's own `model_operator` names it for every engine, None where there is none.
+TO_DEVICE = ["        if model_operator is not None:", "            model_operator.to(device)"]
+
+
+def test_the_patch_adds_the_import_one_call_per_trainer_branch_and_the_v4_model_to_the_device():
     added = [(body, i) for _, body in hunks(readme_patch()) for i, (tag, _) in enumerate(body) if tag == "+"]
-    assert [body[i][1] for body, i in added] == ["import qca_lowmem"] + 2 * [
-        "        qca_lowmem.enable_from_config(trainer, exp_cfg)"]
-    for body, i in added[1:]:  # in the block of the line it comes before: their trainer's loop
+    assert [body[i][1] for body, i in added] == ["import qca_lowmem", *TO_DEVICE, ENABLE, ENABLE]
+    added = [(body, i) for body, i in added if body[i][1] == ENABLE]
+    for body, i in added:  # in the block of the line it comes before: their trainer's loop
         assert body[i + 1][1].startswith("        trainer.run_training_loop()") or \
             body[i + 1][1].startswith("        _run_v4_training_loop(trainer, exp_cfg)")
 
@@ -109,4 +115,9 @@ def test_the_patch_applies_to_their_file(tmp_path):
     shutil.copyfile(theirs, target)
     done = apply(readme_patch(), tmp_path)
     assert done.returncode == 0, done.stderr
-    compile(target.read_text(), str(target), "exec")
+    patched = target.read_text()
+    compile(patched, str(target), "exec")
+    # the V4 model moved after their pipeline names it, on the device it sets at the top
+    v4 = patched.index("trainer = QC_Trainer_v4(**trainer_kwargs)")
+    assert patched.index("device = global_cfg.get_device()") < v4 < patched.index("model_operator = getattr(", v4) \
+        < patched.index(TO_DEVICE[1].strip(), v4) < patched.index("_run_v4_training_loop(trainer, exp_cfg)", v4)

@@ -1,12 +1,18 @@
-"""What a new user meets in the first hour: bench's times and plot, where a run runs, and
-torch.func transforms through our ops."""
+"""What a new user meets in the first hour: bench's times and plot, where a run runs, what the
+README promises after its two commands (or a line saying what is missing), --stop-after's way back,
+and torch.func transforms through our ops."""
+
+import os
+import shlex
+import subprocess
+import sys
 
 import pytest
 import torch
 import yaml
 
 import qca_lowmem
-from qca_lowmem.trainer import bench as bench_mod, cli, config as config_mod
+from qca_lowmem.trainer import bench as bench_mod, cli, config as config_mod, doctor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -103,3 +109,80 @@ def test_bench_runs_lowmem_as_the_trainer_would_with_cuda_graph(cuda_graph):
     assert isinstance(on_cuda.lowmem_step, qca_lowmem.StepGraph) == (cuda_graph is not False)
     assert not isinstance(bench_mod.EpisodeRunner(config, torch.device("cpu"), model=model).lowmem_step,
                           qca_lowmem.StepGraph)
+
+
+def write_tiny(tmp_path, episodes=3):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "training": {**TINY["training"], "episodes": episodes}}))
+    return path
+
+
+def test_without_tensorboard_and_matplotlib_a_line_says_so_once_and_doctor_lists_them(tmp_path, monkeypatch, capsys):
+    """A fresh `pip install .` has neither: the run and bench say once what is not written and how
+    to get it, and doctor lists both under "to fix"."""
+    for module in ("tensorboard", "torch.utils.tensorboard", "matplotlib"):
+        monkeypatch.setitem(sys.modules, module, None)  # what `import` finds when it is not installed
+    out = tmp_path / "run"
+    assert cli.main(["train", "--config", str(write_tiny(tmp_path)), "--out", str(out), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert err.count(f"no TensorBoard logs in {out / 'tensorboard'}: tensorboard is not installed "
+                     "(pip install tensorboard)") == 1, err
+    assert not (out / "tensorboard").exists()
+
+    def run(self, variant, steps):
+        return {"bytes": 1, "seconds": 1.0}
+
+    monkeypatch.setattr(bench_mod.EpisodeRunner, "run", run)
+    bench_mod.bench(config_mod.config_from_dict(TINY), [1, 2], str(tmp_path / "bench"))
+    assert capsys.readouterr().out.count("matplotlib is not installed, so no plot was written (pip install matplotlib") == 1
+    assert not list((tmp_path / "bench").glob("*.png"))
+
+    facts, fixes = doctor.report()
+    assert dict(facts)["tensorboard"] == "no" and dict(facts)["matplotlib"] == "no"
+    assert "pip install tensorboard (TensorBoard logs in each run folder)" in fixes
+    assert "pip install matplotlib (bench's plot, bench_<device>.png)" in fixes
+    doctor.main_doctor()
+    printed = capsys.readouterr().out
+    assert printed.index("to fix:") < printed.index("pip install tensorboard")
+
+
+def test_stop_after_says_it_stopped_early_and_how_to_continue(tmp_path, monkeypatch, capsys):
+    """The closing line of a run cut short by --stop-after is not a finished run's, and its command
+    (run as printed) finishes the run."""
+    monkeypatch.chdir(tmp_path)
+    config = write_tiny(tmp_path, episodes=3)
+    assert cli.main(["train", "--config", str(config), "--no-progress", "--stop-after", "1"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("qca-lowmem train: stopped early (--stop-after 1) after 1 episodes, at episode 1 of 3")
+    command = line.split("; continue with: ")[1]
+    assert command == f"qca-lowmem train --config {config} --no-progress --out runs/qca --resume"
+    assert cli.main(shlex.split(command)[1:]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("qca-lowmem train: 2 episodes,") and "continue with" not in line
+    # the flags a user gave come back, those that would start over or stop again do not
+    assert cli.main(["train", "--config", str(config), "--no-progress", "--stop-after=1", "--out", "b", "--overwrite",
+                     "--episodes", "2", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.strip().endswith(
+        f"continue with: qca-lowmem train --config {config} --no-progress --episodes 2 --seed 3 --out b --resume")
+
+
+@pytest.mark.slow
+def test_after_the_readme_commands_every_output_it_names_exists(tmp_path):
+    """`train` twice (run.sh's job and a second run) and `bench` as processes in a fresh folder,
+    with the packages run.sh and test.sh install: each run folder holds metrics.csv, checkpoint.pt
+    and TensorBoard's logs, and bench writes its table and plot to bench_results/."""
+    pytest.importorskip("tensorboard", reason="scripts/run.sh and scripts/test.sh install tensorboard")
+    pytest.importorskip("matplotlib", reason="scripts/run.sh and scripts/test.sh install matplotlib")
+    config = str(write_tiny(tmp_path, episodes=2))
+    for command in (["train", "--config", config, "--no-progress"], ["train", "--config", config, "--no-progress"],
+                    ["bench", "--config", config, "--steps", "1,2"]):
+        done = subprocess.run([sys.executable, "-m", "qca_lowmem", *command], cwd=tmp_path, capture_output=True,
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr
+        assert "not installed" not in done.stdout + done.stderr
+    for run in ("qca", "qca-2"):
+        folder = tmp_path / "runs" / run
+        assert (folder / "metrics.csv").is_file() and (folder / "checkpoint.pt").is_file()
+        assert list((folder / "tensorboard").glob("events.out.tfevents.*"))
+    assert (tmp_path / "bench_results" / "bench_cpu.json").is_file()
+    assert (tmp_path / "bench_results" / "bench_cpu.png").stat().st_size > 0

@@ -1,6 +1,6 @@
 """A run is never overwritten silently: `train` on a folder that holds one needs --resume or
 --overwrite (which keeps the old files aside), on every DDP rank; scripts/run.sh a second time
-trains into a new folder."""
+trains into a new folder (train picks it)."""
 
 import os
 import shutil
@@ -84,23 +84,52 @@ def test_every_ddp_rank_checks_the_output_folder(tiny, tmp_path):
         check_run(load_config(str(tiny), out_dir=str(held)), rank=1, world_size=2)
 
 
+def test_train_without_out_takes_the_next_free_folder(tiny, tmp_path, monkeypatch, capsys):
+    """runs/qca, runs/qca-2, ... as run.sh's users meet them; an --out names its folder; a run that
+    holds its folder is left as it was."""
+    monkeypatch.chdir(tmp_path)
+    for _ in range(3):
+        assert cli.main(["train", "--config", str(tiny), "--no-progress", "--episodes", "1"]) == 0
+    before = snapshot(tmp_path / "runs" / "qca")
+    capsys.readouterr()
+    assert cli.main(["train", "--config", str(tiny), "--no-progress", "--episodes", "1"]) == 0
+    assert "runs/qca holds a run (--resume continues it): training into runs/qca-4" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["qca", "qca-2", "qca-3", "qca-4"]
+    assert snapshot(tmp_path / "runs" / "qca") == before
+    assert all((tmp_path / "runs" / name / "checkpoint.pt").exists() for name in ("qca-2", "qca-3", "qca-4"))
+    assert train(tiny, "mine", "--episodes", 1) == 0 and (tmp_path / "mine" / "checkpoint.pt").exists()
+    # --resume continues the run in runs/qca, not a new folder's
+    assert cli.main(["train", "--config", str(tiny), "--no-progress", "--resume"]) == 0
+    assert len((tmp_path / "runs" / "qca" / "metrics.csv").read_text().splitlines()) == 3
+    assert not (tmp_path / "runs" / "qca-5").exists()
+
+
+def test_a_refusal_names_a_free_folder(tiny, tmp_path):
+    """Under torchrun (where every rank would pick a folder of its own) or with a config's folder:
+    the refusal says which --out holds no run."""
+    for name in ("held", "held-2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.csv").write_text("episode\n")
+    with pytest.raises(UsageError, match=rf"--out {tmp_path / 'held'} holds a run .*\(--out {tmp_path / 'held'}-3 holds none\)"):
+        check_run(load_config(str(tiny), out_dir=str(tmp_path / "held")), rank=1, world_size=2)
+
+
 @pytest.mark.slow
-def test_run_sh_a_second_time_trains_into_a_new_folder(tmp_path):
-    """run.sh with a stand-in python that records what it is asked to run and writes a run's files."""
+def test_run_sh_installs_what_the_readme_promises_and_lets_train_pick_the_folder(tmp_path):
+    """run.sh with a stand-in python that records what it is asked to run: setup installs
+    TensorBoard (the run's logs) and matplotlib (bench's plot), and `train` gets the user's
+    arguments as they are (it picks runs/qca, runs/qca-2, ... itself)."""
     shutil.copytree(ROOT / "scripts", tmp_path / "scripts")
     log = tmp_path / "calls.log"
     fake = tmp_path / "python"
     fake.write_text(f"""#!/usr/bin/env bash
-if [ "$1" = "-m" ] && [ "$2" = "qca_lowmem" ]; then
-  echo "$@" >> {log}
-  mkdir -p "$5" && touch "$5/checkpoint.pt"
-fi
+echo "$@" >> {log}
 """)
     fake.chmod(0o755)
     env = dict(os.environ, PYTHON=str(fake))
-    for _ in range(3):
-        subprocess.run(["bash", str(tmp_path / "scripts" / "run.sh")], check=True, env=env, capture_output=True)
+    subprocess.run(["bash", str(tmp_path / "scripts" / "run.sh")], check=True, env=env, capture_output=True)
     subprocess.run(["bash", str(tmp_path / "scripts" / "run.sh"), "--out", "mine"], check=True, env=env,
                    capture_output=True)
-    assert log.read_text().splitlines() == ["-m qca_lowmem train --out runs/qca", "-m qca_lowmem train --out runs/qca-2",
-                                            "-m qca_lowmem train --out runs/qca-3", "-m qca_lowmem train --out mine"]
+    calls = log.read_text().splitlines()
+    assert "-m pip install -q tensorboard matplotlib" in calls
+    assert [c for c in calls if "qca_lowmem" in c] == ["-m qca_lowmem train", "-m qca_lowmem train --out mine"]

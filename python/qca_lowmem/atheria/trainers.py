@@ -164,13 +164,19 @@ ADAPTERS = (TrainerV4, TrainerV3)
 
 def adapter_for(trainer):
     """The adapter of the first trainer version whose attributes `trainer` has; else a TypeError
-    naming what each version lacks."""
+    naming what it lacks (one line first: the environment switch's warning shows that line)."""
     lacks = {adapter.name: _missing(trainer, adapter.required) for adapter in ADAPTERS}
     for adapter in ADAPTERS:
         if not lacks[adapter.name]:
             adapter.check(trainer)
             return adapter
-    said = "; ".join(f"{name} attributes {missing}" for name, missing in lacks.items())
-    raise TypeError(f"enable(): {type(trainer).__name__} is not a trainer qca_lowmem knows; no setting changes that: "
-                    f"train it on stock, without enable()\nIt lacks the {said} (docs/design.md lists what the "
-                    "switch relies on)")
+    name = type(trainer).__name__
+    # A trainer named as a version it is (their QC_Trainer_v4 on an engine without our step): what
+    # that version lacks; else what each version lacks.
+    versions = [adapter.name for adapter in ADAPTERS if adapter.name == name] or list(lacks)
+    said = " and ".join(", ".join(lacks[version]) + ("" if version == name else f" (as {version})")
+                        for version in versions)
+    motor = getattr(trainer, "motor", None)
+    engine = f" (its motor: {type(motor).__name__})" if motor is not None and "motor." in said else ""
+    raise TypeError(f"enable(): {name} lacks {said}{engine}, which the switch replaces or reads; no setting changes "
+                    "that: train it on stock, without enable()\n(docs/design.md lists what the switch relies on)")

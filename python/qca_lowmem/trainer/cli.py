@@ -144,6 +144,7 @@ def main(argv: Optional[List[str]] = None, *, process: bool = False) -> int:
 
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if unknown:  # said by the command's own parser, whose --help lists its flags
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     with stop_signals_handled(until_exit=process) if args.command == "train" else contextlib.nullcontext():
@@ -233,11 +234,21 @@ def _train_flags(args) -> List[str]:
 
 
 def _train(args) -> int:
+    import dataclasses
     from .errors import UsageError
+    from .metrics import message
+    from .run_folder import free_run_folder
     from .train import check_run, device_note, train
     from .checkpoint import CHECKPOINT_NAME
 
     config = _config(args)
+    # No --out and a new run: the next free folder, as run.sh did (under torchrun every rank would
+    # pick its own, so there a folder that holds a run is refused with the flags to add).
+    if args.out_dir is None and args.resume is None and not args.overwrite and not args.ddp:
+        free = free_run_folder(config.out_dir)
+        if free != config.out_dir:
+            message(f"{config.out_dir} holds a run (--resume continues it): training into {free}")
+            config = dataclasses.replace(config, out_dir=free)
     resume = args.resume
     if resume == "auto":
         resume = os.path.join(config.out_dir, CHECKPOINT_NAME)
@@ -253,10 +264,32 @@ def _train(args) -> int:
                     overwrite=args.overwrite)
     if results and int(os.environ.get("RANK", "0")) == 0:
         last = results[-1]
-        print(f"qca-lowmem train: {len(results)} episodes, last loss {last['loss']:.4f} "
-              f"(survival {last['survival']:.3f}, symmetry {last['symmetry']:.3f}, complexity {last['complexity']:.3f}); "
-              f"metrics in {Path(config.out_dir) / 'metrics.csv'}, checkpoint in {Path(config.out_dir) / CHECKPOINT_NAME}")
+        done = last["episode"] + 1
+        ran = (f"{len(results)} episodes" if done >= config.episodes else
+               f"stopped early (--stop-after {args.stop_after}) after {len(results)} episodes, at episode {done} "
+               f"of {config.episodes}")
+        print(f"qca-lowmem train: {ran}, last loss {last['loss']:.4f} (survival {last['survival']:.3f}, "
+              f"symmetry {last['symmetry']:.3f}, complexity {last['complexity']:.3f}); metrics in "
+              f"{Path(config.out_dir) / 'metrics.csv'}, checkpoint in {Path(config.out_dir) / CHECKPOINT_NAME}"
+              + (f"; continue with: {resume_command(args, config.out_dir)}" if done < config.episodes else ""))
     return 0
+
+
+def resume_command(args, out_dir: str) -> str:
+    """The command that continues the run `args` started in `out_dir`: its arguments less
+    --stop-after, --overwrite and any --resume, with --out (when it was picked) and --resume."""
+    import shlex
+
+    words, given = [], iter(args.argv)
+    for word in given:
+        if word in ("--stop-after", "--out") or (word == "--resume" and args.resume not in (None, "auto")):
+            next(given, None)  # and its value
+        elif word.split("=")[0] not in ("--stop-after", "--overwrite", "--resume", "--out"):
+            words.append(word)
+    head = "qca-lowmem"
+    if args.ddp:
+        head = f"torchrun --nproc_per_node={os.environ.get('WORLD_SIZE', '1')} -m qca_lowmem"
+    return f"{head} {shlex.join(words)} --out {shlex.quote(str(out_dir))} --resume"
 
 
 if __name__ == "__main__":

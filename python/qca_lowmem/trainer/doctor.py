@@ -54,12 +54,14 @@ def report() -> Tuple[List[Tuple[str, str]], List[str]]:
         fixes.append("export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting Python "
                      "(less fragmentation on small GPUs; qca-lowmem train does it for you)")
 
-    for module, why in (("tqdm", "progress bars"), ("yaml", "YAML configs"), ("matplotlib", "bench plots"),
-                        ("tensorboard", "TensorBoard logs")):
+    # What the README promises after run.sh: a run's TensorBoard logs and bench's plot included.
+    for module, package, why in (("tqdm", "tqdm", "progress bars"), ("yaml", "PyYAML", "YAML configs"),
+                                 ("matplotlib", "matplotlib", "bench's plot, bench_<device>.png"),
+                                 ("tensorboard", "tensorboard", "TensorBoard logs in each run folder")):
         present = importlib.util.find_spec(module) is not None
         facts.append((module, "yes" if present else "no"))
-        if not present and module in ("tqdm", "yaml"):
-            fixes.append(f"pip install {'PyYAML' if module == 'yaml' else module} ({why})")
+        if not present:
+            fixes.append(f"pip install {package} ({why})")
     return facts, fixes
 
 

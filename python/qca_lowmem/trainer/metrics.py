@@ -53,6 +53,7 @@ class EpisodeLog:
     def __init__(self, out_dir: Path, device, next_episode: int, episodes: int, rank: int, progress: bool):
         self.column = memory_column(device)
         self.csv_file = self.writer = self.board = self.bar = None
+        self.board_tried = False
         self.rows_written = 0
         if rank != 0:
             return
@@ -93,8 +94,11 @@ class EpisodeLog:
         except OSError as error:
             raise _write_failed(self.path, error) from None
         self.rows_written += 1
-        if self.board is None:  # made at the first episode, so that a run stopped before it leaves no file
+        if not self.board_tried:  # made at the first episode, so that a run stopped before it leaves no file
+            self.board_tried = True
             self.board = _tensorboard_writer(self.board_dir)
+            if self.board is None:
+                self.note(f"no TensorBoard logs in {self.board_dir}: {TENSORBOARD_MISSING}")
         if self.board is not None:
             for key in ("loss", *METRIC_KEYS, self.column, "seconds"):
                 self.board.add_scalar(f"episode/{key}", record[key], record["episode"])
@@ -122,6 +126,9 @@ class EpisodeLog:
 
     def __exit__(self, *exc):
         self.close()
+
+
+TENSORBOARD_MISSING = "tensorboard is not installed (pip install tensorboard)"
 
 
 def _tensorboard_writer(path: Path) -> Optional[object]:

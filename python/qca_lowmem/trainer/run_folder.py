@@ -1,5 +1,6 @@
 """A run's output folder is never overwritten silently: a folder that holds a run is continued
-(`--resume`) or, with `--overwrite`, its files are set aside in a subfolder first."""
+(`--resume`) or, with `--overwrite`, its files are set aside in a subfolder first; a run given no
+--out trains into the next free folder (free_run_folder)."""
 
 import datetime
 from pathlib import Path
@@ -25,7 +26,22 @@ def check_run_folder(out_dir, resume: Optional[str], overwrite: bool):
     held = [name for name in RUN_MARKS if (out / name).exists()]
     if held:
         raise UsageError(f"--out {out} holds a run ({', '.join(held)}): continue it with --resume, or start over "
-                         f"with --overwrite (its files are kept in {out / 'replaced-<date>'}), or give another --out")
+                         f"with --overwrite (its files are kept in {out / 'replaced-<date>'}), or give another --out "
+                         f"(--out {free_run_folder(out)} holds none)")
+
+
+def holds_run(out_dir) -> bool:
+    return any((Path(out_dir) / name).exists() for name in RUN_MARKS)
+
+
+def free_run_folder(out_dir) -> str:
+    """`out_dir` if it holds no run, else the first of `<out_dir>-2`, `<out_dir>-3`, ... that holds
+    none (runs/qca, runs/qca-2, ...)."""
+    folder, n = str(out_dir), 1
+    while holds_run(folder):
+        n += 1
+        folder = f"{out_dir}-{n}"
+    return folder
 
 
 def set_aside(out_dir) -> Optional[Path]:
