@@ -11,7 +11,8 @@
    second host thread; the recompute check's margin (its measured difference over its tolerance)
    with the output head at a trained size.
 4. groupnorm: the fused GroupNorm+ELU forward and backward at the U-Net's own GroupNorm shapes
-   (read off the model with hooks), against torch's group_norm + elu and a `copy_` of the input,
+   (read off the model with hooks), NCHW and channels_last (two kernel families: per group, and
+   tiles of a slab of groups), against torch's group_norm + elu and a `copy_` of the input,
    each call timed inside a captured graph of GRAPH_CALLS calls (one call between two events
    mostly times its launch).
 5. budget: budget="free" under a 3.68 GiB per-process cap (the small-GPU emulation): what
@@ -29,6 +30,7 @@ GPU it prints what it would measure and exits 0.
 
 import argparse
 import copy
+import itertools
 import sys
 import threading
 import time
@@ -246,29 +248,32 @@ def unet_groupnorm_shapes(args, device):
 
 def section_groupnorm(args, device):
     rows = []
-    for shape, groups in unet_groupnorm_shapes(args, device):
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
-            w = torch.randn(shape[1], device=device, dtype=dtype, requires_grad=True)
-            b = torch.randn(shape[1], device=device, dtype=dtype, requires_grad=True)
-            g = torch.randn(shape, device=device, dtype=dtype)
-            fused_y = qca_lowmem.groupnorm_elu(x, w, b, groups)
-            torch_y = F.elu(F.group_norm(x, groups, w, b, 1e-5))
-            candidates = {
-                "fused_forward": lambda: qca_lowmem.groupnorm_elu(x.detach(), w.detach(), b.detach(), groups),
-                "torch_forward": lambda: F.elu(F.group_norm(x.detach(), groups, w.detach(), b.detach(), 1e-5)),
-                "fused_backward": lambda: torch.autograd.grad(fused_y, (x, w, b), g, retain_graph=True),
-                "torch_backward": lambda: torch.autograd.grad(torch_y, (x, w, b), g, retain_graph=True),
-                "copy_of_x": common.copy_of(x.numel() * x.element_size() * 2, device),
-            }
-            calls = {}
-            times = common.interleaved_medians(candidates, device, warmup=5, reps=30, calls=GRAPH_CALLS, timed_in=calls)
-            row = {"shape": list(shape), "groups": groups, "dtype": str(dtype).replace("torch.", ""),
-                   "calls_per_timed_graph": calls,
-                   **{f"{k}_us": v * 1e6 for k, v in times.items()},
-                   "max_abs_diff_vs_torch": (fused_y.float() - torch_y.float()).abs().max().item()}
-            print(f"groupnorm {shape} g={groups} {row['dtype']}: {short(row)}")
-            rows.append(row)
+    layouts = {"nchw": torch.contiguous_format, "channels_last": torch.channels_last}
+    # channels_last takes the tiled kernels (groupnorm_elu_nhwc.cuh), NCHW the per-group ones
+    for (shape, groups), dtype, layout in itertools.product(unet_groupnorm_shapes(args, device),
+                                                            (torch.float32, torch.bfloat16), layouts):
+        x = torch.randn(shape, device=device, dtype=dtype).contiguous(memory_format=layouts[layout])
+        x.requires_grad_(True)
+        w = torch.randn(shape[1], device=device, dtype=dtype, requires_grad=True)
+        b = torch.randn(shape[1], device=device, dtype=dtype, requires_grad=True)
+        g = torch.randn(shape, device=device, dtype=dtype).contiguous(memory_format=layouts[layout])
+        fused_y = qca_lowmem.groupnorm_elu(x, w, b, groups)
+        torch_y = F.elu(F.group_norm(x, groups, w, b, 1e-5))
+        candidates = {
+            "fused_forward": lambda: qca_lowmem.groupnorm_elu(x.detach(), w.detach(), b.detach(), groups),
+            "torch_forward": lambda: F.elu(F.group_norm(x.detach(), groups, w.detach(), b.detach(), 1e-5)),
+            "fused_backward": lambda: torch.autograd.grad(fused_y, (x, w, b), g, retain_graph=True),
+            "torch_backward": lambda: torch.autograd.grad(torch_y, (x, w, b), g, retain_graph=True),
+            "copy_of_x": common.copy_of(x.numel() * x.element_size() * 2, device),
+        }
+        calls = {}
+        times = common.interleaved_medians(candidates, device, warmup=5, reps=30, calls=GRAPH_CALLS, timed_in=calls)
+        row = {"shape": list(shape), "groups": groups, "dtype": str(dtype).replace("torch.", ""), "layout": layout,
+               "calls_per_timed_graph": calls,
+               **{f"{k}_us": v * 1e6 for k, v in times.items()},
+               "max_abs_diff_vs_torch": (fused_y.float() - torch_y.float()).abs().max().item()}
+        print(f"groupnorm {shape} g={groups} {row['dtype']} {layout}: {short(row)}")
+        rows.append(row)
     return rows
 
 

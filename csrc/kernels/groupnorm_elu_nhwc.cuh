@@ -186,21 +186,28 @@ __global__ void __launch_bounds__(kNhwcThreads, kNhwcBlocksPerSm)
   const scalar_t* x = static_cast<const scalar_t*>(p.x);
   Stats* partials = static_cast<Stats*>(p.workspace);
   for (int64_t sample = blockIdx.y; sample < p.shape.batch; sample += gridDim.y) {
-    Stats w{acc_t(0), acc_t(0), 0};
+    // The thread's sums of x - shift and its square, shift its first value (a value of the
+    // group keeps the cancellation small), made statistics once: one division a thread.
+    acc_t shift = 0, sum = 0, squares = 0;
+    int64_t count = 0;
     if (t.active)
       for_tile_pixels<kNhwcForwardBatch<scalar_t>>(
           t, plan, sample, [&](int64_t i) { return to_acc<acc_t>(x[i]); },
-          [&](const auto& v, int count, int64_t, int64_t) {
-            // A batch's own mean and squared deviations, then merged: one division a batch.
-            acc_t sum = 0, m2 = 0;
-            for_batch(v, count, [&](int, acc_t value) { sum += value; });
-            const acc_t mean = sum / (acc_t)count;
-            for_batch(v, count, [&](int, acc_t value) {
-              const acc_t deviation = value - mean;
-              m2 += mul_rn(deviation, deviation);
+          [&](const auto& v, int batch, int64_t, int64_t) {
+            if (count == 0) shift = v[0];
+            for_batch(v, batch, [&](int, acc_t value) {
+              const acc_t deviation = value - shift;
+              sum += deviation;
+              squares += mul_rn(deviation, deviation);
             });
-            w = merge(w, Stats{mean, m2, count});
+            count += batch;
           });
+    Stats w{acc_t(0), acc_t(0), 0};
+    if (count > 0) {
+      const acc_t offset = sum / (acc_t)count;
+      const acc_t m2 = squares - mul_rn(sum, offset);
+      w = Stats{shift + offset, m2 < 0 ? acc_t(0) : m2, count};  // a NaN stays NaN
+    }
     slots[threadIdx.x] = w;
     __syncthreads();
     combine_over_sets(t, plan, (int)plan.group_channels, slots, MergeStatistics());

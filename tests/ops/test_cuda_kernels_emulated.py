@@ -273,7 +273,11 @@ def gn_tolerance(dtype, stat_dtype, magnitude):
     pixels a pixel lane, gn_geometry), combines the 512 threads in a shuffle tree of depth 5 then
     the 16 warps one after another (the backward's per-channel sums: a tree of depth 9 at most),
     then the chunks one after another (at most MAX_TESTED_CHUNKS), in the statistics dtype: under
-    2^6 roundings, 2^-47 in double and 2^-18 in float (all but float64 data). C adds lanes of at most
+    2^6 roundings, 2^-47 in double and 2^-18 in float (all but float64 data); channels_last
+    (groups up to 256 channels) as few: a thread's sums about its first value (8 pixels at most
+    here), a tree of at most 8 levels over the group's threads, the at most 64 tiles taken in
+    turn by those threads, a second tree, and for the backward's group means the channels of the
+    group one after another (8 at most here). C adds lanes of at most
     32 terms (float lanes for float statistics, double for double ones) into double once per
     512-element tile, the tiles' sums with compensation: within about sqrt(32) roundings of the
     lane type, 2^-50 in double and 2^-21 in float. The tolerance is more than twice the sum:
