@@ -228,6 +228,7 @@ GN_CASES = [  # (shape, groups, channels_last)
     ((1, 4, 96, 96), 2, True),
     ((0, 4, 4, 4), 2, False),      # no samples
     ((2, 4, 0, 3), 1, False),      # no pixels
+    ((2, 4, 0, 3), 1, True),
 ]
 GN_DTYPES = [  # (x, weight and bias): each data type with its own and with float32 parameters
     (torch.float32, torch.float32), (torch.float64, torch.float64), (torch.float16, torch.float16),
