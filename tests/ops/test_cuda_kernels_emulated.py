@@ -509,7 +509,7 @@ def test_groupnorm_elu_channels_last_tiles_are_the_plan_and_fill_the_gpu(emu):
     """channels_last: every emulated case with samples (groups up to 256 channels) is cut into
     the tiles gn_nhwc_geometry says, read from the workspace sizes, the same on a GPU of 1
     multiprocessor and of 132. Each of the default U-Net's shapes (hidden 128) is 256 blocks a
-    launch at batch 1 (where one block a (sample, group) pair made 16 to 128), at least a wave
+    launch at batch 1 (where the per-group kernels made 64 to 256), at least a wave
     on 132 multiprocessors; a block re-reads at most 64 tiles a group."""
     cases = [(shape, groups) for shape, groups, layout in GN_CASES
              if layout and shape[0] and shape[1] // groups <= 256]
