@@ -11,7 +11,8 @@
    second host thread; the recompute check's margin (its measured difference over its tolerance)
    with the output head at a trained size.
 4. groupnorm: the fused GroupNorm+ELU forward and backward at the U-Net's own GroupNorm shapes
-   (read off the model with hooks), against torch's group_norm + elu and a `copy_` of the input,
+   (read off the model with hooks), NCHW and channels_last (two kernel families: per group, and
+   tiles of a slab of groups), against torch's group_norm + elu and a `copy_` of the input,
    each call timed inside a captured graph of GRAPH_CALLS calls (one call between two events
    mostly times its launch; the backwards' graphs are made on the capture's stream), or where a
    candidate cannot be captured, its kernels' times summed by torch's profiler.
@@ -31,6 +32,7 @@ GPU it prints what it would measure and exits 0.
 import argparse
 import copy
 import functools
+import itertools
 import sys
 import threading
 import time
@@ -256,30 +258,37 @@ def torch_groupnorm_elu(x, w, b, groups):
 
 def section_groupnorm(args, device):
     rows = []
-    for shape, groups in unet_groupnorm_shapes(args, device):
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
-            w = torch.randn(shape[1], device=device, dtype=dtype, requires_grad=True)
-            b = torch.randn(shape[1], device=device, dtype=dtype, requires_grad=True)
-            g = torch.randn(shape, device=device, dtype=dtype)
-            fused = functools.partial(fused_groupnorm_elu, groups=groups)
-            reference = functools.partial(torch_groupnorm_elu, groups=groups)
-            fused_y, torch_y = fused(x, w, b), reference(x, w, b)
-            candidates = {
-                "fused_forward": lambda: fused(x.detach(), w.detach(), b.detach()),
-                "torch_forward": lambda: reference(x.detach(), w.detach(), b.detach()),
-                "fused_backward": common.backward_of(fused, (x, w, b), g),
-                "torch_backward": common.backward_of(reference, (x, w, b), g),
-                "copy_of_x": common.copy_of(x.numel() * x.element_size() * 2, device),
-            }
-            calls = {}
-            times = common.interleaved_medians(candidates, device, warmup=5, reps=30, calls=GRAPH_CALLS, timed_in=calls)
-            row = {"shape": list(shape), "groups": groups, "dtype": str(dtype).replace("torch.", ""),
-                   "calls_per_timed_graph": calls,
-                   **{f"{k}_us": v * 1e6 for k, v in times.items()},
-                   "max_abs_diff_vs_torch": (fused_y.float() - torch_y.float()).abs().max().item()}
-            print(f"groupnorm {shape} g={groups} {row['dtype']}: {short(row)}")
-            rows.append(row)
+    layouts = {"nchw": torch.contiguous_format, "channels_last": torch.channels_last}
+    # channels_last takes the tiled kernels (groupnorm_elu_nhwc.cuh), NCHW the per-group ones
+    for (shape, groups), dtype, layout in itertools.product(unet_groupnorm_shapes(args, device),
+                                                            (torch.float32, torch.bfloat16), layouts):
+        x = torch.randn(shape, device=device, dtype=dtype).contiguous(memory_format=layouts[layout])
+        x.requires_grad_(True)
+        w = torch.randn(shape[1], device=device, dtype=dtype, requires_grad=True)
+        b = torch.randn(shape[1], device=device, dtype=dtype, requires_grad=True)
+        g = torch.randn(shape, device=device, dtype=dtype).contiguous(memory_format=layouts[layout])
+        fused = functools.partial(fused_groupnorm_elu, groups=groups)
+        reference = functools.partial(torch_groupnorm_elu, groups=groups)
+        fused_y, torch_y = fused(x, w, b), reference(x, w, b)
+        _, mean, rstd = torch.ops.qca_lowmem.groupnorm_elu(x.detach(), w.detach(), b.detach(), groups, 1e-5)
+        candidates = {
+            "fused_forward": lambda: fused(x.detach(), w.detach(), b.detach()),
+            "torch_forward": lambda: reference(x.detach(), w.detach(), b.detach()),
+            "fused_backward": common.backward_of(fused, (x, w, b), g),
+            # the backward op alone, without autograd's call above it
+            "fused_backward_op": lambda: torch.ops.qca_lowmem.groupnorm_elu_backward(
+                g, x.detach(), w.detach(), b.detach(), mean, rstd),
+            "torch_backward": common.backward_of(reference, (x, w, b), g),
+            "copy_of_x": common.copy_of(x.numel() * x.element_size() * 2, device),
+        }
+        calls = {}
+        times = common.interleaved_medians(candidates, device, warmup=5, reps=30, calls=GRAPH_CALLS, timed_in=calls)
+        row = {"shape": list(shape), "groups": groups, "dtype": str(dtype).replace("torch.", ""), "layout": layout,
+               "calls_per_timed_graph": calls,
+               **{f"{k}_us": v * 1e6 for k, v in times.items()},
+               "max_abs_diff_vs_torch": (fused_y.float() - torch_y.float()).abs().max().item()}
+        print(f"groupnorm {shape} g={groups} {row['dtype']} {layout}: {short(row)}")
+        rows.append(row)
     return rows
 
 

@@ -19,9 +19,13 @@
 // lane per channel of the group, varying fastest, so a warp reads the group's consecutive
 // channels of consecutive pixels. Either way each thread keeps one channel at a time, so
 // per-channel sums stay in registers. How the work is cut and launched: groupnorm_elu_plan.cuh.
+// channels_last groups of up to 256 channels take the kernels of groupnorm_elu_nhwc.cuh instead:
+// tiles of a slab of groups, two launches a pass at any batch.
 #include <math.h>
 
 #include "qca_cuda_common.cuh"
+#include "groupnorm_elu_elements.cuh"
+#include "groupnorm_elu_nhwc.cuh"
 #include "groupnorm_elu_plan.cuh"
 #include "qca_lowmem/groupnorm_elu.h"
 
@@ -68,71 +72,6 @@ struct Place {
   __device__ bool first_block() const { return first_chunk == 0; }
 };
 
-template <typename acc_t>
-struct Welford {
-  acc_t mean, m2;
-  int64_t count;
-};
-
-template <typename acc_t>
-__device__ Welford<acc_t> merge(const Welford<acc_t>& a, const Welford<acc_t>& b) {
-  if (b.count == 0) return a;
-  if (a.count == 0) return b;
-  Welford<acc_t> r;
-  r.count = a.count + b.count;
-  const acc_t delta = b.mean - a.mean;
-  const acc_t b_share = (acc_t)b.count / (acc_t)r.count;
-  r.mean = a.mean + mul_rn(delta, b_share);
-  r.m2 = a.m2 + b.m2 + mul_rn(mul_rn(mul_rn(delta, delta), (acc_t)a.count), b_share);
-  return r;
-}
-
-template <typename acc_t>
-struct SumPair {
-  acc_t a, b;
-};
-
-__device__ __forceinline__ float elu(float z) { return z > 0.0f ? z : expm1f(z); }
-__device__ __forceinline__ double elu(double z) { return z > 0.0 ? z : expm1(z); }
-__device__ __forceinline__ float elu_grad(float z) { return z > 0.0f ? 1.0f : expf(z); }
-__device__ __forceinline__ double elu_grad(double z) { return z > 0.0 ? 1.0 : exp(z); }
-
-// Element access with the data type known at compile time (the inner loops are memory bound;
-// the affine parameters and statistics, read once per channel, go through load_as instead).
-template <typename acc_t>
-__device__ __forceinline__ acc_t to_acc(float v) {
-  return (acc_t)v;
-}
-template <typename acc_t>
-__device__ __forceinline__ acc_t to_acc(double v) {
-  return (acc_t)v;
-}
-template <typename acc_t>
-__device__ __forceinline__ acc_t to_acc(__half v) {
-  return (acc_t)__half2float(v);
-}
-template <typename acc_t>
-__device__ __forceinline__ acc_t to_acc(__nv_bfloat16 v) {
-  return (acc_t)__bfloat162float(v);
-}
-
-template <typename acc_t>
-__device__ __forceinline__ void put(float* p, int64_t i, acc_t v) {
-  p[i] = (float)v;
-}
-template <typename acc_t>
-__device__ __forceinline__ void put(double* p, int64_t i, acc_t v) {
-  p[i] = (double)v;
-}
-template <typename acc_t>
-__device__ __forceinline__ void put(__half* p, int64_t i, acc_t v) {
-  p[i] = __float2half_rn((float)v);
-}
-template <typename acc_t>
-__device__ __forceinline__ void put(__nv_bfloat16* p, int64_t i, acc_t v) {
-  p[i] = __float2bfloat16_rn((float)v);
-}
-
 // Visits this thread's pixels of channel c in chunk `chunk`, kBatch at a time: a batch's loads
 // are all issued before any value is used, so each warp keeps several requests in flight (one at
 // a time leaves these loops latency bound). `load(i)` reads element i, `use(i, value)` consumes it.
@@ -171,11 +110,6 @@ __device__ __forceinline__ void for_channels(const Place& t, const Plan& plan, B
   for (int64_t c = t.channel_lane; c < plan.channels; c += plan.channel_lanes) body(c);
 }
 
-template <typename acc_t>
-struct XAndGrad {
-  acc_t x, grad;
-};
-
 // ---- forward ----
 
 // Welford statistics of one chunk, the same on every thread of the block.
@@ -196,12 +130,6 @@ __device__ Welford<acc_t> chunk_statistics(const Place& t, const Plan& plan, con
   });
   return block_reduce<kThreads>(
       w, [](const Welford<acc_t>& a, const Welford<acc_t>& b) { return merge(a, b); });
-}
-
-template <typename acc_t>
-__device__ acc_t rstd_of(const Welford<acc_t>& w, double eps) {
-  const acc_t var = w.count > 0 ? w.m2 / (acc_t)w.count : acc_t(0);
-  return acc_t(1) / sqrt(var + (acc_t)eps);
 }
 
 // Split pairs with statistics to compute: each chunk's statistics to the workspace, laid out
@@ -414,19 +342,26 @@ int64_t workspace_bytes(const qca_groupnorm_elu_shape& s, const Plan& plan, qca_
 template <typename Params>
 using Kernel = void (*)(Params, Plan);
 
-// The two kernels of a pass: `partial` for split pairs, then `main`.
+template <typename Params>
+using NhwcKernel = void (*)(Params, NhwcPlan);
+
+// The kernels of a pass: `partial` for split pairs, then `main`; the channels_last pair
+// (nhwc_takes) the same way, its partial kernel always run when statistics are to be computed.
 template <typename Params>
 struct Kernels {
   Kernel<Params> partial, main;
+  NhwcKernel<Params> nhwc_partial, nhwc_main;
 };
 
 template <typename scalar_t, typename acc_t>
 struct Instances {
   static Kernels<qca_groupnorm_elu_params> of(const qca_groupnorm_elu_params&) {
-    return {forward_partial_kernel<scalar_t, acc_t>, forward_kernel<scalar_t, acc_t>};
+    return {forward_partial_kernel<scalar_t, acc_t>, forward_kernel<scalar_t, acc_t>,
+            nhwc_statistics_kernel<scalar_t, acc_t>, nhwc_forward_kernel<scalar_t, acc_t>};
   }
   static Kernels<qca_groupnorm_elu_backward_params> of(const qca_groupnorm_elu_backward_params&) {
-    return {backward_partial_kernel<scalar_t, acc_t>, backward_kernel<scalar_t, acc_t>};
+    return {backward_partial_kernel<scalar_t, acc_t>, backward_kernel<scalar_t, acc_t>,
+            nhwc_backward_sums_kernel<scalar_t, acc_t>, nhwc_backward_kernel<scalar_t, acc_t>};
   }
 };
 
@@ -444,6 +379,27 @@ Kernels<Params> kernels_for(const Params& p) {
 bool needs_partials(const qca_groupnorm_elu_params& p) { return p.mean_in == nullptr; }
 bool needs_partials(const qca_groupnorm_elu_backward_params&) { return true; }
 
+// The channels_last kernels (nhwc_takes): two launches, or the second alone with given
+// statistics. No device query: the plan is the shape's.
+template <typename Params>
+qca_status launch_nhwc(const Params* p, bool backward, void* stream, qca_cuda_error* err) {
+  const NhwcPlan plan = make_nhwc_plan(p->shape);
+  const bool partials = needs_partials(*p);
+  const int64_t needed = partials ? nhwc_workspace_bytes(p->shape, p->stat_dtype, backward) : 0;
+  if (p->workspace_bytes < needed || (needed > 0 && p->workspace == nullptr))
+    return QCA_ERR_INVALID_ARGUMENT;
+  const Kernels<Params> kernels = kernels_for(*p);
+  const dim3 grid = nhwc_grid(p->shape, plan);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  using qca_lowmem_cuda::launch_kernel;
+  if (partials) {
+    const cudaError_t e = launch_kernel(kernels.nhwc_partial, grid, kNhwcThreads, 0, s, *p, plan);
+    if (e != cudaSuccess) return qca_lowmem_cuda::finish_launch(e, err);
+  }
+  return qca_lowmem_cuda::finish_launch(
+      launch_kernel(kernels.nhwc_main, grid, kNhwcThreads, 0, s, *p, plan), err);
+}
+
 template <typename Params>
 qca_status launch(const Params* p, bool backward, void* stream, qca_cuda_error* err) {
   qca_status status = check_shape(p->shape);
@@ -451,6 +407,7 @@ qca_status launch(const Params* p, bool backward, void* stream, qca_cuda_error* 
   if (status != QCA_OK) return status;
   const int64_t pairs = p->shape.batch * p->shape.groups;
   if (pairs == 0) return QCA_OK;
+  if (nhwc_takes(p->shape)) return launch_nhwc(p, backward, stream, err);
   Plan plan;
   cudaError_t query;
   if (!make_plan(p->shape, &plan, &query)) return qca_lowmem_cuda::finish_launch(query, err);
@@ -475,6 +432,7 @@ qca_status launch(const Params* p, bool backward, void* stream, qca_cuda_error* 
 extern "C" int64_t qca_groupnorm_elu_cuda_workspace_bytes(const qca_groupnorm_elu_shape* shape,
                                                           qca_dtype stat_dtype, int backward) {
   if (check_shape(*shape) != QCA_OK || (stat_dtype != QCA_F32 && stat_dtype != QCA_F64)) return 0;
+  if (nhwc_takes(*shape)) return nhwc_workspace_bytes(*shape, stat_dtype, backward != 0);
   Plan plan;
   cudaError_t query;  // a failed query fails the launch that follows, which reports it
   if (!make_plan(*shape, &plan, &query)) return 0;

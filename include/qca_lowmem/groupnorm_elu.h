@@ -13,6 +13,8 @@
  * thread block per pair, or, when there are too few pairs to fill the GPU, several blocks per
  * pair that exchange partial sums through `workspace` (device memory of at least
  * qca_groupnorm_elu_cuda_workspace_bytes(...) bytes, asked for on the device of the launch).
+ * channels_last data with groups of up to 256 channels always takes the workspace: blocks of
+ * pixel tiles by slabs of groups write partial sums, then each block combines them itself.
  * Either way a sample's results have the same bits whatever the batch size or GPU. */
 #ifndef QCA_LOWMEM_GROUPNORM_ELU_H
 #define QCA_LOWMEM_GROUPNORM_ELU_H

@@ -228,20 +228,22 @@ GN_CASES = [  # (shape, groups, channels_last)
     ((1, 4, 96, 96), 2, True),
     ((0, 4, 4, 4), 2, False),      # no samples
     ((2, 4, 0, 3), 1, False),      # no pixels
+    ((2, 4, 0, 3), 1, True),
 ]
 GN_DTYPES = [  # (x, weight and bias): each data type with its own and with float32 parameters
     (torch.float32, torch.float32), (torch.float64, torch.float64), (torch.float16, torch.float16),
     (torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
 ]
 # Multiprocessors: with 1, two pairs fill the GPU (only a lone pair is split); with 132 every
-# case with enough elements per pair is split.
+# NCHW case with enough elements per pair is split. channels_last takes its tiles on any GPU.
 SPLIT_SETTINGS = {"one_block": 1, "split": 132}
-SPLIT_CASE = ((1, 4, 96, 96), 2)  # split on the large GPU only
+SPLIT_CASE = ((1, 4, 96, 96), 2)  # NCHW: split on the large GPU only
 
 
 def assert_path_taken(path, split_by_case):
+    """The NCHW split case has a workspace on the large GPU only; channels_last, on both."""
     cases = [c for c in split_by_case if c[:2] == SPLIT_CASE]
-    assert cases and all(split_by_case[c] == (path == "split") for c in cases), split_by_case
+    assert cases and all(split_by_case[c] == (path == "split" or c[2]) for c in cases), split_by_case
 
 
 def gn_inputs(case, dtypes, seed):
@@ -272,7 +274,11 @@ def gn_tolerance(dtype, stat_dtype, magnitude):
     pixels a pixel lane, gn_geometry), combines the 512 threads in a shuffle tree of depth 5 then
     the 16 warps one after another (the backward's per-channel sums: a tree of depth 9 at most),
     then the chunks one after another (at most MAX_TESTED_CHUNKS), in the statistics dtype: under
-    2^6 roundings, 2^-47 in double and 2^-18 in float (all but float64 data). C adds lanes of at most
+    2^6 roundings, 2^-47 in double and 2^-18 in float (all but float64 data); channels_last
+    (groups up to 256 channels) as few: a thread's sums about its first value (8 pixels at most
+    here), a tree of at most 8 levels over the group's threads, the at most 64 tiles taken in
+    turn by those threads, a second tree, and for the backward's group means the channels of the
+    group one after another (8 at most here). C adds lanes of at most
     32 terms (float lanes for float statistics, double for double ones) into double once per
     512-element tile, the tiles' sums with compensation: within about sqrt(32) roundings of the
     lane type, 2^-50 in double and 2^-21 in float. The tolerance is more than twice the sum:
@@ -354,6 +360,44 @@ def test_groupnorm_elu_forward_with_a_non_finite_value_spoils_its_group_only(emu
             assert_close_gn(c[0], cuda[0], x.dtype, stat_dtype, f"non-finite {case}")
 
 
+def gn_backward_against_c(emu, x, weight, bias, groups, channels_last, stat_dtype, what):
+    """C and emulated CUDA backward of x with C's statistics and a random grad_y, compared within
+    the tolerances; returns whether CUDA was given a workspace."""
+    c_forward, _ = gn_forward(emu, x, weight, bias, groups, channels_last, stat_dtype)
+    mean, rstd = c_forward[2], c_forward[3]
+    grad_y = torch.randn(x.shape).to(x.dtype)
+    if channels_last:
+        grad_y = grad_y.contiguous(memory_format=torch.channels_last)
+    ws, ws_bytes = workspace(emu, x, groups, channels_last, stat_dtype, 1)
+    per_sample = (x.shape[0], x.shape[1])
+
+    def outputs():
+        return (padded(tuple(x.shape), x.dtype, channels_last=bool(channels_last))
+                + padded(per_sample, stat_dtype) + padded(per_sample, stat_dtype))
+
+    c, cuda = run_both(
+        emu, "emu_gn_backward",
+        lambda out: (describe(grad_y), describe(x), groups, channels_last, describe(weight),
+                     describe(bias), describe(mean), describe(rstd), ptr(out[0]),
+                     ptr(out[2]), ptr(out[4]), ptr(ws), ws_bytes),
+        outputs)
+    # Per-channel sums: the tolerance scales with the sum of |terms|, bounded here by
+    # |grad_y| * max(1, |xhat|) summed over the channel's pixels.
+    pixels = x.shape[2] * x.shape[3]
+    xhat = ((x.double() - mean.double().repeat_interleave(x.shape[1] // groups, 1)[..., None, None])
+            * rstd.double().repeat_interleave(x.shape[1] // groups, 1)[..., None, None])
+    term = (grad_y.double().abs() * xhat.abs().clamp_min(1.0)).sum((2, 3)) if pixels else torch.zeros(per_sample)
+    padding = torch.ones(37, dtype=torch.float64)
+    magnitude = torch.cat([padding[:17], term.flatten().clamp_min(1.0), padding[17:]])
+    assert_close_gn(c[3], cuda[3], stat_dtype, stat_dtype, what + " grad_weight", magnitude)
+    assert_close_gn(c[5], cuda[5], stat_dtype, stat_dtype, what + " grad_bias", magnitude)
+    # grad_x = rstd * (w g - mean(w g) - xhat mean(w g xhat)): values of size |grad_y|,
+    # plus the two group means, each within the sum tolerance of its magnitude.
+    assert_close_gn(c[1], cuda[1], x.dtype, stat_dtype, what + " grad_x",
+                    c[1].double().abs().clamp_min(1.0) * 4)
+    return ws_bytes > 0
+
+
 @pytest.mark.parametrize("path", SPLIT_SETTINGS)
 @pytest.mark.parametrize("dtypes", GN_DTYPES, ids=lambda d: f"{d[0]}-{d[1]}".replace("torch.", ""))
 def test_groupnorm_elu_backward(emu, path, dtypes):
@@ -361,40 +405,8 @@ def test_groupnorm_elu_backward(emu, path, dtypes):
     with emu.settings(sms=SPLIT_SETTINGS[path]):
         for i, case in enumerate(GN_CASES):
             x, weight, bias, groups, channels_last, stat_dtype = gn_inputs(case, dtypes, seed=i)
-            c_forward, _ = gn_forward(emu, x, weight, bias, groups, channels_last, stat_dtype)
-            mean, rstd = c_forward[2], c_forward[3]
-            grad_y = torch.randn(x.shape).to(x.dtype)
-            if channels_last:
-                grad_y = grad_y.contiguous(memory_format=torch.channels_last)
-            ws, ws_bytes = workspace(emu, x, groups, channels_last, stat_dtype, 1)
-            split_by_case[case] = ws_bytes > 0
-            per_sample = (x.shape[0], x.shape[1])
-
-            def outputs():
-                return (padded(tuple(x.shape), x.dtype, channels_last=bool(channels_last))
-                        + padded(per_sample, stat_dtype) + padded(per_sample, stat_dtype))
-
-            c, cuda = run_both(
-                emu, "emu_gn_backward",
-                lambda out: (describe(grad_y), describe(x), groups, channels_last, describe(weight),
-                             describe(bias), describe(mean), describe(rstd), ptr(out[0]),
-                             ptr(out[2]), ptr(out[4]), ptr(ws), ws_bytes),
-                outputs)
-            what = f"backward {case}"
-            # Per-channel sums: the tolerance scales with the sum of |terms|, bounded here by
-            # |grad_y| * max(1, |xhat|) summed over the channel's pixels.
-            pixels = x.shape[2] * x.shape[3]
-            xhat = ((x.double() - mean.double().repeat_interleave(x.shape[1] // groups, 1)[..., None, None])
-                    * rstd.double().repeat_interleave(x.shape[1] // groups, 1)[..., None, None])
-            term = (grad_y.double().abs() * xhat.abs().clamp_min(1.0)).sum((2, 3)) if pixels else torch.zeros(per_sample)
-            padding = torch.ones(37, dtype=torch.float64)
-            magnitude = torch.cat([padding[:17], term.flatten().clamp_min(1.0), padding[17:]])
-            assert_close_gn(c[3], cuda[3], stat_dtype, stat_dtype, what + " grad_weight", magnitude)
-            assert_close_gn(c[5], cuda[5], stat_dtype, stat_dtype, what + " grad_bias", magnitude)
-            # grad_x = rstd * (w g - mean(w g) - xhat mean(w g xhat)): values of size |grad_y|,
-            # plus the two group means, each within the sum tolerance of its magnitude.
-            assert_close_gn(c[1], cuda[1], x.dtype, stat_dtype, what + " grad_x",
-                            c[1].double().abs().clamp_min(1.0) * 4)
+            split_by_case[case] = gn_backward_against_c(emu, x, weight, bias, groups, channels_last,
+                                                        stat_dtype, f"backward {case}")
     assert_path_taken(path, split_by_case)
 
 
@@ -420,6 +432,30 @@ def gn_geometry(channels, pixels, groups, channels_last):
     return channel_lanes, pixel_lanes, chunk, chunks
 
 
+def gn_nhwc_geometry(channels, pixels, groups):
+    """The channels_last plan of groupnorm_elu_nhwc.cuh, from the shape of one sample: (slab
+    channels, pixel lanes, pixels of a tile, tiles, slabs). A slab is the most whole groups up to
+    32 channels that divide the groups; 256 threads make 256 // slab pixel lanes; a tile is 1, 2,
+    4 or 8 pixels a lane: the fewest that make at most 64 tiles, more while the sample stays 256
+    blocks (more than 8 where 64 tiles need it)."""
+    per_group = channels // groups
+    slab_groups = max(1, min(groups, 32 // per_group))
+    while groups % slab_groups:
+        slab_groups -= 1
+    slab, slabs = slab_groups * per_group, groups // slab_groups
+    lanes = 256 // slab
+
+    def tiles(per_lane):
+        return max(1, -(-pixels // (lanes * per_lane)))
+
+    per_lane = 1
+    while tiles(per_lane) > 64:
+        per_lane *= 2
+    while per_lane < 8 and slabs * tiles(2 * per_lane) >= 256:
+        per_lane *= 2
+    return slab, lanes, lanes * per_lane, tiles(per_lane), slabs
+
+
 def gn_splits(batch, groups, chunks, sms):
     """Blocks a pair: one when the pairs fill two blocks a multiprocessor, else up to one a chunk."""
     pairs = batch * groups
@@ -442,13 +478,17 @@ def gn_chunks_from_workspace(emu, x, groups, channels_last):
 
 @pytest.mark.parametrize("channels_last", [0, 1], ids=["nchw", "channels_last"])
 def test_groupnorm_elu_chunk_geometry_is_the_plan(emu, channels_last):
-    """Every emulated case with samples, and the U-Net's shapes at batch 1 (hidden 64 and 128: 8 channels a
-    group at 64x64, 32x32 and 16x16), is cut into the chunks gn_geometry says, read from the
-    workspace sizes on a 132-multiprocessor GPU. A 64x64 group is 16 chunks, a 32x32 one 4 (the
-    split path, 128 to 256 blocks at batch 1); a 16x16 one stays one chunk, one block a pair."""
+    """NCHW (and channels_last groups wider than a block): every emulated case with samples, and
+    the U-Net's shapes at batch 1 (hidden 64 and 128: 8 channels a group at 64x64, 32x32 and
+    16x16), is cut into the chunks gn_geometry says, read from the workspace sizes on a
+    132-multiprocessor GPU. A 64x64 group is 16 chunks, a 32x32 one 4 (the split path, 128 to 256
+    blocks at batch 1); a 16x16 one stays one chunk, one block a pair."""
     unet = [((1, c, side, side), c // 8) for c, side in
             [(64, 64), (128, 64), (128, 32), (256, 32), (256, 16), (512, 16), (1024, 16)]]
-    cases = [(shape, groups) for shape, groups, layout in GN_CASES if layout == bool(channels_last) and shape[0]] + unet
+    if channels_last:  # the channels_last kernels take the U-Net's groups: the test below
+        unet = []
+    cases = [(shape, groups) for shape, groups, layout in GN_CASES
+             if layout == bool(channels_last) and shape[0] and (not layout or shape[1] // groups > 256)] + unet
     expected = {(1, 64, 64, 64): 16, (1, 128, 64, 64): 16, (1, 128, 32, 32): 4, (1, 256, 32, 32): 4,
                 (1, 256, 16, 16): 1, (1, 512, 16, 16): 1, (1, 1024, 16, 16): 1}
     for shape, groups in cases:
@@ -458,6 +498,31 @@ def test_groupnorm_elu_chunk_geometry_is_the_plan(emu, channels_last):
         split = gn_splits(shape[0], groups, chunks, 132) > 1
         with emu.settings(sms=132):
             assert gn_chunks_from_workspace(emu, x, groups, channels_last) == (chunks if split else 0), shape
+
+
+UNET_TILES = {  # hidden 128 at grid 64 (8 channels a group), and hidden 64's largest
+    (1, 128, 64, 64): 64, (1, 256, 32, 32): 32, (1, 512, 32, 32): 16, (1, 512, 16, 16): 16,
+    (1, 1024, 16, 16): 8, (1, 64, 64, 64): 64}
+
+
+def test_groupnorm_elu_channels_last_tiles_are_the_plan_and_fill_the_gpu(emu):
+    """channels_last: every emulated case with samples (groups up to 256 channels) is cut into
+    the tiles gn_nhwc_geometry says, read from the workspace sizes, the same on a GPU of 1
+    multiprocessor and of 132. Each of the default U-Net's shapes (hidden 128) is 256 blocks a
+    launch at batch 1 (where the per-group kernels made 64 to 256), at least a wave
+    on 132 multiprocessors; a block re-reads at most 64 tiles a group."""
+    cases = [(shape, groups) for shape, groups, layout in GN_CASES
+             if layout and shape[0] and shape[1] // groups <= 256]
+    cases += [(shape, shape[1] // 8) for shape in UNET_TILES]
+    for shape, groups in cases:
+        x = torch.empty(shape, memory_format=torch.channels_last)
+        _, _, _, tiles, slabs = gn_nhwc_geometry(shape[1], shape[2] * shape[3], groups)
+        assert UNET_TILES.get(shape, tiles) == tiles <= 64, shape
+        if shape in UNET_TILES and shape[1] >= 128:
+            assert slabs * tiles == 256, shape
+        for sms in (1, 132):
+            with emu.settings(sms=sms):
+                assert gn_chunks_from_workspace(emu, x, groups, 1) == tiles, (shape, sms)
 
 
 def gn_cuda_passes(emu, xs, grads, weight, bias, groups, channels_last, sms):
@@ -500,6 +565,7 @@ def test_groupnorm_elu_gives_a_sample_the_same_bits_in_any_batch_on_any_gpu(emu,
     x, weight, bias, groups, _, _ = gn_inputs(((1, 2, 72, 120), 1, channels_last),
                                               (torch.float32, torch.float32), seed=11)
     assert gn_geometry(2, 72 * 120, groups, channels_last)[3] == 9
+    nhwc_blocks = 34  # channels_last: 34 tiles of 256 pixels, one slab
     grad_y = torch.randn(x.shape)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     results = {}
@@ -510,8 +576,10 @@ def test_groupnorm_elu_gives_a_sample_the_same_bits_in_any_batch_on_any_gpu(emu,
         xs, grads = xs.contiguous(memory_format=memory_format), grads.contiguous(memory_format=memory_format)
         outputs, blocks = gn_cuda_passes(emu, xs, grads, weight, bias, groups, channels_last, sms)
         assert gn_splits(batch, groups, 9, sms) == splits
-        # the split path launches a partial kernel before the main one in each pass
-        assert blocks == [batch * groups * splits * (1 if splits == 1 else 2)] * 2, (batch, sms)
+        # the split path launches a partial kernel before the main one in each pass, as the
+        # channels_last kernels always do
+        per_launch = batch * nhwc_blocks if channels_last else batch * groups * splits
+        assert blocks == [per_launch * (1 if splits == 1 and not channels_last else 2)] * 2, (batch, sms)
         results[batch, sms] = [t[at] for t in outputs]
     reference = results[1, 1]
     for (batch, sms), outputs in results.items():
@@ -521,22 +589,59 @@ def test_groupnorm_elu_gives_a_sample_the_same_bits_in_any_batch_on_any_gpu(emu,
 
 @pytest.mark.parametrize("channels_last", [0, 1], ids=["nchw", "channels_last"])
 def test_groupnorm_elu_at_the_unets_64x64_shape_is_split_and_batch_invariant(emu, channels_last):
-    """(1, 64, 64, 64) with 8 groups, the U-Net's largest tensor at hidden 64: on a 132-SM GPU
-    each pair's 16 chunks go to 16 blocks (128 a launch, where one block a pair made 8), with the
-    bits one block a pair gives (a 1-SM GPU), and within the tolerance of the C kernels."""
+    """(1, 64, 64, 64) with 8 groups, the U-Net's largest tensor at hidden 64: NCHW on a 132-SM
+    GPU each pair's 16 chunks go to 16 blocks (128 a launch, where one block a pair made 8),
+    channels_last 64 tiles of 2 slabs on any GPU (128 blocks a launch, two launches a pass),
+    with the bits of a 1-SM GPU, and within the tolerance of the C kernels."""
     case = ((1, 64, 64, 64), 8, channels_last)
     x, weight, bias, groups, _, stat_dtype = gn_inputs(case, (torch.float32, torch.float32), seed=4)
     grad_y = torch.randn(x.shape).contiguous(
         memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     split, split_blocks = gn_cuda_passes(emu, x, grad_y, weight, bias, groups, channels_last, 132)
     one_block, one_blocks = gn_cuda_passes(emu, x, grad_y, weight, bias, groups, channels_last, 1)
-    assert split_blocks == [2 * 8 * 16] * 2 and one_blocks == [8] * 2
+    if channels_last:
+        assert split_blocks == one_blocks == [2 * 2 * 64] * 2
+    else:
+        assert split_blocks == [2 * 8 * 16] * 2 and one_blocks == [8] * 2
     for name, a, b in zip(OUTPUT_NAMES, one_block, split):
         assert_same_bits(a, b, f"{name} on 1 and on 132 multiprocessors")
     c, _ = gn_forward(emu, x, weight, bias, groups, channels_last, stat_dtype)
     assert_close_gn(c[0], split[0], x.dtype, stat_dtype, "y against C")
     assert_close_gn(c[2], split[1], stat_dtype, stat_dtype, "mean against C")
 
+
+
+UNET_LIKE_CASES = [((1, 16, 64, 64), 2), ((2, 128, 16, 16), 16)]  # 8 channels a group, as the U-Net's
+
+
+@pytest.mark.parametrize("channels_last", [0, 1], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("dtypes", [GN_DTYPES[0], GN_DTYPES[3]], ids=["float32", "float16-float32"])
+def test_groupnorm_elu_at_unet_shapes_matches_c_and_keeps_each_samples_bits(emu, channels_last, dtypes):
+    """The U-Net's GroupNorm (8 channels a group) at 64x64 with few channels and at a mid shape,
+    as mixed precision runs it too: forward, the recompute's apply and backward within the C
+    kernels' tolerance; each sample's bits alone on a 1-SM GPU the same as inside the batch on a
+    132-SM one; the apply given the forward's own statistics gives its y bit for bit."""
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    for shape, groups in UNET_LIKE_CASES:
+        x, weight, bias, groups, _, stat_dtype = gn_inputs((shape, groups, channels_last), dtypes, seed=shape[1])
+        what = f"{tuple(shape)} {memory_format}"
+        grad_y = torch.randn(shape).to(x.dtype).contiguous(memory_format=memory_format)
+        batch, _ = gn_cuda_passes(emu, x, grad_y, weight, bias, groups, channels_last, 132)
+        for n in range(shape[0]):
+            alone, _ = gn_cuda_passes(emu, x[n:n + 1].clone(memory_format=memory_format),
+                                      grad_y[n:n + 1].clone(memory_format=memory_format),
+                                      weight, bias, groups, channels_last, 1)
+            for name, a, b in zip(OUTPUT_NAMES, alone, batch):
+                assert_same_bits(a[0], b[n], f"{what} {name} of sample {n}")
+        with emu.settings(sms=132):
+            c, cuda = gn_forward(emu, x, weight, bias, groups, channels_last, stat_dtype)
+            assert_close_gn(c[1], cuda[1], x.dtype, stat_dtype, what + " y")
+            assert_close_gn(c[2], cuda[2], stat_dtype, stat_dtype, what + " mean")
+            assert_close_gn(c[3], cuda[3], stat_dtype, stat_dtype, what + " rstd")
+            _, applied = gn_forward(emu, x, weight, bias, groups, channels_last, stat_dtype,
+                                    stats=(batch[1], batch[2]))
+            assert_same_bits(batch[0], applied[0], what + " y of the apply")
+            gn_backward_against_c(emu, x, weight, bias, groups, channels_last, stat_dtype, what)
 
 # ---- the loss scaler ----
 
