@@ -17,13 +17,14 @@ import torch
 from .. import amp
 from ..precision import autocast
 from ..recompute import Policy, StepGraph, rollout
-from ..recompute.policy import STEP
+from ..recompute.policy import NONE, STEP
 from ..unet import convert
 from .engine_probe import buffer_bindings, compiled_module, rebind
-from .engine_step import lowmem_steps, memory_of
+from .engine_step import (EngineIdentity, EngineMemoryStep, fused_of, live_gamma, lowmem_steps, memory_of,
+                          put_side_state, side_state_of)
 from .options import EpisodeOptions, checked_flag, resolve_options
 from .say import say
-from .stock_guard import check_stock_episode
+from .stock_guard import EpisodeIdentity, check_stock_episode
 from .trainers import adapter_for
 
 _STATE_ATTR = "_qca_lowmem_state"
@@ -63,6 +64,9 @@ class _Saved:
     edited_episode: Optional[str] = None  # why the episode is not stock, run anyway (assume_stock_episode)
     compiled_said: bool = False  # the one line for an operator compiled after enable()
     own_step: Optional[str] = None  # why the engine's own step and blocks run although fused ones were asked for
+    episode_identity: Any = None  # the stock train_episode recognised, checked at each episode (stock_guard.py)
+    engine_identity: Any = None  # the engine step recognised, checked at each episode (engine_step.py)
+    fused: Any = None  # the fused step reading GAMMA_DECAY live, None with the engine's own step
 
     def __getstate__(self):
         # A copy (deepcopy, pickle) captures its own CUDA graphs at its first CUDA episode.
@@ -77,7 +81,29 @@ class LowmemEpisode:
         self.trainer = trainer
 
     def __call__(self, episode_num):
+        state: _Saved = getattr(self.trainer, _STATE_ATTR)
+        theirs = state.episode_identity.changed(self.trainer, self) if state.episode_identity else None
+        if theirs is not None:  # their train_episode is no longer the one recognised: it runs as written
+            if state.fused is not None:
+                state.fused.fixed_gamma = None
+            return theirs(episode_num)
         return _lowmem_train_episode(self.trainer, episode_num)
+
+
+def _episode_step(trainer, state: _Saved, opts):
+    """The step the episode rolls out: the one enable() installed while the engine's code is the
+    one it recognised, else the engine's own (eager); GAMMA_DECAY pinned for an episode that recomputes."""
+    own = state.engine_identity.own_step(trainer.motor) if state.engine_identity is not None else None
+    if own is not None:
+        return EngineMemoryStep(trainer.motor, own) if state.memory_step is not None else own
+    if state.fused is not None:
+        state.fused.fixed_gamma = live_gamma(trainer.motor) if opts.policy.checkpoint != NONE else None
+    step = state.memory_step or trainer.motor.evolve_step
+    if opts.cuda_graph:  # off CUDA a StepGraph is the plain step
+        if state.step_graph is None:
+            state.step_graph = StepGraph(step)
+        step = state.step_graph
+    return step
 
 
 def _children(root: torch.nn.Module):
@@ -102,11 +128,7 @@ def _lowmem_train_episode(trainer, episode_num):
     trainer.optimizer.zero_grad()
     psi0 = version.initial_state(trainer, opts, device)
     noise = version.noise(trainer, episode_num, opts.noise)
-    step = state.memory_step or trainer.motor.evolve_step
-    if opts.cuda_graph:  # off CUDA a StepGraph is the plain step
-        if state.step_graph is None:
-            state.step_graph = StepGraph(step)
-        step = state.step_graph
+    step = _episode_step(trainer, state, opts)
     # The memory the episode starts from: what the engine holds (zeroed by V4's state reset, None after V3's episodes).
     memory = {} if state.memory_step is None else dict(carry=memory_of(trainer.motor))
     with autocast(device.type, opts.amp_dtype):
@@ -114,26 +136,36 @@ def _lowmem_train_episode(trainer, episode_num):
                                           record_every=version.record_every(trainer), **memory)
         loss, details = version.loss(trainer, psi0, psi, history)
     bound = buffer_bindings(compiled_module(operator))  # as the forward left them
+    side_state = side_state_of(trainer.motor, copy=opts.cuda_graph)  # the forward's last step's, as stock leaves it
 
     parameters = [p for p in model.parameters() if p.requires_grad]
-    max_norm = opts.max_grad_norm if opts.max_grad_norm is not None else version.max_grad_norm(trainer)
     scaler = getattr(trainer, "scaler", None)
     if scaler is not None and scaler.is_enabled():
         scaler.scale(loss).backward()
         scaler.unscale_(trainer.optimizer)
+        max_norm = _max_norm(trainer, opts, version)
         if max_norm is not None:
             _clip(scaler, parameters, max_norm)
         scaler.step(trainer.optimizer)
         scaler.update()
     else:
         loss.backward()
+        max_norm = _max_norm(trainer, opts, version)
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         trainer.optimizer.step()
     # After the backward, whose recomputes ran the steps again.
     rebind(bound)  # a buffer each recompute bound again (snntorch's membrane): as the forward left it
+    put_side_state(trainer.motor, side_state)
+    if state.fused is not None:
+        state.fused.fixed_gamma = None
     version.after_backward(trainer, memory_T[0] if memory_T else None)
     return version.result(trainer, episode_num, loss, details, psi)
+
+
+def _max_norm(trainer, opts, version):
+    """The clipping norm, read after the backward as their episodes read it (V3's gradient_clip)."""
+    return opts.max_grad_norm if opts.max_grad_norm is not None else version.max_grad_norm(trainer)
 
 
 def _clip(scaler, parameters, max_norm):
@@ -232,7 +264,7 @@ def enable(
     version = adapter_for(trainer)
     if hasattr(trainer, _STATE_ATTR):
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
-    edited_episode = check_stock_episode(trainer, assume_stock_episode)
+    edited_episode = check_stock_episode(trainer, version.name, assume_stock_episode)
     policy = checkpoint if isinstance(checkpoint, Policy) else Policy.of(checkpoint, slots, budget, "enable()")
     _check_placement(trainer)
     policy.check_device(next(trainer.motor.operator.parameters()).device, "enable()")
@@ -256,6 +288,9 @@ def enable(
     if channels_last:
         trainer.motor.operator.to(memory_format=torch.channels_last)
     _swap_step(trainer, state, evolve_step)
+    state.fused = fused_of(evolve_step, state.memory_step)
+    state.engine_identity = EngineIdentity(trainer.motor, evolve_step, state.memory_step is not None)
+    state.episode_identity = EpisodeIdentity(trainer) if edited_episode is None else None
     _swap_episode(trainer, state)
     _swap_scaler(trainer, state, new_scaler)
     state.compiled_said = compiled_module(trainer.motor.operator) is not trainer.motor.operator
