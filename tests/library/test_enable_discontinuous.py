@@ -60,7 +60,7 @@ def test_continuous_operators_are_not_discontinuous():
         assert discontinuity(operator, x, memory=False) is None
     # Not shown continuous op by op (an allowlist): a ReLU written as a mask keeps the engine's own step.
     relu_by_mask = type("ReluByMask", (torch.nn.Module,), {"forward": lambda self, x: x.masked_fill(x < 0, 0.0)})()
-    assert discontinuity(relu_by_mask, x, memory=False).startswith("lt of a value computed from its input")
+    assert discontinuity(relu_by_mask, x, memory=False).startswith("aten::lt of a value computed from its input")
     assert "sign" in discontinuity(type("Sign", (torch.nn.Module,), {"forward": lambda self, x: x.sign()})(), x, False)
     assert "threshold" in discontinuity(torch.nn.Threshold(0.5, 0.0), x, memory=False)
 

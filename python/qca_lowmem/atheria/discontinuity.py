@@ -29,12 +29,11 @@ import torch
 from .. import _torch_private as torch_private
 from .engine_probe import buffer_bindings, generators_left_as_found, rebind
 
-SMOOTH = frozenset("""
+_ATEN_SMOOTH = """
     view _unsafe_view reshape permute transpose t expand expand_as slice select unsqueeze squeeze clone contiguous
     alias detach cat stack split split_with_sizes chunk unbind narrow flatten unflatten as_strided copy_ copy
     _to_copy to view_as_real view_as_complex complex real imag constant_pad_nd reflection_pad1d reflection_pad2d
-    replication_pad1d replication_pad2d pad repeat roll flip index_select lift_fresh zeros_like ones_like
-    empty_like full_like fill_ fill
+    replication_pad1d replication_pad2d pad repeat roll flip index_select lift_fresh fill_ fill
     add add_ sub sub_ rsub mul mul_ div div_ neg pow sqrt rsqrt exp log log1p expm1 reciprocal abs square
     addcmul addcdiv lerp sum mean var std var_mean std_mean linalg_vector_norm norm mm bmm addmm matmul linear
     baddbmm convolution _convolution conv1d conv2d conv3d mkldnn_convolution native_group_norm native_batch_norm
@@ -45,9 +44,16 @@ SMOOTH = frozenset("""
     log_softmax sin cos erf maximum minimum amax amin
     max_pool2d_with_indices max_pool2d max_pool1d avg_pool2d avg_pool1d adaptive_avg_pool2d _adaptive_avg_pool2d
     upsample_nearest2d upsample_bilinear2d _upsample_nearest_exact2d pixel_shuffle pixel_unshuffle native_dropout
-""".split())
+"""
+# qca_lowmem's own fused blocks and step, the same functions as the stock ops they fuse.
+_OWN_SMOOTH = "conv_block conv_block_keep groupnorm_elu groupnorm_elu_apply qca_pack qca_update"
+SMOOTH = frozenset([f"aten::{name}" for name in _ATEN_SMOOTH.split()] +
+                   [f"qca_lowmem::{name}" for name in _OWN_SMOOTH.split()])
+# Ops that read only the shape of what they are given: their results are not computed from it (dropout's mask).
+SHAPE_ONLY = frozenset(f"aten::{name}" for name in """empty_like zeros_like ones_like full_like rand_like randn_like
+    new_empty new_zeros new_ones new_full""".split())
 # Ops that may give an integer or boolean result beside their floating one (never read in a forward).
-INDEX_RESULTS = frozenset({"max_pool2d_with_indices", "native_dropout"})
+INDEX_RESULTS = frozenset({"aten::max_pool2d_with_indices", "aten::native_dropout"})
 
 
 def _tensors(values):
@@ -70,7 +76,9 @@ class _Follow(torch_private.TorchDispatchMode):
         out = func(*args, **kwargs)
         if not inputs:
             return out
-        name = func.overloadpacket.__name__
+        name = func.overloadpacket._qualified_op_name
+        if name in SHAPE_ONLY:
+            return out
         outputs = list(_tensors(out if isinstance(out, (tuple, list)) else (out,)))
         if self.found is None:
             self.found = _why_not_smooth(name, args, inputs, outputs)
@@ -81,7 +89,7 @@ class _Follow(torch_private.TorchDispatchMode):
 
 def _why_not_smooth(name, args, inputs, outputs) -> Optional[str]:
     """Why this op, reading a value computed from the operator's input, may jump, or None."""
-    if name == "threshold":  # threshold(x, t, v) is continuous where it replaces by its threshold (ReLU)
+    if name == "aten::threshold":  # threshold(x, t, v) is continuous where it replaces by its threshold (ReLU)
         return None if args[1] == args[2] else "threshold of a value computed from its input"
     if name not in SMOOTH:
         return f"{name} of a value computed from its input, not an op known continuous"
