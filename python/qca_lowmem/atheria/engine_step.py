@@ -100,7 +100,7 @@ class _LiveStep:
             if multiplicative:
                 a_real, a_imag = (a_real * psi.real - a_imag * psi.imag, a_real * psi.imag + a_imag * psi.real)
             motor = self.motor
-            motor.last_psi_input = psi.detach()
+            motor.last_psi_input = psi.detach()  # theirs is psi itself, in its graph: the same values
             motor.last_delta_psi = torch.complex(a_real, a_imag)
             motor.last_delta_psi_decay = -gamma * psi.detach() if gamma > 0 else None
 

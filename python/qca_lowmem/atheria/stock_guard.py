@@ -62,7 +62,7 @@ class EpisodeIdentity:
 
     def __init__(self, trainer):
         self.digest = digest(episode_function(trainer))
-        self.said = None
+        self.said_for = None  # the function last said to run in its place
 
     def changed(self, trainer, installed):
         """None while the trainer would still run the code enable() recognised; else the
@@ -72,8 +72,8 @@ class EpisodeIdentity:
             return None
         function = getattr(type(trainer), "train_episode")
         name = f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', '?')}"
-        if self.said != now:
-            self.said = now
+        if self.said_for is not function:
+            self.said_for = function
             say(logging.WARNING, f"{type(trainer).__name__}.train_episode now runs {name}, not the stock episode "
                                  "recognised at enable(): this episode runs it, as written")
         return function.__get__(trainer, type(trainer))
