@@ -4,7 +4,6 @@ one line naming the engine class, and the trainer is left as it was. Small stand
 each the shape of one way an engine can differ."""
 
 import random
-import re
 
 import numpy
 import pytest

@@ -97,7 +97,7 @@ def test_a_wrapped_episode_is_refused_naming_the_wrapper():
 def test_an_episode_wrapped_after_enable_runs_as_written(caplog):
     """Checked at every episode: a wrapper set on the class after enable() runs, with one line."""
     cls = type("Later", (QC_Trainer_v4,), {})
-    trainer, stock = trainer_of(cls), trainer_of(cls)
+    trainer = trainer_of(cls)
     enabled(trainer)
     cls.train_episode = warm_up(QC_Trainer_v4.train_episode)
     with caplog.at_level("WARNING", logger="qca_lowmem"):

@@ -118,6 +118,26 @@ def _value(value, seen) -> Optional[str]:
     return f"instance:{type(value).__module__}.{type(value).__qualname__}"
 
 
+_EMPTY, _MISSING = object(), object()  # an empty closure cell; a global found nowhere
+_DIGESTS: Dict[int, tuple] = {}  # id(function) -> (function, what its digest read, the digests of functions among it, digest)
+
+
+def _inputs(function, static: _Static) -> tuple:
+    """Every object the digest of `function` reads, in order."""
+    cells = []
+    for cell in function.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:
+            cells.append(_EMPTY)
+    namespace, builtins = function.__globals__, function.__builtins__
+    loaded = [namespace[name] if name in namespace else
+              builtins.get(name, _MISSING) if isinstance(builtins, dict) else getattr(builtins, name, _MISSING)
+              for name in static.globals]
+    kwdefaults = tuple(sorted((function.__kwdefaults__ or {}).items()))
+    return (function.__code__, function.__defaults__, kwdefaults, *(v for _, v in kwdefaults), *cells, *loaded)
+
+
 def _digest(function, seen) -> Optional[str]:
     if not isinstance(function, types.FunctionType) or hasattr(function, "__wrapped__"):
         return None
@@ -125,22 +145,21 @@ def _digest(function, seen) -> Optional[str]:
         return "recursive"
     seen = seen | {id(function)}
     static = _static_of(function.__code__)
-    parts = [static.digest]
-    for value in (function.__defaults__, tuple(sorted((function.__kwdefaults__ or {}).items()))):
-        parts.append(_value(value or (), seen))
-    for cell in function.__closure__ or ():
-        try:
-            parts.append(_value(cell.cell_contents, seen))
-        except ValueError:  # an empty cell
-            parts.append("empty")
-    namespace, builtins = function.__globals__, function.__builtins__
-    for name in static.globals:
-        value = namespace[name] if name in namespace else builtins.get(name, _value) if isinstance(builtins, dict) \
-            else getattr(builtins, name, _value)
-        parts.append(f"{name}={_value(value, seen) if value is not _value else 'missing'}")
-    if None in parts:
-        return None
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    inputs = _inputs(function, static)
+    inner = tuple(_digest(v, seen) for v in inputs if isinstance(v, types.FunctionType))
+    cached = _DIGESTS.get(id(function))
+    # The same objects read as last time (held there, so their ids are theirs): the same digest.
+    if cached is not None and cached[0] is function and len(cached[1]) == len(inputs) and cached[2] == inner \
+            and all(a is b for a, b in zip(cached[1], inputs)):
+        return cached[3]
+    parts = [static.digest, _value(function.__defaults__ or (), seen), _value(inputs[2], seen)]
+    parts += ["empty" if cell is _EMPTY else _value(cell, seen)
+              for cell in inputs[3 + len(inputs[2]):len(inputs) - len(static.globals)]]
+    parts += [f"{name}={'missing' if value is _MISSING else _value(value, seen)}"
+              for name, value in zip(static.globals, inputs[len(inputs) - len(static.globals):])]
+    found = None if None in parts else hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    _DIGESTS[id(function)] = (function, inputs, inner, found)
+    return found
 
 
 def digest(function) -> Optional[str]:
