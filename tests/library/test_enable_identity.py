@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import qca_lowmem
+import qca_lowmem.atheria.code_identity
 from qca_lowmem.atheria.discontinuity import discontinuity
 from qca_lowmem.atheria.engine_step import FusedEngineStep
 from qca_lowmem.atheria.noise_replay import follows
@@ -326,3 +327,15 @@ def test_the_fused_step_writes_the_side_state_as_their_engine_step(multiplicativ
     assert torch.allclose(trainer.motor.last_delta_psi, expected, rtol=1e-12, atol=1e-14)
     assert torch.allclose(trainer.motor.last_delta_psi_decay, -0.05 * psi, rtol=1e-12, atol=1e-14)
     assert torch.allclose(out, update(psi, delta, 0.05, multiplicative), rtol=1e-12, atol=1e-14)
+
+
+def test_a_python_with_no_recorded_digests_runs_their_own_code(monkeypatch, caplog):
+    """Bytecode differs between Python versions: without digests nothing is recognised, and
+    their own episode and step run, said in enable()'s line."""
+    monkeypatch.setattr(qca_lowmem.atheria.code_identity, "PYTHON", "3.99")
+    trainer, stock = trainer_of(), trainer_of()
+    enabled(trainer, caplog)
+    assert "their own train_episode: no digest of the code qca_lowmem follows is recorded for Python 3.99" \
+        in caplog.text
+    assert "Motor.evolve_step is not, by its code, a Cartesian engine step qca_lowmem follows (no digest" in caplog.text
+    assert_same(run(trainer), run(stock), rel=0)

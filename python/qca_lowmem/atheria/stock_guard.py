@@ -60,17 +60,21 @@ def check_stock_episode(trainer, version: str, assume_stock_episode: bool = Fals
 class EpisodeIdentity:
     """The digest of the stock train_episode enable() replaced, checked again at each episode."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, own: Optional[str] = None):
+        """`own`: why every episode runs the users' own train_episode (a Python with no digests recorded)."""
         self.digest = digest(episode_function(trainer))
+        self.own = own
         self.said_for = None  # the function last said to run in its place
 
     def changed(self, trainer, installed):
         """None while the trainer would still run the code enable() recognised; else the
         train_episode to run in its place (the users' own, said once per change)."""
+        function = getattr(type(trainer), "train_episode")
+        if self.own is not None:
+            return function.__get__(trainer, type(trainer))
         now = digest(episode_function(trainer, installed)) if self.digest is not None else None
         if now == self.digest:
             return None
-        function = getattr(type(trainer), "train_episode")
         name = f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', '?')}"
         if self.said_for is not function:
             self.said_for = function

@@ -24,6 +24,7 @@ from .engine_step import (EngineIdentity, EngineMemoryStep, fused_of, live_gamma
                           put_side_state, side_state_of)
 from .options import EpisodeOptions, checked_flag, resolve_options
 from .say import say
+from .code_identity import not_recorded
 from .stock_guard import EpisodeIdentity, check_stock_episode
 from .trainers import adapter_for
 
@@ -264,7 +265,8 @@ def enable(
     version = adapter_for(trainer)
     if hasattr(trainer, _STATE_ATTR):
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
-    edited_episode = check_stock_episode(trainer, version.name, assume_stock_episode)
+    unrecorded = not_recorded()  # no digests for this Python: their own episode runs, said in the line
+    edited_episode = None if unrecorded else check_stock_episode(trainer, version.name, assume_stock_episode)
     policy = checkpoint if isinstance(checkpoint, Policy) else Policy.of(checkpoint, slots, budget, "enable()")
     _check_placement(trainer)
     policy.check_device(next(trainer.motor.operator.parameters()).device, "enable()")
@@ -290,7 +292,7 @@ def enable(
     _swap_step(trainer, state, evolve_step)
     state.fused = fused_of(evolve_step, state.memory_step)
     state.engine_identity = EngineIdentity(trainer.motor, evolve_step, state.memory_step is not None)
-    state.episode_identity = EpisodeIdentity(trainer) if edited_episode is None else None
+    state.episode_identity = EpisodeIdentity(trainer, unrecorded) if edited_episode is None else None
     _swap_episode(trainer, state)
     _swap_scaler(trainer, state, new_scaler)
     state.compiled_said = compiled_module(trainer.motor.operator) is not trainer.motor.operator
@@ -307,7 +309,9 @@ def _summary(state: _Saved) -> str:
         ("the compiled operator's module uncompiled", options.fused_step_ops and state.compiled_said),
         (f"{state.version.name} episode", state.version.named_on_enable),
         (f"the engine's own step and blocks: {state.own_step}", state.own_step is not None),
-        (f"the stock episode assumed: {state.edited_episode}", state.edited_episode is not None)) if on]
+        (f"the stock episode assumed: {state.edited_episode}", state.edited_episode is not None),
+        (f"their own train_episode: {getattr(state.episode_identity, 'own', None)}",
+         getattr(state.episode_identity, "own", None) is not None)) if on]
     return ", ".join(parts)
 
 
