@@ -68,10 +68,11 @@ class _Saved:
     episode_identity: Any = None  # the stock train_episode recognised, checked at each episode (stock_guard.py)
     engine_identity: Any = None  # the engine step recognised, checked at each episode (engine_step.py)
     fused: Any = None  # the fused step reading GAMMA_DECAY live, None with the engine's own step
+    graph_reads: Any = None  # what the step_graph's capture read once: GAMMA_DECAY, the operator
 
     def __getstate__(self):
         # A copy (deepcopy, pickle) captures its own CUDA graphs at its first CUDA episode.
-        return {**vars(self), "step_graph": None}
+        return {**vars(self), "step_graph": None, "graph_reads": None}
 
 
 class LowmemEpisode:
@@ -101,8 +102,11 @@ def _episode_step(trainer, state: _Saved, opts):
         state.fused.fixed_gamma = live_gamma(trainer.motor) if opts.policy.checkpoint != NONE else None
     step = state.memory_step or trainer.motor.evolve_step
     if opts.cuda_graph:  # off CUDA a StepGraph is the plain step
-        if state.step_graph is None:
-            state.step_graph = StepGraph(step)
+        # A capture keeps the values its step read as constants: captured again when they change.
+        reads = (live_gamma(trainer.motor), trainer.motor.operator)
+        if state.step_graph is None or state.graph_reads is None or state.graph_reads[0] != reads[0] \
+                or state.graph_reads[1] is not reads[1]:
+            state.step_graph, state.graph_reads = StepGraph(step), reads
         step = state.step_graph
     return step
 
