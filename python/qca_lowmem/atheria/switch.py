@@ -232,12 +232,12 @@ def enable(
       torch's caching allocator, a checkpoint other than "none"), off elsewhere; True where it
       cannot run warns why, once; False: eager steps. enable()'s line says which on CUDA.
     fused_step_ops: replace `motor.evolve_step` by the fused pack/update ops. Only where that is
-      exact: an engine whose state psi is not a complex tensor, or whose own evolve_step (run once
-      on a random psi with the operator's output fixed, leaving the trainer as found) is not the
-      Cartesian step, is refused naming its class; an operator whose output jumps with its input
-      (spikes: the ops of one probe call tell) keeps the engine's own step and stock blocks, which
-      round as stock does, and enable()'s line says so. False rolls out the engine's own step,
-      which needs only the complex tensor state.
+      exact: an engine whose state psi is not a complex tensor is refused naming its class; one
+      whose evolve_step is not, by the identity of its code, a Cartesian step qca_lowmem follows
+      (checked again at each episode), or whose operator runs an op not known continuous (spikes,
+      quantising: the ops of one probe call tell), keeps the engine's own step and stock blocks,
+      which round as stock does, and enable()'s line says so. False rolls out the engine's own
+      step, which needs only the complex tensor state.
     An engine with `motor.has_memory` True (operator(x, h, c) -> (delta, h, c), the memory on
       motor.state.h_state / c_state, detached) has its memory carried through the rollout, so
       each recompute sees the memory its forward step saw; after each episode motor.state holds
