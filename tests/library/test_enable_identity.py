@@ -339,3 +339,28 @@ def test_a_python_with_no_recorded_digests_runs_their_own_code(monkeypatch, capl
         in caplog.text
     assert "Motor.evolve_step is not, by its code, a Cartesian engine step qca_lowmem follows (no digest" in caplog.text
     assert_same(run(trainer), run(stock), rel=0)
+
+
+class CartesianLike(Motor):
+    """The stand-in's step keeping what their CartesianEngine keeps, as it computes it."""
+
+    def evolve_step(self, psi):
+        delta = self.operator(pack(psi))
+        a = torch.complex(delta[:, :2], delta[:, 2:]).permute(0, 2, 3, 1)
+        self.last_psi_input, self.last_delta_psi = psi, (a * psi).clone()
+        self.last_delta_psi_decay = (-self.cfg.GAMMA_DECAY * psi).clone()
+        return update(psi, delta, self.cfg.GAMMA_DECAY)
+
+
+@pytest.mark.parametrize("checkpoint", ["step", "none"])
+def test_an_episode_on_the_fused_step_leaves_their_engines_side_state(monkeypatch, checkpoint):
+    """The fused step on an engine recognised as their CartesianEngine keeps references at each
+    step of an episode and writes the forward's last step's side state once."""
+    monkeypatch.setattr(qca_lowmem.atheria.engine_step, "engine_kind", lambda motor, installed=None: "CartesianEngine")
+    trainer, stock = trainer_of(), trainer_of(engine=CartesianLike)
+    enabled(trainer, checkpoint=checkpoint)
+    assert trainer._qca_lowmem_state.fused.side_state
+    run(trainer, range(1)), run(stock, range(1))
+    for name in ("last_psi_input", "last_delta_psi", "last_delta_psi_decay"):
+        mine, theirs = getattr(trainer.motor, name), getattr(stock.motor, name).detach()
+        assert torch.allclose(mine, theirs, rtol=1e-10, atol=1e-12), name

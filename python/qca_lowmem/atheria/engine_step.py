@@ -80,6 +80,9 @@ class _LiveStep:
 
     def __init__(self, motor, side_state: bool = False):
         self.motor, self.side_state, self.fixed_gamma = motor, side_state, None
+        # In an episode the side state is written once, from the forward's last step (flush()):
+        # each step then only keeps references, where a call outside one (their inference) writes it.
+        self.deferred, self.pending = False, None
 
     def gamma(self) -> float:
         gamma = live_gamma(self.motor)
@@ -94,6 +97,9 @@ class _LiveStep:
         """Write the engine's side state as their CartesianEngine._evolve_logic does, detached."""
         if not self.side_state:
             return
+        if self.deferred:
+            self.pending = (psi, delta, gamma, multiplicative)
+            return
         with torch.no_grad():
             real = psi.real.dtype
             a_real, a_imag = (part.to(real).permute(0, 2, 3, 1) for part in torch.chunk(delta, 2, dim=1))
@@ -103,6 +109,21 @@ class _LiveStep:
             motor.last_psi_input = psi.detach()  # theirs is psi itself, in its graph: the same values
             motor.last_delta_psi = torch.complex(a_real, a_imag)
             motor.last_delta_psi_decay = -gamma * psi.detach() if gamma > 0 else None
+
+    def start_episode(self, fixed_gamma: Optional[float]) -> None:
+        """`fixed_gamma`: the GAMMA_DECAY the episode's steps must keep (it recomputes), else None."""
+        self.fixed_gamma, self.deferred, self.pending = fixed_gamma, self.side_state, None
+
+    def end_episode(self) -> None:
+        self.fixed_gamma, self.deferred, self.pending = None, False, None
+
+    def flush(self) -> None:
+        """Write the side state of the last step called (the forward's last, before any recompute)."""
+        pending, self.pending, deferred = self.pending, None, self.deferred
+        if pending is not None:
+            self.deferred = False
+            self.record(*pending)
+            self.deferred = deferred
 
 
 class FusedMemoryStep(_LiveStep):

@@ -87,7 +87,7 @@ class LowmemEpisode:
         theirs = state.episode_identity.changed(self.trainer, self) if state.episode_identity else None
         if theirs is not None:  # their train_episode is no longer the one recognised: it runs as written
             if state.fused is not None:
-                state.fused.fixed_gamma = None
+                state.fused.end_episode()
             return theirs(episode_num)
         return _lowmem_train_episode(self.trainer, episode_num)
 
@@ -99,7 +99,7 @@ def _episode_step(trainer, state: _Saved, opts):
     if own is not None:
         return EngineMemoryStep(trainer.motor, own) if state.memory_step is not None else own
     if state.fused is not None:
-        state.fused.fixed_gamma = live_gamma(trainer.motor) if opts.policy.checkpoint != NONE else None
+        state.fused.start_episode(live_gamma(trainer.motor) if opts.policy.checkpoint != NONE else None)
     step = state.memory_step or trainer.motor.evolve_step
     if opts.cuda_graph:  # off CUDA a StepGraph is the plain step
         # A capture keeps the values its step read as constants: captured again when they change.
@@ -141,6 +141,8 @@ def _lowmem_train_episode(trainer, episode_num):
                                           record_every=version.record_every(trainer), **memory)
         loss, details = version.loss(trainer, psi0, psi, history)
     bound = buffer_bindings(compiled_module(operator))  # as the forward left them
+    if state.fused is not None:
+        state.fused.flush()
     side_state = side_state_of(trainer.motor, copy=opts.cuda_graph)  # the forward's last step's, as stock leaves it
 
     parameters = [p for p in model.parameters() if p.requires_grad]
@@ -163,7 +165,7 @@ def _lowmem_train_episode(trainer, episode_num):
     rebind(bound)  # a buffer each recompute bound again (snntorch's membrane): as the forward left it
     put_side_state(trainer.motor, side_state)
     if state.fused is not None:
-        state.fused.fixed_gamma = None
+        state.fused.end_episode()
     version.after_backward(trainer, memory_T[0] if memory_T else None)
     return version.result(trainer, episode_num, loss, details, psi)
 
