@@ -194,6 +194,7 @@ def test_gamma_decay_changed_during_an_episode(checkpoint):
     else:
         with pytest.raises(RuntimeError, match=r"GAMMA_DECAY changed during the episode, from 0.05 to 0.4"):
             trainer.train_episode(0)
+        trainer.motor.evolve_step(trainer.motor.state.psi)  # outside an episode the step reads it live again
 
 
 # 3. A step decided by its code, not by one probe call.

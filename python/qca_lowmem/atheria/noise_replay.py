@@ -53,6 +53,6 @@ def follows(injector) -> bool:
 def without_host_waits(injector):
     """The injector to apply a noisy step with: a MaskFreeInjector where theirs would wait for
     the device and is one this module follows, else the injector itself."""
-    if follows(injector) and index_waits(injector.device):
+    if hasattr(injector, "device") and index_waits(injector.device) and follows(injector):
         return MaskFreeInjector(injector.device)
     return injector

@@ -86,10 +86,12 @@ class LowmemEpisode:
         state: _Saved = getattr(self.trainer, _STATE_ATTR)
         theirs = state.episode_identity.changed(self.trainer, self) if state.episode_identity else None
         if theirs is not None:  # their train_episode is no longer the one recognised: it runs as written
+            return theirs(episode_num)
+        try:
+            return _lowmem_train_episode(self.trainer, episode_num)
+        finally:  # an episode that raised leaves the step as their code and inference call it
             if state.fused is not None:
                 state.fused.end_episode()
-            return theirs(episode_num)
-        return _lowmem_train_episode(self.trainer, episode_num)
 
 
 def _episode_step(trainer, state: _Saved, opts):
@@ -164,8 +166,6 @@ def _lowmem_train_episode(trainer, episode_num):
     # After the backward, whose recomputes ran the steps again.
     rebind(bound)  # a buffer each recompute bound again (snntorch's membrane): as the forward left it
     put_side_state(trainer.motor, side_state)
-    if state.fused is not None:
-        state.fused.end_episode()
     version.after_backward(trainer, memory_T[0] if memory_T else None)
     return version.result(trainer, episode_num, loss, details, psi)
 
