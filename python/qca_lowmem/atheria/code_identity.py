@@ -34,6 +34,7 @@ _LOADS_GLOBAL = {"LOAD_GLOBAL", "LOAD_NAME"}
 # whose digests follow qca_lowmem.stock's code (tests/library/test_enable_identity.py recomputes them).
 _ATHERIA = "Jonakss/Atheria at 4df21e7, "
 _STAND_IN = "the bundled stand-in, qca_lowmem/examples/"
+_STOCK = "qca_lowmem/stock.py NoiseInjector."
 FOLLOWED: Dict[str, Dict[str, Dict[str, str]]] = {
     "3.11": {
         "QC_Trainer_v4.train_episode": {
@@ -56,11 +57,11 @@ FOLLOWED: Dict[str, Dict[str, Dict[str, str]]] = {
         },
         "QuantumNoiseInjector.apply_phase_flip": {
             "bd9f85aac5fd714b1f1d66aa47dda68d4e8e8fa7df0f08171f2a149d631bb5a6": _ATHERIA + "src/physics/noise.py",
-            "6953c0bc379656b0a007a43faf9ca51e0fc56177435229da0c246b93f363c3d0": "qca_lowmem/stock.py NoiseInjector",
+            "6953c0bc379656b0a007a43faf9ca51e0fc56177435229da0c246b93f363c3d0": _STOCK + "apply_phase_flip",
         },
         "QuantumNoiseInjector.apply_bit_flip": {
             "e46a1d6bb550a0c904ced4f11892c1963b374fdbcd4dbd8eba38bd5f1215a46a": _ATHERIA + "src/physics/noise.py",
-            "8c6b691af8d13b4cbe4b2fd15c6391f4af05143a697a9ad0e76692e34e7be687": "qca_lowmem/stock.py NoiseInjector",
+            "8c6b691af8d13b4cbe4b2fd15c6391f4af05143a697a9ad0e76692e34e7be687": _STOCK + "apply_bit_flip",
         },
     },
 }
