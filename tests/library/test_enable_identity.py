@@ -365,3 +365,14 @@ def test_an_episode_on_the_fused_step_leaves_their_engines_side_state(monkeypatc
     for name in ("last_psi_input", "last_delta_psi", "last_delta_psi_decay"):
         mine, theirs = getattr(trainer.motor, name), getattr(stock.motor, name).detach()
         assert torch.allclose(mine, theirs, rtol=1e-10, atol=1e-12), name
+
+
+def test_the_installed_step_called_outside_an_episode_runs_a_changed_engines_own():
+    """Their inference or their own train_episode call motor.evolve_step: checked at each call."""
+    engine = type("Edited", (Motor,), {})
+    trainer = trainer_of(engine=engine)
+    enabled(trainer)
+    psi = trainer.motor.state.psi
+    engine.evolve_step = lambda self, psi: update(psi, self.operator(pack(psi)), 0.3)
+    with torch.no_grad():
+        assert torch.equal(trainer.motor.evolve_step(psi), update(psi, trainer.motor.operator(pack(psi)), 0.3))

@@ -83,6 +83,12 @@ class _LiveStep:
         # In an episode the side state is written once, from the forward's last step (flush()):
         # each step then only keeps references, where a call outside one (their inference) writes it.
         self.deferred, self.pending = False, None
+        self.in_episode, self.identity = False, None  # identity: the EngineIdentity enable() recognised
+
+    def engine_changed(self) -> Optional[Callable]:
+        """Outside an episode (which checks once), at every call: the engine's own step where its
+        code is no longer the one recognised, else None."""
+        return None if self.in_episode or self.identity is None else self.identity.own_step(self.motor)
 
     def gamma(self) -> float:
         gamma = live_gamma(self.motor)
@@ -112,10 +118,10 @@ class _LiveStep:
 
     def start_episode(self, fixed_gamma: Optional[float]) -> None:
         """`fixed_gamma`: the GAMMA_DECAY the episode's steps must keep (it recomputes), else None."""
-        self.fixed_gamma, self.deferred, self.pending = fixed_gamma, self.side_state, None
+        self.fixed_gamma, self.deferred, self.pending, self.in_episode = fixed_gamma, self.side_state, None, True
 
     def end_episode(self) -> None:
-        self.fixed_gamma, self.deferred, self.pending = None, False, None
+        self.fixed_gamma, self.deferred, self.pending, self.in_episode = None, False, None, False
 
     def flush(self) -> None:
         """Write the side state of the last step called (the forward's last, before any recompute)."""
@@ -165,6 +171,9 @@ class FusedEngineStep(_LiveStep):
         self.channels_last = channels_last
 
     def __call__(self, psi):
+        own = self.engine_changed()
+        if own is not None:
+            return own(psi)
         operator, multiplicative = current_operator(self.motor)
         gamma = self.gamma()
         recorded = (lambda delta: self.record(psi, delta, gamma, multiplicative)) if self.side_state else None
@@ -195,6 +204,9 @@ class MemoryStep:
         self.carried = carried
 
     def __call__(self, psi):
+        own = self.carried.engine_changed() if isinstance(self.carried, _LiveStep) else None
+        if own is not None:
+            return own(psi)
         state = self.motor.state
         psi, (state.h_state, state.c_state) = self.carried(psi, (state.h_state, state.c_state))
         return psi

@@ -298,6 +298,8 @@ def enable(
     _swap_step(trainer, state, evolve_step)
     state.fused = fused_of(evolve_step, state.memory_step)
     state.engine_identity = EngineIdentity(trainer.motor, evolve_step, state.memory_step is not None)
+    if state.fused is not None:  # outside episodes (their code, inference) the step checks at each call
+        state.fused.identity = state.engine_identity
     state.episode_identity = EpisodeIdentity(trainer, unrecorded) if edited_episode is None else None
     _swap_episode(trainer, state)
     _swap_scaler(trainer, state, new_scaler)
