@@ -130,7 +130,7 @@ def test_memory_model_on_an_engine_without_memory_says_so():
 
 def test_convlstm_step_episode_keeps_psi_and_memory_per_step():
     op = make_operator("convlstm", D_STATE, HIDDEN).float()
-    step = FusedMemoryStep(SimpleNamespace(operator=op), 0.0)
+    step = FusedMemoryStep(SimpleNamespace(operator=op))  # no cfg: no decay
     psi0 = qca_lowmem.stock.initial_state(1, 16, D_STATE)
     memory0 = (torch.zeros(1, HIDDEN, 8, 8), torch.zeros(1, HIDDEN, 8, 8))
     psi_bytes = psi0.numel() * psi0.element_size()

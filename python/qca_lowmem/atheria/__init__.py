@@ -4,8 +4,10 @@ puts the recomputing rollout under their `train_episode` and `disable()` takes i
 `switch` (enable, disable, the episode they run), `options` (what enable() decided, one frozen
 value), `config_section` (the `LOWMEM` section of their config and the `QCA_LOWMEM` switch),
 `trainers` (one adapter per trainer version: what differs between their episodes),
-`engine_step` (the steps installed on their engine), `engine_probe` (the one-time check that
-their engine steps as the fused step does) and `stock_guard` (recognising their stock episode).
+`engine_step` (the steps installed on their engine), `engine_probe` (the check that their
+engine steps as the fused step does), `discontinuity` (the allowlist of continuous ops),
+`code_identity` (the identity of the code that runs) and `stock_guard` (recognising their stock
+episode by it).
 """
 
 from .config_section import enable_from_config

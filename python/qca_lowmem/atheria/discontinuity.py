@@ -1,18 +1,24 @@
-"""Whether an operator's output jumps where its input moves by a rounding: a spiking model
-(SNNUNet's Leaky neurons: `(membrane - threshold > 0).float()`), a sign, a rounding.
+"""Whether an operator may get the fused step: only where its output is continuous in its input,
+shown op by op against an allowlist.
 
 The fused pack/update rounds differently from the engine's own plain-torch step (by about one
 unit of the last place); a continuous operator carries that on as a rounding, a discontinuous one
-turns it into other spikes, and the episode into another. So enable() keeps the engine's own step
-for such an operator (engine_step.lowmem_steps), and says so.
+(a spiking model: SNNUNet's Leaky neurons, `(membrane - threshold > 0).float()`; a sign, a
+rounding, a quantisation) turns it into other spikes, and the episode into another. So enable()
+keeps the engine's own step for any operator it cannot show continuous (engine_step.lowmem_steps),
+and says so, naming the op.
 
 Read off the ops, not off values: a random input seldom puts a neuron within a rounding of its
 threshold, and a model at its initialisation may not spike at all. The operator runs once, under
-no_grad, on the probe's psi, in a dispatch mode that follows what depends on its input: it is
-discontinuous where such a value goes through a rounding op (sign, round, floor, ...) or a
-comparison whose result is used as a number (cast, multiplied). A comparison that only selects
-between values (`where`, `masked_fill`: ReLU-like, continuous) does not count. The operator's
-buffers and the random generators are left as found.
+no_grad, on the probe's psi, in a dispatch mode that follows what is computed from its input:
+every op that reads such a value must be one known smooth or piecewise smooth and continuous
+(`SMOOTH`: convolutions, norms, elementwise arithmetic, relu/elu/leaky_relu, max pooling, views
+and copies) and give floating results, integer ones only where named (max pooling's indices,
+never read in the forward). Anything else (a comparison, `where`, `masked_fill`, an integer cast,
+`floor_divide`, `remainder`, `argmax`, `one_hot`, `fake_quantize_*`, an op not listed) keeps
+the engine's own step. The tensors computed from the input are held until the probe ends, so
+their identities are never reused. The operator's buffers and every random generator are left
+as found.
 """
 
 import contextlib
@@ -21,14 +27,33 @@ from typing import Optional
 import torch
 
 from .. import _torch_private as torch_private
-from .engine_probe import buffer_bindings, rebind
+from .engine_probe import buffer_bindings, generators_left_as_found, rebind
 
-_aten = torch.ops.aten
-_ROUNDING = {_aten.sign, _aten.sgn, _aten.round, _aten.floor, _aten.ceil, _aten.trunc, _aten.frac, _aten.heaviside,
-             _aten.hardshrink}
-_COMPARISONS = {_aten.gt, _aten.ge, _aten.lt, _aten.le, _aten.eq, _aten.ne}
-_SELECTIONS = {_aten.where, _aten.masked_fill, _aten.masked_fill_, _aten.masked_select, _aten.masked_scatter,
-               _aten.index, _aten.index_put, _aten.index_put_, _aten.nonzero}
+_ATEN_SMOOTH = """
+    view _unsafe_view reshape permute transpose t expand expand_as slice select unsqueeze squeeze clone contiguous
+    alias detach cat stack split split_with_sizes chunk unbind narrow flatten unflatten as_strided copy_ copy
+    _to_copy to view_as_real view_as_complex complex real imag constant_pad_nd reflection_pad1d reflection_pad2d
+    replication_pad1d replication_pad2d pad repeat roll flip index_select lift_fresh fill_ fill
+    add add_ sub sub_ rsub mul mul_ div div_ neg pow sqrt rsqrt exp log log1p expm1 reciprocal abs square
+    addcmul addcdiv lerp sum mean var std var_mean std_mean linalg_vector_norm norm mm bmm addmm matmul linear
+    baddbmm convolution _convolution conv1d conv2d conv3d mkldnn_convolution native_group_norm native_batch_norm
+    _native_batch_norm_legit _native_batch_norm_legit_no_training _native_batch_norm_legit_functional
+    native_layer_norm group_norm batch_norm layer_norm instance_norm _fused_rms_norm rms_norm
+    relu relu_ elu elu_ gelu silu silu_ sigmoid sigmoid_ tanh tanh_ softplus leaky_relu leaky_relu_ hardtanh
+    hardtanh_ clamp clamp_ clamp_min clamp_max hardswish hardsigmoid mish logsigmoid _softmax softmax _log_softmax
+    log_softmax sin cos erf maximum minimum amax amin
+    max_pool2d_with_indices max_pool2d max_pool1d avg_pool2d avg_pool1d adaptive_avg_pool2d _adaptive_avg_pool2d
+    upsample_nearest2d upsample_bilinear2d _upsample_nearest_exact2d pixel_shuffle pixel_unshuffle native_dropout
+"""
+# qca_lowmem's own fused blocks and step, the same functions as the stock ops they fuse.
+_OWN_SMOOTH = "conv_block conv_block_keep groupnorm_elu groupnorm_elu_apply qca_pack qca_update"
+SMOOTH = frozenset([f"aten::{name}" for name in _ATEN_SMOOTH.split()] +
+                   [f"qca_lowmem::{name}" for name in _OWN_SMOOTH.split()])
+# Ops that read only the shape of what they are given: their results are not computed from it (dropout's mask).
+SHAPE_ONLY = frozenset(f"aten::{name}" for name in """empty_like zeros_like ones_like full_like rand_like randn_like
+    new_empty new_zeros new_ones new_full""".split())
+# Ops that may give an integer or boolean result beside their floating one (never read in a forward).
+INDEX_RESULTS = frozenset({"aten::max_pool2d_with_indices", "aten::native_dropout"})
 
 
 def _tensors(values):
@@ -42,37 +67,44 @@ def _tensors(values):
 class _Follow(torch_private.TorchDispatchMode):
     def __init__(self, source: torch.Tensor):
         super().__init__()
-        self.derived = {id(source)}  # ids of the tensors computed from the input
-        self.masks = set()  # ids of comparisons of such tensors
+        self.derived = {id(source): source}  # the tensors computed from the input, held: their ids stay theirs
         self.found: Optional[str] = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = list(_tensors((*args, *kwargs.values())))
+        inputs = [x for x in _tensors((*args, *kwargs.values())) if id(x) in self.derived]
         out = func(*args, **kwargs)
-        if not any(id(x) in self.derived for x in inputs):
+        if not inputs:
             return out
-        packet = func.overloadpacket
+        name = func.overloadpacket._qualified_op_name
+        if name in SHAPE_ONLY:
+            return out
         outputs = list(_tensors(out if isinstance(out, (tuple, list)) else (out,)))
         if self.found is None:
-            if packet in _ROUNDING or packet is _aten.threshold and args[1] != args[2]:
-                self.found = f"{packet.__name__} of a value computed from its input"
-            elif packet not in _SELECTIONS and any(id(x) in self.masks for x in inputs) \
-                    and any(x.is_floating_point() for x in outputs):
-                self.found = f"a comparison of a value computed from its input, used as a number ({packet.__name__})"
+            self.found = _why_not_smooth(name, args, inputs, outputs)
         for x in outputs:
-            self.derived.add(id(x))
-            if packet in _COMPARISONS or (id(x) not in self.masks and x.dtype == torch.bool
-                                          and any(id(i) in self.masks for i in inputs)):
-                self.masks.add(id(x))
+            self.derived[id(x)] = x
         return out
 
 
+def _why_not_smooth(name, args, inputs, outputs) -> Optional[str]:
+    """Why this op, reading a value computed from the operator's input, may jump, or None."""
+    if name == "aten::threshold":  # threshold(x, t, v) is continuous where it replaces by its threshold (ReLU)
+        return None if args[1] == args[2] else "threshold of a value computed from its input"
+    if name not in SMOOTH:
+        return f"{name} of a value computed from its input, not an op known continuous"
+    if any(not (x.is_floating_point() or x.is_complex()) for x in inputs):
+        return f"{name} of an integer or boolean value computed from its input"
+    if name not in INDEX_RESULTS and any(not (x.is_floating_point() or x.is_complex()) for x in outputs):
+        return f"{name} to {outputs[0].dtype} of a value computed from its input (an integer or boolean cast)"
+    return None
+
+
 @contextlib.contextmanager
-def _buffers_kept(module: torch.nn.Module):
+def _buffers_kept(module: torch.nn.Module, device):
     bound = buffer_bindings(module)
     saved = [(b, b.detach().clone()) for _, _, b in bound]
-    with torch.random.fork_rng(devices=[]):
+    with generators_left_as_found(device):
         try:
             yield
         finally:
@@ -83,8 +115,8 @@ def _buffers_kept(module: torch.nn.Module):
 
 
 def discontinuity(operator: torch.nn.Module, x: torch.Tensor, memory: bool) -> Optional[str]:
-    """Where the operator's output jumps with its input `x` (the packed probe psi), or None."""
+    """Why the operator's output may jump with its input `x` (the packed probe psi), or None."""
     follow = _Follow(x)
-    with torch.no_grad(), _buffers_kept(operator), follow:
+    with torch.no_grad(), _buffers_kept(operator, x.device), follow:
         operator(x, None, None) if memory else operator(x)
     return follow.found

@@ -150,17 +150,31 @@ def _forward_replaced(operator, probe):
 
 
 @contextlib.contextmanager
+def generators_left_as_found(device=None):
+    """Every random generator a probe may draw from, as found on exit: torch's CPU one (and the
+    CUDA one of `device`), NumPy's and Python's."""
+    python_rng = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_rng = numpy.random.get_state() if numpy is not None else None
+    cuda = device is not None and torch.device(device).type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        try:
+            yield
+        finally:
+            random.setstate(python_rng)
+            if numpy_rng is not None:
+                numpy.random.set_state(numpy_rng)
+
+
+@contextlib.contextmanager
 def _engine_left_as_found(motor, device):
     """Puts back what one call of the engine's step may change: the attributes of the engine and
-    of its state (rebound, added, or tensors changed in place) and the torch, Python and NumPy RNGs."""
+    of its state (rebound, added, or tensors changed in place) and every random generator."""
     owners = [motor] + [s for s in (_engine_state(motor),) if hasattr(s, "__dict__")]
     attributes = [(vars(owner), dict(vars(owner))) for owner in owners]
     tensors = [(t, t._version, t.detach().clone()) for _, saved in attributes for t in saved.values()
                if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
-    python_rng = random.getstate()
-    numpy = sys.modules.get("numpy")
-    numpy_rng = numpy.random.get_state() if numpy is not None else None
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with generators_left_as_found(device):
         try:
             yield
         finally:
@@ -171,9 +185,6 @@ def _engine_left_as_found(motor, device):
                 for tensor, version, copy in tensors:
                     if tensor._version != version:
                         tensor.copy_(copy)
-            random.setstate(python_rng)
-            if numpy_rng is not None:
-                numpy.random.set_state(numpy_rng)
 
 
 def _gap(actual, expected) -> float:

@@ -9,21 +9,32 @@ the memory as `carry=(h, c)`, so a recompute sees the memory its forward step sa
 writes the final memory back to `motor.state`, where the engine's other code reads it.
 
 The fused step is only installed where it is exact: enable() refuses an engine whose state is
-not a complex tensor, and one whose own evolve_step, probed once, is not the Cartesian step
-(engine_probe.py); and it keeps the engine's own step, and the stock blocks, for an operator whose
-output jumps with its input (a spiking model: discontinuity.py), which would turn the fused
-step's other rounding into other jumps.
+not a complex tensor; it keeps the engine's own step where the engine's `evolve_step` (and the
+`_evolve_logic` it calls) is not, by the identity of its code (code_identity.py), a Cartesian
+engine step qca_lowmem follows, checked again at every episode, and for an operator whose output
+jumps with its input (a spiking model: discontinuity.py), which would turn the fused step's other
+rounding into other jumps. The probe (engine_probe.py) runs the recognised step once more as a
+second check. The fused step reads what the engine reads at every step, at every step: the
+operator, its class (the multiplicative rule), GAMMA_DECAY; an episode that recomputes refuses a
+GAMMA_DECAY changed during it (the recompute would step with another one than its forward). On
+their CartesianEngine it writes `last_psi_input`, `last_delta_psi` and `last_delta_psi_decay` as
+that engine's step does (detached); the episode leaves them as the forward's last step left them.
 """
 
 import inspect
+import logging
 from typing import Callable, Optional
 
 import torch
 
 from .. import stock
 from ..ops.qca_step import fused_step_once, qca_pack, qca_update
+from .code_identity import followed, not_recorded, resolved
 from .discontinuity import discontinuity
 from .engine_probe import check_engine_state, check_engine_step, compiled_module, probe_shape
+from .say import say
+
+SIDE_STATE = ("last_psi_input", "last_delta_psi", "last_delta_psi_decay")  # their CartesianEngine's, for their plots
 
 
 def has_memory(motor) -> bool:
@@ -62,23 +73,81 @@ def check_operator_call(operator, memory: bool) -> None:
                         f"it, {call} ({error}); {advice}") from None
 
 
-class FusedMemoryStep:
+class _LiveStep:
+    """What the fused steps share: the engine they step, GAMMA_DECAY read at every call as the
+    engine reads it (`fixed_gamma`, set by an episode that recomputes, refuses a change during
+    it), and the side state their CartesianEngine writes (`side_state`)."""
+
+    def __init__(self, motor, side_state: bool = False):
+        self.motor, self.side_state, self.fixed_gamma = motor, side_state, None
+        # In an episode the side state is written once, from the forward's last step (flush()):
+        # each step then only keeps references, where a call outside one (their inference) writes it.
+        self.deferred, self.pending = False, None
+        self.in_episode, self.identity = False, None  # identity: the EngineIdentity enable() recognised
+
+    def engine_changed(self) -> Optional[Callable]:
+        """Outside an episode (which checks once), at every call: the engine's own step where its
+        code is no longer the one recognised, else None."""
+        return None if self.in_episode or self.identity is None else self.identity.own_step(self.motor)
+
+    def gamma(self) -> float:
+        gamma = live_gamma(self.motor)
+        if self.fixed_gamma is not None and gamma != self.fixed_gamma:
+            raise RuntimeError(f"{type(self.motor).__name__}.cfg GAMMA_DECAY changed during the episode, from "
+                               f"{self.fixed_gamma!r} to {gamma!r}: the steps recomputed in the backward would decay "
+                               "by another rate than their forward. Change it between episodes, or enable(trainer, "
+                               "checkpoint='none'), whose steps read it as the engine's do")
+        return gamma
+
+    def record(self, psi, delta, gamma: float, multiplicative: bool) -> None:
+        """Write the engine's side state as their CartesianEngine._evolve_logic does, detached."""
+        if not self.side_state:
+            return
+        if self.deferred:
+            self.pending = (psi, delta, gamma, multiplicative)
+            return
+        with torch.no_grad():
+            real = psi.real.dtype
+            a_real, a_imag = (part.to(real).permute(0, 2, 3, 1) for part in torch.chunk(delta, 2, dim=1))
+            if multiplicative:
+                a_real, a_imag = (a_real * psi.real - a_imag * psi.imag, a_real * psi.imag + a_imag * psi.real)
+            motor = self.motor
+            motor.last_psi_input = psi.detach()  # theirs is psi itself, in its graph: the same values
+            motor.last_delta_psi = torch.complex(a_real, a_imag)
+            motor.last_delta_psi_decay = -gamma * psi.detach() if gamma > 0 else None
+
+    def start_episode(self, fixed_gamma: Optional[float]) -> None:
+        """`fixed_gamma`: the GAMMA_DECAY the episode's steps must keep (it recomputes), else None."""
+        self.fixed_gamma, self.deferred, self.pending, self.in_episode = fixed_gamma, self.side_state, None, True
+
+    def end_episode(self) -> None:
+        self.fixed_gamma, self.deferred, self.pending, self.in_episode = None, False, None, False
+
+    def flush(self) -> None:
+        """Write the side state of the last step called (the forward's last, before any recompute)."""
+        pending, self.pending, deferred = self.pending, None, self.deferred
+        if pending is not None:
+            self.deferred = False
+            self.record(*pending)
+            self.deferred = deferred
+
+
+class FusedMemoryStep(_LiveStep):
     """step(psi, (h, c)) -> (psi, (h, c)): the engine's step with memory on the fused pack/update,
     calling the engine's operator of the moment (current_operator). A value holding the engine,
     not a closure, so that a copy of the trainer steps its own engine and pickles."""
 
-    def __init__(self, motor, gamma: float):
-        self.motor, self.gamma = motor, gamma
-
     def __call__(self, psi, memory):
         operator, multiplicative = current_operator(self.motor)
+        gamma = self.gamma()
         h, c = (m.detach() if m is not None else None for m in memory)
         out = operator(qca_pack(psi), h, c)
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise TypeError(f"{type(operator).__name__} on an engine with has_memory=True must return (delta, h, c), "
                             f"it returned {type(out).__name__}")
         delta, h, c = out
-        return (qca_update(psi, delta, self.gamma, multiplicative),
+        self.record(psi, delta, gamma, multiplicative)
+        return (qca_update(psi, delta, gamma, multiplicative),
                 tuple(m.detach() if m is not None else None for m in (h, c)))
 
 
@@ -92,30 +161,37 @@ def current_operator(motor):
     return compiled_module(operator), stock.is_multiplicative(operator)
 
 
-class FusedEngineStep:
+class FusedEngineStep(_LiveStep):
     """motor.evolve_step on the fused pack/update, calling the engine's operator of the moment; a
     value holding the engine (a copy of the trainer or of the engine steps its own). With
     `channels_last` the pack writes NHWC."""
 
-    def __init__(self, motor, gamma: float, channels_last: bool = False):
-        self.motor, self.gamma, self.channels_last = motor, gamma, channels_last
+    def __init__(self, motor, channels_last: bool = False, side_state: bool = False):
+        super().__init__(motor, side_state)
+        self.channels_last = channels_last
 
     def __call__(self, psi):
+        own = self.engine_changed()
+        if own is not None:
+            return own(psi)
         operator, multiplicative = current_operator(self.motor)
-        return fused_step_once(operator, psi, self.gamma, multiplicative, self.channels_last)
+        gamma = self.gamma()
+        recorded = (lambda delta: self.record(psi, delta, gamma, multiplicative)) if self.side_state else None
+        return fused_step_once(operator, psi, gamma, multiplicative, self.channels_last, recorded)
 
 
 class EngineMemoryStep:
-    """step(psi, (h, c)) -> (psi, (h, c)) around the engine's own evolve_step(psi), which reads
-    and writes the memory on motor.state: the memory it reads is the one handed in."""
+    """step(psi, (h, c)) -> (psi, (h, c)) around the engine's own evolve_step(psi) (`own`, by
+    default motor.evolve_step), which reads and writes the memory on motor.state: the memory it
+    reads is the one handed in."""
 
-    def __init__(self, motor):
-        self.motor = motor
+    def __init__(self, motor, own: Optional[Callable] = None):
+        self.motor, self.own = motor, own
 
     def __call__(self, psi, memory):
         state = self.motor.state
         state.h_state, state.c_state = memory
-        psi = self.motor.evolve_step(psi)
+        psi = (self.own or self.motor.evolve_step)(psi)
         return psi, (state.h_state, state.c_state)
 
 
@@ -128,16 +204,42 @@ class MemoryStep:
         self.carried = carried
 
     def __call__(self, psi):
+        own = self.carried.engine_changed() if isinstance(self.carried, _LiveStep) else None
+        if own is not None:
+            return own(psi)
         state = self.motor.state
         psi, (state.h_state, state.c_state) = self.carried(psi, (state.h_state, state.c_state))
         return psi
 
 
-def engine_gamma(motor) -> float:
+def live_gamma(motor) -> float:
+    """GAMMA_DECAY as their engine reads it at each step: cfg.GAMMA_DECAY, else cfg['GAMMA_DECAY'],
+    else none; no decay unless it is above 0."""
     cfg = getattr(motor, "cfg", None)
-    if isinstance(cfg, dict):
-        return float(cfg.get("GAMMA_DECAY", 0.0) or 0.0)
-    return float(getattr(cfg, "GAMMA_DECAY", 0.0) or 0.0)
+    gamma = 0.0
+    if cfg is not None:
+        if hasattr(cfg, "GAMMA_DECAY"):
+            gamma = cfg.GAMMA_DECAY
+        elif isinstance(cfg, dict) and "GAMMA_DECAY" in cfg:
+            gamma = cfg["GAMMA_DECAY"]
+    return float(gamma) if gamma > 0 else 0.0
+
+
+def engine_kind(motor, installed=None) -> Optional[str]:
+    """Which Cartesian engine step qca_lowmem follows the engine runs, by the identity of its code:
+    "CartesianEngine" (theirs, writing the side state), "Motor" (the stand-in's), else None.
+    `installed`: the step enable() set on the engine, looked through."""
+    evolve = resolved(motor, "evolve_step", installed)
+    if followed("CartesianEngine.evolve_step", evolve) is not None:
+        logic = resolved(motor, "_evolve_logic")
+        return "CartesianEngine" if followed("CartesianEngine._evolve_logic", logic) is not None else None
+    return "Motor" if followed("Motor.evolve_step", evolve) is not None else None
+
+
+def unknown_engine(motor) -> str:
+    why = not_recorded()
+    return (f"{type(motor).__name__}.evolve_step is not, by its code, a Cartesian engine step qca_lowmem follows"
+            + (f" ({why})" if why else ""))
 
 
 def lowmem_steps(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] = None, channels_last: bool = False):
@@ -151,32 +253,72 @@ def lowmem_steps(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] 
     memory = has_memory(motor)
     check_operator_call(operator, memory)
     # The engine's rule reads the class of what it calls: a compiled UNetUnitary (OptimizedModule) is additive there.
-    gamma, multiplicative = engine_gamma(motor), stock.is_multiplicative(operator)
+    multiplicative = stock.is_multiplicative(operator)
     shape, dtype = probe_shape(motor, grid, d_state)
-    jumps = discontinuity(compiled_module(operator), _probe_input(operator, shape, dtype), memory) \
-        if fused_step_ops else None
-    if not fused_step_ops or jumps is not None:
+    kind = engine_kind(motor) if fused_step_ops else None
+    why = None
+    if fused_step_ops and kind is None:
+        why = unknown_engine(motor)
+    elif fused_step_ops:
+        jumps = discontinuity(compiled_module(operator), _probe_input(operator, shape, dtype), memory)
+        why = None if jumps is None else (
+            f"{type(operator).__name__}'s output jumps with its input ({jumps}): the fused step, rounding "
+            "differently from the engine's, would give other jumps")
+    if not fused_step_ops or why is not None:
         if compiled_module(operator) is not operator:
             named = f"{type(operator).__name__} (torch.compile of {type(operator._orig_mod).__name__})"
             own_step = ("The engine's own step would run one compiled graph in the forward (no grad) and another in "
                         "the recompute (grad), which can round differently")
-            if jumps is None:
+            if why is None:
                 raise TypeError(f"enable(): {named} with fused_step_ops=False; fused_step_ops=True runs the module it "
                                 f"wraps\n{own_step}")
-            raise TypeError(f"enable(): {named} keeps the engine's own step, its output jumping with its input; set "
-                            f"motor.operator to the module it wraps (operator._orig_mod)\n{own_step}, into other "
-                            f"jumps ({jumps})")
-        why = None if jumps is None else (
-            f"{type(operator).__name__}'s output jumps with its input ({jumps}): the fused step, rounding "
-            "differently from the engine's, would give other jumps")
+            raise TypeError(f"enable(): {named} keeps the engine's own step; set motor.operator to the module it "
+                            f"wraps (operator._orig_mod)\n{own_step} ({why})")
         return None, (EngineMemoryStep(motor) if memory else None), why
+    side_state = kind == "CartesianEngine"
     if not memory:
-        step = FusedEngineStep(motor, gamma, channels_last)
+        step = FusedEngineStep(motor, channels_last, side_state)
         check_engine_step(motor, step, None, shape, dtype, multiplicative)
         return step, None, None
-    carried = FusedMemoryStep(motor, gamma)
+    carried = FusedMemoryStep(motor, side_state)
     check_engine_step(motor, None, carried, shape, dtype, multiplicative)
     return MemoryStep(motor, carried), carried, None
+
+
+def fused_of(evolve_step, memory_step) -> Optional[_LiveStep]:
+    """The fused step object among what lowmem_steps returned, or None (the engine's own step)."""
+    for step in (memory_step, evolve_step):
+        if isinstance(step, _LiveStep):
+            return step
+    return None
+
+
+class EngineIdentity:
+    """The engine step enable() recognised, and the step it installed in its place, checked again
+    at each episode."""
+
+    def __init__(self, motor, installed, memory: bool):
+        self.installed, self.memory, self.said = installed, memory, False
+        self.kind = engine_kind(motor, installed) if installed is not None else None
+
+    def own_step(self, motor) -> Optional[Callable]:
+        """None while the installed step still stands for the engine's; else the step the engine
+        would run now, bound (said once)."""
+        if self.kind is None:
+            return None
+        if has_memory(motor) != self.memory:
+            raise RuntimeError(f"{type(motor).__name__}.has_memory is now {not self.memory}, {self.memory} at enable(): "
+                               "the episode carries the memory as enable() decided; disable() and enable() again")
+        if engine_kind(motor, self.installed) == self.kind:
+            return None
+        if not self.said:
+            self.said = True
+            say(logging.WARNING, f"{type(motor).__name__}'s step changed since enable() ({unknown_engine(motor)}): "
+                                 "the episodes run the engine's own step")
+        own = vars(motor).get("evolve_step")
+        if own is not None and own is not self.installed:
+            return own
+        return getattr(type(motor), "evolve_step").__get__(motor, type(motor))
 
 
 def _probe_input(operator, shape, dtype):
@@ -194,3 +336,16 @@ def memory_of(motor) -> Optional[tuple]:
 
 def store_memory(motor, memory) -> None:
     motor.state.h_state, motor.state.c_state = (m.detach() if m is not None else None for m in memory)
+
+
+def side_state_of(motor, copy: bool = False) -> dict:
+    """The side state their engine's step leaves on the engine (SIDE_STATE), as it stands; `copy`:
+    its tensors cloned (a captured step rewrites its buffers in each replay)."""
+    held = vars(motor) if hasattr(motor, "__dict__") else {}
+    return {name: held[name].clone() if copy and isinstance(held[name], torch.Tensor) else held[name]
+            for name in SIDE_STATE if name in held}
+
+
+def put_side_state(motor, saved: dict) -> None:
+    for name, value in saved.items():
+        setattr(motor, name, value)

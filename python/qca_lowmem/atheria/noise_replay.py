@@ -10,28 +10,15 @@ GPU. On CUDA every element's product is the same device code either way, so the 
 a vectorised loop leaves to its scalar tail, which lie elsewhere in the compacted array than in
 the whole one, so on the CPU, where a boolean index waits for nothing, their own code runs.
 
-Only an injector whose methods are, by structure (stock_guard.structure_digest), a version this
-module follows is replayed; any other runs as written.
+Only an injector whose flips are, by the identity of their code (code_identity.py), a version
+this module follows is replayed, checked at each episode; any other runs as written.
 """
-
-from typing import Dict, Tuple
 
 import torch
 
-from .stock_guard import structure_digest
+from .code_identity import followed, resolved
 
-# Per method, the structure digests of the versions MaskFreeInjector replays: theirs (Jonakss/Atheria
-# src/physics/noise.py at 6c95798, 2025-12-02), then stock.NoiseInjector's.
-FOLLOWED: Dict[str, Tuple[str, ...]] = {
-    "apply_phase_flip": (
-        "02ec09f9c42943f619826a77410f72068d5057d7d74914094096b00b90c7a161",
-        "39a3d2f7aba8e04c50b54d51be60ccb3d2f993badd25488cc7a589a979f75e80",
-    ),
-    "apply_bit_flip": (
-        "8e6afef2759bd184333aa0d249958cab6103a8f539a32e44674d670224b935d6",
-        "f47a2ec5a813d716036e283edcc5693e8f4ef6b20592ff8d521193c156297e51",
-    ),
-}
+FLIPS = ("apply_phase_flip", "apply_bit_flip")
 
 
 class MaskFreeInjector:
@@ -58,19 +45,14 @@ def index_waits(device) -> bool:
 
 def follows(injector) -> bool:
     """Whether the injector's flips are a version MaskFreeInjector replays: methods of its class
-    (none set on the instance) whose structure is followed, and a `device` to draw on."""
-    if not hasattr(injector, "device"):
-        return False
-    for name, digests in FOLLOWED.items():
-        method = getattr(injector, name, None)
-        if getattr(method, "__self__", None) is not injector or structure_digest(method.__func__) not in digests:
-            return False
-    return True
+    (none set on the instance, no wrapper) whose code is followed, and a `device` to draw on."""
+    return hasattr(injector, "device") and all(
+        followed(f"QuantumNoiseInjector.{name}", resolved(injector, name)) is not None for name in FLIPS)
 
 
 def without_host_waits(injector):
     """The injector to apply a noisy step with: a MaskFreeInjector where theirs would wait for
     the device and is one this module follows, else the injector itself."""
-    if follows(injector) and index_waits(injector.device):
+    if hasattr(injector, "device") and index_waits(injector.device) and follows(injector):
         return MaskFreeInjector(injector.device)
     return injector

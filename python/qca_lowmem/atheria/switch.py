@@ -18,13 +18,15 @@ import torch
 from .. import amp
 from ..precision import autocast
 from ..recompute import Policy, StepGraph, rollout
-from ..recompute.policy import STEP
+from ..recompute.policy import NONE, STEP
 from ..unet import convert
 from .engine_probe import buffer_bindings, compiled_module, rebind
-from .engine_step import lowmem_steps, memory_of
+from .engine_step import (EngineIdentity, EngineMemoryStep, fused_of, live_gamma, lowmem_steps, memory_of,
+                          put_side_state, side_state_of)
 from .options import OPTION_NAMES, EpisodeOptions, check_options, resolve_options
 from .say import say
-from .stock_guard import check_stock_episode
+from .code_identity import not_recorded
+from .stock_guard import EpisodeIdentity, check_stock_episode
 from .trainers import adapter_for
 
 _STATE_ATTR = "_qca_lowmem_state"
@@ -66,10 +68,14 @@ class _Saved:
     own_step: Optional[str] = None  # why the engine's own step and blocks run although fused ones were asked for
     motor: Any = None  # the engine enable() changed, which every trainer sharing this state must still hold
     live: bool = True  # False once disable() put the engine back, for a shallow copy still holding this state
+    episode_identity: Any = None  # the stock train_episode recognised, checked at each episode (stock_guard.py)
+    engine_identity: Any = None  # the engine step recognised, checked at each episode (engine_step.py)
+    fused: Any = None  # the fused step reading GAMMA_DECAY live, None with the engine's own step
+    graph_reads: Any = None  # what the step_graph's capture read once: GAMMA_DECAY, the operator
 
     def __getstate__(self):
         # A copy (deepcopy, pickle) captures its own CUDA graphs at its first CUDA episode.
-        return {**vars(self), "step_graph": None}
+        return {**vars(self), "step_graph": None, "graph_reads": None}
 
 
 class LowmemEpisode:
@@ -80,7 +86,34 @@ class LowmemEpisode:
         self.trainer = trainer
 
     def __call__(self, episode_num):
-        return _lowmem_train_episode(self.trainer, episode_num)
+        state: _Saved = getattr(self.trainer, _STATE_ATTR)
+        theirs = state.episode_identity.changed(self.trainer, self) if state.episode_identity else None
+        if theirs is not None:  # their train_episode is no longer the one recognised: it runs as written
+            return theirs(episode_num)
+        try:
+            return _lowmem_train_episode(self.trainer, episode_num)
+        finally:  # an episode that raised leaves the step as their code and inference call it
+            if state.fused is not None:
+                state.fused.end_episode()
+
+
+def _episode_step(trainer, state: _Saved, opts):
+    """The step the episode rolls out: the one enable() installed while the engine's code is the
+    one it recognised, else the engine's own (eager); GAMMA_DECAY pinned for an episode that recomputes."""
+    own = state.engine_identity.own_step(trainer.motor) if state.engine_identity is not None else None
+    if own is not None:
+        return EngineMemoryStep(trainer.motor, own) if state.memory_step is not None else own
+    if state.fused is not None:
+        state.fused.start_episode(live_gamma(trainer.motor) if opts.policy.checkpoint != NONE else None)
+    step = state.memory_step or trainer.motor.evolve_step
+    if opts.cuda_graph:  # off CUDA a StepGraph is the plain step
+        # A capture keeps the values its step read as constants: captured again when they change.
+        reads = (live_gamma(trainer.motor), trainer.motor.operator)
+        if state.step_graph is None or state.graph_reads is None or state.graph_reads[0] != reads[0] \
+                or state.graph_reads[1] is not reads[1]:
+            state.step_graph, state.graph_reads = StepGraph(step), reads
+        step = state.step_graph
+    return step
 
 
 _COPY_HOOK = "__reduce_ex__"  # copy.copy, copy.deepcopy and pickle read it off the instance
@@ -138,11 +171,7 @@ def _lowmem_train_episode(trainer, episode_num):
     trainer.optimizer.zero_grad()
     psi0 = version.initial_state(trainer, opts, device)
     noise = version.noise(trainer, episode_num, opts.noise)
-    step = state.memory_step or trainer.motor.evolve_step
-    if opts.cuda_graph:  # off CUDA a StepGraph is the plain step
-        if state.step_graph is None:
-            state.step_graph = StepGraph(step)
-        step = state.step_graph
+    step = _episode_step(trainer, state, opts)
     # The memory the episode starts from: what the engine holds (zeroed by V4's state reset, None after V3's episodes).
     memory = {} if state.memory_step is None else dict(carry=memory_of(trainer.motor))
     with autocast(device.type, opts.amp_dtype):
@@ -150,24 +179,29 @@ def _lowmem_train_episode(trainer, episode_num):
                                           record_every=version.record_every(trainer), **memory)
         loss, details = version.loss(trainer, psi0, psi, history)
     bound = buffer_bindings(compiled_module(operator))  # as the forward left them
+    if state.fused is not None:
+        state.fused.flush()
+    side_state = side_state_of(trainer.motor, copy=opts.cuda_graph)  # the forward's last step's, as stock leaves it
 
     parameters = [p for p in model.parameters() if p.requires_grad]
-    max_norm = opts.max_grad_norm if opts.max_grad_norm is not None else version.max_grad_norm(trainer)
     scaler = getattr(trainer, "scaler", None)
     if scaler is not None and scaler.is_enabled():
         scaler.scale(loss).backward()
         scaler.unscale_(trainer.optimizer)
+        max_norm = _max_norm(trainer, opts, version)
         if max_norm is not None:
             _clip(scaler, parameters, max_norm)
         scaler.step(trainer.optimizer)
         scaler.update()
     else:
         loss.backward()
+        max_norm = _max_norm(trainer, opts, version)
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         trainer.optimizer.step()
     # After the backward, whose recomputes ran the steps again.
     rebind(bound)  # a buffer each recompute bound again (snntorch's membrane): as the forward left it
+    put_side_state(trainer.motor, side_state)
     version.after_backward(trainer, memory_T[0] if memory_T else None)
     return version.result(trainer, episode_num, loss, details, psi)
 
@@ -183,6 +217,11 @@ def _check_engine(trainer, state: _Saved):
         raise RuntimeError(f"qca_lowmem: trainer.motor ({type(trainer.motor).__name__}) is not the engine enable() "
                            "changed (set after enable(), or after copying the trainer): qca_lowmem.disable(trainer), "
                            "then enable(trainer) again")
+
+
+def _max_norm(trainer, opts, version):
+    """The clipping norm, read after the backward as their episodes read it (V3's gradient_clip)."""
+    return opts.max_grad_norm if opts.max_grad_norm is not None else version.max_grad_norm(trainer)
 
 
 def _clip(scaler, parameters, max_norm):
@@ -247,12 +286,12 @@ def enable(
       torch's caching allocator, a checkpoint other than "none"), off elsewhere; True where it
       cannot run warns why, once; False: eager steps. enable()'s line says which on CUDA.
     fused_step_ops: replace `motor.evolve_step` by the fused pack/update ops. Only where that is
-      exact: an engine whose state psi is not a complex tensor, or whose own evolve_step (run once
-      on a random psi with the operator's output fixed, leaving the trainer as found) is not the
-      Cartesian step, is refused naming its class; an operator whose output jumps with its input
-      (spikes: the ops of one probe call tell) keeps the engine's own step and stock blocks, which
-      round as stock does, and enable()'s line says so. False rolls out the engine's own step,
-      which needs only the complex tensor state.
+      exact: an engine whose state psi is not a complex tensor is refused naming its class; one
+      whose evolve_step is not, by the identity of its code, a Cartesian step qca_lowmem follows
+      (checked again at each episode), or whose operator runs an op not known continuous (spikes,
+      quantising: the ops of one probe call tell), keeps the engine's own step and stock blocks,
+      which round as stock does, and enable()'s line says so. False rolls out the engine's own
+      step, which needs only the complex tensor state.
     An engine with `motor.has_memory` True (operator(x, h, c) -> (delta, h, c), the memory on
       motor.state.h_state / c_state, detached) has its memory carried through the rollout, so
       each recompute sees the memory its forward step saw; after each episode motor.state holds
@@ -291,7 +330,8 @@ def enable(
     if _COPY_HOOK in vars(trainer):
         raise TypeError(f"enable(): the trainer has its own {_COPY_HOOK} ({vars(trainer)[_COPY_HOOK]!r}), where enable() "
                         "binds the trainer's copies to themselves; remove it first")
-    edited_episode = check_stock_episode(trainer, assume_stock_episode)
+    unrecorded = not_recorded()  # no digests for this Python: their own episode runs, said in the line
+    edited_episode = None if unrecorded else check_stock_episode(trainer, version.name, assume_stock_episode)
     policy = checkpoint if isinstance(checkpoint, Policy) else Policy.of(checkpoint, slots, budget, "enable()")
     _check_placement(trainer)
     policy.check_device(next(trainer.motor.operator.parameters()).device, "enable()")
@@ -318,6 +358,11 @@ def enable(
         trainer.motor.operator.to(memory_format=torch.channels_last)
     state.motor = trainer.motor
     _swap_step(trainer, state, evolve_step)
+    state.fused = fused_of(evolve_step, state.memory_step)
+    state.engine_identity = EngineIdentity(trainer.motor, evolve_step, state.memory_step is not None)
+    if state.fused is not None:  # outside episodes (their code, inference) the step checks at each call
+        state.fused.identity = state.engine_identity
+    state.episode_identity = EpisodeIdentity(trainer, unrecorded) if edited_episode is None else None
     _swap_episode(trainer, state)
     _swap_scaler(trainer, state, new_scaler)
     state.compiled_said = compiled_module(trainer.motor.operator) is not trainer.motor.operator
@@ -334,7 +379,9 @@ def _summary(state: _Saved) -> str:
         ("the compiled operator's module uncompiled", options.fused_step_ops and state.compiled_said),
         (f"{state.version.name} episode", state.version.named_on_enable),
         (f"the engine's own step and blocks: {state.own_step}", state.own_step is not None),
-        (f"the stock episode assumed: {state.edited_episode}", state.edited_episode is not None)) if on]
+        (f"the stock episode assumed: {state.edited_episode}", state.edited_episode is not None),
+        (f"their own train_episode: {getattr(state.episode_identity, 'own', None)}",
+         getattr(state.episode_identity, "own", None) is not None)) if on]
     return ", ".join(parts)
 
 

@@ -2,7 +2,7 @@
 torch.ops.qca_lowmem.qca_pack / qca_update, and the stock step on them (`fused_step`: pack,
 operator, update), which the reference trainer, plan, the benchmarks and enable() step with."""
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -57,13 +57,16 @@ class fused_step:  # noqa: N801  (a function to its callers; a class so that it 
 
 
 def fused_step_once(operator, psi: torch.Tensor, gamma: float, multiplicative: bool,
-                    channels_last: bool = False) -> torch.Tensor:
-    """One stock step of `operator` on psi over the fused pack and update."""
+                    channels_last: bool = False, recorded: Optional[Callable] = None) -> torch.Tensor:
+    """One stock step of `operator` on psi over the fused pack and update; `recorded(delta)`, where
+    given, sees the operator's output (an engine's side state)."""
     delta = operator(qca_pack(psi, channels_last=channels_last))
     if not isinstance(delta, torch.Tensor):
         raise TypeError(f"{type(operator).__name__} returned {type(delta).__name__}, the engine step takes an "
                         "operator returning delta; a model with memory returning (delta, h, c) needs an engine "
                         "with has_memory=True")
+    if recorded is not None:
+        recorded(delta)
     return qca_update(psi, delta, gamma, multiplicative)
 
 

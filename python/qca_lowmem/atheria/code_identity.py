@@ -1,0 +1,200 @@
+"""The identity of code that will run: what enable() compares before it replaces the users' code
+(their train_episode, their engine's step, their noise injector's flips) by its own.
+
+Not the source text (which `inspect` reads from the file on disk now, following `__wrapped__`):
+the function object the instance resolves to, digested from its code object as the interpreter
+runs it. The digest covers the bytecode and exception table, the constants (nested code objects
+digested the same way), the names, arguments, flags, the default values, the closure's cells
+and the module globals the code loads (a module by its name, a function by its own digest, a
+simple value by its value, anything else by its type's name), so an edit imported and then
+undone on disk, a global rebound, a default changed or a decorator's wrapper (functools.wraps
+copies the name, not the code) all digest apart. Line numbers and file names are left out: a
+comment or a blank line changes nothing that runs.
+
+Bytecode changes between Python minor versions, so the digests of the versions followed are
+recorded per `major.minor` (`FOLLOWED`); on a Python with none recorded nothing is recognised
+and the users' own code runs. The static part of a digest is cached per code object (held, so
+its id is not reused); the values (defaults, cells, globals) are read at every check.
+"""
+
+import dis
+import hashlib
+import inspect
+import sys
+import types
+from typing import Dict, Optional, Tuple
+
+PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+_SIMPLE = (type(None), bool, int, float, complex, str, bytes)
+_LOADS_GLOBAL = {"LOAD_GLOBAL", "LOAD_NAME"}
+
+# Per Python version, per role: digest -> where the version followed was taken from. Theirs from
+# Jonakss/Atheria at 4df21e7 (2025-12, the same train_episode text as c780b4c / ee9d178 and the same
+# noise.py as 6c95798, which the earlier source digests named); the stand-ins from qca_lowmem.examples,
+# whose digests follow qca_lowmem.stock's code (tests/library/test_enable_identity.py recomputes them).
+_ATHERIA = "Jonakss/Atheria at 4df21e7, "
+_STAND_IN = "the bundled stand-in, qca_lowmem/examples/"
+_STOCK = "qca_lowmem/stock.py NoiseInjector."
+FOLLOWED: Dict[str, Dict[str, Dict[str, str]]] = {
+    "3.11": {
+        "QC_Trainer_v4.train_episode": {
+            "cf6b56ed82e2fa931b36790d40a8c32fed4f59a9fbca7cfd9a9016de096dd82a": _ATHERIA + "src/trainers/qc_trainer_v4.py",
+            "3554d9e57fbdcd6bfbd64d505012cb96e6dc8d2566af22a2d228120e38ca6af0": _STAND_IN + "qc_trainer_v4.py",
+        },
+        "QC_Trainer_v3.train_episode": {
+            "4cedca95799d0d6c6b15768f22e09eb1c2b1bf4bfb2c6fade88f8181e8403dab": _ATHERIA + "src/trainers/qc_trainer_v3.py",
+            "815828dc1e6091695dbab76ee5d3fdcb9dc3c5f3f19cd925b1acd5787ebc7a53": _STAND_IN + "qc_trainer_v3.py",
+        },
+        "CartesianEngine.evolve_step": {
+            "ef41f322e2e9bebf5ba0d917dfec6de1b0322b0a19e11a61d37bb220c0e764f4": _ATHERIA + "src/engines/qca_engine.py",
+        },
+        "CartesianEngine._evolve_logic": {
+            "da644f45368b944e92bb59d5bdebe9829497df86bcdc9226add34c4593b17928": _ATHERIA + "src/engines/qca_engine.py",
+        },
+        "Motor.evolve_step": {
+            "5d7d81d9ee448de4ad65b210335a74ae6ff7766ef159f9ef7a47228df10b0d19": _STAND_IN + "qc_trainer_v4.py Motor",
+            "9064eea868f46ab51e5a494567322184c2afb1a66d70d1b97d3c60681956b55a": _STAND_IN + "qc_trainer_v4.py MemoryMotor",
+        },
+        "QuantumNoiseInjector.apply_phase_flip": {
+            "bd9f85aac5fd714b1f1d66aa47dda68d4e8e8fa7df0f08171f2a149d631bb5a6": _ATHERIA + "src/physics/noise.py",
+            "6953c0bc379656b0a007a43faf9ca51e0fc56177435229da0c246b93f363c3d0": _STOCK + "apply_phase_flip",
+        },
+        "QuantumNoiseInjector.apply_bit_flip": {
+            "e46a1d6bb550a0c904ced4f11892c1963b374fdbcd4dbd8eba38bd5f1215a46a": _ATHERIA + "src/physics/noise.py",
+            "8c6b691af8d13b4cbe4b2fd15c6391f4af05143a697a9ad0e76692e34e7be687": _STOCK + "apply_bit_flip",
+        },
+    },
+}
+
+
+class _Static:
+    """What a code object's digest needs that never changes: its own bytes and the globals it loads."""
+
+    def __init__(self, code: types.CodeType):
+        self.code = code  # held: the cache is keyed by id()
+        self.digest, self.globals = _static(code)
+
+
+_STATIC: Dict[int, _Static] = {}
+
+
+def _static(code: types.CodeType) -> Tuple[str, Tuple[str, ...]]:
+    parts = [code.co_code, code.co_exceptiontable, repr((code.co_name, code.co_names, code.co_varnames,
+                                                          code.co_freevars, code.co_cellvars, code.co_argcount,
+                                                          code.co_posonlyargcount, code.co_kwonlyargcount,
+                                                          code.co_flags)).encode()]
+    loaded = {ins.argval for ins in dis.get_instructions(code) if ins.opname in _LOADS_GLOBAL}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            inner = _static_of(const)
+            parts.append(inner.digest.encode())
+            loaded.update(inner.globals)
+        else:
+            parts.append(str(_value(const, frozenset())).encode())  # frozenset constants: sorted
+    return hashlib.sha256(b"\0".join(parts)).hexdigest(), tuple(sorted(loaded))
+
+
+def _static_of(code: types.CodeType) -> _Static:
+    found = _STATIC.get(id(code))
+    if found is None or found.code is not code:
+        found = _STATIC[id(code)] = _Static(code)
+    return found
+
+
+def _value(value, seen) -> Optional[str]:
+    """A value's part of a digest; None where it cannot be told apart from a changed one."""
+    if isinstance(value, _SIMPLE):
+        return f"{type(value).__qualname__}:{value!r}"
+    if isinstance(value, (tuple, frozenset)):
+        inner = [_value(v, seen) for v in value]
+        if None in inner:
+            return None
+        return f"{type(value).__qualname__}({','.join(sorted(inner) if isinstance(value, frozenset) else inner)})"
+    if isinstance(value, types.ModuleType):
+        return f"module:{value.__name__}"
+    if isinstance(value, types.FunctionType):
+        return _digest(value, seen)
+    if isinstance(value, (type, types.BuiltinFunctionType)):
+        return f"{type(value).__qualname__}:{getattr(value, '__module__', '')}.{value.__qualname__}"
+    return f"instance:{type(value).__module__}.{type(value).__qualname__}"
+
+
+_EMPTY, _MISSING = object(), object()  # an empty closure cell; a global found nowhere
+_DIGESTS: Dict[int, tuple] = {}  # id(function) -> (function, what its digest read, the digests of functions among it, digest)
+
+
+def _inputs(function, static: _Static) -> tuple:
+    """Every object the digest of `function` reads, in order."""
+    cells = []
+    for cell in function.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:
+            cells.append(_EMPTY)
+    namespace, builtins = function.__globals__, function.__builtins__
+    loaded = [namespace[name] if name in namespace else
+              builtins.get(name, _MISSING) if isinstance(builtins, dict) else getattr(builtins, name, _MISSING)
+              for name in static.globals]
+    kwdefaults = tuple(sorted((function.__kwdefaults__ or {}).items()))
+    return (function.__code__, function.__defaults__, kwdefaults, *(v for _, v in kwdefaults), *cells, *loaded)
+
+
+def _digest(function, seen) -> Optional[str]:
+    if not isinstance(function, types.FunctionType) or hasattr(function, "__wrapped__"):
+        return None
+    if id(function) in seen:
+        return "recursive"
+    seen = seen | {id(function)}
+    static = _static_of(function.__code__)
+    inputs = _inputs(function, static)
+    inner = tuple(_digest(v, seen) for v in inputs if isinstance(v, types.FunctionType))
+    cached = _DIGESTS.get(id(function))
+    # The same objects read as last time (held there, so their ids are theirs): the same digest.
+    if cached is not None and cached[0] is function and len(cached[1]) == len(inputs) and cached[2] == inner \
+            and all(a is b for a, b in zip(cached[1], inputs)):
+        return cached[3]
+    parts = [static.digest, _value(function.__defaults__ or (), seen), _value(inputs[2], seen)]
+    parts += ["empty" if cell is _EMPTY else _value(cell, seen)
+              for cell in inputs[3 + len(inputs[2]):len(inputs) - len(static.globals)]]
+    parts += [f"{name}={'missing' if value is _MISSING else _value(value, seen)}"
+              for name, value in zip(static.globals, inputs[len(inputs) - len(static.globals):])]
+    found = None if None in parts else hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    _DIGESTS[id(function)] = (function, inputs, inner, found)
+    return found
+
+
+def digest(function) -> Optional[str]:
+    """The digest of the code `function` runs; None for anything but a plain Python function
+    (a wrapper with `__wrapped__`, a builtin, a callable object) or one reading what cannot be digested."""
+    return _digest(function, frozenset())
+
+
+def resolved(instance, name: str, installed=None):
+    """The plain function `instance.name` runs, looked up on its class through the MRO, or None
+    where the instance holds its own attribute of that name (other than `installed`, what
+    enable() put there) or the class's is not a plain function."""
+    own = vars(instance).get(name, installed) if hasattr(instance, "__dict__") else installed
+    if own is not installed:
+        return None
+    try:
+        found = inspect.getattr_static(type(instance), name)
+    except AttributeError:
+        return None
+    return found if isinstance(found, types.FunctionType) else None
+
+
+def followed(role: str, function) -> Optional[str]:
+    """Where the version of `role` that `function` runs was taken from, or None if it is none
+    recorded for this Python."""
+    known = FOLLOWED.get(PYTHON, {}).get(role)
+    if not known:
+        return None
+    return known.get(digest(function))
+
+
+def not_recorded() -> Optional[str]:
+    """Why nothing can be recognised on this Python, or None."""
+    if PYTHON in FOLLOWED:
+        return None
+    return (f"no digest of the code qca_lowmem follows is recorded for Python {PYTHON} (bytecode differs between "
+            f"versions; recorded: {', '.join(sorted(FOLLOWED))})")
