@@ -69,7 +69,8 @@ class StepWatch(torch_private.WatchingDispatchMode):
 
     def read(self, tensor) -> None:
         key = id(tensor)
-        if key not in self.known_leaves and key not in self.inputs and tensor.requires_grad and tensor.is_leaf:
+        if key not in self.known_leaves and key not in self.inputs and tensor.requires_grad and tensor.is_leaf \
+                and tensor.untyped_storage().data_ptr() not in self.fresh:  # not a leaf the step made itself
             self.known_leaves.add(key)
             self.leaves.append(tensor)
 

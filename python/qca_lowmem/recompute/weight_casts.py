@@ -57,6 +57,10 @@ class WeightCasts:
         while entered (torch's checkpoint enters its recompute context at each backward through it)."""
         return _Active(self)
 
+    def copies(self):
+        """The copies made so far."""
+        return [entry[2] for entry in self._copies.values()]
+
     def copy_of(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         key = (id(weight), dtype)
         entry = self._copies.get(key)
