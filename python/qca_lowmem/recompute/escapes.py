@@ -69,6 +69,7 @@ class StepFrame:
         self.saved: Optional[list] = []  # None once the step has ended
         self.trap = InputTrap(mode, t, allowed=True)
         self.storages = {}
+        self.kept = set()  # with `keep`, the ids of the tensors the graph saved (and so keeps alive)
         self._grad = torch.enable_grad() if grad else None
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -99,6 +100,7 @@ class StepFrame:
             storage = tensor.untyped_storage()
             self.storages[(tensor.device, storage.data_ptr())] = storage
         if self.keep:
+            self.kept.add(id(tensor))
             return tensor
         self.saved.append(tensor)
         return self, len(self.saved) - 1
@@ -121,8 +123,12 @@ class Leftovers:
         self.made: List[weakref.ref] = []
         self.state_storages = set()
 
-    def add(self, made: Iterable[weakref.ref], outputs: State) -> None:
-        self.made += made
+    def add(self, made: Iterable[weakref.ref], outputs: State, existing: Iterable[int]) -> None:
+        """`made`: what a probed step's ops returned; not counted, those whose ids are in
+        `existing`: tensors that were there before and that an in-place op returned (a
+        BatchNorm's statistics), and those a graph the episode keeps saved."""
+        existing = set(existing)
+        self.made += [ref for ref in made if id(ref()) not in existing]
         self.state_storages |= {x.untyped_storage().data_ptr() for x in outputs.tensors() if x is not None}
 
     def any(self, kept: Iterable[torch.Tensor]) -> bool:

@@ -113,6 +113,7 @@ class StepReverser:
             grads = _vjp(kept.inputs, pairs, self.sink.params, retain_graph=True)
         finally:
             kept.trap.allowed = False
+        kept.outputs = []  # their graphs freed now, as a backward that retains nothing frees them
         self._set_grads(first, grads)
 
     def _take_incoming(self, t: int, g: Optional[State] = None) -> None:
