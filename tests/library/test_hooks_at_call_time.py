@@ -200,3 +200,33 @@ def test_writing_hook_runs_once_a_step_under_rollout_none():
         handle.remove()
         counts.append(written.item())
     assert counts == [5.0, 5.0]
+
+
+@pytest.mark.parametrize("register", [nn.modules.module.register_module_full_backward_hook,
+                                      nn.modules.module.register_module_full_backward_pre_hook,
+                                      nn.modules.module.register_module_forward_pre_hook],
+                         ids=["full_backward", "full_backward_pre", "forward_pre"])
+def test_every_kind_of_global_hook_sees_the_stock_calls(register):
+    """The fused model does what the stock one does: the same calls, or the same error (torch
+    refuses a full backward hook on a module whose output the stock block's ELU(inplace) edits)."""
+    stock, fused = stock_and_converted_unet()
+    x = torch.randn(1, 4, 8, 8, dtype=torch.float64)
+    seen = []
+    handle = register(lambda module, *args: seen.append(type(module).__name__))
+    try:
+        assert not fused.runs_fused() and not fused.inc.runs_fused()
+        try:
+            y_stock, grads_stock = output_and_grads(stock, x)
+        except RuntimeError as error:
+            with pytest.raises(RuntimeError) as caught:
+                output_and_grads(fused, x)
+            assert str(caught.value) == str(error)
+            return
+        stock_seen, seen[:] = list(seen), []
+        y_fused, grads_fused = output_and_grads(fused, x)
+    finally:
+        handle.remove()
+    assert [name.replace("FusedConvBlock", "ConvBlock") for name in seen] == stock_seen and stock_seen
+    torch.testing.assert_close(y_fused, y_stock, rtol=1e-10, atol=1e-12)
+    for a, b in zip(grads_fused, grads_stock):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
