@@ -46,7 +46,10 @@ def rollout(
       function again: random draws are replayed (see preserve_rng_state), other state is not.
       A recomputing checkpoint refuses a step_fn that changes psi or the carry in place (it keeps
       them to recompute from); tensors it writes that outlive it (BatchNorm's statistics) are
-      found at every step and end as plain autograd leaves them.
+      found at every step and end as plain autograd leaves them. A tensor step_fn hands out other
+      than through psi or the carry (an activity penalty a hook appends to a list) comes from a
+      forward that keeps no graph: a backward reaching the step through it raises
+      EscapedTensorError naming the step; sum such terms in the carry, or use checkpoint="none".
       A `qca_lowmem.StepGraph(step_fn)` runs, for psi on a GPU, each step that is not kept as a
       full graph as replays of captured CUDA graphs (same kernels, no launch overhead).
     noise(psi, t) -> psi: applied after step t, e.g. a `qca_lowmem.NoiseSchedule`, whose random
