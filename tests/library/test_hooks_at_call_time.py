@@ -230,3 +230,28 @@ def test_every_kind_of_global_hook_sees_the_stock_calls(register):
     torch.testing.assert_close(y_fused, y_stock, rtol=1e-10, atol=1e-12)
     for a, b in zip(grads_fused, grads_stock):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("checkpoint", ["step", "none"])
+def test_enable_with_a_global_hook_registered_before_and_removed_after_an_episode(checkpoint):
+    """The users' trainer: a global forward hook that changes every GroupNorm's output, registered
+    before enable() and removed after the first episode; the same run as the stock trainer's."""
+    from fixtures.model_families import assert_same_run, make_trainer, run
+
+    def halve_norms(module, args, output):
+        return output * 0.5 if isinstance(module, nn.GroupNorm) else None
+
+    runs = []
+    for switched in (False, True):
+        trainer = make_trainer("unet_groupnorm")
+        handle = nn.modules.module.register_module_forward_hook(halve_norms)
+        try:
+            if switched:
+                qca_lowmem.enable(trainer, checkpoint=checkpoint)
+                assert any(isinstance(m, qca_lowmem.FusedConvBlock) for m in trainer.motor.operator.modules())
+            first = run(trainer, range(1))
+        finally:
+            handle.remove()
+        second = run(trainer, range(1, 2))
+        runs.append(([*first[0], *second[0]], second[1], second[2]))
+    assert_same_run(runs[1], runs[0])
