@@ -161,3 +161,21 @@ def test_tensor_kept_for_inspection_changes_no_gradient():
     expected = torch.autograd.grad(final_loss(psi), list(conv.parameters()))
     for a, b in zip(grads, expected):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-15)
+
+
+@pytest.mark.parametrize("options", RECOMPUTING[:2], ids=IDS[:2])
+def test_penalty_recorded_only_after_the_first_steps_is_refused_at_the_forward(options):
+    """The probed step hands nothing out, so the forward runs without grad; a later step's
+    penalty would be a constant: refused where the forward makes it, naming the step."""
+    conv, penalties, step = penalised_conv()
+    conv._forward_hooks.clear()
+    calls = []
+
+    def later_penalty(module, args, output):
+        calls.append(1)
+        if len(calls) > 2:
+            penalties.append(output.square().mean())
+
+    conv.register_forward_hook(later_penalty)
+    with pytest.raises(EscapedTensorError, match=r"step 2 handed out a tensor.*checkpoint='none'"):
+        qca_lowmem.rollout(step, initial_state(), STEPS, **options)

@@ -201,7 +201,7 @@ def _probe(unit: StepUnit, state0: State, steps: int, rng: RngStates, measure: b
         with keep_block_intermediates(measure), frame, finder:
             outputs = unit(inputs, t)
         writes.append(finder.written())
-        leftovers.add(finder.made.values(), outputs, (*finder.before, *frame.kept))
+        leftovers.add(finder.made.values(), outputs, finder.before, frame.kept)
         found = {id(p) for p in params}
         params += [leaf for leaf in leaves_reached([x for x in outputs.tensors() if x is not None],
                                                     {id(x) for x in inputs.tensors()}, marker)

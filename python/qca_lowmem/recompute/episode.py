@@ -22,7 +22,7 @@ import torch
 from ..ops import second_order_requested
 from . import weight_casts
 from .buffers import StepBuffers
-from .escapes import InputTrap, StepFrame
+from .escapes import EscapedTensorError, InputTrap, Leftovers, StepFrame
 from .intermediates import keep_block_intermediates
 from .leaves import next_sequence_nr
 from .param_grads import ParamGradSink
@@ -204,6 +204,8 @@ class Episode:
                             with frame or contextlib.nullcontext():
                                 state = self.unit(given, t)
                             state = state.detached()
+                    if framed and not self.grad_forward:
+                        self._refuse_leftovers(watch, state, t)
                     if watch is not None:
                         self.params += watch.leaves
                         for tensor, value in watch.writes:
@@ -217,6 +219,21 @@ class Episode:
         self.carry_T_present = [c is not None for c in state.carry]
         self.stored = stored
         self.outputs = [state.psi, *history, *(c for c in state.carry if c is not None)]
+
+    def _refuse_leftovers(self, watch: Optional[StepWatch], state: State, t: int) -> None:
+        """Step t ran without grad, the probed steps having handed nothing out: refuse what it
+        made that outlives it besides its state (it would be a constant where plain autograd has
+        a gradient)."""
+        if watch is None:
+            return
+        leftovers = Leftovers()
+        leftovers.add(watch.made, state, ())
+        if leftovers.any(self.unit.weight_casts.copies()):
+            raise EscapedTensorError(
+                f"rollout(checkpoint={self.mode!r}): step {t} handed out a tensor other than through psi (or the carry), "
+                "which the first steps did not, so the forward ran it without grad and that tensor carries no "
+                "gradient: hand it out through the carry (rollout(..., carry=...)), the same way from the first step "
+                "on, or use checkpoint='none' (plain autograd)")
 
     def load_buffers(self, t: int) -> None:
         """Before step t runs again: the buffers as its forward saw them."""

@@ -15,12 +15,13 @@ function of the parameters alone) gets its gradient, as under plain autograd.
 The probed steps run with grad, so what they hand out carries their graph. The forward's other
 steps run without grad (a graph costs a third of a small step's time), so what they hand out
 would be a constant: when anything a probed step made outlives it (`Leftovers`) besides its state
-and the episode's weight copies, the forward runs every step with grad instead. A step that hands
-out tensors only after the probed steps is not seen.
+and the episode's weight copies, the forward runs every step with grad instead; otherwise what a
+later step made and hands out (the watch's `made`) is refused at the forward.
 """
 
+import sys
 import weakref
-from typing import Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 import torch
 
@@ -69,7 +70,7 @@ class StepFrame:
         self.saved: Optional[list] = []  # None once the step has ended
         self.trap = InputTrap(mode, t, allowed=True)
         self.storages = {}
-        self.kept = set()  # with `keep`, the ids of the tensors the graph saved (and so keeps alive)
+        self.kept = {}  # with `keep`: id of each tensor the graph saved -> how many times (its references)
         self._grad = torch.enable_grad() if grad else None
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -100,7 +101,7 @@ class StepFrame:
             storage = tensor.untyped_storage()
             self.storages[(tensor.device, storage.data_ptr())] = storage
         if self.keep:
-            self.kept.add(id(tensor))
+            self.kept[id(tensor)] = self.kept.get(id(tensor), 0) + 1
             return tensor
         self.saved.append(tensor)
         return self, len(self.saved) - 1
@@ -122,14 +123,17 @@ class Leftovers:
     def __init__(self):
         self.made: List[weakref.ref] = []
         self.state_storages = set()
+        self.saved: Dict[int, int] = {}  # id -> references a kept graph holds to that tensor
 
-    def add(self, made: Iterable[weakref.ref], outputs: State, existing: Iterable[int]) -> None:
-        """`made`: what a probed step's ops returned; not counted, those whose ids are in
-        `existing`: tensors that were there before and that an in-place op returned (a
-        BatchNorm's statistics), and those a graph the episode keeps saved."""
+    def add(self, made: Iterable[weakref.ref], outputs: State, existing: Iterable[int],
+            saved: Optional[Dict[int, int]] = None) -> None:
+        """`made`: what a step's ops returned; not counted, those whose ids are in `existing`:
+        tensors that were there before and that an in-place op returned (a BatchNorm's
+        statistics); `saved`: the references a graph the episode keeps holds (StepFrame.kept)."""
         existing = set(existing)
         self.made += [ref for ref in made if id(ref()) not in existing]
         self.state_storages |= {x.untyped_storage().data_ptr() for x in outputs.tensors() if x is not None}
+        self.saved.update(saved or {})
 
     def any(self, kept: Iterable[torch.Tensor]) -> bool:
         """Whether one is alive, other than the tensors in `kept` (the episode's weight copies)."""
@@ -137,6 +141,7 @@ class Leftovers:
         for ref in self.made:
             tensor = ref()
             if tensor is not None and id(tensor) not in kept and tensor.device.type != "meta" \
-                    and tensor.untyped_storage().data_ptr() not in self.state_storages:
+                    and tensor.untyped_storage().data_ptr() not in self.state_storages \
+                    and sys.getrefcount(tensor) - 2 > self.saved.get(id(tensor), 0):  # 2: the call's, `tensor`
                 return True
         return False
