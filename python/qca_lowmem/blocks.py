@@ -5,7 +5,9 @@ ELU, with the parameters and state_dict keys of the stock `ConvBlock`. Its forwa
 backward only the block input and the per-group statistics; backward recomputes conv1 -> GN+ELU
 -> conv2 and runs the fused backward kernels. Inside a step-level recompute
 (`qca_lowmem.keep_block_intermediates()`) or with `recompute=False` it keeps its intermediates
-instead, so the convolutions never run a third time.
+instead, so the convolutions never run a third time. At every call it checks that its layers are
+still the stock block's, each called as just its forward (no hook, global or its own, and no
+`forward` set on the instance); otherwise it calls its `conv_block` as the stock block does.
 """
 
 from typing import Optional
@@ -15,7 +17,7 @@ from torch import Tensor, nn
 
 from . import stock
 from .precision import autocast_dtype
-from .ops import refuse_func_transforms
+from .ops import calls_are_forwards, refuse_func_transforms, torch_layers_unchanged
 from .ops.conv_block import conv_block_forward
 from .recompute.intermediates import block_keeps_intermediates
 from .recompute.weight_casts import cast_weight
@@ -26,7 +28,8 @@ class FusedConvBlock(nn.Module):
 
     Same parameters and state_dict keys (`conv_block.0.weight`, `conv_block.1.weight/bias`,
     `conv_block.3.weight`, `conv_block.4.weight/bias`) and the same GroupNorm group rule; the
-    `conv_block` Sequential holds them, but forward runs the fused path. With `recompute=True`
+    `conv_block` Sequential holds them, but forward runs the fused path (or, while a hook or a
+    changed layer makes the stock call differ, the stock one: `conv_block(x)`). With `recompute=True`
     (default) backward recomputes the block from its saved input unless
     `qca_lowmem.keep_block_intermediates()` is active; with `recompute=False` it always keeps
     its intermediates (still with the fused GroupNorm+ELU kernels).
@@ -55,6 +58,8 @@ class FusedConvBlock(nn.Module):
         """`keep_intermediates` overrides the block's own choice (for callers that recompute
         around the block themselves); None: keep them when `recompute` is False or inside
         `keep_block_intermediates()`."""
+        if not self.runs_fused():
+            return self.conv_block(x)  # the stock block's forward: its hooks run as stock runs them
         refuse_func_transforms("qca_lowmem.FusedConvBlock", x, module=self)
         conv1, norm1, _, conv2, norm2, _ = self.conv_block
         conv1_weight, conv2_weight = conv1.weight, conv2.weight
@@ -71,3 +76,55 @@ class FusedConvBlock(nn.Module):
         return conv_block_forward(x, conv1_weight, norm1.weight, norm1.bias, conv2_weight, norm2.weight, norm2.bias,
                                   norm1.num_groups, norm2.num_groups, float(norm1.eps), float(norm2.eps),
                                   keep_intermediates)
+
+    def runs_fused(self) -> bool:
+        """Whether the fused path computes what calling `conv_block` computes now: the stock
+        layers, each call just its class's forward. Asked at every call (about 5 us on a CPU)."""
+        seq = self._modules.get("conv_block")
+        return (type(seq) is nn.Sequential and torch_layers_unchanged() and layers_mismatch(seq) is None
+                and calls_are_forwards((self, seq, *seq)))
+
+
+def _conv_mismatch(layer: nn.Module, index: int) -> Optional[str]:
+    if type(layer) is not nn.Conv2d:
+        return f"layer {index} is {type(layer).__name__}, expected Conv2d"
+    if (layer.kernel_size, layer.stride, layer.padding, layer.dilation, layer.groups) != ((3, 3), (1, 1), (1, 1), (1, 1), 1):
+        return (f"layer {index} is Conv2d(kernel_size={layer.kernel_size}, stride={layer.stride}, "
+                f"padding={layer.padding}, dilation={layer.dilation}, groups={layer.groups}), expected 3x3, stride 1, padding 1")
+    if layer.padding_mode != "zeros":
+        return f"layer {index} is a Conv2d with padding_mode={layer.padding_mode!r}, expected 'zeros'"
+    if layer.bias is not None:
+        return f"layer {index} is a Conv2d with a bias, expected bias=False"
+    return None
+
+
+def _norm_mismatch(layer: nn.Module, index: int, channels: int) -> Optional[str]:
+    if type(layer) is not nn.GroupNorm:
+        return f"layer {index} is {type(layer).__name__}, expected GroupNorm"
+    if not layer.affine:
+        return f"layer {index} is a GroupNorm without affine parameters, expected affine=True"
+    if layer.num_channels != channels:
+        return f"layer {index} is GroupNorm over {layer.num_channels} channels after a conv with {channels}"
+    return None
+
+
+def _act_mismatch(layer: nn.Module, index: int) -> Optional[str]:
+    if type(layer) is not nn.ELU:
+        return f"layer {index} is {type(layer).__name__}, expected ELU"
+    if layer.alpha != 1.0:
+        return f"layer {index} is ELU(alpha={layer.alpha}), expected alpha=1.0"
+    return None
+
+
+def layers_mismatch(seq: nn.Sequential) -> Optional[str]:
+    """None when `seq` is Sequential(Conv2d(3x3, padding 1, no bias), GroupNorm, ELU(alpha=1),
+    Conv2d(3x3, padding 1, no bias), GroupNorm, ELU(alpha=1)), the layers the fused block
+    computes, else why not."""
+    if len(seq) != 6:
+        return f"conv_block has {len(seq)} layers, expected 6 (Conv2d, GroupNorm, ELU, Conv2d, GroupNorm, ELU)"
+    conv1, norm1, act1, conv2, norm2, act2 = seq
+    reason = (_conv_mismatch(conv1, 0) or _norm_mismatch(norm1, 1, conv1.out_channels) or _act_mismatch(act1, 2)
+              or _conv_mismatch(conv2, 3))
+    if reason is None and conv2.in_channels != conv1.out_channels:
+        reason = f"layer 3 takes {conv2.in_channels} channels but layer 0 gives {conv1.out_channels}"
+    return reason or _norm_mismatch(norm2, 4, conv2.out_channels) or _act_mismatch(act2, 5)

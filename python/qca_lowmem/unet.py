@@ -12,8 +12,9 @@ from torch.utils.checkpoint import checkpoint
 from . import _torch_private as torch_private
 from . import stock
 from .recompute.intermediates import block_keeps_intermediates
-from .blocks import FusedConvBlock
-from .ops import call_unwatched, eager_watchers, refuse_func_transforms, run_hidden
+from .blocks import FusedConvBlock, layers_mismatch
+from .ops import (call_unwatched, calls_are_forwards, eager_watchers, refuse_func_transforms, run_hidden,
+                  torch_layers_unchanged)
 from .precision import autocast_dtype
 from .recompute.weight_casts import cast_weight, checkpoint_kwargs
 
@@ -55,6 +56,10 @@ class UNetUnitary(nn.Module):
         refuse_func_transforms("qca_lowmem.UNetUnitary", x, module=self)
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"UNetUnitary: recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        if not self.runs_fused():
+            # Each layer called as stock calls it, once: under the checkpoint below its hooks
+            # would run again in backward. Blocks with nothing hooked still run fused.
+            return stock.UNetUnitary.forward(self, x)
         if block_keeps_intermediates() or self.recompute == "none":
             return self._forward(x, keep_intermediates=True)
         if self.recompute == "blocks" or not torch.is_grad_enabled():
@@ -63,6 +68,19 @@ class UNetUnitary(nn.Module):
         # its recompute needs them for backward, so no convolution runs a third time.
         return checkpoint(self._forward, x, True, use_reentrant=False, preserve_rng_state=False,
                           **checkpoint_kwargs())
+
+    def runs_fused(self) -> bool:
+        """Whether the fused wiring (forward_with, the checkpoint) computes what the stock forward
+        computes now, calling each module the same number of times: the stock layer types, torch's
+        own layer methods, and no module whose call is more than its forward (a hook, global or
+        its own; a forward set on the instance). Asked at every call (about 25 us on a CPU)."""
+        children = self._modules
+        if not (torch_layers_unchanged() and all(type(children.get(name)) is FusedConvBlock for name in _BLOCKS)
+                and all(_is_pool_then_block(children.get(name)) for name in ("down1", "down2"))
+                and type(children.get("up1")) is nn.ConvTranspose2d and type(children.get("up2")) is nn.ConvTranspose2d
+                and type(children.get("outc")) is nn.Conv2d):
+            return False
+        return calls_are_forwards((self,), with_submodules=True)
 
     def _forward(self, x: torch.Tensor, keep_intermediates: bool) -> torch.Tensor:
         return self.forward_with(x, lambda block, h: block(h, keep_intermediates=keep_intermediates))
@@ -83,17 +101,28 @@ def _cat_channels(skip_from: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
     return torch.cat([skip_from, skip], dim=1)
 
 
+_BLOCKS = ("inc", "bot", "conv_up1", "conv_up2")
 _TORCH_LAYERS = (nn.MaxPool2d, nn.Conv2d, nn.ConvTranspose2d)
+
+
+def _is_pool_then_block(down) -> bool:
+    return type(down) is nn.Sequential and len(down) == 2 and type(down[0]) is nn.MaxPool2d \
+        and type(down[1]) is FusedConvBlock
+
+
+def _plain_torch_layer(layer: nn.Module) -> bool:
+    """A torch layer whose call now is just torch's forward: it reads its input and parameters
+    and writes only its output."""
+    return type(layer) in _TORCH_LAYERS and torch_layers_unchanged() and calls_are_forwards((layer,))
 
 
 def _as_one_op(layer: nn.Module, x: torch.Tensor, run=None) -> torch.Tensor:
     """run() (default layer(x)), layer applied to x; hidden from an episode's watch when layer is a
-    torch layer and no hook runs (it then reads x and its parameters and writes only its output):
-    under a dispatch mode max_pool2d takes a slower path, computing its indices too."""
-    run = run or functools.partial(layer, x)
+    plain torch layer: under a dispatch mode max_pool2d takes a slower path, computing its indices too."""
+    if run is None:  # not `run or ...`: torch.compile cannot branch on a callable's truth
+        run = functools.partial(layer, x)
     watchers = eager_watchers()
-    if watchers and type(layer) in _TORCH_LAYERS and not torch_private.module_has_hooks(layer) \
-            and not torch_private.global_module_hooks():
+    if watchers and _plain_torch_layer(layer):
         return run_hidden(run, (x, *layer.parameters(recurse=False)), watchers)
     return run()
 
@@ -106,7 +135,8 @@ def _unfused_run(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """layer(x), under autocast with its weights from the episode's copies (cast once per episode,
     as the fused blocks' are) instead of autocast's per-call casts: the same values and gradients."""
     compute_dtype = autocast_dtype(x.device.type)
-    if compute_dtype is None or layer.weight.dtype == torch.float64:
+    if compute_dtype is None or type(layer) is nn.MaxPool2d or not _plain_torch_layer(layer) \
+            or layer.weight.dtype == torch.float64:
         return layer(x)
     weight = cast_weight(layer.weight, compute_dtype)
     bias = None if layer.bias is None else cast_weight(layer.bias, compute_dtype)
@@ -133,61 +163,19 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def _conv_mismatch(layer: nn.Module, index: int) -> Optional[str]:
-    if type(layer) is not nn.Conv2d:
-        return f"layer {index} is {type(layer).__name__}, expected Conv2d"
-    if (layer.kernel_size, layer.stride, layer.padding, layer.dilation, layer.groups) != ((3, 3), (1, 1), (1, 1), (1, 1), 1):
-        return (f"layer {index} is Conv2d(kernel_size={layer.kernel_size}, stride={layer.stride}, "
-                f"padding={layer.padding}, dilation={layer.dilation}, groups={layer.groups}), expected 3x3, stride 1, padding 1")
-    if layer.padding_mode != "zeros":
-        return f"layer {index} is a Conv2d with padding_mode={layer.padding_mode!r}, expected 'zeros'"
-    if layer.bias is not None:
-        return f"layer {index} is a Conv2d with a bias, expected bias=False"
-    return None
-
-
-def _norm_mismatch(layer: nn.Module, index: int, channels: int) -> Optional[str]:
-    if type(layer) is not nn.GroupNorm:
-        return f"layer {index} is {type(layer).__name__}, expected GroupNorm"
-    if not layer.affine:
-        return f"layer {index} is a GroupNorm without affine parameters, expected affine=True"
-    if layer.num_channels != channels:
-        return f"layer {index} is GroupNorm over {layer.num_channels} channels after a conv with {channels}"
-    return None
-
-
-def _act_mismatch(layer: nn.Module, index: int) -> Optional[str]:
-    if type(layer) is not nn.ELU:
-        return f"layer {index} is {type(layer).__name__}, expected ELU"
-    if layer.alpha != 1.0:
-        return f"layer {index} is ELU(alpha={layer.alpha}), expected alpha=1.0"
-    return None
-
-
-def _has_hooks(module: nn.Module) -> bool:
-    return torch_private.module_has_hooks(module)
-
-
 def stock_block_mismatch(module: nn.Module) -> Optional[str]:
     """None when `module` is a stock-shaped ConvBlock that `convert` can replace, else why not."""
     seq = getattr(module, "conv_block", None)
     if not isinstance(seq, nn.Sequential):
         return f"conv_block is {type(seq).__name__}, expected Sequential"
-    if len(seq) != 6:
-        return f"conv_block has {len(seq)} layers, expected 6 (Conv2d, GroupNorm, ELU, Conv2d, GroupNorm, ELU)"
-    conv1, norm1, act1, conv2, norm2, act2 = seq
-    reason = (_conv_mismatch(conv1, 0) or _norm_mismatch(norm1, 1, conv1.out_channels) or _act_mismatch(act1, 2)
-              or _conv_mismatch(conv2, 3))
-    if reason is None and conv2.in_channels != conv1.out_channels:
-        reason = f"layer 3 takes {conv2.in_channels} channels but layer 0 gives {conv1.out_channels}"
-    reason = reason or _norm_mismatch(norm2, 4, conv2.out_channels) or _act_mismatch(act2, 5)
+    reason = layers_mismatch(seq)
     if reason:
         return reason
     others = [name for name, _ in module.named_children() if name != "conv_block"]
     if others or list(module.named_parameters(recurse=False)) or list(module.named_buffers(recurse=False)):
         return "has submodules, parameters or buffers besides conv_block, so its forward may do more"
-    if any(_has_hooks(m) for m in (module, seq, *seq)):
-        return "has hooks that the fused forward would bypass"
+    if torch_private.module_has_hooks(module) or "forward" in vars(module):
+        return "has hooks or a forward of its own, which the fused block (a new module) would not carry"
     return None
 
 

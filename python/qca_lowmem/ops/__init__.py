@@ -16,7 +16,8 @@ load_native()
 
 from ._checks import check_same_device, refuse_func_transforms  # noqa: E402
 from ._double_backward import reference_backward, second_order_requested  # noqa: E402
-from ._watchers import call_unwatched, eager_watchers, run_hidden  # noqa: E402
+from ._watchers import call_unwatched, calls_are_forwards, eager_watchers, run_hidden, torch_layers_unchanged  # noqa: E402
 
-__all__ = ["REBUILD_COMMAND", "call_unwatched", "check_same_device", "eager_watchers", "has_cuda_kernels", "load_native",
-           "reference_backward", "refuse_func_transforms", "run_hidden", "second_order_requested"]
+__all__ = ["REBUILD_COMMAND", "call_unwatched", "calls_are_forwards", "check_same_device", "eager_watchers",
+           "has_cuda_kernels", "load_native", "reference_backward", "refuse_func_transforms", "run_hidden",
+           "second_order_requested", "torch_layers_unchanged"]

@@ -13,10 +13,10 @@ import torch
 
 from .buffers import StepBuffers
 from .episode import Episode, EpisodeFunction, StepUnit
+from .escapes import Leftovers, StepFrame
 from .graph import StepGraph
 from .intermediates import keep_block_intermediates
 from .leaves import leaves_reached, next_sequence_nr
-from .memory import saves_counted
 from .policy import STEP, Policy
 from .replay import AutocastState, RngStates
 from .schedule import holds_every_graph, schedule_for
@@ -46,7 +46,10 @@ def rollout(
       function again: random draws are replayed (see preserve_rng_state), other state is not.
       A recomputing checkpoint refuses a step_fn that changes psi or the carry in place (it keeps
       them to recompute from); tensors it writes that outlive it (BatchNorm's statistics) are
-      found at every step and end as plain autograd leaves them.
+      found at every step and end as plain autograd leaves them. A tensor step_fn hands out other
+      than through psi or the carry (an activity penalty a hook appends to a list) comes from a
+      forward that keeps no graph: a backward reaching the step through it raises
+      EscapedTensorError naming the step; sum such terms in the carry, or use checkpoint="none".
       A `qca_lowmem.StepGraph(step_fn)` runs, for psi on a GPU, each step that is not kept as a
       full graph as replays of captured CUDA graphs (same kernels, no launch overhead).
     noise(psi, t) -> psi: applied after step t, e.g. a `qca_lowmem.NoiseSchedule`, whose random
@@ -139,8 +142,9 @@ def _episode(unit: StepUnit, state0: State, steps: int, policy: Policy, recorded
     # known. Their inputs are copies of the state, so only a state that needs no gradient allows it.
     may_run_plain = policy.budget is not None and not isinstance(unit.step_fn, StepGraph) \
         and not any(state0.needs_grad())
-    probed, params, step_bytes, buffers, graphs = _probe(unit, state0, steps, rng, measure=policy.budget is not None,
-                                                         keep_graphs=may_run_plain)
+    probed, params, step_bytes, buffers, graphs, leftovers = _probe(unit, state0, steps, rng,
+                                                                    measure=policy.budget is not None,
+                                                                    keep_graphs=may_run_plain)
     if not params and not any(state0.needs_grad()):
         # Nothing to differentiate so far: the rest runs as plain autograd, which keeps no graph
         # unless a later step reaches a parameter.
@@ -153,6 +157,9 @@ def _episode(unit: StepUnit, state0: State, steps: int, policy: Policy, recorded
         with keep_block_intermediates():
             return _run_plain(unit, graphs[0], 1, steps, recorded, _history_of(graphs, recorded, steps))
     del graphs
+    # What the probed steps made and handed out besides their state (escapes.py): the other steps then run with grad too.
+    grad_forward = leftovers.any(unit.weight_casts.copies())
+    del leftovers
     autocast = AutocastState(sorted({"cpu", state0.psi.device.type}))
     if isinstance(unit.step_fn, StepGraph):
         with buffers.unchanged():
@@ -161,7 +168,7 @@ def _episode(unit: StepUnit, state0: State, steps: int, policy: Policy, recorded
     schedule = schedule_for(policy, steps, step_bytes, probed[-1].nbytes(), state0.psi.device, check_recompute,
                             probed=len(probed))
     plan = Episode(unit, schedule, rng, recorded, policy.checkpoint, probed, params, state0, check_recompute,
-                   buffers, autocast)
+                   buffers, autocast, grad_forward)
     plan.run(state0)
     result = EpisodeFunction.apply(plan, state0.psi, *state0.carry, *plan.params)
     n_history = len(plan.history_steps)
@@ -179,21 +186,22 @@ def _probe(unit: StepUnit, state0: State, steps: int, rng: RngStates, measure: b
     step that skips what later ones run), up to the first step with the whole carry. They also
     find the tensors a step writes that outlive it (buffers.py).
     Returns (their output states, the leaves, bytes of the largest full graph with its output,
-    the written tensors as StepBuffers, and with `keep_graphs` their output states with their
-    graphs, else None)."""
-    probed, params, step_bytes, writes = [], [], 0, []
+    the written tensors as StepBuffers, with `keep_graphs` their output states with their
+    graphs, else None, and the tensors they made as Leftovers)."""
+    probed, params, step_bytes, writes, leftovers = [], [], 0, [], Leftovers()
     graphs = [] if keep_graphs else None
     state = state0
     for t in range(steps):
         marker = next_sequence_nr()
         rng.record()
-        inputs = state.as_inputs(True)
         saved = []
+        frame = StepFrame(unit.refuse_in_place, t, saved if measure else None, keep=keep_graphs)
+        inputs = frame.inputs(state)
         finder = StepBuffers.finder()
-        with torch.enable_grad(), keep_block_intermediates(measure), \
-                saves_counted(saved if measure else None, keep=keep_graphs), finder:
+        with keep_block_intermediates(measure), frame, finder:
             outputs = unit(inputs, t)
         writes.append(finder.written())
+        leftovers.add(finder.made.values(), outputs, finder.before, frame.kept)
         found = {id(p) for p in params}
         params += [leaf for leaf in leaves_reached([x for x in outputs.tensors() if x is not None],
                                                     {id(x) for x in inputs.tensors()}, marker)
@@ -205,7 +213,7 @@ def _probe(unit: StepUnit, state0: State, steps: int, rng: RngStates, measure: b
         step_bytes = max(step_bytes, sum(saved) + state.nbytes())
         if all(c is not None for c in inputs.carry):
             break
-    return probed, params, step_bytes, StepBuffers.of_probes(writes), graphs
+    return probed, params, step_bytes, StepBuffers.of_probes(writes), graphs, leftovers
 
 
 def _history_of(states: List[State], recorded: List[int], steps: int) -> list:

@@ -22,6 +22,7 @@ import torch
 from ..ops import second_order_requested
 from . import weight_casts
 from .buffers import StepBuffers
+from .escapes import EscapedTensorError, InputTrap, Leftovers, StepFrame
 from .intermediates import keep_block_intermediates
 from .leaves import next_sequence_nr
 from .param_grads import ParamGradSink
@@ -107,9 +108,12 @@ class KeptGraph:
     plain autograd runs them, and reversed by one backward): the input leaves of the first, the
     output state of each."""
 
-    def __init__(self, start: int, inputs: State):
+    def __init__(self, start: int, inputs: State, trap: InputTrap):
         self.start = start
         self.inputs = inputs
+        # Their gradient is asked only by the reverse pass (StepReverser.backprop_graph), which
+        # allows it: reached otherwise, through a tensor leaving a step, it would stop there.
+        self.trap = trap
         self.outputs: List[State] = []
         self.marker = next_sequence_nr()  # the chain's nodes come after this
 
@@ -127,7 +131,7 @@ class Episode:
 
     def __init__(self, unit: StepUnit, schedule: Schedule, rng: RngStates, history_steps: List[int], mode: str,
                  probed: List[State], params: List[torch.Tensor], state0: State, check_recompute: bool,
-                 buffers: StepBuffers, autocast: AutocastState):
+                 buffers: StepBuffers, autocast: AutocastState, grad_forward: bool = False):
         self.unit = unit
         self.schedule = schedule
         self.rng = rng
@@ -150,6 +154,7 @@ class Episode:
         self.kept_steps: List[int] = []  # which states are saved, in saved order
         self.graphs: Optional[KeptGraph] = None
         self.buffers = buffers  # tensors the steps write that outlive them (BatchNorm's statistics)
+        self.grad_forward = grad_forward  # the forward's steps run with grad (escapes.py)
         self.stored = self.outputs = None  # what run() kept and made, until the Function takes them
 
     def advance(self, state: State, start: int, stop: int) -> State:
@@ -183,15 +188,24 @@ class Episode:
                     if self.schedule.recomputes(t):
                         self.buffers.record(t)
                     if self.schedule.keeps_graph(t) and self.graphs is None:
-                        self.graphs = KeptGraph(t, state.as_inputs(True))
-                    inputs = {id(x) for x in (*state.tensors(), *(self.graphs.inputs.tensors() if self.graphs else ()))}
+                        trap = InputTrap(self.mode, t, allowed=False)
+                        self.graphs = KeptGraph(t, trap.set_on(state.as_inputs(True)), trap)
                     # A replayed capture is one fixed graph, of the leaves it was captured for.
+                    framed = not (self.schedule.keeps_graph(t) or self.unit.replays(state))
+                    frame = StepFrame(self.mode, t, grad=self.grad_forward) if framed else None
+                    given = frame.inputs(state) if frame else state
+                    inputs = {id(x) for x in (*state.tensors(), *given.tensors(),
+                                              *(self.graphs.inputs.tensors() if self.graphs else ()))}
                     watch = None if self.unit.replays(state) else StepWatch(known_leaves, known_writes, inputs)
                     with watch or contextlib.nullcontext():
                         if self.schedule.keeps_graph(t):
                             state = self.graphs.run(self.unit, t)
                         else:
-                            state = self.unit(state, t)
+                            with frame or contextlib.nullcontext():
+                                state = self.unit(given, t)
+                            state = state.detached()
+                    if framed and not self.grad_forward:
+                        self._refuse_leftovers(watch, state, t)
                     if watch is not None:
                         self.params += watch.leaves
                         for tensor, value in watch.writes:
@@ -205,6 +219,21 @@ class Episode:
         self.carry_T_present = [c is not None for c in state.carry]
         self.stored = stored
         self.outputs = [state.psi, *history, *(c for c in state.carry if c is not None)]
+
+    def _refuse_leftovers(self, watch: Optional[StepWatch], state: State, t: int) -> None:
+        """Step t ran without grad, the probed steps having handed nothing out: refuse what it
+        made that outlives it besides its state (it would be a constant where plain autograd has
+        a gradient)."""
+        if watch is None:
+            return
+        leftovers = Leftovers()
+        leftovers.add(watch.made, state, ())
+        if leftovers.any(self.unit.weight_casts.copies()):
+            raise EscapedTensorError(
+                f"rollout(checkpoint={self.mode!r}): step {t} handed out a tensor other than through psi (or the carry), "
+                "which the first steps did not, so the forward ran it without grad and that tensor carries no "
+                "gradient: hand it out through the carry (rollout(..., carry=...)), the same way from the first step "
+                "on, or use checkpoint='none' (plain autograd)")
 
     def load_buffers(self, t: int) -> None:
         """Before step t runs again: the buffers as its forward saw them."""
@@ -258,7 +287,7 @@ class EpisodeFunction(torch.autograd.Function):
                                    "steps were freed by its first backward; retain_graph=True does not keep them: run "
                                    "the episode again, or use checkpoint='step' to backpropagate through it twice")
             kept[plan.graphs.start] = plan.graphs
-            plan.graphs = KeptGraph(plan.graphs.start, plan.graphs.inputs)  # reversing frees their buffers
+            plan.graphs = KeptGraph(plan.graphs.start, plan.graphs.inputs, plan.graphs.trap)  # reversing frees their buffers
         final_state = states[-1] if plan.keeps_final_state else None
         del states, saved
 

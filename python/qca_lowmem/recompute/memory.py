@@ -4,8 +4,7 @@ CUDA device can still give, and byte sizes written for people and read from them
 own planning figures (model state, a state's size, the loss's states) are in
 trainer/footprint.py."""
 
-import contextlib
-from typing import List, Optional
+from typing import List
 
 import torch
 
@@ -43,26 +42,6 @@ def saved_storage_sizes(fn, *args, **kwargs) -> List[int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         fn(*args, **kwargs)
     return [storage.nbytes() for storage in storages.values()]
-
-
-@contextlib.contextmanager
-def saves_counted(sizes: Optional[list], keep: bool = False):
-    """Tensors saved for backward inside are dropped (the graph is only walked, never
-    differentiated) unless `keep`; with `sizes`, the bytes of their storages,
-    each counted once as saved_bytes counts them, are appended to it on exit (the storages live
-    until then)."""
-    storages = {}
-
-    def pack(tensor):
-        if sizes is not None and not isinstance(tensor, torch.nn.Parameter) and tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            storages[(tensor.device, storage.data_ptr())] = storage
-        return tensor if keep else None
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield
-    if sizes is not None:
-        sizes.append(sum(storage.nbytes() for storage in storages.values()))
 
 
 def free_bytes(device: torch.device) -> int:

@@ -34,12 +34,13 @@ def _add(a, b):
     return a + b
 
 
-def _vjp(inputs: State, pairs, params) -> State:
+def _vjp(inputs: State, pairs, params, retain_graph: bool = False) -> State:
     """The gradients w.r.t. `inputs` of a graph whose outputs get gradients as (output, gradient)
     `pairs`; the parameters' go to their hooks (the episode's ParamGradSink)."""
     wrt = [x for x in inputs.tensors() if x is not None and x.requires_grad]
     if pairs and (wrt or params):
-        found = torch.autograd.grad([v for v, _ in pairs], wrt + params, [g for _, g in pairs], allow_unused=True)
+        found = torch.autograd.grad([v for v, _ in pairs], wrt + params, [g for _, g in pairs], allow_unused=True,
+                                    retain_graph=retain_graph)
     else:
         found = [None] * len(wrt)
     by_input = {id(x): g for x, g in zip(wrt, found)}
@@ -104,7 +105,16 @@ class StepReverser:
                           if grad is not None and value is not None and value.requires_grad]
         self.next_state = (first, kept.inputs) if self.check is not None else None
         self._find_leaves([x for state in kept.outputs for x in state.tensors()], kept.inputs, kept.marker, first)
-        self._set_grads(first, _vjp(kept.inputs, pairs, self.sink.params))
+        kept.trap.allowed = True
+        try:
+            # Retained: a tensor that left a kept step may still lead the caller's backward into
+            # these graphs, which then ends at the trap, not at torch's freed buffers. They are
+            # freed with the KeptGraph when the episode's backward returns.
+            grads = _vjp(kept.inputs, pairs, self.sink.params, retain_graph=True)
+        finally:
+            kept.trap.allowed = False
+        kept.outputs = []  # their graphs freed now, as a backward that retains nothing frees them
+        self._set_grads(first, grads)
 
     def _take_incoming(self, t: int, g: Optional[State] = None) -> None:
         g = self.incoming.pop(t, None) if g is None else g
@@ -121,7 +131,9 @@ class StepReverser:
     def _recomputed(self, t: int, state: State):
         plan = self.plan
         plan.load_buffers(t)
-        inputs = state.as_inputs([True] * len(plan.input_needs_grad) if t else plan.input_needs_grad)
+        # Inputs requiring grad at every step, step 0 too (its gradients are dropped where psi0 or
+        # the carry needs none): the step then sees what the forward's saw (escapes.py).
+        inputs = state.as_inputs(True)
         marker = next_sequence_nr()
         with torch.enable_grad(), plan.autocast(), keep_block_intermediates(), plan.rng.replay(t):
             outputs = plan.unit(inputs, t)

@@ -10,7 +10,9 @@ autograd, so a step run without grad still shows them. It reports
 - the tensors it writes whose storage no op of the step made (buffers.py then keeps their values
   for the recomputes), with their values before the step's first write. A write is what the op's
   schema declares (`add_`, `copy_`, `out=`), or a batch norm's running statistics in training,
-  which its kernels update without declaring.
+  which its kernels update without declaring;
+- the tensors its ops made (weak references), so that one outliving the step is found
+  (escapes.py).
 No copies but of what is written. A fused block, this package's QCA and noise ops, and the fused
 U-Net's `cat` and torch layers run hidden from the watch and tell it what they read and made
 (`ran_unseen`, ops/_watchers.py): under a dispatch mode each op costs microseconds of Python, and
@@ -18,6 +20,7 @@ some take a slower path (docs/design.md).
 """
 
 import threading
+import weakref
 from typing import Dict, List, Tuple
 
 import torch
@@ -56,6 +59,7 @@ class StepWatch(torch_private.WatchingDispatchMode):
         self.known_writes = known_writes  # ids of the tensors whose values it already keeps
         self.inputs = inputs  # ids of the step's state tensors
         self.fresh = set()  # data pointers of the storages the step's ops made
+        self.made: List[weakref.ref] = []  # the tensors they made (escapes.Leftovers)
         self.leaves: List[torch.Tensor] = []
         self.writes: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its value before the step)
 
@@ -69,7 +73,8 @@ class StepWatch(torch_private.WatchingDispatchMode):
 
     def read(self, tensor) -> None:
         key = id(tensor)
-        if key not in self.known_leaves and key not in self.inputs and tensor.requires_grad and tensor.is_leaf:
+        if key not in self.known_leaves and key not in self.inputs and tensor.requires_grad and tensor.is_leaf \
+                and tensor.untyped_storage().data_ptr() not in self.fresh:  # not a leaf the step made itself
             self.known_leaves.add(key)
             self.leaves.append(tensor)
 
@@ -81,6 +86,7 @@ class StepWatch(torch_private.WatchingDispatchMode):
                 self.read(tensor)
         for tensor in made:
             self.fresh.add(tensor.untyped_storage().data_ptr())
+            self.made.append(weakref.ref(tensor))
 
     def _written(self, tensor) -> None:
         if not isinstance(tensor, torch.Tensor) or id(tensor) in self.known_writes or id(tensor) in self.inputs \
@@ -117,4 +123,5 @@ class StepWatch(torch_private.WatchingDispatchMode):
             for value in (out if isinstance(out, (tuple, list)) else (out,)):
                 if isinstance(value, torch.Tensor) and value.device.type != "meta":
                     self.fresh.add(value.untyped_storage().data_ptr())
+                    self.made.append(weakref.ref(value))
         return out

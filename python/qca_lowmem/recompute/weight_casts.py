@@ -52,14 +52,14 @@ class WeightCasts:
     def __init__(self):
         self._copies: Dict[tuple, tuple] = {}
 
-    @contextlib.contextmanager
-    def active(self):
-        previous = getattr(_state, "casts", None)
-        _state.casts = self
-        try:
-            yield
-        finally:
-            _state.casts = previous
+    def active(self) -> "_Active":
+        """A context inside which cast_weight uses these copies; it may be entered again, and
+        while entered (torch's checkpoint enters its recompute context at each backward through it)."""
+        return _Active(self)
+
+    def copies(self):
+        """The copies made so far."""
+        return [entry[2] for entry in self._copies.values()]
 
     def copy_of(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         key = (id(weight), dtype)
@@ -69,6 +69,20 @@ class WeightCasts:
                 entry = (weight, (weight._version, weight.data_ptr()), weight.to(dtype))
             self._copies[key] = entry
         return entry[2]
+
+
+class _Active:
+    def __init__(self, casts: WeightCasts):
+        self.casts = casts
+        self.outer = []  # the casts active before each entry not yet left
+
+    def __enter__(self):
+        self.outer.append(getattr(_state, "casts", None))
+        _state.casts = self.casts
+
+    def __exit__(self, *exc):
+        _state.casts = self.outer.pop()
+        return False
 
 
 class StaticCasts(WeightCasts):
