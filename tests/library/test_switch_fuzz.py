@@ -21,10 +21,10 @@ misspelt key; grid_size spelt several ways; copy.copy / deepcopy of the enabled 
 qca_steps, the learning rate or max_noise changed between episodes; noisy episodes; the V4
 trainer's own psi0 draw. Every checkpoint policy.
 
-CI runs QCA_FUZZ_EXAMPLES examples (default 100, about 15 s on two shared cores once they pass); a long search:
+CI runs QCA_FUZZ_EXAMPLES examples (default 100, about 20 s on two shared cores once they pass); a long search:
     QCA_FUZZ_EXAMPLES=3000 python -m pytest -q tests/library/test_switch_fuzz.py
 The generation is derandomized: the same budget draws the same variants on every run. A failure
-prints the variant; `verdict(Variant(...))` from tests/fixtures/switch_variants.py replays it.
+prints the variant; `verdict(Variant(...))` (tests/fixtures/switch_oracle.py) replays it.
 """
 
 import os
@@ -33,7 +33,8 @@ import warnings
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fixtures.switch_variants import OPS, POLICIES, Variant, first_difference, outcome, verdict
+from fixtures.switch_oracle import first_difference, is_clear, verdict
+from fixtures.switch_variants import OPS, POLICIES, Variant, outcome
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -88,3 +89,13 @@ def test_the_fuzzers_oracle_tells_a_dropped_edit_from_rounding():
     assert first_difference(warmed, plain) is not None and first_difference(plain, plain) is None
     for policy in POLICIES:
         assert verdict(Variant(policy=policy)) is None
+
+
+def test_a_clear_refusal_names_who_refused():
+    assert is_clear(TypeError("enable(): Sub.train_episode is x.y (its class's), not a stock episode"))
+    assert is_clear(ValueError("LOWMEM section: unknown keys ['checkpiont']"))
+    assert is_clear(RuntimeError("rollout(checkpoint='step'): the recompute of step 0 in backward does not reproduce"))
+    assert not is_clear(TypeError("Output of saved tensor unpack_hook expected to be a Tensor but got result of "
+                                  "type NoneType"))
+    assert not is_clear(RuntimeError("qca_lowmem::qca_update() expected scalar type Float but found Double"))
+    assert not is_clear(IndexError("enable(): string index out of range"))
