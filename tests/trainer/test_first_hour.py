@@ -102,8 +102,9 @@ def test_torch_func_through_our_ops_names_the_op(name):
 @pytest.mark.parametrize("cuda_graph", [False, True, None])
 def test_bench_runs_lowmem_as_the_trainer_would_with_cuda_graph(cuda_graph):
     """On CUDA with cuda_graph the lowmem rows replay captured steps, one StepGraph for all of
-    them (the model is made on the CPU here: only the choice is looked at)."""
-    config = config_mod.config_from_dict({**TINY, "cuda_graph": cuda_graph})
+    them (the model is made on the CPU here: only the choice is looked at; channels_last set, as
+    its unset rule reads the GPU)."""
+    config = config_mod.config_from_dict({**TINY, "cuda_graph": cuda_graph, "channels_last": False})
     model = config_mod.build_model(config, "cpu")
     on_cuda = bench_mod.EpisodeRunner(config, torch.device("cuda"), model=model)
     assert isinstance(on_cuda.lowmem_step, qca_lowmem.StepGraph) == (cuda_graph is not False)

@@ -6,8 +6,9 @@ value), `config_section` (the `LOWMEM` section of their config and the `QCA_LOWM
 `trainers` (one adapter per trainer version: what differs between their episodes),
 `engine_step` (the steps installed on their engine), `engine_probe` (the check that their
 engine steps as the fused step does), `discontinuity` (the allowlist of continuous ops),
-`code_identity` (the identity of the code that runs) and `stock_guard` (recognising their stock
-episode by it).
+`code_identity` (the identity of the code that runs), `stock_guard` (recognising their stock
+episode by it), `noise_replay` (their injector's draws without host waits), `scaler_swap` (their
+GradScaler as qca_lowmem's) and `say` (the switch's one line).
 """
 
 from .config_section import enable_from_config

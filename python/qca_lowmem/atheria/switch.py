@@ -15,7 +15,6 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from .. import amp
 from ..precision import autocast
 from ..recompute import Policy, StepGraph, rollout
 from ..recompute.policy import NONE, STEP
@@ -25,27 +24,12 @@ from .engine_step import (EngineIdentity, EngineMemoryStep, fused_of, live_gamma
                           put_side_state, side_state_of)
 from .options import OPTION_NAMES, EpisodeOptions, check_options, resolve_options
 from .say import say
+from .scaler_swap import clip_scaled, lowmem_scaler_for
 from .code_identity import not_recorded
 from .stock_guard import EpisodeIdentity, check_stock_episode
 from .trainers import adapter_for
 
 _STATE_ATTR = "_qca_lowmem_state"
-
-
-def lowmem_scaler_from(scaler):
-    """A qca_lowmem.amp.GradScaler with the same settings and state as `scaler`."""
-    new = amp.GradScaler(
-        getattr(scaler, "_device", "cuda"),
-        init_scale=getattr(scaler, "_init_scale", 2.0**16),
-        growth_factor=getattr(scaler, "_growth_factor", 2.0),
-        backoff_factor=getattr(scaler, "_backoff_factor", 0.5),
-        growth_interval=getattr(scaler, "_growth_interval", 2000),
-        enabled=scaler.is_enabled(),
-    )
-    state = scaler.state_dict()
-    if state:
-        new.load_state_dict(state)
-    return new
 
 
 @dataclass
@@ -190,7 +174,7 @@ def _lowmem_train_episode(trainer, episode_num):
         scaler.unscale_(trainer.optimizer)
         max_norm = _max_norm(trainer, opts, version)
         if max_norm is not None:
-            _clip(scaler, parameters, max_norm)
+            clip_scaled(scaler, parameters, max_norm)
         scaler.step(trainer.optimizer)
         scaler.update()
     else:
@@ -222,13 +206,6 @@ def _check_engine(trainer, state: _Saved):
 def _max_norm(trainer, opts, version):
     """The clipping norm, read after the backward as their episodes read it (V3's gradient_clip)."""
     return opts.max_grad_norm if opts.max_grad_norm is not None else version.max_grad_norm(trainer)
-
-
-def _clip(scaler, parameters, max_norm):
-    clip = getattr(scaler, "clip_grad_norm_", None)
-    if clip is not None:  # right after unscale_: the gradients are as it measured them
-        return clip(parameters, max_norm, reuse_unscale_norm=True)
-    return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
 
 
 def _check_placement(trainer):
@@ -342,7 +319,7 @@ def enable(
         assume_stock_episode=assume_stock_episode, channels_last=channels_last,
     ))
     # Everything that can fail is decided before the trainer changes.
-    new_scaler = _lowmem_scaler_for(trainer, state.options.amp_dtype) if lowmem_scaler else None
+    new_scaler = lowmem_scaler_for(trainer, state.options.amp_dtype) if lowmem_scaler else None
     evolve_step, state.memory_step, state.own_step = lowmem_steps(trainer.motor, fused_step_ops, state.options.grid,
                                                                   state.options.d_state, state.options.channels_last)
     if state.own_step is not None:  # the fused blocks round differently too
@@ -383,17 +360,6 @@ def _summary(state: _Saved) -> str:
         (f"their own train_episode: {getattr(state.episode_identity, 'own', None)}",
          getattr(state.episode_identity, "own", None) is not None)) if on]
     return ", ".join(parts)
-
-
-def _lowmem_scaler_for(trainer, compute_dtype):
-    """The trainer's scaler as a qca_lowmem.amp.GradScaler with its state; a new one when the
-    trainer has none but fp16 on CUDA needs one; else None (nothing to swap)."""
-    scaler = getattr(trainer, "scaler", None)
-    if scaler is not None:
-        return lowmem_scaler_from(scaler)
-    if compute_dtype == torch.float16 and next(trainer.motor.operator.parameters()).device.type == "cuda":
-        return amp.GradScaler("cuda")
-    return None
 
 
 def _convert_blocks(operator, state: _Saved):

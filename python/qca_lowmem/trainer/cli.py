@@ -16,6 +16,9 @@ from typing import List, Optional
 
 from ..recompute.policy import AUTO, MODES, REVOLVE
 
+# --resume alone: the run folder's newest checkpoint (not the checkpoint mode of that name)
+RESUME_LATEST = "auto"
+
 
 def _add_config_options(parser, training: bool):
     parser.add_argument("--config", help="YAML file, or a bundled config by name (default: the embedded small CPU "
@@ -103,7 +106,7 @@ def build_parser():
 
     train = commands.add_parser("train", help="train the QCA U-Net with the low-memory path")
     _add_config_options(train, training=True)
-    train.add_argument("--resume", nargs="?", const="auto", metavar="CHECKPOINT",
+    train.add_argument("--resume", nargs="?", const=RESUME_LATEST, metavar="CHECKPOINT",
                        help="continue from a checkpoint (default: <out>/checkpoint.pt)")
     train.add_argument("--overwrite", action="store_true",
                        help="start a new run in an --out folder that holds one; its files move to <out>/replaced-<date>/")
@@ -250,7 +253,7 @@ def _train(args) -> int:
             message(f"{config.out_dir} holds a run (--resume continues it): training into {free}")
             config = dataclasses.replace(config, out_dir=free)
     resume = args.resume
-    if resume == "auto":
+    if resume == RESUME_LATEST:
         resume = os.path.join(config.out_dir, CHECKPOINT_NAME)
     if args.stop_after is not None and args.stop_after < 1:
         raise UsageError(f"--stop-after must be a positive number of episodes, got {args.stop_after}")
@@ -282,7 +285,7 @@ def resume_command(args, out_dir: str) -> str:
 
     words, given = [], iter(args.argv)
     for word in given:
-        if word in ("--stop-after", "--out") or (word == "--resume" and args.resume not in (None, "auto")):
+        if word in ("--stop-after", "--out") or (word == "--resume" and args.resume not in (None, RESUME_LATEST)):
             next(given, None)  # and its value
         elif word.split("=")[0] not in ("--stop-after", "--overwrite", "--resume", "--out"):
             words.append(word)

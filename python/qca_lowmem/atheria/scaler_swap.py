@@ -1,0 +1,41 @@
+"""The trainer's GradScaler as qca_lowmem.amp.GradScaler (enable() swaps it, keeping its
+settings and state), and clipping the gradients it unscaled."""
+
+import torch
+
+from .. import amp
+
+
+def lowmem_scaler_from(scaler):
+    """A qca_lowmem.amp.GradScaler with the same settings and state as `scaler`."""
+    new = amp.GradScaler(
+        getattr(scaler, "_device", "cuda"),
+        init_scale=getattr(scaler, "_init_scale", 2.0**16),
+        growth_factor=getattr(scaler, "_growth_factor", 2.0),
+        backoff_factor=getattr(scaler, "_backoff_factor", 0.5),
+        growth_interval=getattr(scaler, "_growth_interval", 2000),
+        enabled=scaler.is_enabled(),
+    )
+    state = scaler.state_dict()
+    if state:
+        new.load_state_dict(state)
+    return new
+
+
+def lowmem_scaler_for(trainer, compute_dtype):
+    """The trainer's scaler as a qca_lowmem.amp.GradScaler with its state; a new one when the
+    trainer has none but fp16 on CUDA needs one; else None (nothing to swap)."""
+    scaler = getattr(trainer, "scaler", None)
+    if scaler is not None:
+        return lowmem_scaler_from(scaler)
+    if compute_dtype == torch.float16 and next(trainer.motor.operator.parameters()).device.type == "cuda":
+        return amp.GradScaler("cuda")
+    return None
+
+
+def clip_scaled(scaler, parameters, max_norm):
+    """clip_grad_norm_ of the unscaled gradients, through the scaler where it can reuse its norm."""
+    clip = getattr(scaler, "clip_grad_norm_", None)
+    if clip is not None:  # right after unscale_: the gradients are as it measured them
+        return clip(parameters, max_norm, reuse_unscale_norm=True)
+    return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
