@@ -18,7 +18,7 @@ from qca_lowmem.examples import qc_trainer_v4 as stand_in_module
 from qca_lowmem.examples.qc_trainer_v4 import MemoryMotor, Motor
 from qca_lowmem.stock import NoiseInjector
 
-EPISODES = sorted(role for role in FOLLOWED[PYTHON] if role.endswith(".train_episode"))
+EPISODES = sorted(role for role in FOLLOWED.get(PYTHON, {}) if role.endswith(".train_episode"))
 
 
 def trainer_of(cls=QC_Trainer_v4):
@@ -92,7 +92,7 @@ def test_every_recorded_digest_names_its_origin():
     for roles in FOLLOWED.values():
         for known in roles.values():
             assert all(len(d) == 64 and origin for d, origin in known.items())
-    ours = {origin: d for known in FOLLOWED[PYTHON].values() for d, origin in known.items() if "qca_lowmem" in origin}
+    ours = {origin: d for known in FOLLOWED.get(PYTHON, {}).values() for d, origin in known.items() if "qca_lowmem" in origin}
     # What qca_lowmem ships; an edit of it (or of stock.py, whose functions they call) needs its digest here again.
     assert ours == {"the bundled stand-in, qca_lowmem/examples/qc_trainer_v4.py": digest(QC_Trainer_v4.train_episode),
                     "the bundled stand-in, qca_lowmem/examples/qc_trainer_v3.py": digest(QC_Trainer_v3.train_episode),

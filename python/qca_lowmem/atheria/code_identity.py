@@ -32,36 +32,93 @@ _LOADS_GLOBAL = {"LOAD_GLOBAL", "LOAD_NAME"}
 # Jonakss/Atheria at 4df21e7 (2025-12, the same train_episode text as c780b4c / ee9d178 and the same
 # noise.py as 6c95798, which the earlier source digests named); the stand-ins from qca_lowmem.examples,
 # whose digests follow qca_lowmem.stock's code (tests/library/test_enable_identity.py recomputes them).
-_ATHERIA = "Jonakss/Atheria at 4df21e7, "
-_STAND_IN = "the bundled stand-in, qca_lowmem/examples/"
+# Each version's entry is what scripts/record_digests.py prints on it (3.11.7, 3.12.1, 3.13.0).
+ATHERIA = "Jonakss/Atheria at 4df21e7, "
+STAND_IN = "the bundled stand-in, qca_lowmem/examples/"
 _STOCK = "qca_lowmem/stock.py NoiseInjector."
 FOLLOWED: Dict[str, Dict[str, Dict[str, str]]] = {
     "3.11": {
         "QC_Trainer_v4.train_episode": {
-            "cf6b56ed82e2fa931b36790d40a8c32fed4f59a9fbca7cfd9a9016de096dd82a": _ATHERIA + "src/trainers/qc_trainer_v4.py",
-            "3554d9e57fbdcd6bfbd64d505012cb96e6dc8d2566af22a2d228120e38ca6af0": _STAND_IN + "qc_trainer_v4.py",
+            "cf6b56ed82e2fa931b36790d40a8c32fed4f59a9fbca7cfd9a9016de096dd82a": ATHERIA + "src/trainers/qc_trainer_v4.py",
+            "3554d9e57fbdcd6bfbd64d505012cb96e6dc8d2566af22a2d228120e38ca6af0": STAND_IN + "qc_trainer_v4.py",
         },
         "QC_Trainer_v3.train_episode": {
-            "4cedca95799d0d6c6b15768f22e09eb1c2b1bf4bfb2c6fade88f8181e8403dab": _ATHERIA + "src/trainers/qc_trainer_v3.py",
-            "815828dc1e6091695dbab76ee5d3fdcb9dc3c5f3f19cd925b1acd5787ebc7a53": _STAND_IN + "qc_trainer_v3.py",
+            "4cedca95799d0d6c6b15768f22e09eb1c2b1bf4bfb2c6fade88f8181e8403dab": ATHERIA + "src/trainers/qc_trainer_v3.py",
+            "815828dc1e6091695dbab76ee5d3fdcb9dc3c5f3f19cd925b1acd5787ebc7a53": STAND_IN + "qc_trainer_v3.py",
         },
         "CartesianEngine.evolve_step": {
-            "ef41f322e2e9bebf5ba0d917dfec6de1b0322b0a19e11a61d37bb220c0e764f4": _ATHERIA + "src/engines/qca_engine.py",
+            "ef41f322e2e9bebf5ba0d917dfec6de1b0322b0a19e11a61d37bb220c0e764f4": ATHERIA + "src/engines/qca_engine.py",
         },
         "CartesianEngine._evolve_logic": {
-            "da644f45368b944e92bb59d5bdebe9829497df86bcdc9226add34c4593b17928": _ATHERIA + "src/engines/qca_engine.py",
+            "da644f45368b944e92bb59d5bdebe9829497df86bcdc9226add34c4593b17928": ATHERIA + "src/engines/qca_engine.py",
         },
         "Motor.evolve_step": {
-            "5d7d81d9ee448de4ad65b210335a74ae6ff7766ef159f9ef7a47228df10b0d19": _STAND_IN + "qc_trainer_v4.py Motor",
-            "9064eea868f46ab51e5a494567322184c2afb1a66d70d1b97d3c60681956b55a": _STAND_IN + "qc_trainer_v4.py MemoryMotor",
+            "5d7d81d9ee448de4ad65b210335a74ae6ff7766ef159f9ef7a47228df10b0d19": STAND_IN + "qc_trainer_v4.py Motor",
+            "9064eea868f46ab51e5a494567322184c2afb1a66d70d1b97d3c60681956b55a": STAND_IN + "qc_trainer_v4.py MemoryMotor",
         },
         "QuantumNoiseInjector.apply_phase_flip": {
-            "bd9f85aac5fd714b1f1d66aa47dda68d4e8e8fa7df0f08171f2a149d631bb5a6": _ATHERIA + "src/physics/noise.py",
+            "bd9f85aac5fd714b1f1d66aa47dda68d4e8e8fa7df0f08171f2a149d631bb5a6": ATHERIA + "src/physics/noise.py",
             "6953c0bc379656b0a007a43faf9ca51e0fc56177435229da0c246b93f363c3d0": _STOCK + "apply_phase_flip",
         },
         "QuantumNoiseInjector.apply_bit_flip": {
-            "e46a1d6bb550a0c904ced4f11892c1963b374fdbcd4dbd8eba38bd5f1215a46a": _ATHERIA + "src/physics/noise.py",
+            "e46a1d6bb550a0c904ced4f11892c1963b374fdbcd4dbd8eba38bd5f1215a46a": ATHERIA + "src/physics/noise.py",
             "8c6b691af8d13b4cbe4b2fd15c6391f4af05143a697a9ad0e76692e34e7be687": _STOCK + "apply_bit_flip",
+        },
+    },
+    "3.12": {
+        "QC_Trainer_v4.train_episode": {
+            "6225ca7741782292169806582df31d7fa317ef4a7bfa5304d2e49da5f6c6a9cf": ATHERIA + "src/trainers/qc_trainer_v4.py",
+            "101243e84934fb524cfbd7fbe67e4cd0858296104d59bddd261473b7c4e1290f": STAND_IN + "qc_trainer_v4.py",
+        },
+        "QC_Trainer_v3.train_episode": {
+            "b461bcce04cccb00f64c4a4230a1686e97dc8dd03d29c9074a2e142f40e31d39": ATHERIA + "src/trainers/qc_trainer_v3.py",
+            "0c9e7e9d5e2444684420f60c6314f6caac4e40304294273786fa731e6b359a95": STAND_IN + "qc_trainer_v3.py",
+        },
+        "CartesianEngine.evolve_step": {
+            "0d079d6c74a15bde0eb65b31e6139422164c9e64c7b21d668d6354d43e1b5b3b": ATHERIA + "src/engines/qca_engine.py",
+        },
+        "CartesianEngine._evolve_logic": {
+            "97c1a568550e0c3f8276cb2b2f3639b08c3c2134a6add36648b3e2b67675c7e0": ATHERIA + "src/engines/qca_engine.py",
+        },
+        "QuantumNoiseInjector.apply_phase_flip": {
+            "49d0221d7175a33831aad2b8bf24ea7999ce0b2bb1c29beea00a9a9364819f41": ATHERIA + "src/physics/noise.py",
+            "55921beb5a1b794bdd5ea9552084955995ec6158a14ffeb0993a914713c74750": _STOCK + "apply_phase_flip",
+        },
+        "QuantumNoiseInjector.apply_bit_flip": {
+            "b52412e0afa744abb0c49a142488611e84f2a684d31638de6b30bec1d95446a0": ATHERIA + "src/physics/noise.py",
+            "5d782c2aa9eee7790ec8a95503807703e6a233fe731eba14bddf4b8c711de0b8": _STOCK + "apply_bit_flip",
+        },
+        "Motor.evolve_step": {
+            "a48137444056f42bb45a169f6690a6717bde31273cf0fdec2d2ad119e8e9ecbf": STAND_IN + "qc_trainer_v4.py Motor",
+            "6eb159b7b9fd21e311d912675239ec6f810884e0a9ff0f5854d605e8d0fe1915": STAND_IN + "qc_trainer_v4.py MemoryMotor",
+        },
+    },
+    "3.13": {
+        "QC_Trainer_v4.train_episode": {
+            "074f4e5c1eb86e58fb49a11bc8b6f0fbf1e3c556c64b4ef1f6d3b30aecf521d4": ATHERIA + "src/trainers/qc_trainer_v4.py",
+            "5a0c5752be82c191d3abd4effee1bb49219ab0b2a3f7014ea924b08bad18364f": STAND_IN + "qc_trainer_v4.py",
+        },
+        "QC_Trainer_v3.train_episode": {
+            "73265b533372875b1b6a0cf38f8826ed423f4ffac0d7a3165850de915d88d6ba": ATHERIA + "src/trainers/qc_trainer_v3.py",
+            "02fe1771b1a2440b31b22dfc65bd9e78327cc9464aef774a0d2e7080a489ebea": STAND_IN + "qc_trainer_v3.py",
+        },
+        "CartesianEngine.evolve_step": {
+            "d4402ca53eba22d75680de928f9bb8afc7235e59c23f19012dc539944f28ac0e": ATHERIA + "src/engines/qca_engine.py",
+        },
+        "CartesianEngine._evolve_logic": {
+            "772eb46e17a2a38e6fea309394187de84eee0758b37d9f0c381b288bdd646389": ATHERIA + "src/engines/qca_engine.py",
+        },
+        "QuantumNoiseInjector.apply_phase_flip": {
+            "24135f7134c9e83e70880ef5cb313aeb591a5cc494847e681ba54d1001caffce": ATHERIA + "src/physics/noise.py",
+            "04d9a3f9154bc92edbb241b82df33509dca67491959a11f4d795aa57a118f38b": _STOCK + "apply_phase_flip",
+        },
+        "QuantumNoiseInjector.apply_bit_flip": {
+            "f7ef8e5bd8b038567705e78feb0964330dfa743434c9bafab2edc86d87367784": ATHERIA + "src/physics/noise.py",
+            "51beef01dfcd73c8a834c7a9bafe60c07c89f5298a5d074aec1728d1c7d0f646": _STOCK + "apply_bit_flip",
+        },
+        "Motor.evolve_step": {
+            "e863f16ebe7992741da9be8bd8c9a368c3d2ecfe640ae217e102c2d1f528bd16": STAND_IN + "qc_trainer_v4.py Motor",
+            "b17f3fa309b7b24ec2af742125919537178be101d6c0182a627d971b2f4332f1": STAND_IN + "qc_trainer_v4.py MemoryMotor",
         },
     },
 }

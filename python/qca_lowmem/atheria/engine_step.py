@@ -93,7 +93,7 @@ class _LiveStep:
     def gamma(self) -> float:
         gamma = live_gamma(self.motor)
         if self.fixed_gamma is not None and gamma != self.fixed_gamma:
-            raise RuntimeError(f"{type(self.motor).__name__}.cfg GAMMA_DECAY changed during the episode, from "
+            raise RuntimeError(f"qca_lowmem: {type(self.motor).__name__}.cfg GAMMA_DECAY changed during the episode, from "
                                f"{self.fixed_gamma!r} to {gamma!r}: the steps recomputed in the backward would decay "
                                "by another rate than their forward. Change it between episodes, or enable(trainer, "
                                "checkpoint='none'), whose steps read it as the engine's do")

@@ -32,6 +32,16 @@ def _missing(trainer, paths) -> list:
     return missing
 
 
+def _psi_dtype(trainer) -> torch.dtype:
+    """The complex dtype of a psi0 the stock draw makes: the trainer's cfg.DTYPE where it names one
+    (as the stand-in draws), else the one the operator's parameters compute in."""
+    dtype = getattr(getattr(trainer, "cfg", None), "DTYPE", None)
+    if isinstance(dtype, torch.dtype) and dtype.is_complex:
+        return dtype
+    parameter = next(trainer.motor.operator.parameters())
+    return torch.complex128 if parameter.dtype == torch.float64 else torch.complex64
+
+
 class TrainerV4:
     name = "QC_Trainer_v4"
     draws_own_psi0 = False  # enable()'s grid_size / batch_size / the engine's state reset size psi0
@@ -52,7 +62,7 @@ class TrainerV4:
     def initial_state(trainer, opts, device):
         if opts.initial_state is not None:
             return opts.initial_state(trainer)
-        return stock.initial_state(opts.batch_size, opts.grid, opts.d_state, device)
+        return stock.initial_state(opts.batch_size, opts.grid, opts.d_state, device, dtype=_psi_dtype(trainer))
 
     @staticmethod
     def noise(trainer, episode, source: str) -> Optional[Callable]:
