@@ -28,13 +28,14 @@ THEIRS = {
     "QuantumNoiseInjector.apply_phase_flip": ("src.physics.noise", "QuantumNoiseInjector", "src/physics/noise.py"),
     "QuantumNoiseInjector.apply_bit_flip": ("src.physics.noise", "QuantumNoiseInjector", "src/physics/noise.py"),
 }
+STOCK = "qca_lowmem/stock.py NoiseInjector."
 OURS = {
     "QC_Trainer_v4.train_episode": [(QC_Trainer_v4.train_episode, STAND_IN + "qc_trainer_v4.py")],
     "QC_Trainer_v3.train_episode": [(QC_Trainer_v3.train_episode, STAND_IN + "qc_trainer_v3.py")],
     "Motor.evolve_step": [(Motor.evolve_step, STAND_IN + "qc_trainer_v4.py Motor"),
                           (MemoryMotor.evolve_step, STAND_IN + "qc_trainer_v4.py MemoryMotor")],
-    "QuantumNoiseInjector.apply_phase_flip": [(NoiseInjector.apply_phase_flip, "qca_lowmem/stock.py NoiseInjector.apply_phase_flip")],
-    "QuantumNoiseInjector.apply_bit_flip": [(NoiseInjector.apply_bit_flip, "qca_lowmem/stock.py NoiseInjector.apply_bit_flip")],
+    "QuantumNoiseInjector.apply_phase_flip": [(NoiseInjector.apply_phase_flip, STOCK + "apply_phase_flip")],
+    "QuantumNoiseInjector.apply_bit_flip": [(NoiseInjector.apply_bit_flip, STOCK + "apply_bit_flip")],
 }
 
 

@@ -7,6 +7,7 @@ Private attributes of torch's own objects (`node._sequence_nr()`, `tensor._backw
 `module._forward_hooks`, ...) are read here too, for the same reason.
 """
 
+import contextlib
 from typing import List, Optional
 
 import torch
@@ -55,6 +56,32 @@ def has_hooks(tensor: torch.Tensor) -> bool:
 def global_module_hooks() -> bool:
     """Whether hooks registered for every module (`register_module_forward_hook`, ...) exist."""
     return bool(torch.nn.modules.module._has_any_global_hook())
+
+
+# The hooks a module's call runs: its own dicts, and the ones every module's call reads.
+_CALL_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_CALL_HOOKS = ("_global_forward_hooks", "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called",
+                      "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
+
+
+@contextlib.contextmanager
+def module_hooks_set_aside(root: torch.nn.Module):
+    """Calls of root and its layers run no module hook (theirs or global ones), each put back
+    after, in its order, under the same handles."""
+    module_globals = vars(torch.nn.modules.module)
+    dicts = [module_globals[name] for name in _GLOBAL_CALL_HOOKS if name in module_globals]
+    dicts += [hooks for module in root.modules() for name in _CALL_HOOKS
+              if isinstance(hooks := getattr(module, name, None), dict)]
+    saved = [(hooks, dict(hooks)) for hooks in dicts if hooks]
+    for hooks, _ in saved:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            hooks.clear()
+            hooks.update(items)
 
 
 def module_has_hooks(module: torch.nn.Module) -> bool:

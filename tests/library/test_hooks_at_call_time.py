@@ -255,3 +255,35 @@ def test_enable_with_a_global_hook_registered_before_and_removed_after_an_episod
         second = run(trainer, range(1, 2))
         runs.append(([*first[0], *second[0]], second[1], second[2]))
     assert_same_run(runs[1], runs[0])
+
+
+@pytest.mark.parametrize("where", ["global", "operator", "inner"])
+def test_enable_calls_no_hook_and_a_hooked_episode_steps_as_the_engine(where, caplog):
+    """enable()'s probes call the operator, which stock never does there: hooks registered before it
+    are not called by them; while a hook is there the episodes run the engine's own step (the fused
+    step was proved on the operator without hooks), said once, and equal stock's."""
+    from fixtures.model_families import assert_same_run, make_trainer, run
+
+    runs = []
+    for switched in (False, True):
+        trainer = make_trainer("unet_groupnorm")
+        calls = []
+
+        def record(module, args, output):
+            calls.append(type(module).__name__)
+
+        operator = trainer.motor.operator
+        handle = (nn.modules.module.register_module_forward_hook(record) if where == "global"
+                  else operator.register_forward_hook(record) if where == "operator"
+                  else next(m for m in operator.modules() if isinstance(m, nn.Conv2d)).register_forward_hook(record))
+        try:
+            if switched:
+                with caplog.at_level("INFO", logger="qca_lowmem"):
+                    qca_lowmem.enable(trainer, checkpoint="none")
+                assert calls == [], f"enable() called the {where} hook {len(calls)} times"
+            runs.append(run(trainer, range(2)))
+        finally:
+            handle.remove()
+        if switched:
+            assert any("the episodes run the engine's own step while it is there" in r.message for r in caplog.records)
+    assert_same_run(runs[1], runs[0])

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import _torch_private as torch_private
 from .. import stock
 from ..ops.qca_step import fused_step_once, qca_pack, qca_update
 from .code_identity import followed, not_recorded, resolved
@@ -242,6 +243,14 @@ def unknown_engine(motor) -> str:
             + (f" ({why})" if why else ""))
 
 
+def _hooked(operator: torch.nn.Module) -> Optional[str]:
+    """The first module hook that calling the operator runs (global, or on one of its layers), or None."""
+    if torch_private.global_module_hooks():
+        return "a global module hook"
+    return next((f"a hook on {type(operator).__name__}{'.' + name if name else ''}"
+                 for name, module in operator.named_modules() if torch_private.module_has_hooks(module)), None)
+
+
 def lowmem_steps(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] = None, channels_last: bool = False):
     """(the engine's evolve_step for enable() to install, or None to keep the engine's own; the
     carried step(psi, (h, c)) the episode rolls out for an engine with memory, else None; why the
@@ -260,7 +269,8 @@ def lowmem_steps(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] 
     if fused_step_ops and kind is None:
         why = unknown_engine(motor)
     elif fused_step_ops:
-        jumps = discontinuity(compiled_module(operator), _probe_input(operator, shape, dtype), memory)
+        with torch_private.module_hooks_set_aside(compiled_module(operator)):  # stock calls no hook here
+            jumps = discontinuity(compiled_module(operator), _probe_input(operator, shape, dtype), memory)
         why = None if jumps is None else (
             f"{type(operator).__name__}'s output jumps with its input ({jumps}): the fused step, rounding "
             "differently from the engine's, would give other jumps")
@@ -276,12 +286,13 @@ def lowmem_steps(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] 
                             f"wraps (operator._orig_mod)\n{own_step} ({why})")
         return None, (EngineMemoryStep(motor) if memory else None), why
     side_state = kind == "CartesianEngine"
-    if not memory:
-        step = FusedEngineStep(motor, channels_last, side_state)
-        check_engine_step(motor, step, None, shape, dtype, multiplicative)
-        return step, None, None
-    carried = FusedMemoryStep(motor, side_state)
-    check_engine_step(motor, None, carried, shape, dtype, multiplicative)
+    with torch_private.module_hooks_set_aside(compiled_module(operator)):
+        if not memory:
+            step = FusedEngineStep(motor, channels_last, side_state)
+            check_engine_step(motor, step, None, shape, dtype, multiplicative)
+            return step, None, None
+        carried = FusedMemoryStep(motor, side_state)
+        check_engine_step(motor, None, carried, shape, dtype, multiplicative)
     return MemoryStep(motor, carried), carried, None
 
 
@@ -299,6 +310,7 @@ class EngineIdentity:
 
     def __init__(self, motor, installed, memory: bool):
         self.installed, self.memory, self.said = installed, memory, False
+        self.hooked_said = None  # the hook last said to keep the engine's own step
         self.kind = engine_kind(motor, installed) if installed is not None else None
 
     def own_step(self, motor) -> Optional[Callable]:
@@ -309,12 +321,19 @@ class EngineIdentity:
         if has_memory(motor) != self.memory:
             raise RuntimeError(f"{type(motor).__name__}.has_memory is now {not self.memory}, {self.memory} at enable(): "
                                "the episode carries the memory as enable() decided; disable() and enable() again")
-        if engine_kind(motor, self.installed) == self.kind:
-            return None
-        if not self.said:
-            self.said = True
-            say(logging.WARNING, f"{type(motor).__name__}'s step changed since enable() ({unknown_engine(motor)}): "
-                                 "the episodes run the engine's own step")
+        if engine_kind(motor, self.installed) != self.kind:
+            if not self.said:
+                self.said = True
+                say(logging.WARNING, f"{type(motor).__name__}'s step changed since enable() ({unknown_engine(motor)}): "
+                                     "the episodes run the engine's own step")
+        else:
+            hooked = _hooked(compiled_module(motor.operator))
+            if hooked is None:
+                self.hooked_said = None
+                return None
+            if hooked != self.hooked_said:  # the fused step was proved on the operator without hooks
+                self.hooked_said = hooked
+                say(logging.WARNING, f"{hooked}: the episodes run the engine's own step while it is there")
         own = vars(motor).get("evolve_step")
         if own is not None and own is not self.installed:
             return own
