@@ -11,6 +11,7 @@ Their modules are imported, not run (their trainers' imports need python-dotenv 
 import argparse
 import importlib
 import json
+import os
 import subprocess
 import sys
 
@@ -40,8 +41,8 @@ OURS = {
 
 
 def recorded(checkout: str) -> dict:
-    commit = subprocess.run(["git", "-C", checkout, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()
+    commit = subprocess.run(["git", "-C", checkout, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            check=False).stdout.strip() if os.path.isdir(os.path.join(checkout, ".git")) else ""
     if commit and not ATHERIA.endswith(f"at {commit}, "):
         sys.exit(f"record_digests: the checkout is at {commit}, code_identity.ATHERIA names another commit: {ATHERIA!r}")
     entry = {}
