@@ -382,3 +382,22 @@ def test_the_installed_step_called_outside_an_episode_runs_a_changed_engines_own
     engine.evolve_step = lambda self, psi: update(psi, self.operator(pack(psi)), 0.3)
     with torch.no_grad():
         assert torch.equal(trainer.motor.evolve_step(psi), update(psi, trainer.motor.operator(pack(psi)), 0.3))
+
+
+def test_the_side_state_held_in_an_episode_keeps_no_graph(monkeypatch):
+    """What the fused step holds for the side state during an episode is detached: the probed step
+    leaves no graph alive, so the forward's steps run without grad (a graph would also hold the
+    parameters' gradient accumulators, made on the stream a CUDA capture then cannot depend on)."""
+    monkeypatch.setattr(qca_lowmem.atheria.engine_step, "engine_kind", lambda motor, installed=None: "CartesianEngine")
+    forwards_with_grad = []
+
+    class Spy(qca_lowmem.recompute.api.Episode):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            forwards_with_grad.append(self.grad_forward)
+
+    monkeypatch.setattr(qca_lowmem.recompute.api, "Episode", Spy)
+    trainer = trainer_of()
+    enabled(trainer, checkpoint="step")
+    run(trainer, range(2))
+    assert forwards_with_grad == [False, False]

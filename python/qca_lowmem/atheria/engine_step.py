@@ -105,7 +105,7 @@ class _LiveStep:
         if not self.side_state:
             return
         if self.deferred:
-            self.pending = (psi, delta, gamma, multiplicative)
+            self.pending = (_values_of(psi), _values_of(delta), gamma, multiplicative)
             return
         with torch.no_grad():
             real = psi.real.dtype
@@ -129,8 +129,19 @@ class _LiveStep:
         pending, self.pending, deferred = self.pending, None, self.deferred
         if pending is not None:
             self.deferred = False
-            self.record(*pending)
+            self.record(_tensor_of(pending[0]), _tensor_of(pending[1]), *pending[2:])
             self.deferred = deferred
+
+
+def _values_of(tensor: torch.Tensor) -> tuple:
+    """A step's tensor held by its memory, not as a tensor: the rollout refuses a tensor a step made
+    that outlives it (a graph it may hold would be lost, escapes.py); these values carry none."""
+    return tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device
+
+
+def _tensor_of(values: tuple) -> torch.Tensor:
+    storage, offset, shape, stride, dtype, device = values
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
 
 
 class FusedMemoryStep(_LiveStep):
