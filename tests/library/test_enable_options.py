@@ -124,3 +124,14 @@ def test_every_option_is_a_keyword_of_enable_and_a_key_of_the_section():
     assert set(options.OPTION_NAMES) == keywords
     assert set(config_section._CONFIG_KEYS) == keywords | {"enabled"}
     assert set(config_section.LOWMEM_OPTIONS) < keywords
+
+
+@pytest.mark.parametrize("option", [dict(grid_size=8), dict(grid_size=(8, 8)), dict(batch_size=1)])
+def test_a_grid_or_batch_that_would_replace_the_engines_own_draw_is_refused(option):
+    """Their V4 draws psi0 by its engine's state reset: a grid or batch size of enable()'s would
+    draw another psi0 (other states, another loss), so it is refused; initial_state still overrides."""
+    trainer = trainer_of(state_object=True)
+    with pytest.raises(ValueError, match=r"draws psi0 by its engine's motor.state._reset_state_random\(\)"):
+        qca_lowmem.enable(trainer, **option)
+    assert not hasattr(trainer, "_qca_lowmem_state")
+    qca_lowmem.enable(trainer, initial_state=lambda t: t.motor.state.psi)

@@ -249,13 +249,18 @@ def _psi0_options(trainer, version, grid_size, batch_size, initial_state):
                              "motor.get_initial_state(trainer.batch_size), so grid_size and batch_size are not read; "
                              "set trainer.batch_size, or pass initial_state=callable")
         return None, None, initial_state
+    reset = own_state_reset(trainer) if initial_state is None else None
+    if reset is not None and (grid_size is not None or batch_size is not None):
+        # their episode draws psi0 by the engine's state reset: another draw would train on other states
+        raise ValueError(f"enable(): {type(trainer).__name__}'s episode draws psi0 by its engine's "
+                         f"motor.state.{reset.name}(), so grid_size and batch_size would replace the users' draw; "
+                         "leave them unset, or pass initial_state=callable to draw psi0 otherwise")
     if isinstance(grid_size, numbers.Integral):
         grid = (int(grid_size), int(grid_size))
     elif grid_size is not None:
         grid = (int(grid_size[0]), int(grid_size[1]))  # checked: a pair of ints
     else:
-        if initial_state is None:
-            initial_state = own_state_reset(trainer)
+        initial_state = initial_state or reset
         grid = None if initial_state is not None else _infer_grid(trainer)
     batch_size = 1 if batch_size is None else int(batch_size)
     return grid, batch_size, initial_state
