@@ -283,8 +283,9 @@ def enable(
       other numbers than stock's).
     grid_size / batch_size / d_state / initial_state: how a V4 trainer's psi0 is drawn. By default
       the trainer's own state reset when its engine has one (`motor.state._reset_state_random()`,
-      then `motor.state.psi`; grid_size and batch_size, which would replace it, are refused), else the stock draw (batch_size, default 1) on the global torch RNG
-      with the grid from trainer.grid_size or motor.cfg.GRID_SIZE_TRAINING. A V3 trainer draws
+      then `motor.state.psi`; grid_size and batch_size, which would replace it, are refused), else
+      the stock draw (batch_size, default 1) on the global torch RNG with the grid from
+      trainer.grid_size or motor.cfg.GRID_SIZE_TRAINING. A V3 trainer draws
       its own, `motor.get_initial_state(trainer.batch_size)`, and refuses grid_size and batch_size.
       `initial_state(trainer) -> psi0` overrides both for trainers that draw psi0 differently.
     max_grad_norm: None clips as the trainer does (V4 at 1.0; V3 at its gradient_clip, when > 0).
