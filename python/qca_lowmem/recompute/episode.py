@@ -100,7 +100,8 @@ class StepUnit:
 
 
 def _modifiable(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return x.clone() if x is not None and x.is_leaf and x.requires_grad else x
+    # Without grad a leaf may change in place (its version counter tells): no copy needed there.
+    return x.clone() if x is not None and x.is_leaf and x.requires_grad and torch.is_grad_enabled() else x
 
 
 class KeptGraph:
