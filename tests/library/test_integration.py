@@ -3,6 +3,8 @@
 import copy
 import math
 import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy
@@ -317,6 +319,33 @@ def test_fp16_on_cuda_without_a_scaler_gets_one_and_disable_removes_it():
         assert loss == loss
     qca_lowmem.disable(trainer)
     assert trainer.scaler is None
+
+
+DEFAULT_ON_CUDA = """
+import warnings
+import torch
+import qca_lowmem
+from qca_lowmem.examples import QC_Trainer_v4, make_config
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    trainer = QC_Trainer_v4(make_config(grid=16, qca_steps=6), device="cuda")
+    qca_lowmem.enable(trainer)
+    for episode in range(3):
+        trainer.train_episode(episode)
+    torch.cuda.synchronize()
+for w in caught:
+    print(f"{w.category.__name__}: {w.message}")
+"""
+
+
+@cuda_only
+@pytest.mark.slow
+def test_the_default_on_cuda_trains_without_a_warning():
+    """enable()'s default on CUDA (captured steps) says nothing through warnings: torch's
+    "AccumulateGrad node's stream does not match" among them, which it gives once a process, so
+    the episodes run in a fresh one."""
+    result = subprocess.run([sys.executable, "-c", DEFAULT_ON_CUDA], capture_output=True, text=True, check=True)
+    assert result.stdout == "", result.stdout
 
 
 @cuda_only

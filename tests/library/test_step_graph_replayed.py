@@ -93,6 +93,21 @@ def test_captured_step_equals_eager(replayed_graphs, checkpoint, slots):
     assert replays(replayed_graphs) > 0
 
 
+@pytest.mark.parametrize("detach", [False, True], ids=["grad-through-memory", "detached-memory"])
+def test_the_capture_keeps_no_autograd_graph_of_its_outputs(replayed_graphs, detach):
+    """Kept with their graph, the captured outputs would keep the parameters' AccumulateGrad nodes
+    made on the capture's side stream, and each later backward on the caller's stream that
+    reaches a parameter would sync with that stream (torch warns so on a GPU)."""
+    cell = MemoryCell().double()
+    graph = qca_lowmem.StepGraph(memory_step(cell, detach))
+    carried_grads(graph, cell, initial_state(), initial_memory(requires_grad=not detach), "step", None,
+                  memory_loss=not detach)
+    capture = graph.capture
+    assert capture is not None
+    outputs = [capture.static_out, *capture.static_carry_out]
+    assert all(o is None or (o.grad_fn is None and not o.requires_grad) for o in outputs)
+
+
 @pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 1), ("revolve", 3)])
 @pytest.mark.parametrize("detach", [False, True], ids=["grad-through-memory", "detached-memory"])
 @pytest.mark.parametrize("first_memory", ["given", "none"])

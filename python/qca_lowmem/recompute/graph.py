@@ -211,15 +211,21 @@ class _Capture:
                                         allow_unused=True)
                     del out, carry_out, outputs
             with capture_errors_explained():
-                self.static_outputs, self.replay_forward = graphs.capture(forward)
-                self.static_out, self.static_carry_out = self.static_outputs
-                self.static_grad_out = torch.zeros_like(self.static_out)
+                static_outputs, self.replay_forward = graphs.capture(forward)
+                out, carry_out = static_outputs
+                self.static_grad_out = torch.zeros_like(out)
                 self.static_grad_carry_out = tuple(torch.zeros_like(c) if _requires_grad(c) else None
-                                                   for c in self.static_carry_out)
+                                                   for c in carry_out)
                 self.accumulators = [torch.zeros_like(p) for p in params]
                 self.reached: List[bool] = []
                 (self.static_grad_in, self.static_grad_carry_in), self.replay_backward = graphs.capture(
-                    lambda: self._backward(graphs.live(self.static_outputs)))
+                    lambda: self._backward(graphs.live(static_outputs)))
+        # Kept with their autograd graph, the outputs would keep the parameters' AccumulateGrad
+        # nodes made on the capture's side stream, and every later backward on the caller's stream
+        # that reaches a parameter would sync with it (torch warns so). The replays need only the
+        # memory; the nodes are made anew on the stream that accumulates.
+        self.static_out = out.detach()
+        self.static_carry_out = tuple(None if c is None else c.detach() for c in carry_out)
 
     def _inputs(self) -> List[torch.Tensor]:
         return [self.static_in, *(c for c in self.static_carry_in if _requires_grad(c))]
