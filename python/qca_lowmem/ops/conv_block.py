@@ -133,6 +133,9 @@ def _second_order_block_backward(ctx, grad_y, x, weights):
         return reference_backward(ctx, _block_reference, (x, *weights, *ctx.norm_settings), grad_y)
 
 
+_BLOCK_INPUTS = 11  # x, six weights, groups1, groups2, eps1, eps2
+
+
 def _block_backward(ctx, grad_y, x, h1, a1, h2, weights, stats):
     conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias = weights
     mean1, rstd1, mean2, rstd2 = stats
@@ -162,9 +165,12 @@ def _conv_block_setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight,
                           norm2_bias, mean1, rstd1, mean2, rstd2)
     ctx.norm_settings = inputs[7:]
+    ctx.set_materialize_grads(False)  # the statistics get no gradient: no zeros made for them
 
 
 def _conv_block_backward(ctx, grad_y, *_grad_stats):
+    if grad_y is None:
+        return (None,) * _BLOCK_INPUTS
     x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias, *stats = ctx.saved_tensors
     weights = (conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias)
     if second_order_requested():
@@ -185,9 +191,12 @@ def _conv_block_keep_setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight,
                           norm2_bias, h1, a1, h2, mean1, rstd1, mean2, rstd2)
     ctx.norm_settings = inputs[7:]
+    ctx.set_materialize_grads(False)  # the intermediates and statistics get no gradient: no zeros made
 
 
 def _conv_block_keep_backward(ctx, grad_y, *_grad_intermediates):
+    if grad_y is None:
+        return (None,) * _BLOCK_INPUTS
     saved = ctx.saved_tensors
     x, weights, (h1, a1, h2), stats = saved[0], saved[1:7], saved[7:10], saved[10:]
     if second_order_requested():

@@ -87,9 +87,12 @@ def _groupnorm_elu_setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight, bias, mean, rstd)
     ctx.groups, ctx.eps = groups, eps
     ctx.mark_non_differentiable(mean, rstd)
+    ctx.set_materialize_grads(False)  # no zeros made for the statistics' (absent) gradients
 
 
 def _groupnorm_elu_backward(ctx, grad_y, grad_mean, grad_rstd):
+    if grad_y is None:
+        return None, None, None, None, None
     x, weight, bias, mean, rstd = ctx.saved_tensors
     if second_order_requested():
         return reference_backward(ctx, reference, (x, weight, bias, ctx.groups, ctx.eps), grad_y)

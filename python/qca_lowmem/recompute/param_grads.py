@@ -70,6 +70,9 @@ class ParamGradSink:
         self.buffers: List[Optional[torch.Tensor]] = [None] * len(params)
         self._set_aside = []
         self._zeros: List[Optional[torch.Tensor]] = [None] * len(self.params)  # a scalar zero broadcast to each
+        # Parameter index -> this backward's gradient, added to its buffer by flush() with the
+        # others in one foreach op rather than one add a parameter.
+        self._pending: Dict[int, torch.Tensor] = {}
 
     def __enter__(self):
         for i, p in enumerate(self.params):
@@ -98,6 +101,8 @@ class ParamGradSink:
 
     def add(self, i: int, grad: torch.Tensor) -> None:
         """Add grad, of any floating dtype, to parameter i's buffer (made on the first add)."""
+        if i in self._pending:  # the gradients added in the order they came
+            self.flush()
         buffer = self.buffers[i]
         if buffer is None:
             buffer = torch.empty_like(self.params[i])
@@ -106,10 +111,23 @@ class ParamGradSink:
         else:
             buffer.add_(grad)
 
+    def flush(self) -> None:
+        """Add the gradients the hooks took since the last flush to their buffers; call it after
+        each backward that reaches the parameters."""
+        if self._pending:
+            indices = list(self._pending)
+            torch._foreach_add_([self.buffers[i] for i in indices], [self._pending[i] for i in indices])
+            self._pending.clear()
+
     def _accumulate(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if grad is None:  # all of this step's gradient went in through deposit()
             return None
-        self.add(i, grad)
+        if self.buffers[i] is None:
+            self.add(i, grad)
+        else:
+            if i in self._pending:  # a second gradient before the flush: added in the order given
+                self.flush()
+            self._pending[i] = grad
         # Per parameter: autograd hands a leaf's hook a gradient of the leaf's dtype and shape.
         zero = self._zeros[i]
         if zero is None:
@@ -117,5 +135,6 @@ class ParamGradSink:
         return zero
 
     def take(self):
+        self.flush()
         buffers, self.buffers = self.buffers, None
         return buffers

@@ -34,25 +34,26 @@ def _add(a, b):
     return a + b
 
 
-def _vjp(inputs: State, pairs, params, retain_graph: bool = False) -> State:
+def _vjp(inputs: State, pairs, sink, retain_graph: bool = False) -> State:
     """The gradients w.r.t. `inputs` of a graph whose outputs get gradients as (output, gradient)
-    `pairs`; the parameters' go to their hooks (the episode's ParamGradSink)."""
+    `pairs`; the parameters' go to their hooks, into the episode's ParamGradSink `sink`."""
     wrt = [x for x in inputs.tensors() if x is not None and x.requires_grad]
-    if pairs and (wrt or params):
-        found = torch.autograd.grad([v for v, _ in pairs], wrt + params, [g for _, g in pairs], allow_unused=True,
-                                    retain_graph=retain_graph)
+    if pairs and (wrt or sink.params):
+        found = torch.autograd.grad([v for v, _ in pairs], wrt + sink.params, [g for _, g in pairs],
+                                    allow_unused=True, retain_graph=retain_graph)
+        sink.flush()
     else:
         found = [None] * len(wrt)
     by_input = {id(x): g for x, g in zip(wrt, found)}
     return State(by_input.get(id(inputs.psi)), tuple(None if c is None else by_input.get(id(c)) for c in inputs.carry))
 
 
-def graph_vjp(inputs: State, outputs: State, params) -> Callable[[State], State]:
+def graph_vjp(inputs: State, outputs: State, sink) -> Callable[[State], State]:
     """The vector-Jacobian product of a step whose graph runs from `inputs` to `outputs`."""
 
     def vjp(grads: State) -> State:
         return _vjp(inputs, [(value, grad) for value, grad in zip(outputs.tensors(), grads.tensors())
-                             if grad is not None and value is not None and value.requires_grad], params)
+                             if grad is not None and value is not None and value.requires_grad], sink)
 
     return vjp
 
@@ -110,7 +111,7 @@ class StepReverser:
             # Retained: a tensor that left a kept step may still lead the caller's backward into
             # these graphs, which then ends at the trap, not at torch's freed buffers. They are
             # freed with the KeptGraph when the episode's backward returns.
-            grads = _vjp(kept.inputs, pairs, self.sink.params, retain_graph=True)
+            grads = _vjp(kept.inputs, pairs, self.sink, retain_graph=True)
         finally:
             kept.trap.allowed = False
         kept.outputs = []  # their graphs freed now, as a backward that retains nothing frees them
@@ -138,7 +139,7 @@ class StepReverser:
         with torch.enable_grad(), plan.autocast(), keep_block_intermediates(), plan.rng.replay(t):
             outputs = plan.unit(inputs, t)
         self._find_leaves(outputs.tensors(), inputs, marker, t)
-        return outputs, graph_vjp(inputs, outputs, self.sink.params)
+        return outputs, graph_vjp(inputs, outputs, self.sink)
 
     def _find_leaves(self, outputs, inputs: State, marker: int, t: int) -> None:
         """Refuse a leaf this step's graph reaches that no forward step read (the forward's watch,
