@@ -9,8 +9,9 @@
  * clone's time), for AVX2 (8 floats) and for the baseline (SSE2). At load time an ifunc picks the
  * one the CPU runs: no -march flag, one binary. Every clone gives the same bits: the same IEEE
  * operations lane by lane in the same order, and C11 mode never contracts a * b + c into an FMA
- * (AVX-512F has them; tests/ops/test_c_api.py checks the library holds none). ifuncs need GCC on
- * x86-64 Linux: elsewhere the baseline alone. */
+ * (AVX-512F has them; tests/ops/test_c_api.py checks the library holds none). Only where the
+ * build is tried, GCC on x86-64 Linux (an ifunc needs a loader that resolves it, as glibc's
+ * does); elsewhere the baseline alone. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 #define QCA_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
