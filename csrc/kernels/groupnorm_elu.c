@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_target.h"
 #include "qca_scalar.h"
 #include "qca_shared.h"
 
@@ -140,30 +141,13 @@ static inline double gn_elu_f64(double z) { return z > 0 ? z : expm1(z); }
 /* d ELU / dz, from z itself so nothing of the forward output has to be kept. */
 static inline double gn_elu_slope_f64(double z) { return z > 0 ? 1.0 : exp(z); }
 
-/* The float kernels also in an AVX2 version, picked at load time where the CPU has AVX2 (twice
- * the lanes of the SSE2 baseline). The same IEEE operations in the same order either way: C11
- * mode does not contract a * b + c into an FMA. */
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define GN_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
-#endif
-#ifndef GN_VECTOR_CLONES
-#define GN_VECTOR_CLONES
-#endif
-/* The loops are compiled inside the entry points, so in each of their versions. */
-#if defined(__GNUC__)
-#define GN_INLINE static inline __attribute__((always_inline))
-#else
-#define GN_INLINE static inline
-#endif
-
+/* The float kernels as SIMD clones (cpu_target.h); the double ones, gradcheck's, once. */
 #define REAL float
 #define NATIVE QCA_F32
 #define SUFFIX f32
 #define ELU gn_elu_f32
 #define ELU_SLOPE gn_elu_slope_f32
-#define CLONES GN_VECTOR_CLONES
+#define CLONES QCA_SIMD_CLONES
 #include "groupnorm_elu_tiles.inc"
 #undef REAL
 #undef NATIVE

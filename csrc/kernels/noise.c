@@ -9,17 +9,8 @@
 
 #define SINCOS(x, s, c) (*(s) = sin(x), *(c) = cos(x))
 
-#define REAL float
-#define SUFFIX f32
-#include "noise_cells.inc"
-#undef REAL
-#undef SUFFIX
-
-#define REAL double
-#define SUFFIX f64
-#include "noise_cells.inc"
-#undef REAL
-#undef SUFFIX
+#define QCA_PER_PRECISION "noise_cells.inc"
+#include "qca_per_precision.inc"
 
 static qca_status check_params(const qca_noise_params* p, int64_t cell_begin, int64_t cell_end) {
   const qca_grid* g = &p->grid;

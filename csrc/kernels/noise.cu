@@ -11,17 +11,8 @@
 
 #define SINCOS(x, s, c) sincos((x), (s), (c))
 
-#define REAL float
-#define SUFFIX f32
-#include "noise_cells.inc"
-#undef REAL
-#undef SUFFIX
-
-#define REAL double
-#define SUFFIX f64
-#include "noise_cells.inc"
-#undef REAL
-#undef SUFFIX
+#define QCA_PER_PRECISION "noise_cells.inc"
+#include "qca_per_precision.inc"
 
 namespace {
 

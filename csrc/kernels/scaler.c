@@ -3,6 +3,7 @@
 
 #include <math.h>
 
+#include "cpu_target.h"
 #include "qca_scalar.h"
 
 #include "scaler_rule.h"
@@ -24,12 +25,6 @@ int64_t qca_unscale_workspace_size(const qca_unscale_params* p) {
  * multiply, then squares into kLanes independent double sums. Kept apart, both vectorize
  * without reassociating floating-point sums; fused in one loop, neither does. */
 enum { kBlock = 256, kLanes = 8 };
-
-#if defined(__GNUC__)
-#define QCA_ALWAYS_INLINE static inline __attribute__((always_inline))
-#else
-#define QCA_ALWAYS_INLINE static inline
-#endif
 
 typedef struct unscale_mode {
   int identity, check, sumsq;
