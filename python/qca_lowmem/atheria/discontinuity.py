@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 
 from .. import _torch_private as torch_private
-from .engine_probe import buffer_bindings, generators_left_as_found, rebind
+from ..recompute import generators
+from .engine_probe import buffer_bindings, rebind
 
 _ATEN_SMOOTH = """
     view _unsafe_view reshape permute transpose t expand expand_as slice select unsqueeze squeeze clone contiguous
@@ -104,7 +105,7 @@ def _why_not_smooth(name, args, inputs, outputs) -> Optional[str]:
 def _buffers_kept(module: torch.nn.Module, device):
     bound = buffer_bindings(module)
     saved = [(b, b.detach().clone()) for _, _, b in bound]
-    with generators_left_as_found(device):
+    with generators.left_as_found(generators.every_cuda(device)):
         try:
             yield
         finally:
