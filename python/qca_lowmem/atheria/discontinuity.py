@@ -57,14 +57,6 @@ SHAPE_ONLY = frozenset(f"aten::{name}" for name in """empty_like zeros_like ones
 INDEX_RESULTS = frozenset({"aten::max_pool2d_with_indices", "aten::native_dropout"})
 
 
-def _tensors(values):
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            yield from (v for v in value if isinstance(v, torch.Tensor))
-
-
 class _Follow(torch_private.TorchDispatchMode):
     def __init__(self, source: torch.Tensor):
         super().__init__()
@@ -73,14 +65,14 @@ class _Follow(torch_private.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = [x for x in _tensors((*args, *kwargs.values())) if id(x) in self.derived]
+        inputs = [x for x in torch_private.argument_tensors(args, kwargs) if id(x) in self.derived]
         out = func(*args, **kwargs)
         if not inputs:
             return out
         name = func.overloadpacket._qualified_op_name
         if name in SHAPE_ONLY:
             return out
-        outputs = list(_tensors(out if isinstance(out, (tuple, list)) else (out,)))
+        outputs = torch_private.result_tensors(out)
         if self.found is None:
             self.found = _why_not_smooth(name, args, inputs, outputs)
         for x in outputs:
