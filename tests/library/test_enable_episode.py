@@ -89,6 +89,7 @@ def test_the_users_episode_is_recognised_by_its_code_only(tmp_path, role):
 
 
 def test_every_recorded_digest_names_its_origin():
+    assert len({tuple(roles) for roles in FOLLOWED.values()}) == 1, "every Python's entry lists the same roles, in order"
     for roles in FOLLOWED.values():
         for known in roles.values():
             assert all(len(d) == 64 and origin for d, origin in known.items())

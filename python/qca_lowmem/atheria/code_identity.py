@@ -52,10 +52,6 @@ FOLLOWED: Dict[str, Dict[str, Dict[str, str]]] = {
         "CartesianEngine._evolve_logic": {
             "da644f45368b944e92bb59d5bdebe9829497df86bcdc9226add34c4593b17928": ATHERIA + "src/engines/qca_engine.py",
         },
-        "Motor.evolve_step": {
-            "5d7d81d9ee448de4ad65b210335a74ae6ff7766ef159f9ef7a47228df10b0d19": STAND_IN + "qc_trainer_v4.py Motor",
-            "9064eea868f46ab51e5a494567322184c2afb1a66d70d1b97d3c60681956b55a": STAND_IN + "qc_trainer_v4.py MemoryMotor",
-        },
         "QuantumNoiseInjector.apply_phase_flip": {
             "bd9f85aac5fd714b1f1d66aa47dda68d4e8e8fa7df0f08171f2a149d631bb5a6": ATHERIA + "src/physics/noise.py",
             "6953c0bc379656b0a007a43faf9ca51e0fc56177435229da0c246b93f363c3d0": _STOCK + "apply_phase_flip",
@@ -63,6 +59,10 @@ FOLLOWED: Dict[str, Dict[str, Dict[str, str]]] = {
         "QuantumNoiseInjector.apply_bit_flip": {
             "e46a1d6bb550a0c904ced4f11892c1963b374fdbcd4dbd8eba38bd5f1215a46a": ATHERIA + "src/physics/noise.py",
             "8c6b691af8d13b4cbe4b2fd15c6391f4af05143a697a9ad0e76692e34e7be687": _STOCK + "apply_bit_flip",
+        },
+        "Motor.evolve_step": {
+            "5d7d81d9ee448de4ad65b210335a74ae6ff7766ef159f9ef7a47228df10b0d19": STAND_IN + "qc_trainer_v4.py Motor",
+            "9064eea868f46ab51e5a494567322184c2afb1a66d70d1b97d3c60681956b55a": STAND_IN + "qc_trainer_v4.py MemoryMotor",
         },
     },
     "3.12": {

@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 
 from .. import _torch_private as torch_private
-from .engine_probe import buffer_bindings, generators_left_as_found, rebind
+from ..recompute import generators
+from .engine_probe import buffer_bindings, rebind
 
 _ATEN_SMOOTH = """
     view _unsafe_view reshape permute transpose t expand expand_as slice select unsqueeze squeeze clone contiguous
@@ -56,14 +57,6 @@ SHAPE_ONLY = frozenset(f"aten::{name}" for name in """empty_like zeros_like ones
 INDEX_RESULTS = frozenset({"aten::max_pool2d_with_indices", "aten::native_dropout"})
 
 
-def _tensors(values):
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            yield from (v for v in value if isinstance(v, torch.Tensor))
-
-
 class _Follow(torch_private.TorchDispatchMode):
     def __init__(self, source: torch.Tensor):
         super().__init__()
@@ -72,14 +65,14 @@ class _Follow(torch_private.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = [x for x in _tensors((*args, *kwargs.values())) if id(x) in self.derived]
+        inputs = [x for x in torch_private.argument_tensors(args, kwargs) if id(x) in self.derived]
         out = func(*args, **kwargs)
         if not inputs:
             return out
         name = func.overloadpacket._qualified_op_name
         if name in SHAPE_ONLY:
             return out
-        outputs = list(_tensors(out if isinstance(out, (tuple, list)) else (out,)))
+        outputs = torch_private.result_tensors(out)
         if self.found is None:
             self.found = _why_not_smooth(name, args, inputs, outputs)
         for x in outputs:
@@ -104,7 +97,7 @@ def _why_not_smooth(name, args, inputs, outputs) -> Optional[str]:
 def _buffers_kept(module: torch.nn.Module, device):
     bound = buffer_bindings(module)
     saved = [(b, b.detach().clone()) for _, _, b in bound]
-    with generators_left_as_found(device):
+    with generators.left_as_found(generators.every_cuda(device)):
         try:
             yield
         finally:

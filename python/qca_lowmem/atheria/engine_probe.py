@@ -10,11 +10,11 @@ as found, and nothing is drawn from the trainer's generators.
 import contextlib
 import inspect
 import math
-import random
-import sys
 from typing import Callable, Optional
 
 import torch
+
+from ..recompute import generators
 
 
 def buffer_bindings(root: torch.nn.Module):
@@ -150,23 +150,6 @@ def _forward_replaced(operator, probe):
 
 
 @contextlib.contextmanager
-def generators_left_as_found(device=None):
-    """Every random generator a probe may draw from, as found on exit: torch's CPU one (and the
-    CUDA one of `device`), NumPy's and Python's."""
-    python_rng = random.getstate()
-    numpy = sys.modules.get("numpy")
-    numpy_rng = numpy.random.get_state() if numpy is not None else None
-    cuda = device is not None and torch.device(device).type == "cuda"
-    with torch.random.fork_rng(devices=[device] if cuda else []):
-        try:
-            yield
-        finally:
-            random.setstate(python_rng)
-            if numpy_rng is not None:
-                numpy.random.set_state(numpy_rng)
-
-
-@contextlib.contextmanager
 def _engine_left_as_found(motor, device):
     """Puts back what one call of the engine's step may change: the attributes of the engine and
     of its state (rebound, added, or tensors changed in place) and every random generator."""
@@ -174,7 +157,7 @@ def _engine_left_as_found(motor, device):
     attributes = [(vars(owner), dict(vars(owner))) for owner in owners]
     tensors = [(t, t._version, t.detach().clone()) for _, saved in attributes for t in saved.values()
                if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
-    with generators_left_as_found(device):
+    with generators.left_as_found(generators.every_cuda(device)):
         try:
             yield
         finally:

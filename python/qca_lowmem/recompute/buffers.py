@@ -34,15 +34,14 @@ class _WriteFinder(torch_private.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for tensor in torch_private.tree_leaves((args, kwargs)):
+        for tensor in torch_private.argument_tensors(args, kwargs):
             # Tensors requiring grad (parameters, the step's inputs) cannot be written in place.
-            if isinstance(tensor, torch.Tensor) and not tensor.requires_grad and id(tensor) not in self.before \
+            if not tensor.requires_grad and id(tensor) not in self.before \
                     and not self._made(tensor) and tensor.device.type != "meta":
                 self.before[id(tensor)] = (tensor, tensor.clone())
         out = func(*args, **kwargs)
-        for tensor in torch_private.tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
-                self.made[id(tensor)] = weakref.ref(tensor)
+        for tensor in torch_private.result_tensors(out):
+            self.made[id(tensor)] = weakref.ref(tensor)
         return out
 
     def _made(self, tensor: torch.Tensor) -> bool:

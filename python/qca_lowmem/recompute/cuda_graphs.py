@@ -13,6 +13,7 @@ from typing import Callable, List
 import torch
 
 from .. import _torch_private as torch_private
+from . import generators
 
 
 class CaptureFallbackWarning(RuntimeWarning):
@@ -108,15 +109,10 @@ def random_draws_refused(device):
     """A step that draws from torch's generators cannot be captured (every replay would repeat
     the captured draw): the warm-up's draws are undone, so the eager steps that follow draw what
     they would have drawn without a StepGraph."""
-    cpu_before = torch.get_rng_state()
-    cuda_before = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    before = generators.save(generators.cuda_of(device), host=False)
     yield
-    drew = not torch.equal(cpu_before, torch.get_rng_state()) or (
-        cuda_before is not None and not torch.equal(cuda_before, torch.cuda.get_rng_state(device)))
-    if drew:
-        torch.set_rng_state(cpu_before)
-        if cuda_before is not None:
-            torch.cuda.set_rng_state(cuda_before, device)
+    if before.torch_drawn_from():
+        before.restore()
         raise CaptureFailed(
             "StepGraph: step_fn draws random numbers from torch's generators, which a captured graph would "
             "repeat at every replay; rolling this configuration out eagerly. Keep random draws out of step_fn "

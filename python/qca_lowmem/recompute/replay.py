@@ -2,11 +2,11 @@
 generators' states."""
 
 import contextlib
-import random
 from typing import Optional
 
-import numpy
 import torch
+
+from . import generators
 
 
 class AutocastState:
@@ -43,13 +43,12 @@ class RngStates:
 
     def __init__(self, device: torch.device, enabled: bool):
         self.enabled = enabled
-        self.cuda_device = device if device.type == "cuda" else None
+        self.cuda = generators.cuda_of(device)
         self.states = []
 
     def record(self) -> None:
         if self.enabled:
-            cuda = torch.cuda.get_rng_state(self.cuda_device) if self.cuda_device is not None else None
-            self.states.append((torch.get_rng_state(), cuda, numpy.random.get_state(), random.getstate()))
+            self.states.append(generators.save(self.cuda))
 
     @contextlib.contextmanager
     def untouched(self):
@@ -58,12 +57,8 @@ class RngStates:
         if not self.enabled:
             yield
             return
-        numpy_state, python_state = numpy.random.get_state(), random.getstate()
-        try:
+        with generators.left_as_found(torch_cpu=False):
             yield
-        finally:
-            numpy.random.set_state(numpy_state)
-            random.setstate(python_state)
 
     @contextlib.contextmanager
     def replay(self, t: int):
@@ -71,11 +66,6 @@ class RngStates:
         if not self.enabled:
             yield
             return
-        cpu, cuda, numpy_state, python_state = self.states[t]
-        with torch.random.fork_rng(devices=[self.cuda_device] if cuda is not None else []):
-            torch.set_rng_state(cpu)
-            if cuda is not None:
-                torch.cuda.set_rng_state(cuda, self.cuda_device)
-            numpy.random.set_state(numpy_state)
-            random.setstate(python_state)
+        with generators.left_as_found(self.cuda, host=False):
+            self.states[t].restore()
             yield

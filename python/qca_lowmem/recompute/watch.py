@@ -102,14 +102,9 @@ class StepWatch(torch_private.WatchingDispatchMode):
         if info is None:
             info = _schemas[func] = _schema_info(func)
         positions, names, fresh = info
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Tensor):
-                if value.requires_grad:
-                    self.read(value)
-            elif isinstance(value, (list, tuple)):
-                for item in value:
-                    if isinstance(item, torch.Tensor) and item.requires_grad:
-                        self.read(item)
+        for value in torch_private.argument_tensors(args, kwargs):
+            if value.requires_grad:
+                self.read(value)
         for i in positions:
             if i < len(args):
                 self._written(args[i])
@@ -120,8 +115,8 @@ class StepWatch(torch_private.WatchingDispatchMode):
             self._written(args[4])
         out = func(*args, **kwargs)
         if fresh:
-            for value in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(value, torch.Tensor) and value.device.type != "meta":
+            for value in torch_private.result_tensors(out):
+                if value.device.type != "meta":
                     self.fresh.add(value.untyped_storage().data_ptr())
                     self.made.append(weakref.ref(value))
         return out
