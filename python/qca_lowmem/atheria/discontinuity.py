@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 
 from .. import _torch_private as torch_private
-from .engine_probe import buffer_bindings, generators_left_as_found, rebind
+from .engine_probe import generators_left_as_found
+from .user_modules import buffer_bindings, rebind
 
 _ATEN_SMOOTH = """
     view _unsafe_view reshape permute transpose t expand expand_as slice select unsqueeze squeeze clone contiguous
