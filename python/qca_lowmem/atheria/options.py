@@ -52,7 +52,7 @@ class Options:
         'recomputed; see rollout) or "none" (stock autograd); or a Policy.',
         f"one of {MODES} or a Policy", lambda v: isinstance(v, Policy) or isinstance(v, str) and v in MODES,
         lowmem_key=True, positional=True)
-    amp_dtype: Union[None, str, torch.dtype] = option(
+    amp_dtype: Optional[Union[str, torch.dtype]] = option(
         None, 'None follows the trainer (fp16 autocast when `trainer.use_amp`), else "fp32", "bf16" or "fp16"; '
         "the state and its normalisation stay complex64 either way. bf16 on a GPU below compute capability 8.0 "
         "(emulated there) becomes fp16 with the loss scaler, with a warning.",
@@ -79,7 +79,7 @@ class Options:
         "rolls out the engine's own step, which needs only the complex tensor state.")
     lowmem_scaler: bool = option(
         True, "replace `trainer.scaler` by qca_lowmem.amp.GradScaler carrying its state.")
-    grid_size: Union[None, int, Tuple[int, int]] = option(
+    grid_size: Optional[Union[int, Tuple[int, int]]] = option(
         None, "how a V4 trainer's psi0 is drawn, with batch_size, d_state and initial_state. By default the "
         "trainer's own state reset when its engine has one (`motor.state._reset_state_random()`, then "
         "`motor.state.psi`; grid_size and batch_size, which would replace it, are refused), else the stock draw "
@@ -101,7 +101,7 @@ class Options:
         None, "None clips as the trainer does (V4 at 1.0; V3 at its gradient_clip, when > 0).",
         "a finite number > 0 or None (the trainer's own)", lambda v: v is None or isinstance(v, numbers.Real)
         and not isinstance(v, bool) and math.isfinite(v) and v > 0)
-    budget: Union[None, int, str] = option(
+    budget: Optional[Union[int, str]] = option(
         None, 'the bytes "auto" may keep: an int, a size such as "2GiB", or "free" (sized from free GPU memory).',
         "an int >= 0 (bytes), a size such as '2GiB', 'free' or None",
         lambda v: v is None or isinstance(v, str) or isinstance(v, int) and not isinstance(v, bool),

@@ -288,7 +288,7 @@ def enable(trainer, *args, **kwargs):
 # enable()'s signature and the docs of its options, read off Options.
 _SIGNATURE = enable.__signature__ = enable_signature()
 if enable.__doc__:  # None under python -OO
-    enable.__doc__ += options_doc() + "\n"
+    enable.__doc__ = enable.__doc__.rstrip() + "\n" + options_doc() + "\n"
 
 
 def _summary(state: _Saved) -> str:
