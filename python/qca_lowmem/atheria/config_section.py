@@ -51,7 +51,8 @@ def section_settings(section) -> dict:
     return settings
 
 
-# The LOWMEM section's settings (enable()'s keyword arguments) the trainer's config shares.
+# The LOWMEM section's settings the reference trainer's `lowmem` section shares: it reads them here,
+# the one module of atheria/ besides its face that others may import.
 LOWMEM_OPTIONS = LOWMEM_KEYS
 _CONFIG_KEYS = ("enabled", *OPTION_NAMES)
 _TRUE_SPELLINGS = ("1", "true", "yes", "on")

@@ -15,6 +15,7 @@ from ..recompute import Policy, StepGraph
 from ..recompute import graph as step_graph
 from .engine_step import has_memory, own_step_verdict
 from .options import Options
+from .trainers import TrainerVersion
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ def _check_placement(trainer, device):
                          f"trainer.motor.operator.to({str(wanted)!r})")
 
 
-def resolve_options(trainer, version, given: Options) -> EpisodeOptions:
+def resolve_options(trainer, version: TrainerVersion, given: Options) -> EpisodeOptions:
     """enable()'s options resolved against the trainer, once, the engine's verdict included: what
     each lowmem episode reads. Everything here refuses before the trainer changes."""
     policy = given.checkpoint if isinstance(given.checkpoint, Policy) else Policy.of(
