@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 import re
 import types
+import typing
 from collections import UserDict
 from pathlib import Path
 from types import SimpleNamespace
@@ -156,6 +157,15 @@ def test_enables_signature_and_docstring_are_the_options_fields():
         assert field.metadata["doc"] and field.metadata["expected"]
     assert set(options.FLAG_OPTIONS) == {"fused_blocks", "cuda_graph", "fused_step_ops", "lowmem_scaler",
                                          "assume_stock_episode", "channels_last"}
+
+
+def test_a_flag_unset_is_accepted_after_typings_caches_are_cleared():
+    """A flag is read off its type, compared by equality: torch.compile can clear typing's caches,
+    after which Optional[bool] is another object, equal to the field's."""
+    for cleanup in getattr(typing, "_cleanups", ()):
+        cleanup()
+    trainer = qca_lowmem.enable(trainer_of(), cuda_graph=None, channels_last=None)
+    assert not trainer._qca_lowmem_state.options.cuda_graph
 
 
 def test_readme_lists_every_option():

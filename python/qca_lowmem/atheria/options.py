@@ -142,7 +142,7 @@ def _accepts(option_field, value) -> bool:
     accepts = option_field.metadata["accepts"]
     if accepts is not None:
         return accepts(value)
-    return isinstance(value, bool) or option_field.type is Optional[bool] and value is None
+    return isinstance(value, bool) or option_field.type == Optional[bool] and value is None
 
 
 def check_options(values: Dict[str, Any], label: Callable[[str], str], yaml: bool = False) -> None:
