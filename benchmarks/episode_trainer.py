@@ -62,7 +62,7 @@ class TrainerRun:
 
     def capture_record(self):
         state = getattr(self.trainer, "_qca_lowmem_state", None)
-        graph = None if state is None else state.step_graph
+        graph = None if state is None else state.captures.step_graph
         if graph is None:
             return {"cuda_graph": state.options.cuda_graph} if state is not None else {}
         return {"cuda_graph": True, "captures_made": graph.captures_made, "fell_back": bool(graph.failed_keys)}

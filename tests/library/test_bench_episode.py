@@ -122,7 +122,7 @@ def test_the_users_trainer_rows_run_their_episode_and_enables_defaults():
     assert runs["stock_v4"].episode_number == 1001 and bench_episode.reference.noise_rate(1001, 0.1) > 0.001
     assert not hasattr(runs["stock_v4"].trainer, "_qca_lowmem_state")
     options = runs["lowmem_enable_default"].trainer._qca_lowmem_state.options
-    assert options.policy.checkpoint == "step" and options.noise == "trainer" and not options.cuda_graph
+    assert options.policy.checkpoint == "step" and options.given.noise == "trainer" and not options.cuda_graph
     assert runs["lowmem_enable_default"].capture_record() == {"cuda_graph": False}
     assert all(run.episode(seed=1) > 0 for run in runs.values())
 

@@ -155,6 +155,9 @@ def test_enable_unset_follows_the_rule_and_the_engines_verdict(monkeypatch, capl
     trainer.train_episode(0)
     kept = qca_lowmem.enable(small_trainer(state_object=True, operator=Rounding()))
     assert not kept._qca_lowmem_state.options.channels_last and "evolve_step" not in vars(kept.motor)
+    # the engine's verdict, taken before the options froze: its own step, said, and no fused step or blocks
+    assert "output jumps" in kept._qca_lowmem_state.options.own_step
+    assert not kept._qca_lowmem_state.options.fused_step_ops and not kept._qca_lowmem_state.options.fused_blocks
     assert "channels_last" not in caplog.records[-1].getMessage()
     assert all(p.is_contiguous() for p in kept.motor.operator.parameters())
     with pytest.raises(ValueError, match=r"channels_last=True needs the fused step"):

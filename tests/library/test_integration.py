@@ -195,7 +195,7 @@ def test_the_config_chooses_the_noise_and_an_unknown_one_is_refused(monkeypatch)
     monkeypatch.delenv("QCA_LOWMEM", raising=False)
     trainer = make_trainer()
     assert qca_lowmem.enable_from_config(trainer, {"LOWMEM": {"enabled": True, "noise": "fused"}})
-    assert trainer._qca_lowmem_state.options.noise == "fused"
+    assert trainer._qca_lowmem_state.options.given.noise == "fused"
     with pytest.raises(ValueError, match=r"noise must be one of \('trainer', 'fused'\), got 'numpy'"):
         qca_lowmem.enable_from_config(make_trainer(), {"LOWMEM": {"enabled": True, "noise": "numpy"}})
 

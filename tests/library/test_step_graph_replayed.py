@@ -157,7 +157,7 @@ def test_enable_with_cuda_graph_on_a_memory_engine_equals_stock(replayed_graphs,
     qca_lowmem.enable(trainer, **options)
     actual = run(trainer)
     assert_same_run(actual, expected)
-    graph = getattr(trainer, "_qca_lowmem_state").step_graph
+    graph = getattr(trainer, "_qca_lowmem_state").captures.step_graph
     assert graph is not None and graph.captures_made >= 1 and replays(replayed_graphs) >= EPISODES
 
 
@@ -318,7 +318,7 @@ def test_no_host_wait_in_a_captured_step_of_the_default_episode(replayed_graphs,
         qca_lowmem.enable(trainer)
         trainer.train_episode(2000)  # captures
         waits.append(host_waits(lambda: trainer.train_episode(2000)))
-        assert getattr(trainer, "_qca_lowmem_state").step_graph.captures_made == 1
+        assert getattr(trainer, "_qca_lowmem_state").captures.step_graph.captures_made == 1
     assert waits[0] == waits[1]
     assert replays(replayed_graphs) > 0
 

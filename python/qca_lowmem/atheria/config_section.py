@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Optional
 
-from .options import OPTION_NAMES, OPTIONS, check_options
+from .options import FLAG_OPTIONS, LOWMEM_KEYS, OPTION_NAMES, check_options
 from .say import say
 from .switch import enable
 
@@ -51,10 +51,10 @@ def section_settings(section) -> dict:
     return settings
 
 
-# The LOWMEM section's settings (enable()'s keyword arguments) the trainer's config shares.
-LOWMEM_OPTIONS = tuple(option.name for option in OPTIONS if option.lowmem_key)
+# The LOWMEM section's settings the reference trainer's `lowmem` section shares: it reads them here,
+# the one module of atheria/ besides its face that others may import.
+LOWMEM_OPTIONS = LOWMEM_KEYS
 _CONFIG_KEYS = ("enabled", *OPTION_NAMES)
-_FLAG_OPTIONS = tuple(option.name for option in OPTIONS if option.flag)
 _TRUE_SPELLINGS = ("1", "true", "yes", "on")
 _FALSE_SPELLINGS = ("0", "false", "no", "off")
 
@@ -84,14 +84,14 @@ def _env_enabled() -> Optional[bool]:
 
 def _read_section(section):
     """(enabled, enable()'s keyword arguments) of a LOWMEM section of any kind, checked alike:
-    unknown keys refused by name, every setting by its type (options.OPTIONS)."""
+    unknown keys refused by name, every setting by its type (options.Options)."""
     settings = section_settings(section)
     unknown = sorted(set(settings) - set(_CONFIG_KEYS), key=str)
     if unknown:
         raise ValueError(f"LOWMEM section ({type(section).__name__}): unknown keys {unknown}; "
                          f"known keys are {list(_CONFIG_KEYS)}")
     enabled = parse_flag(settings.get("enabled", False), "LOWMEM.enabled")
-    options = {key: parse_flag(value, f"LOWMEM.{key}") if key in _FLAG_OPTIONS else value
+    options = {key: parse_flag(value, f"LOWMEM.{key}") if key in FLAG_OPTIONS else value
                for key, value in settings.items() if key != "enabled" and value is not None}
     check_options(options, lambda name: f"LOWMEM.{name}", yaml=True)
     return enabled, options

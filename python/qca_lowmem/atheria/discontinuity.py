@@ -28,7 +28,7 @@ import torch
 
 from .. import _torch_private as torch_private
 from ..recompute import generators
-from .engine_probe import buffer_bindings, rebind
+from .user_modules import buffer_bindings, rebind
 
 _ATEN_SMOOTH = """
     view _unsafe_view reshape permute transpose t expand expand_as slice select unsqueeze squeeze clone contiguous

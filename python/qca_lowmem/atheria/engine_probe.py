@@ -15,25 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from ..recompute import generators
-
-
-def buffer_bindings(root: torch.nn.Module):
-    """(module, name, tensor) of every buffer under root."""
-    return [(module, name, buffer) for module in root.modules() for name, buffer in module.named_buffers(recurse=False)]
-
-
-def rebind(bindings) -> None:
-    """Bind each buffer back to its tensor where a call rebound it (`self.mem = ...`, as snntorch's
-    neurons keep their membrane): no op shows such a write, so neither the rollout's watch nor a
-    copy of the buffers' values puts it back."""
-    for module, name, buffer in bindings:
-        if getattr(module, name) is not buffer:
-            setattr(module, name, buffer)
-
-
-def compiled_module(operator):
-    """The module a torch.compile'd operator wraps (its forward takes *args), else the operator."""
-    return getattr(operator, "_orig_mod", operator)
+from .user_modules import compiled_module
 
 
 SUPPORTED_ENGINES = (

@@ -32,8 +32,9 @@ from .. import stock
 from ..ops.qca_step import fused_step_once, qca_pack, qca_update
 from .code_identity import followed, not_recorded, resolved
 from .discontinuity import discontinuity
-from .engine_probe import check_engine_state, check_engine_step, compiled_module, probe_shape
+from .engine_probe import check_engine_state, check_engine_step, probe_shape
 from .say import say
+from .user_modules import compiled_module
 
 SIDE_STATE = ("last_psi_input", "last_delta_psi", "last_delta_psi_decay")  # their CartesianEngine's, for their plots
 
@@ -262,49 +263,57 @@ def _hooked(operator: torch.nn.Module) -> Optional[str]:
                  for name, module in operator.named_modules() if torch_private.module_has_hooks(module)), None)
 
 
-def lowmem_steps(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] = None, channels_last: bool = False):
-    """(the engine's evolve_step for enable() to install, or None to keep the engine's own; the
-    carried step(psi, (h, c)) the episode rolls out for an engine with memory, else None; why the
-    engine's own step is kept although fused_step_ops asked for the fused one, else None).
-    `grid` and `d_state` size the probes when the engine holds no psi; `channels_last`: the fused
-    pack writes NHWC (an engine without memory)."""
+def own_step_verdict(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] = None) -> Optional[str]:
+    """Why the engine's own step runs although fused_step_ops asks for the fused one, else None;
+    refuses an engine or operator that neither step can roll out. `grid` and `d_state` size the
+    probe when the engine holds no psi."""
     check_engine_state(motor)
     operator = motor.operator
     memory = has_memory(motor)
     check_operator_call(operator, memory)
-    # The engine's rule reads the class of what it calls: a compiled UNetUnitary (OptimizedModule) is additive there.
-    multiplicative = stock.is_multiplicative(operator)
-    shape, dtype = probe_shape(motor, grid, d_state)
-    kind = engine_kind(motor) if fused_step_ops else None
     why = None
-    if fused_step_ops and kind is None:
+    if fused_step_ops and engine_kind(motor) is None:
         why = unknown_engine(motor)
     elif fused_step_ops:
+        shape, dtype = probe_shape(motor, grid, d_state)
         with torch_private.module_hooks_set_aside(compiled_module(operator)):  # stock calls no hook here
             jumps = discontinuity(compiled_module(operator), _probe_input(operator, shape, dtype), memory)
         why = None if jumps is None else (
             f"{type(operator).__name__}'s output jumps with its input ({jumps}): the fused step, rounding "
             "differently from the engine's, would give other jumps")
-    if not fused_step_ops or why is not None:
-        if compiled_module(operator) is not operator:
-            named = f"{type(operator).__name__} (torch.compile of {type(operator._orig_mod).__name__})"
-            own_step = ("The engine's own step would run one compiled graph in the forward (no grad) and another in "
-                        "the recompute (grad), which can round differently")
-            if why is None:
-                raise TypeError(f"enable(): {named} with fused_step_ops=False; fused_step_ops=True runs the module it "
-                                f"wraps\n{own_step}")
-            raise TypeError(f"enable(): {named} keeps the engine's own step; set motor.operator to the module it "
-                            f"wraps (operator._orig_mod)\n{own_step} ({why})")
-        return None, (EngineMemoryStep(motor) if memory else None), why
-    side_state = kind == "CartesianEngine"
+    if (not fused_step_ops or why is not None) and compiled_module(operator) is not operator:
+        named = f"{type(operator).__name__} (torch.compile of {type(operator._orig_mod).__name__})"
+        own_step = ("The engine's own step would run one compiled graph in the forward (no grad) and another in "
+                    "the recompute (grad), which can round differently")
+        if why is None:
+            raise TypeError(f"enable(): {named} with fused_step_ops=False; fused_step_ops=True runs the module it "
+                            f"wraps\n{own_step}")
+        raise TypeError(f"enable(): {named} keeps the engine's own step; set motor.operator to the module it "
+                        f"wraps (operator._orig_mod)\n{own_step} ({why})")
+    return why
+
+
+def lowmem_steps(motor, fused: bool, grid=None, d_state: Optional[int] = None, channels_last: bool = False):
+    """(the engine's evolve_step for enable() to install, or None to keep the engine's own; the
+    carried step(psi, (h, c)) the episode rolls out for an engine with memory, else None), on an
+    engine own_step_verdict passed. `fused`: the fused step (proved by the probe here);
+    `channels_last`: its pack writes NHWC (an engine without memory)."""
+    memory = has_memory(motor)
+    if not fused:
+        return None, (EngineMemoryStep(motor) if memory else None)
+    operator = motor.operator
+    # The engine's rule reads the class of what it calls: a compiled UNetUnitary (OptimizedModule) is additive there.
+    multiplicative = stock.is_multiplicative(operator)
+    shape, dtype = probe_shape(motor, grid, d_state)
+    side_state = engine_kind(motor) == "CartesianEngine"
     with torch_private.module_hooks_set_aside(compiled_module(operator)):
         if not memory:
             step = FusedEngineStep(motor, channels_last, side_state)
             check_engine_step(motor, step, None, shape, dtype, multiplicative)
-            return step, None, None
+            return step, None
         carried = FusedMemoryStep(motor, side_state)
         check_engine_step(motor, None, carried, shape, dtype, multiplicative)
-    return MemoryStep(motor, carried), carried, None
+    return MemoryStep(motor, carried), carried
 
 
 def fused_of(evolve_step, memory_step) -> Optional[_LiveStep]:

@@ -1,21 +1,33 @@
-"""What enable() decided, as one frozen value (`EpisodeOptions`): built once from its arguments
-and the trainer, read by attribute by the episode and the trainer adapters, and said in
-enable()'s one line."""
+"""enable()'s options, as given, declared once (`Options`): each field's type, default, check and
+doc. enable()'s signature and docstring, the `LOWMEM` section's keys, which of them are flags, and
+the keys the reference trainer's `lowmem` section shares are read off these fields; an option is
+one field here (and what it does where it is read)."""
 
+import inspect
 import math
 import numbers
 import re
-import warnings
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+import textwrap
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
-from .. import precision
 from ..precision import parse_amp_dtype
-from ..recompute import Policy, StepGraph
-from ..recompute import graph as step_graph
-from ..recompute.policy import MODES
+from ..recompute import Policy
+from ..recompute.policy import MODES, STEP
+
+NOISE_SOURCES = ("trainer", "fused")
+_FLAG = "True or False"
+
+
+def option(default, doc: str, expected: str = _FLAG, accepts: Optional[Callable[[Any], bool]] = None, *,
+           lowmem_key: bool = False, positional: bool = False):
+    """A field of Options. `expected`: what a refusal says it takes; `accepts(value)`: whether a value
+    is of its type (None where allowed included; a flag's is read off its type); `lowmem_key`: the
+    reference trainer's `lowmem` section has it too; `positional`: enable() takes it by position too."""
+    return field(default=default, metadata=dict(doc=doc, expected=expected, accepts=accepts, lowmem_key=lowmem_key,
+                                                positional=positional))
 
 
 def _positive_int(value) -> bool:
@@ -30,237 +42,132 @@ def _is_amp_dtype(value) -> bool:
     return True
 
 
-NOISE_SOURCES = ("trainer", "fused")
-
-
 @dataclass(frozen=True)
-class Option:
-    """One of enable()'s settings: one row, read by enable(), the LOWMEM section and its key check."""
+class Options:
+    """enable()'s keyword arguments, checked by type as made (a refusal names the option and the value)."""
 
-    name: str
-    expected: str  # what a message says it takes
-    accepts: Callable[[Any], bool]  # whether a value is of that type (None, where it is allowed, included)
-    flag: bool = False  # a boolean: the LOWMEM section takes parse_flag's spellings
-    lowmem_key: bool = False  # a key of the reference trainer's lowmem section too
-
-
-_FLAG = "True or False"
-OPTIONS = (
-    Option("checkpoint", f"one of {MODES} or a Policy",
-           lambda v: isinstance(v, Policy) or isinstance(v, str) and v in MODES, lowmem_key=True),
-    Option("amp_dtype", "one of None, 'fp32', 'bf16', 'fp16' (or a torch dtype)", _is_amp_dtype, lowmem_key=True),
-    Option("fused_blocks", _FLAG, lambda v: isinstance(v, bool), flag=True, lowmem_key=True),
+    checkpoint: Union[str, Policy] = option(
+        STEP, '"step" (keep one psi per step, recompute in backward), "revolve" (binomial checkpointing with '
+        '`slots` stored states), "auto" (full graphs of as many steps as `budget` bytes allow, the others '
+        'recomputed; see rollout) or "none" (stock autograd); or a Policy.',
+        f"one of {MODES} or a Policy", lambda v: isinstance(v, Policy) or isinstance(v, str) and v in MODES,
+        lowmem_key=True, positional=True)
+    amp_dtype: Optional[Union[str, torch.dtype]] = option(
+        None, 'None follows the trainer (fp16 autocast when `trainer.use_amp`), else "fp32", "bf16" or "fp16"; '
+        "the state and its normalisation stay complex64 either way. bf16 on a GPU below compute capability 8.0 "
+        "(emulated there) becomes fp16 with the loss scaler, with a warning.",
+        "one of None, 'fp32', 'bf16', 'fp16' (or a torch dtype)", _is_amp_dtype, lowmem_key=True, positional=True)
+    fused_blocks: bool = option(
+        True, "convert the operator's ConvBlocks to FusedConvBlock in place (same Parameters).",
+        lowmem_key=True, positional=True)
     # slots and budget: their ranges, and which checkpoint reads them, are Policy.of's
-    Option("slots", "an int >= 1 or None", lambda v: v is None or _positive_int(v), lowmem_key=True),
-    Option("cuda_graph", "True, False or None (on where it can run)", lambda v: v is None or isinstance(v, bool),
-           flag=True, lowmem_key=True),
-    Option("budget", "an int >= 0 (bytes), a size such as '2GiB', 'free' or None",
-           lambda v: v is None or isinstance(v, str) or isinstance(v, int) and not isinstance(v, bool),
-           lowmem_key=True),
-    Option("channels_last", "True, False or None (on where it measured faster)",
-           lambda v: v is None or isinstance(v, bool), flag=True, lowmem_key=True),
-    Option("noise", f"one of {NOISE_SOURCES}", lambda v: isinstance(v, str) and v in NOISE_SOURCES),
-    Option("fused_step_ops", _FLAG, lambda v: isinstance(v, bool), flag=True),
-    Option("assume_stock_episode", _FLAG, lambda v: isinstance(v, bool), flag=True),
-    Option("lowmem_scaler", _FLAG, lambda v: isinstance(v, bool), flag=True),
-    Option("max_grad_norm", "a finite number > 0 or None (the trainer's own)",
-           lambda v: v is None or isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0),
-    Option("grid_size", "an int >= 1, a pair of ints >= 1 or None",
-           lambda v: v is None or _positive_int(v) or isinstance(v, (tuple, list)) and len(v) == 2
-           and all(_positive_int(side) for side in v)),
-    Option("batch_size", "an int >= 1 or None", lambda v: v is None or _positive_int(v)),
-    Option("d_state", "an int >= 1 or None", lambda v: v is None or _positive_int(v)),
-    Option("initial_state", "a callable initial_state(trainer) -> psi0, or None", lambda v: v is None or callable(v)),
-)
-OPTION_NAMES = tuple(option.name for option in OPTIONS)
+    slots: Optional[int] = option(
+        None, 'the states "revolve" keeps.', "an int >= 1 or None", lambda v: v is None or _positive_int(v),
+        lowmem_key=True, positional=True)
+    cuda_graph: Optional[bool] = option(
+        None, "run each recomputed step as replays of captured CUDA graphs (qca_lowmem.StepGraph): the same "
+        "kernels without launch overhead. None (the default): on where it can run (CUDA with torch's caching "
+        'allocator, a checkpoint other than "none"), off elsewhere; True where it cannot run warns why, once; '
+        "False: eager steps. enable()'s line says which on CUDA.",
+        "True, False or None (on where it can run)", lowmem_key=True, positional=True)
+    fused_step_ops: bool = option(
+        True, "replace `motor.evolve_step` by the fused pack/update ops. Only where that is exact: an engine "
+        "whose state psi is not a complex tensor is refused naming its class; one whose evolve_step is not, by "
+        "the identity of its code, a Cartesian step qca_lowmem follows (checked again at each episode), or whose "
+        "operator runs an op not known continuous (spikes, quantising: the ops of one probe call tell), keeps "
+        "the engine's own step and stock blocks, which round as stock does, and enable()'s line says so. False "
+        "rolls out the engine's own step, which needs only the complex tensor state.")
+    lowmem_scaler: bool = option(
+        True, "replace `trainer.scaler` by qca_lowmem.amp.GradScaler carrying its state.")
+    grid_size: Optional[Union[int, Tuple[int, int]]] = option(
+        None, "how a V4 trainer's psi0 is drawn, with batch_size, d_state and initial_state. By default the "
+        "trainer's own state reset when its engine has one (`motor.state._reset_state_random()`, then "
+        "`motor.state.psi`; grid_size and batch_size, which would replace it, are refused), else the stock draw "
+        "(batch_size, default 1) on the global torch RNG with the grid from trainer.grid_size or "
+        "motor.cfg.GRID_SIZE_TRAINING. A V3 trainer draws its own, `motor.get_initial_state(trainer.batch_size)`, "
+        "and refuses grid_size and batch_size.",
+        "an int >= 1, a pair of ints >= 1 or None", lambda v: v is None or _positive_int(v) or isinstance(
+            v, (tuple, list)) and len(v) == 2 and all(_positive_int(side) for side in v))
+    batch_size: Optional[int] = option(
+        None, "the stock psi0 draw's batch (see grid_size).", "an int >= 1 or None",
+        lambda v: v is None or _positive_int(v))
+    d_state: Optional[int] = option(
+        None, "the state's components per cell, where the trainer does not tell.", "an int >= 1 or None",
+        lambda v: v is None or _positive_int(v))
+    initial_state: Optional[Callable] = option(
+        None, "`initial_state(trainer) -> psi0` overrides the draw (see grid_size), for trainers that draw psi0 "
+        "differently.", "a callable initial_state(trainer) -> psi0, or None", lambda v: v is None or callable(v))
+    max_grad_norm: Optional[float] = option(
+        None, "None clips as the trainer does (V4 at 1.0; V3 at its gradient_clip, when > 0).",
+        "a finite number > 0 or None (the trainer's own)", lambda v: v is None or isinstance(v, numbers.Real)
+        and not isinstance(v, bool) and math.isfinite(v) and v > 0)
+    budget: Optional[Union[int, str]] = option(
+        None, 'the bytes "auto" may keep: an int, a size such as "2GiB", or "free" (sized from free GPU memory).',
+        "an int >= 0 (bytes), a size such as '2GiB', 'free' or None",
+        lambda v: v is None or isinstance(v, str) or isinstance(v, int) and not isinstance(v, bool),
+        lowmem_key=True)
+    noise: str = option(
+        "trainer", "where a noisy episode's noise comes from. \"trainer\": the trainer's own `noise_injector`, "
+        "applied as stock applies it (a phase flip, and a bit flip when NumPy's coin says so): the same random "
+        "draws in the same order as stock, replayed in recomputes, so episodes equal stock's and leave the "
+        "generators as stock leaves them. \"fused\": qca_lowmem's NoiseSchedule (fused kernels keyed by "
+        "(seed, step); the same distribution, other numbers than stock's).",
+        f"one of {NOISE_SOURCES}", lambda v: isinstance(v, str) and v in NOISE_SOURCES)
+    assume_stock_episode: bool = option(
+        False, "run qca_lowmem's stock episode in place of a train_episode that is not one it follows (edited, "
+        "overridden), at your own risk: what yours does differently is dropped. enable()'s line says so. False "
+        "(the default) refuses such a trainer.")
+    channels_last: Optional[bool] = option(
+        None, "the operator's weights (in place, the same Parameters) and the fused pack in NHWC, so cuDNN's "
+        "convolutions need no layout conversion; the same function (float64 within rounding of NCHW). None (the "
+        "default): on for a CUDA operator whose convolutions run on Tensor Cores (precision.gpu_prefers_nhwc; "
+        "measured faster on an H200, docs/benchmarks.md) when it gets the fused step on an engine without "
+        "memory, off elsewhere (the CPU included); enable()'s line names it when on. True needs the fused step "
+        "on an engine without memory. disable() puts the weights back in NCHW.",
+        "True, False or None (on where it measured faster)", lowmem_key=True)
 
+    def __post_init__(self):
+        check_options(vars(self), lambda name: f"enable(): {name}")
+
+
+OPTION_NAMES = tuple(f.name for f in fields(Options))
+# The options a LOWMEM section may spell as parse_flag does: the booleans (None, where allowed, is unset).
+FLAG_OPTIONS = tuple(f.name for f in fields(Options) if f.type in (bool, Optional[bool]))
+LOWMEM_KEYS = tuple(f.name for f in fields(Options) if f.metadata["lowmem_key"])
 
 _YAML_WORDS = {"None": "null", "True": "true", "False": "false"}
+
+
+def _accepts(option_field, value) -> bool:
+    accepts = option_field.metadata["accepts"]
+    if accepts is not None:
+        return accepts(value)
+    return isinstance(value, bool) or option_field.type == Optional[bool] and value is None
 
 
 def check_options(values: Dict[str, Any], label: Callable[[str], str], yaml: bool = False) -> None:
     """Refuse a value not of its option's type, naming it as `label(name)` does and the value
     (what it takes in YAML's words where `yaml`)."""
-    for option in OPTIONS:
-        if option.name in values and not option.accepts(values[option.name]):
-            value = values[option.name]
-            expected = re.sub(r"\b(None|True|False)\b", lambda word: _YAML_WORDS[word.group()], option.expected) \
-                if yaml else option.expected
+    for option_field in fields(Options):
+        name = option_field.name
+        if name in values and not _accepts(option_field, values[name]):
+            value, expected = values[name], option_field.metadata["expected"]
+            if yaml:
+                expected = re.sub(r"\b(None|True|False)\b", lambda word: _YAML_WORDS[word.group()], expected)
             kind = f" (a {type(value).__name__})" if isinstance(value, (str, bool, float, list, tuple, dict)) else ""
-            raise ValueError(f"{label(option.name)} must be {expected}, got {value!r}{kind}")
+            raise ValueError(f"{label(name)} must be {expected}, got {value!r}{kind}")
 
 
-@dataclass(frozen=True)
-class EpisodeOptions:
-    policy: Policy
-    amp_dtype: torch.dtype  # the compute dtype the episode's autocast runs
-    grid: Optional[Tuple[int, int]]  # psi0's grid, where the stock draw makes psi0
-    batch_size: Optional[int]
-    d_state: int
-    initial_state: Optional[Callable]  # initial_state(trainer) -> psi0, where the trainer's own draw is used
-    max_grad_norm: Optional[float]  # None: the trainer version's own clipping
-    fused_blocks: bool
-    channels_last: bool  # the operator's weights and the fused pack NHWC
-    cuda_graph: bool  # resolved: whether the steps run as captured graphs
-    cuda_graph_said: str  # what enable()'s line says of it: "cuda_graph", "cuda_graph off", or "" off CUDA
-    noise: str  # "trainer" or "fused"
-    fused_step_ops: bool
-    lowmem_scaler: bool
-    assume_stock_episode: bool
-
-    def describe(self) -> str:
-        """The policy, the precision and the switches that are on, for enable()'s line."""
-        parts = [self.policy.describe(), precision.amp_name(self.amp_dtype)]
-        return ", ".join(parts + [name for name, on in (
-            ("fused blocks", self.fused_blocks), ("fused step", self.fused_step_ops),
-            ("channels_last", self.channels_last),
-            (self.cuda_graph_said, bool(self.cuda_graph_said)),
-            ("fused noise", self.noise == "fused")) if on])
+def enable_signature() -> inspect.Signature:
+    """enable(trainer, <the options>): those enable() takes by position first, the rest by keyword only."""
+    kind = {True: inspect.Parameter.POSITIONAL_OR_KEYWORD, False: inspect.Parameter.KEYWORD_ONLY}
+    return inspect.Signature(
+        [inspect.Parameter("trainer", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        + [inspect.Parameter(f.name, kind[f.metadata["positional"]], default=f.default, annotation=f.type)
+           for f in fields(Options)])
 
 
-def _resolved_channels_last(channels_last: Optional[bool], fused_step_ops: bool, memory: bool, device,
-                            compute_dtype) -> bool:
-    """Unset: on where the fused step can take it and NHWC is faster (precision.nhwc_faster); True where it
-    cannot apply is refused."""
-    if channels_last and (not fused_step_ops or memory):
-        raise ValueError("enable(): channels_last needs the fused step (fused_step_ops=True) on an engine without "
-                         "memory: the engine's own pack, and a ConvLSTM's memory, are NCHW")
-    if channels_last is None:
-        return fused_step_ops and not memory and precision.nhwc_faster(device, compute_dtype)
-    return channels_last
-
-
-def _resolved_cuda_graph(cuda_graph: Optional[bool], policy: Policy, device: torch.device) -> Tuple[bool, str]:
-    """(whether the steps run as captured graphs, what enable()'s line says of it: on CUDA either
-    way, nothing elsewhere). Unset: on where it can run, off elsewhere without a word; True where
-    it cannot run warns why."""
-    on, why_not = StepGraph.resolve(cuda_graph, policy, device)
-    if cuda_graph and not on:
-        warnings.warn(f"enable(): cuda_graph captures CUDA graphs, but {why_not}: its steps run eagerly", stacklevel=5)
-    return on, "cuda_graph" if on else "cuda_graph off" if step_graph.on_cuda(device) else ""
-
-
-def _infer_d_state(trainer, operator) -> int:
-    cfg = getattr(trainer.motor, "cfg", None)
-    for owner, attr in ((trainer, "d_state"), (trainer.motor, "d_state"), (cfg, "D_STATE"), (cfg, "d_state")):
-        value = getattr(owner, attr, None) if owner is not None else None
-        if isinstance(value, int):
-            return value
-    for module in operator.modules():
-        if isinstance(module, torch.nn.Conv2d):
-            return module.in_channels // 2
-    raise ValueError("enable(): cannot tell d_state from the trainer; pass d_state=...")
-
-
-def _infer_grid(trainer) -> Tuple[int, int]:
-    cfg = getattr(trainer.motor, "cfg", None)
-    candidates = (
-        (trainer, "grid_size"), (trainer.motor, "grid_size"),
-        (cfg, "GRID_SIZE_TRAINING"), (cfg, "GRID_SIZE"), (cfg, "grid_size"),
-    )
-    for owner, attr in candidates:
-        value = getattr(owner, attr, None) if owner is not None else None
-        if isinstance(value, int):
-            return value, value
-        if isinstance(value, (tuple, list)) and len(value) == 2:
-            return int(value[0]), int(value[1])
-    raise ValueError(
-        "enable(): cannot tell the training grid size from the trainer (looked for trainer.grid_size, "
-        "motor.grid_size, motor.cfg.GRID_SIZE_TRAINING); pass grid_size=... or initial_state=callable"
-    )
-
-
-_STATE_RESETS = ("_reset_state_random", "reset_state_random", "reset_state")
-
-
-class OwnStateReset:
-    """initial_state(trainer) -> psi0: `trainer.motor.state.<name>()`, then its psi. It reads the
-    trainer it is handed, so a copy of an enabled trainer resets its own engine."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __call__(self, trainer):
-        state = trainer.motor.state
-        getattr(state, self.name)()
-        return state.psi
-
-
-def own_state_reset(trainer) -> Optional[Callable]:
-    """The trainer's own psi0 draw, when its engine keeps a state object that resets itself
-    (`motor.state.<reset>()` then `motor.state.psi`): psi0 then comes from exactly the code, and
-    the RNG use, stock runs."""
-    state = getattr(trainer.motor, "state", None)
-    if state is None or not hasattr(state, "psi"):
-        return None
-    return next((OwnStateReset(name) for name in _STATE_RESETS if callable(getattr(state, name, None))), None)
-
-
-def _checked_noise(trainer, version, noise) -> str:
-    """enable()'s `noise`, refused where the trainer cannot give it (an episode without noise reads none)."""
-    if noise == "trainer" and version.has_noise:
-        injector = getattr(trainer, "noise_injector", None)
-        missing = [name for name in ("apply_phase_flip", "apply_bit_flip") if not callable(getattr(injector, name, None))]
-        if missing:
-            raise TypeError(f"enable(): noise='trainer' applies the trainer's own noise_injector, but "
-                            f"{type(trainer).__name__}.noise_injector ({type(injector).__name__}) has no {', '.join(missing)}; "
-                            "noise='fused' applies qca_lowmem's NoiseSchedule instead")
-    return noise
-
-
-def resolve_options(trainer, version, *, policy: Policy, amp_dtype, grid_size, batch_size, d_state, initial_state,
-                    max_grad_norm, fused_blocks: bool, cuda_graph: Optional[bool], noise: str, fused_step_ops: bool,
-                    lowmem_scaler: bool, assume_stock_episode: bool,
-                    channels_last: Optional[bool] = None) -> "EpisodeOptions":
-    """enable()'s arguments (their types checked by check_options) resolved against the trainer,
-    once: what each lowmem episode reads."""
-    if amp_dtype is None and getattr(trainer, "use_amp", False):
-        compute_dtype = torch.float16
-    else:
-        compute_dtype = parse_amp_dtype(amp_dtype)
-    device = next(trainer.motor.operator.parameters()).device
-    try:
-        precision.refuse_fp16_on_cpu(compute_dtype, device, "amp_dtype='fp16', or the trainer's use_amp",
-                                     "amp_dtype='bf16' (the CPU's half precision) or 'fp32'")
-    except ValueError as error:
-        raise ValueError(f"enable(): {error}") from None
-    compute_dtype, note = precision.native_amp_dtype(compute_dtype, device)
-    if note:
-        warnings.warn(f"enable(): {note}", stacklevel=4)
-    channels_last = _resolved_channels_last(channels_last, fused_step_ops,
-                                            getattr(trainer.motor, "has_memory", False) is True, device, compute_dtype)
-    cuda_graph, cuda_graph_said = _resolved_cuda_graph(cuda_graph, policy, device)
-    grid, batch_size, initial_state = _psi0_options(trainer, version, grid_size, batch_size, initial_state)
-    return EpisodeOptions(
-        policy=policy, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size,
-        d_state=d_state or _infer_d_state(trainer, trainer.motor.operator), initial_state=initial_state,
-        max_grad_norm=max_grad_norm, fused_blocks=fused_blocks, channels_last=channels_last, cuda_graph=cuda_graph,
-        cuda_graph_said=cuda_graph_said,
-        noise=_checked_noise(trainer, version, noise), fused_step_ops=fused_step_ops, lowmem_scaler=lowmem_scaler,
-        assume_stock_episode=assume_stock_episode,
-    )
-
-
-def _psi0_options(trainer, version, grid_size, batch_size, initial_state):
-    """(grid, batch_size, initial_state) of the episodes' psi0 draw (TrainerV4/V3.initial_state)."""
-    if version.draws_own_psi0:
-        if grid_size is not None or batch_size is not None:
-            raise ValueError(f"enable(): {type(trainer).__name__} ({version.name}) draws psi0 as "
-                             "motor.get_initial_state(trainer.batch_size), so grid_size and batch_size are not read; "
-                             "set trainer.batch_size, or pass initial_state=callable")
-        return None, None, initial_state
-    reset = own_state_reset(trainer) if initial_state is None else None
-    if reset is not None and (grid_size is not None or batch_size is not None):
-        # their episode draws psi0 by the engine's state reset: another draw would train on other states
-        raise ValueError(f"enable(): {type(trainer).__name__}'s episode draws psi0 by its engine's "
-                         f"motor.state.{reset.name}(), so grid_size and batch_size would replace the users' draw; "
-                         "leave them unset, or pass initial_state=callable to draw psi0 otherwise")
-    if isinstance(grid_size, numbers.Integral):
-        grid = (int(grid_size), int(grid_size))
-    elif grid_size is not None:
-        grid = (int(grid_size[0]), int(grid_size[1]))  # checked: a pair of ints
-    else:
-        initial_state = initial_state or reset
-        grid = None if initial_state is not None else _infer_grid(trainer)
-    batch_size = 1 if batch_size is None else int(batch_size)
-    return grid, batch_size, initial_state
+def options_doc(indent: str = "    ") -> str:
+    """Each option and its doc, as enable()'s docstring lists them."""
+    return "\n".join(textwrap.fill(f"{f.name}: {f.metadata['doc']}", 100, initial_indent=indent,
+                                   subsequent_indent=indent + "  ") for f in fields(Options))

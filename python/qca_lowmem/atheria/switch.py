@@ -8,36 +8,35 @@ An engine with memory (`motor.has_memory`, a ConvLSTM) has its memory carried by
 """
 
 import copyreg
-import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from ..precision import autocast
-from ..recompute import Policy, StepGraph, rollout
-from ..recompute.policy import NONE, STEP
+from ..recompute import StepGraph, rollout
+from ..recompute.policy import NONE
 from ..unet import convert
-from .engine_probe import buffer_bindings, compiled_module, rebind
+from .code_identity import not_recorded
 from .engine_step import (EngineIdentity, EngineMemoryStep, fused_of, live_gamma, lowmem_steps, memory_of,
                           put_side_state, side_state_of)
-from .options import OPTION_NAMES, EpisodeOptions, check_options, resolve_options
+from .episode_options import EpisodeOptions, resolve_options
+from .options import Options, enable_signature, options_doc
 from .say import say
 from .scaler_swap import clip_scaled, lowmem_scaler_for
-from .code_identity import not_recorded
 from .stock_guard import EpisodeIdentity, check_stock_episode
-from .trainers import adapter_for
+from .trainers import TrainerVersion, adapter_for
+from .user_modules import buffer_bindings, compiled_module, rebind
 
 _STATE_ATTR = "_qca_lowmem_state"
 
 
 @dataclass
-class _Saved:
-    """What enable() changed, so disable() can put it back."""
+class _Undo:
+    """What enable() changed on the trainer and its engine, for disable() to put back."""
 
-    options: EpisodeOptions
-    version: Any = None  # the trainer version's adapter (trainers.py)
+    motor: Any  # the engine enable() changed, which every trainer sharing this state must still hold
     blocks: List[Tuple[torch.nn.Module, str, torch.nn.Module]] = field(default_factory=list)
     evolve_step: Any = None
     had_evolve_step_attr: bool = False
@@ -45,21 +44,43 @@ class _Saved:
     had_train_episode_attr: bool = False
     scaler: Any = None
     had_scaler_attr: bool = True
-    step_graph: Any = None  # a StepGraph of the motor's step, made at the first CUDA episode
-    memory_step: Any = None  # step(psi, (h, c)) -> (psi, (h, c)) for an engine with memory
-    edited_episode: Optional[str] = None  # why the episode is not stock, run anyway (assume_stock_episode)
-    compiled_said: bool = False  # the one line for an operator compiled after enable()
-    own_step: Optional[str] = None  # why the engine's own step and blocks run although fused ones were asked for
-    motor: Any = None  # the engine enable() changed, which every trainer sharing this state must still hold
     live: bool = True  # False once disable() put the engine back, for a shallow copy still holding this state
-    episode_identity: Any = None  # the stock train_episode recognised, checked at each episode (stock_guard.py)
-    engine_identity: Any = None  # the engine step recognised, checked at each episode (engine_step.py)
+
+
+@dataclass
+class _Captures:
+    """The episode's cache: the CUDA capture of the motor's step, made at the first CUDA episode."""
+
+    step_graph: Any = None  # a StepGraph of the step
+    graph_reads: Any = None  # what its capture read once: GAMMA_DECAY, the operator
+
+
+@dataclass
+class _Said:
+    """What the switch already said once, not to say again."""
+
+    compiled: bool = False  # the one line for an operator compiled after enable()
+
+
+@dataclass
+class _Saved:
+    """What enable() decided and the episodes run, with what disable() undoes, the episode's cache
+    and what was said."""
+
+    options: EpisodeOptions
+    version: TrainerVersion
+    undo: _Undo
+    memory_step: Any = None  # step(psi, (h, c)) -> (psi, (h, c)) for an engine with memory
     fused: Any = None  # the fused step reading GAMMA_DECAY live, None with the engine's own step
-    graph_reads: Any = None  # what the step_graph's capture read once: GAMMA_DECAY, the operator
+    engine_identity: Any = None  # the engine step recognised, checked at each episode (engine_step.py)
+    episode_identity: Any = None  # the stock train_episode recognised, checked at each episode (stock_guard.py)
+    edited_episode: Optional[str] = None  # why the episode is not stock, run anyway (assume_stock_episode)
+    captures: _Captures = field(default_factory=_Captures)
+    said: _Said = field(default_factory=_Said)
 
     def __getstate__(self):
         # A copy (deepcopy, pickle) captures its own CUDA graphs at its first CUDA episode.
-        return {**vars(self), "step_graph": None, "graph_reads": None}
+        return {**vars(self), "captures": _Captures()}
 
 
 class LowmemEpisode:
@@ -92,11 +113,11 @@ def _episode_step(trainer, state: _Saved, opts):
     step = state.memory_step or trainer.motor.evolve_step
     if opts.cuda_graph:  # off CUDA a StepGraph is the plain step
         # A capture keeps the values its step read as constants: captured again when they change.
-        reads = (live_gamma(trainer.motor), trainer.motor.operator)
-        if state.step_graph is None or state.graph_reads is None or state.graph_reads[0] != reads[0] \
-                or state.graph_reads[1] is not reads[1]:
-            state.step_graph, state.graph_reads = StepGraph(step), reads
-        step = state.step_graph
+        reads, captures = (live_gamma(trainer.motor), trainer.motor.operator), state.captures
+        if captures.step_graph is None or captures.graph_reads is None or captures.graph_reads[0] != reads[0] \
+                or captures.graph_reads[1] is not reads[1]:
+            captures.step_graph, captures.graph_reads = StepGraph(step), reads
+        step = captures.step_graph
     return step
 
 
@@ -146,15 +167,15 @@ def _lowmem_train_episode(trainer, episode_num):
     operator = trainer.motor.operator
     device = next(operator.parameters()).device
 
-    if opts.fused_step_ops and not state.compiled_said and compiled_module(operator) is not operator:
-        state.compiled_said = True
+    if opts.fused_step_ops and not state.said.compiled and compiled_module(operator) is not operator:
+        state.said.compiled = True
         say(logging.WARNING, f"motor.operator is compiled ({type(operator).__name__}); the fused step runs the "
                              "module it wraps, uncompiled")
     model = version.model(trainer)
     model.train()  # as the stock episode: a model left in eval mode (by a visualisation) trains in train mode
     trainer.optimizer.zero_grad()
     psi0 = version.initial_state(trainer, opts, device)
-    noise = version.noise(trainer, episode_num, opts.noise)
+    noise = version.noise(trainer, episode_num, opts.given.noise)
     step = _episode_step(trainer, state, opts)
     # The memory the episode starts from: what the engine holds (zeroed by V4's state reset, None after V3's episodes).
     memory = {} if state.memory_step is None else dict(carry=memory_of(trainer.motor))
@@ -193,11 +214,11 @@ def _lowmem_train_episode(trainer, episode_num):
 def _check_engine(trainer, state: _Saved):
     """The episode runs on the engine enable() changed, still enabled: a shallow copy of the trainer
     shares it, and may be given another, or see it disabled through the original (or the other way)."""
-    if not state.live:
+    if not state.undo.live:
         raise RuntimeError("qca_lowmem: disable() was called on a trainer sharing this one's engine (a copy.copy "
                            "of it, or the trainer it was copied from) and put the engine back to stock; "
                            "call qca_lowmem.disable() on this trainer too, then enable() to train it low-memory")
-    if trainer.motor is not state.motor:
+    if trainer.motor is not state.undo.motor:
         raise RuntimeError(f"qca_lowmem: trainer.motor ({type(trainer.motor).__name__}) is not the engine enable() "
                            "changed (set after enable(), or after copying the trainer): qca_lowmem.disable(trainer), "
                            "then enable(trainer) again")
@@ -205,43 +226,10 @@ def _check_engine(trainer, state: _Saved):
 
 def _max_norm(trainer, opts, version):
     """The clipping norm, read after the backward as their episodes read it (V3's gradient_clip)."""
-    return opts.max_grad_norm if opts.max_grad_norm is not None else version.max_grad_norm(trainer)
+    return opts.given.max_grad_norm if opts.given.max_grad_norm is not None else version.max_grad_norm(trainer)
 
 
-def _check_placement(trainer):
-    """The episode runs where the operator's parameters are: on another device than the trainer's
-    it would train there, silently (stock fails at its first episode instead)."""
-    wanted = getattr(trainer, "device", None)
-    if wanted is None:
-        return
-    wanted = torch.device(wanted)
-    device = next(trainer.motor.operator.parameters()).device
-    if wanted.type != device.type or None not in (wanted.index, device.index) and wanted.index != device.index:
-        raise ValueError(f"enable(): the trainer's device is {wanted}, but its operator's parameters are on {device} "
-                         f"(QC_Trainer_v4 does not move a model it builds): move it first with "
-                         f"trainer.motor.operator.to({str(wanted)!r})")
-
-
-def enable(
-    trainer,
-    checkpoint: str = STEP,
-    amp_dtype=None,
-    fused_blocks: bool = True,
-    slots: Optional[int] = None,
-    cuda_graph: Optional[bool] = None,
-    *,
-    fused_step_ops: bool = True,
-    lowmem_scaler: bool = True,
-    grid_size=None,
-    batch_size: Optional[int] = None,
-    d_state: Optional[int] = None,
-    initial_state: Optional[Callable] = None,
-    max_grad_norm: Optional[float] = None,
-    budget=None,
-    noise: str = "trainer",
-    assume_stock_episode: bool = False,
-    channels_last: Optional[bool] = None,
-):
+def enable(trainer, *args, **kwargs):
     """Switch a QC_Trainer_v4- or QC_Trainer_v3-style trainer to the low-memory path, in place;
     returns the trainer. Which version it is, is read off its attributes (trainers.py);
     train_episode then keeps that version's episode, return values and bookkeeping. The enabled
@@ -251,57 +239,19 @@ def enable(
     with the original, as the stock copy does; disable() on one of them puts that shared engine
     back, and the other then refuses to train until disable() is called on it too.
 
-    checkpoint: "step" (keep one psi per step, recompute in backward), "revolve" (binomial
-      checkpointing with `slots` stored states), "auto" (full graphs of as many steps as `budget`
-      bytes allow, the others recomputed; see rollout) or "none" (stock autograd).
-    amp_dtype: None follows the trainer (fp16 autocast when `trainer.use_amp`), else "fp32",
-      "bf16" or "fp16"; the state and its normalisation stay complex64 either way. bf16 on a GPU
-      below compute capability 8.0 (emulated there) becomes fp16 with the loss scaler, with a warning.
-    fused_blocks: convert the operator's ConvBlocks to FusedConvBlock in place (same Parameters).
-    cuda_graph: run each recomputed step as replays of captured CUDA graphs (qca_lowmem.StepGraph):
-      the same kernels without launch overhead. None (the default): on where it can run (CUDA with
-      torch's caching allocator, a checkpoint other than "none"), off elsewhere; True where it
-      cannot run warns why, once; False: eager steps. enable()'s line says which on CUDA.
-    fused_step_ops: replace `motor.evolve_step` by the fused pack/update ops. Only where that is
-      exact: an engine whose state psi is not a complex tensor is refused naming its class; one
-      whose evolve_step is not, by the identity of its code, a Cartesian step qca_lowmem follows
-      (checked again at each episode), or whose operator runs an op not known continuous (spikes,
-      quantising: the ops of one probe call tell), keeps the engine's own step and stock blocks,
-      which round as stock does, and enable()'s line says so. False rolls out the engine's own
-      step, which needs only the complex tensor state.
     An engine with `motor.has_memory` True (operator(x, h, c) -> (delta, h, c), the memory on
-      motor.state.h_state / c_state, detached) has its memory carried through the rollout, so
-      each recompute sees the memory its forward step saw; after each episode motor.state holds
-      the memory the last step left, as stock. An operator that cannot be called as the engine
-      calls it is refused here, naming its class.
-    lowmem_scaler: replace `trainer.scaler` by qca_lowmem.amp.GradScaler carrying its state.
-    noise: where a noisy episode's noise comes from. "trainer": the trainer's own
-      `noise_injector`, applied as stock applies it (a phase flip, and a bit flip when NumPy's
-      coin says so): the same random draws in the same order as stock, replayed in recomputes,
-      so episodes equal stock's and leave the generators as stock leaves them. "fused":
-      qca_lowmem's NoiseSchedule (fused kernels keyed by (seed, step); the same distribution,
-      other numbers than stock's).
-    grid_size / batch_size / d_state / initial_state: how a V4 trainer's psi0 is drawn. By default
-      the trainer's own state reset when its engine has one (`motor.state._reset_state_random()`,
-      then `motor.state.psi`; grid_size and batch_size, which would replace it, are refused), else
-      the stock draw (batch_size, default 1) on the global torch RNG with the grid from
-      trainer.grid_size or motor.cfg.GRID_SIZE_TRAINING. A V3 trainer draws
-      its own, `motor.get_initial_state(trainer.batch_size)`, and refuses grid_size and batch_size.
-      `initial_state(trainer) -> psi0` overrides both for trainers that draw psi0 differently.
-    max_grad_norm: None clips as the trainer does (V4 at 1.0; V3 at its gradient_clip, when > 0).
-    channels_last: the operator's weights (in place, the same Parameters) and the fused pack in
-      NHWC, so cuDNN's convolutions need no layout conversion; the same function (float64 within
-      rounding of NCHW). None (the default): on for a CUDA operator whose convolutions run on
-      Tensor Cores (precision.gpu_prefers_nhwc; measured faster on an H200, docs/benchmarks.md) when
-      it gets the fused step on an engine without memory, off elsewhere (the CPU included);
-      enable()'s line names it when on. True needs the fused step on an engine without memory.
-      disable() puts the weights back in NCHW.
-    assume_stock_episode: run qca_lowmem's stock episode in place of a train_episode that is not
-      one it follows (edited, overridden), at your own risk: what yours does differently is
-      dropped. enable()'s line says so. False (the default) refuses such a trainer.
+    motor.state.h_state / c_state, detached) has its memory carried through the rollout, so each
+    recompute sees the memory its forward step saw; after each episode motor.state holds the memory
+    the last step left, as stock. An operator that cannot be called as the engine calls it is
+    refused here, naming its class.
+
+    The options (atheria/options.py; each is also a key of the LOWMEM section):
     """
-    arguments = locals()
-    check_options({name: arguments[name] for name in OPTION_NAMES}, lambda name: f"enable(): {name}")
+    try:
+        arguments = _SIGNATURE.bind(trainer, *args, **kwargs).arguments
+    except TypeError as error:
+        raise TypeError(f"enable(): {error}") from None
+    given = Options(**{name: value for name, value in arguments.items() if name != "trainer"})
     version = adapter_for(trainer)
     if hasattr(trainer, _STATE_ATTR):
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
@@ -309,44 +259,36 @@ def enable(
         raise TypeError(f"enable(): the trainer has its own {_COPY_HOOK} ({vars(trainer)[_COPY_HOOK]!r}), where enable() "
                         "binds the trainer's copies to themselves; remove it first")
     unrecorded = not_recorded()  # no digests for this Python: their own episode runs, said in the line
-    edited_episode = None if unrecorded else check_stock_episode(trainer, version.name, assume_stock_episode)
-    policy = checkpoint if isinstance(checkpoint, Policy) else Policy.of(checkpoint, slots, budget, "enable()")
-    _check_placement(trainer)
-    policy.check_device(next(trainer.motor.operator.parameters()).device, "enable()")
-    state = _Saved(version=version, edited_episode=edited_episode, options=resolve_options(
-        trainer, version, policy=policy, amp_dtype=amp_dtype, grid_size=grid_size, batch_size=batch_size,
-        d_state=d_state, initial_state=initial_state, max_grad_norm=max_grad_norm, fused_blocks=fused_blocks,
-        cuda_graph=cuda_graph, noise=noise, fused_step_ops=fused_step_ops, lowmem_scaler=lowmem_scaler,
-        assume_stock_episode=assume_stock_episode, channels_last=channels_last,
-    ))
+    edited_episode = None if unrecorded else check_stock_episode(trainer, version.name, given.assume_stock_episode)
+    options = resolve_options(trainer, version, given)
     # Everything that can fail is decided before the trainer changes.
-    new_scaler = lowmem_scaler_for(trainer, state.options.amp_dtype) if lowmem_scaler else None
-    evolve_step, state.memory_step, state.own_step = lowmem_steps(trainer.motor, fused_step_ops, state.options.grid,
-                                                                  state.options.d_state, state.options.channels_last)
-    if state.own_step is not None:  # the fused blocks round differently too
-        if channels_last:  # NHWC convolutions round differently as well
-            raise ValueError(f"enable(): channels_last=True needs the fused step, which this operator does not get.\n"
-                             f"{state.own_step}; leave channels_last off")
-        # channels_last unset: off with the engine's own step, which the line says
-        state.options = dataclasses.replace(state.options, fused_step_ops=False, fused_blocks=False,
-                                            channels_last=False)
-    if state.options.fused_blocks:
-        _convert_blocks(trainer.motor.operator, state)
-    if state.options.channels_last:
+    new_scaler = lowmem_scaler_for(trainer, options.amp_dtype) if given.lowmem_scaler else None
+    evolve_step, memory_step = lowmem_steps(trainer.motor, options.fused_step_ops, options.grid, options.d_state,
+                                            options.channels_last)
+    undo = _Undo(motor=trainer.motor)
+    if options.fused_blocks:
+        _convert_blocks(trainer.motor.operator, undo)
+    if options.channels_last:
         trainer.motor.operator.to(memory_format=torch.channels_last)
-    state.motor = trainer.motor
-    _swap_step(trainer, state, evolve_step)
-    state.fused = fused_of(evolve_step, state.memory_step)
-    state.engine_identity = EngineIdentity(trainer.motor, evolve_step, state.memory_step is not None)
+    _swap_step(trainer, undo, evolve_step)
+    state = _Saved(options, version, undo, memory_step=memory_step, fused=fused_of(evolve_step, memory_step),
+                   engine_identity=EngineIdentity(trainer.motor, evolve_step, memory_step is not None),
+                   edited_episode=edited_episode)
     if state.fused is not None:  # outside episodes (their code, inference) the step checks at each call
         state.fused.identity = state.engine_identity
     state.episode_identity = EpisodeIdentity(trainer, unrecorded) if edited_episode is None else None
-    _swap_episode(trainer, state)
-    _swap_scaler(trainer, state, new_scaler)
-    state.compiled_said = compiled_module(trainer.motor.operator) is not trainer.motor.operator
+    _swap_episode(trainer, undo)
+    _swap_scaler(trainer, undo, new_scaler)
+    state.said.compiled = compiled_module(trainer.motor.operator) is not trainer.motor.operator
     setattr(trainer, _STATE_ATTR, state)
     say(logging.INFO, f"on, {_summary(state)}")
     return trainer
+
+
+# enable()'s signature and the docs of its options, read off Options.
+_SIGNATURE = enable.__signature__ = enable_signature()
+if enable.__doc__:  # None under python -OO
+    enable.__doc__ = enable.__doc__.rstrip() + "\n" + options_doc() + "\n"
 
 
 def _summary(state: _Saved) -> str:
@@ -354,48 +296,48 @@ def _summary(state: _Saved) -> str:
     where it applies, the QC_Trainer_v3 episode and a compiled operator run uncompiled)."""
     options = state.options
     parts = [options.describe()] + [name for name, on in (
-        ("the compiled operator's module uncompiled", options.fused_step_ops and state.compiled_said),
+        ("the compiled operator's module uncompiled", options.fused_step_ops and state.said.compiled),
         (f"{state.version.name} episode", state.version.named_on_enable),
-        (f"the engine's own step and blocks: {state.own_step}", state.own_step is not None),
+        (f"the engine's own step and blocks: {options.own_step}", options.own_step is not None),
         (f"the stock episode assumed: {state.edited_episode}", state.edited_episode is not None),
         (f"their own train_episode: {getattr(state.episode_identity, 'own', None)}",
          getattr(state.episode_identity, "own", None) is not None)) if on]
     return ", ".join(parts)
 
 
-def _convert_blocks(operator, state: _Saved):
+def _convert_blocks(operator, undo: _Undo):
     """Stock ConvBlocks -> FusedConvBlock in place, remembering what was swapped for disable()."""
     params_before = [id(p) for p in operator.parameters()]
     edges = _children(operator)
     convert(operator)
     # What convert() swapped, so disable() can put the very same stock modules back.
-    state.blocks = [(parent, name, child) for parent, name, child in edges if getattr(parent, name) is not child]
+    undo.blocks = [(parent, name, child) for parent, name, child in edges if getattr(parent, name) is not child]
     if [id(p) for p in operator.parameters()] != params_before:
-        _restore_blocks(state.blocks)
+        _restore_blocks(undo.blocks)
         raise RuntimeError("enable(): convert() did not keep the operator's Parameter objects; nothing was changed")
 
 
-def _swap_step(trainer, state: _Saved, evolve_step):
+def _swap_step(trainer, undo: _Undo, evolve_step):
     """motor.evolve_step -> `evolve_step` (the fused pack/update, engine_step.lowmem_steps) unless
     None; an original set on the engine is kept (the class's needs no keeping: a copy of a bound
     method would bind the original engine, and a pickled one is looked up again at loading)."""
     motor = trainer.motor
-    state.had_evolve_step_attr = "evolve_step" in vars(motor)
-    state.evolve_step = vars(motor).get("evolve_step")
+    undo.had_evolve_step_attr = "evolve_step" in vars(motor)
+    undo.evolve_step = vars(motor).get("evolve_step")
     if evolve_step is not None:
         motor.evolve_step = evolve_step
 
 
-def _swap_episode(trainer, state: _Saved):
-    state.had_train_episode_attr = "train_episode" in vars(trainer)
-    state.train_episode = vars(trainer).get("train_episode")
+def _swap_episode(trainer, undo: _Undo):
+    undo.had_train_episode_attr = "train_episode" in vars(trainer)
+    undo.train_episode = vars(trainer).get("train_episode")
     trainer.train_episode = LowmemEpisode(trainer)
     vars(trainer)[_COPY_HOOK] = _CopyHook(trainer)
 
 
-def _swap_scaler(trainer, state: _Saved, new_scaler):
-    state.had_scaler_attr = hasattr(trainer, "scaler")  # a V3 trainer has none
-    state.scaler = getattr(trainer, "scaler", None)
+def _swap_scaler(trainer, undo: _Undo, new_scaler):
+    undo.had_scaler_attr = hasattr(trainer, "scaler")  # a V3 trainer has none
+    undo.scaler = getattr(trainer, "scaler", None)
     if new_scaler is not None:
         trainer.scaler = new_scaler
 
@@ -412,31 +354,32 @@ def disable(trainer):
     state: Optional[_Saved] = getattr(trainer, _STATE_ATTR, None)
     if state is None:
         raise RuntimeError("disable(): qca_lowmem is not enabled on this trainer")
-    if state.live:
-        _restore_engine(state)
-        state.live = False
+    undo = state.undo
+    if undo.live:
+        _restore_engine(undo, state.options.channels_last)
+        undo.live = False
     vars(trainer).pop(_COPY_HOOK, None)
-    if state.had_train_episode_attr:
-        trainer.train_episode = state.train_episode
+    if undo.had_train_episode_attr:
+        trainer.train_episode = undo.train_episode
     else:
         del trainer.train_episode
-    if getattr(trainer, "scaler", None) is not state.scaler:
-        if state.scaler is not None:
-            state.scaler.load_state_dict(trainer.scaler.state_dict())
-        trainer.scaler = state.scaler
-    if not state.had_scaler_attr and hasattr(trainer, "scaler"):
+    if getattr(trainer, "scaler", None) is not undo.scaler:
+        if undo.scaler is not None:
+            undo.scaler.load_state_dict(trainer.scaler.state_dict())
+        trainer.scaler = undo.scaler
+    if not undo.had_scaler_attr and hasattr(trainer, "scaler"):
         del trainer.scaler
     delattr(trainer, _STATE_ATTR)
     return trainer
 
 
-def _restore_engine(state: _Saved):
+def _restore_engine(undo: _Undo, channels_last: bool):
     """The engine's stock blocks, layout and step."""
-    _restore_blocks(state.blocks)
-    if state.options.channels_last:
-        state.motor.operator.to(memory_format=torch.contiguous_format)
-    motor = state.motor
-    if state.had_evolve_step_attr:
-        motor.evolve_step = state.evolve_step
+    _restore_blocks(undo.blocks)
+    motor = undo.motor
+    if channels_last:
+        motor.operator.to(memory_format=torch.contiguous_format)
+    if undo.had_evolve_step_attr:
+        motor.evolve_step = undo.evolve_step
     elif "evolve_step" in vars(motor):
         del motor.evolve_step

@@ -10,7 +10,7 @@ no noise, the reward `compute_reward(psi0, psi_T)` (loss = -reward), clipping at
 (loss, reward, quietness reward, complexity reward). A trainer is told apart by its attributes.
 """
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 
@@ -40,6 +40,45 @@ def _psi_dtype(trainer) -> torch.dtype:
         return dtype
     parameter = next(trainer.motor.operator.parameters())
     return torch.complex128 if parameter.dtype == torch.float64 else torch.complex64
+
+
+@runtime_checkable
+class TrainerVersion(Protocol):
+    """What the episode (switch.py) and enable() read of a trainer version: its adapter, a class of
+    static methods, is the value that satisfies this."""
+
+    name: str  # the users' class name of that version
+    draws_own_psi0: bool  # psi0 from the trainer's own draw: enable()'s grid_size / batch_size refused
+    has_noise: bool  # its episodes inject noise (enable()'s `noise` is read)
+    named_on_enable: bool  # enable()'s line names this version's episode
+    required: Tuple[str, ...]  # the attribute paths a trainer of this version has
+
+    def check(self, trainer) -> None:
+        """Refuse a trainer of this version that has nothing to train."""
+
+    def model(self, trainer) -> torch.nn.Module:
+        """The module whose parameters train."""
+
+    def initial_state(self, trainer, opts, device) -> torch.Tensor:
+        """The episode's psi0."""
+
+    def noise(self, trainer, episode, source: str) -> Optional[Callable]:
+        """The episode's noise(psi, t), or None."""
+
+    def record_every(self, trainer) -> Optional[int]:
+        """The rollout's history spacing (None: the stock rule)."""
+
+    def loss(self, trainer, psi0, psi_T, history):
+        """(loss, what result() reports besides)."""
+
+    def max_grad_norm(self, trainer) -> Optional[float]:
+        """The clipping norm where enable() was given none, None for no clipping."""
+
+    def after_backward(self, trainer, memory_T) -> None:
+        """What the version does with the engine's memory after the episode."""
+
+    def result(self, trainer, episode, loss, details, psi_T):
+        """What train_episode returns."""
 
 
 class TrainerV4:
@@ -169,10 +208,10 @@ class TrainerV3:
         return values
 
 
-ADAPTERS = (TrainerV4, TrainerV3)
+ADAPTERS: Tuple[TrainerVersion, ...] = (TrainerV4, TrainerV3)
 
 
-def adapter_for(trainer):
+def adapter_for(trainer) -> TrainerVersion:
     """The adapter of the first trainer version whose attributes `trainer` has; else a TypeError
     naming what it lacks (one line first: the environment switch's warning shows that line)."""
     lacks = {adapter.name: _missing(trainer, adapter.required) for adapter in ADAPTERS}

@@ -1,0 +1,210 @@
+"""What enable() decided (`EpisodeOptions`, one frozen value): its options (options.py) resolved
+against the trainer once, the engine's verdict (its own step or the fused one) included, then read
+by attribute by the episode and the trainer versions and said in enable()'s one line."""
+
+import numbers
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from .. import precision
+from ..precision import parse_amp_dtype
+from ..recompute import Policy, StepGraph
+from ..recompute import graph as step_graph
+from .engine_step import has_memory, own_step_verdict
+from .options import Options
+from .trainers import TrainerVersion
+
+
+@dataclass(frozen=True)
+class EpisodeOptions:
+    given: Options  # as enable() was given them; what needs resolving is resolved below
+    policy: Policy
+    amp_dtype: torch.dtype  # the compute dtype the episode's autocast runs
+    grid: Optional[Tuple[int, int]]  # psi0's grid, where the stock draw makes psi0
+    batch_size: Optional[int]
+    d_state: int
+    initial_state: Optional[Callable]  # initial_state(trainer) -> psi0, where the trainer's own draw is used
+    fused_step_ops: bool  # the fused step installed: asked for, and the engine's verdict
+    own_step: Optional[str]  # why the engine's own step and blocks run although fused ones were asked for
+    fused_blocks: bool
+    channels_last: bool  # the operator's weights and the fused pack NHWC
+    cuda_graph: bool  # whether the steps run as captured graphs
+    cuda_graph_said: str  # what enable()'s line says of it: "cuda_graph", "cuda_graph off", or "" off CUDA
+
+    def describe(self) -> str:
+        """The policy, the precision and the switches that are on, for enable()'s line."""
+        parts = [self.policy.describe(), precision.amp_name(self.amp_dtype)]
+        return ", ".join(parts + [name for name, on in (
+            ("fused blocks", self.fused_blocks), ("fused step", self.fused_step_ops),
+            ("channels_last", self.channels_last),
+            (self.cuda_graph_said, bool(self.cuda_graph_said)),
+            ("fused noise", self.given.noise == "fused")) if on])
+
+
+def _resolved_channels_last(channels_last: Optional[bool], fused_step_ops: bool, memory: bool,
+                            own_step: Optional[str], device, compute_dtype) -> bool:
+    """Unset: on where the fused step runs and NHWC is faster (precision.nhwc_faster); True where the
+    fused step does not run (`fused_step_ops` as asked False, an engine with memory, the engine's
+    verdict `own_step`) is refused."""
+    if channels_last and (not fused_step_ops or memory):
+        raise ValueError("enable(): channels_last needs the fused step (fused_step_ops=True) on an engine without "
+                         "memory: the engine's own pack, and a ConvLSTM's memory, are NCHW")
+    if channels_last and own_step is not None:  # NHWC convolutions round differently as well
+        raise ValueError(f"enable(): channels_last=True needs the fused step, which this operator does not get.\n"
+                         f"{own_step}; leave channels_last off")
+    if channels_last is None:
+        return fused_step_ops and own_step is None and not memory and precision.nhwc_faster(device, compute_dtype)
+    return channels_last
+
+
+def _resolved_cuda_graph(cuda_graph: Optional[bool], policy: Policy, device: torch.device) -> Tuple[bool, str]:
+    """(whether the steps run as captured graphs, what enable()'s line says of it: on CUDA either
+    way, nothing elsewhere). Unset: on where it can run, off elsewhere without a word; True where
+    it cannot run warns why."""
+    on, why_not = StepGraph.resolve(cuda_graph, policy, device)
+    if cuda_graph and not on:
+        warnings.warn(f"enable(): cuda_graph captures CUDA graphs, but {why_not}: its steps run eagerly", stacklevel=5)
+    return on, "cuda_graph" if on else "cuda_graph off" if step_graph.on_cuda(device) else ""
+
+
+def _infer_d_state(trainer, operator) -> int:
+    cfg = getattr(trainer.motor, "cfg", None)
+    for owner, attr in ((trainer, "d_state"), (trainer.motor, "d_state"), (cfg, "D_STATE"), (cfg, "d_state")):
+        value = getattr(owner, attr, None) if owner is not None else None
+        if isinstance(value, int):
+            return value
+    for module in operator.modules():
+        if isinstance(module, torch.nn.Conv2d):
+            return module.in_channels // 2
+    raise ValueError("enable(): cannot tell d_state from the trainer; pass d_state=...")
+
+
+def _infer_grid(trainer) -> Tuple[int, int]:
+    cfg = getattr(trainer.motor, "cfg", None)
+    candidates = (
+        (trainer, "grid_size"), (trainer.motor, "grid_size"),
+        (cfg, "GRID_SIZE_TRAINING"), (cfg, "GRID_SIZE"), (cfg, "grid_size"),
+    )
+    for owner, attr in candidates:
+        value = getattr(owner, attr, None) if owner is not None else None
+        if isinstance(value, int):
+            return value, value
+        if isinstance(value, (tuple, list)) and len(value) == 2:
+            return int(value[0]), int(value[1])
+    raise ValueError(
+        "enable(): cannot tell the training grid size from the trainer (looked for trainer.grid_size, "
+        "motor.grid_size, motor.cfg.GRID_SIZE_TRAINING); pass grid_size=... or initial_state=callable"
+    )
+
+
+_STATE_RESETS = ("_reset_state_random", "reset_state_random", "reset_state")
+
+
+class OwnStateReset:
+    """initial_state(trainer) -> psi0: `trainer.motor.state.<name>()`, then its psi. It reads the
+    trainer it is handed, so a copy of an enabled trainer resets its own engine."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, trainer):
+        state = trainer.motor.state
+        getattr(state, self.name)()
+        return state.psi
+
+
+def own_state_reset(trainer) -> Optional[Callable]:
+    """The trainer's own psi0 draw, when its engine keeps a state object that resets itself
+    (`motor.state.<reset>()` then `motor.state.psi`): psi0 then comes from exactly the code, and
+    the RNG use, stock runs."""
+    state = getattr(trainer.motor, "state", None)
+    if state is None or not hasattr(state, "psi"):
+        return None
+    return next((OwnStateReset(name) for name in _STATE_RESETS if callable(getattr(state, name, None))), None)
+
+
+def _check_noise(trainer, version, noise) -> None:
+    """enable()'s `noise`, refused where the trainer cannot give it (an episode without noise reads none)."""
+    if noise == "trainer" and version.has_noise:
+        injector = getattr(trainer, "noise_injector", None)
+        missing = [name for name in ("apply_phase_flip", "apply_bit_flip") if not callable(getattr(injector, name, None))]
+        if missing:
+            raise TypeError(f"enable(): noise='trainer' applies the trainer's own noise_injector, but "
+                            f"{type(trainer).__name__}.noise_injector ({type(injector).__name__}) has no {', '.join(missing)}; "
+                            "noise='fused' applies qca_lowmem's NoiseSchedule instead")
+
+
+def _check_placement(trainer, device):
+    """The episode runs where the operator's parameters are: on another device than the trainer's
+    it would train there, silently (stock fails at its first episode instead)."""
+    wanted = getattr(trainer, "device", None)
+    if wanted is None:
+        return
+    wanted = torch.device(wanted)
+    if wanted.type != device.type or None not in (wanted.index, device.index) and wanted.index != device.index:
+        raise ValueError(f"enable(): the trainer's device is {wanted}, but its operator's parameters are on {device} "
+                         f"(QC_Trainer_v4 does not move a model it builds): move it first with "
+                         f"trainer.motor.operator.to({str(wanted)!r})")
+
+
+def resolve_options(trainer, version: TrainerVersion, given: Options) -> EpisodeOptions:
+    """enable()'s options resolved against the trainer, once, the engine's verdict included: what
+    each lowmem episode reads. Everything here refuses before the trainer changes."""
+    policy = given.checkpoint if isinstance(given.checkpoint, Policy) else Policy.of(
+        given.checkpoint, given.slots, given.budget, "enable()")
+    device = next(trainer.motor.operator.parameters()).device
+    _check_placement(trainer, device)
+    policy.check_device(device, "enable()")
+    if given.amp_dtype is None and getattr(trainer, "use_amp", False):
+        compute_dtype = torch.float16
+    else:
+        compute_dtype = parse_amp_dtype(given.amp_dtype)
+    try:
+        precision.refuse_fp16_on_cpu(compute_dtype, device, "amp_dtype='fp16', or the trainer's use_amp",
+                                     "amp_dtype='bf16' (the CPU's half precision) or 'fp32'")
+    except ValueError as error:
+        raise ValueError(f"enable(): {error}") from None
+    compute_dtype, note = precision.native_amp_dtype(compute_dtype, device)
+    if note:
+        warnings.warn(f"enable(): {note}", stacklevel=4)
+    cuda_graph, cuda_graph_said = _resolved_cuda_graph(given.cuda_graph, policy, device)
+    grid, batch_size, initial_state = _psi0_options(trainer, version, given.grid_size, given.batch_size,
+                                                    given.initial_state)
+    d_state = given.d_state or _infer_d_state(trainer, trainer.motor.operator)
+    own_step = own_step_verdict(trainer.motor, given.fused_step_ops, grid, d_state)
+    channels_last = _resolved_channels_last(given.channels_last, given.fused_step_ops, has_memory(trainer.motor),
+                                            own_step, device, compute_dtype)
+    _check_noise(trainer, version, given.noise)
+    return EpisodeOptions(
+        given=given, policy=policy, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size, d_state=d_state,
+        initial_state=initial_state, fused_step_ops=given.fused_step_ops and own_step is None, own_step=own_step,
+        fused_blocks=given.fused_blocks and own_step is None,  # the fused blocks round differently too
+        channels_last=channels_last, cuda_graph=cuda_graph, cuda_graph_said=cuda_graph_said)
+
+
+def _psi0_options(trainer, version, grid_size, batch_size, initial_state):
+    """(grid, batch_size, initial_state) of the episodes' psi0 draw (TrainerV4/V3.initial_state)."""
+    if version.draws_own_psi0:
+        if grid_size is not None or batch_size is not None:
+            raise ValueError(f"enable(): {type(trainer).__name__} ({version.name}) draws psi0 as "
+                             "motor.get_initial_state(trainer.batch_size), so grid_size and batch_size are not read; "
+                             "set trainer.batch_size, or pass initial_state=callable")
+        return None, None, initial_state
+    reset = own_state_reset(trainer) if initial_state is None else None
+    if reset is not None and (grid_size is not None or batch_size is not None):
+        # their episode draws psi0 by the engine's state reset: another draw would train on other states
+        raise ValueError(f"enable(): {type(trainer).__name__}'s episode draws psi0 by its engine's "
+                         f"motor.state.{reset.name}(), so grid_size and batch_size would replace the users' draw; "
+                         "leave them unset, or pass initial_state=callable to draw psi0 otherwise")
+    if isinstance(grid_size, numbers.Integral):
+        grid = (int(grid_size), int(grid_size))
+    elif grid_size is not None:
+        grid = (int(grid_size[0]), int(grid_size[1]))  # checked: a pair of ints
+    else:
+        initial_state = initial_state or reset
+        grid = None if initial_state is not None else _infer_grid(trainer)
+    batch_size = 1 if batch_size is None else int(batch_size)
+    return grid, batch_size, initial_state
