@@ -19,7 +19,7 @@ NAME = "qca_lowmem"
 # `__main__`) over them all; `configs` holds data only; `examples/` (stand-ins of the users'
 # trainers) is imported by no other layer.
 LAYERS = ["base", "ops", "library", "atheria", "trainer", "face", "examples"]
-LAYER_LIMIT_LINES = 450
+LAYER_LIMIT_LINES = 400
 
 
 def layer_of(module: str) -> str:
@@ -174,7 +174,7 @@ def test_no_module_outside_ops_imports_a_private_ops_module():
 # String constants spelling a mode name that mean something else: a device or a checkpoint to
 # resume ("auto"), an argument named step in messages. Counted, so a new mode literal fails.
 OTHER_MEANINGS = {("trainer/cli.py", "auto"): 1, ("trainer/config.py", "auto"): 1, ("trainer/distributed.py", "auto"): 2,
-                  ("trainer/train.py", "auto"): 1, ("ops/noise.py", "step"): 3}
+                  ("trainer/run_checks.py", "auto"): 1, ("ops/noise.py", "step"): 3}
 
 
 def test_only_the_policy_module_reads_mode_names():

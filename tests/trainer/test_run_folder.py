@@ -13,7 +13,7 @@ import yaml
 from qca_lowmem.trainer import cli
 from qca_lowmem.trainer.config import load_config
 from qca_lowmem.trainer.errors import UsageError
-from qca_lowmem.trainer.train import check_run
+from qca_lowmem.trainer.run_checks import check_run
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -241,7 +241,8 @@ def _train(args) -> int:
     from .errors import UsageError
     from .metrics import message
     from .run_folder import free_run_folder
-    from .train import check_run, device_note, train
+    from .run_checks import check_run, device_note
+    from .train import train
     from .checkpoint import CHECKPOINT_NAME
 
     config = _config(args)

@@ -29,12 +29,12 @@ from ..precision import amp_name, autocast, parse_amp_dtype
 from ..recompute import StepGraph, rollout, saved_bytes, shared_weight_casts
 from ..ops.noise import episode_noise
 from ..ops.qca_step import fused_step
-from .config import TrainConfig, build_model, channels_last_for, parameter_count
+from .config import TrainConfig, build_model, channels_last_for
 from .distributed import Distributed, resolve_device
 from .errors import Interrupted, TrainingStopped, UsageError, error_text
 from .metrics import METRIC_KEYS, EpisodeLog, duration_text, message, record_of
 from .oom import RunPolicy
-from .run_folder import check_run_folder, set_aside
+from .run_checks import check_run, device_note
 from .runlock import FolderLock
 from .signals import Stop, interrupts_deferred
 
@@ -348,56 +348,6 @@ class Trainer:
         diff = torch.tensor([(flat - reference).abs().max().item()], device=self._gather_device())
         return self.dist.all_reduce_(diff, op="max").item()
 
-
-
-def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = True, rank: int = 0,
-              world_size: int = 1, lock: Optional[FolderLock] = None, overwrite: bool = False):
-    """Everything that can be refused before the first episode (UsageError, or OutOfMemoryStop for
-    a config far over this machine's memory), on every rank: the device, the output folder (made,
-    `lock` acquired and stale temporaries removed when `create`, by rank 0; else only whether
-    another run holds it) and whether it holds a run that neither `resume` nor `overwrite` names,
-    the checkpoint to resume from and whether it is of the same run. Then, with `overwrite` and
-    `create`, rank 0 sets the old run's files aside. Returns the checkpoint's state, or None."""
-    try:
-        device = resolve_device(config.device)
-    except RuntimeError as error:
-        raise UsageError(f"--device {config.device}: {error}") from None
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise UsageError(f"--device {config.device}: only {torch.cuda.device_count()} CUDA devices are visible")
-    try:
-        config.policy().check_device(device, "--budget")
-        precision.refuse_fp16_on_cpu(parse_amp_dtype(config.amp_dtype), device, "amp_dtype fp16",
-                                     "--amp-dtype bf16 (the CPU's half precision) or fp32")
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    checkpoint.check_out_dir(config.out_dir, create and rank == 0)
-    if rank == 0:
-        if create:
-            if lock is not None:
-                lock.acquire()  # before touching any file there
-            checkpoint.remove_stale_temporaries(Path(config.out_dir))
-        elif Path(config.out_dir).is_dir():
-            probe = FolderLock(config.out_dir)
-            probe.acquire()
-            probe.release()
-    check_run_folder(config.out_dir, resume, overwrite)
-    state = checkpoint.read_checkpoint(resume) if resume else None
-    parameters = parameter_count(config)
-    if state is not None:
-        checkpoint.check_resumable(state, resume, config, config.accumulate * world_size)
-    elif device.type == "cpu":  # (a resumed run has fit already)
-        oom.check_cpu_memory(config, parameters)
-    aside = set_aside(config.out_dir) if overwrite and create and rank == 0 else None
-    if aside is not None:
-        message(f"--overwrite: the previous run's files are now in {aside}")
-    return state
-
-
-
-def device_note(config: TrainConfig) -> str:
-    """Where the run will run, said when the config does not pin it."""
-    device = resolve_device(config.device)
-    return f"on {device}" + (" (no CUDA GPU visible)" if config.device == "auto" and device.type == "cpu" else "")
 
 
 def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, progress: bool = True,
