@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from qca_lowmem.trainer.allocator import expandable_in_environment  # noqa: E402
 from qca_lowmem.trainer.bench import environment  # noqa: E402
-from qca_lowmem.recompute.memory import parse_bytes  # noqa: E402
+from qca_lowmem.units import parse_bytes  # noqa: E402
 from qca_lowmem.trainer.oom import OutOfMemoryStop  # noqa: E402
 from qca_lowmem.trainer.config import load_config  # noqa: E402
 from qca_lowmem.trainer.plan import plan  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from qca_lowmem.recompute.memory import format_bytes, parse_bytes
+from qca_lowmem.units import format_bytes, parse_bytes
 from qca_lowmem.trainer import cli, config as config_mod
 from qca_lowmem.recompute import Policy
 from qca_lowmem.recompute.schedule import EveryStep, schedule_for

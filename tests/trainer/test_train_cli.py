@@ -16,7 +16,7 @@ import yaml
 import qca_lowmem
 from qca_lowmem.trainer import cli, config as config_mod, train as train_mod
 from helpers import cuda_only
-from qca_lowmem.recompute.memory import parse_bytes
+from qca_lowmem.units import parse_bytes
 from qca_lowmem.trainer.footprint import LOSS_STATES
 from qca_lowmem.recompute import Policy
 from qca_lowmem.trainer.oom import EXIT_OOM, RunPolicy

@@ -22,7 +22,8 @@ import torch
 from .. import stock
 from ..precision import autocast, parse_amp_dtype
 from .distributed import resolve_device
-from ..recompute.memory import format_bytes, saved_bytes
+from ..recompute.memory import saved_bytes
+from ..units import format_bytes
 from ..ops.qca_step import fused_step
 from ..recompute import Policy, StepGraph, rollout
 from .config import TrainConfig, build_model, channels_last_for

@@ -33,7 +33,8 @@ from .. import stock
 from ..precision import autocast, native_amp_dtype, parse_amp_dtype
 from ..ops.qca_step import fused_step
 from ..recompute import Policy, keep_block_intermediates
-from ..recompute.memory import SAFETY, format_bytes, parse_bytes, saved_storage_sizes
+from ..recompute.memory import SAFETY, saved_storage_sizes
+from ..units import format_bytes, parse_bytes
 from ..recompute.schedule import budget_split
 from .allocator import expandable_in_environment, reserved_bytes
 from .config import TrainConfig, build_model
