@@ -239,7 +239,7 @@ def _train_flags(args) -> List[str]:
 def _train(args) -> int:
     import dataclasses
     from .errors import UsageError
-    from .metrics import message
+    from .say import message
     from .run_folder import free_run_folder
     from .train import check_run, device_note, train
     from .checkpoint import CHECKPOINT_NAME

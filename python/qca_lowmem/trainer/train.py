@@ -16,7 +16,6 @@ import json
 import math
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -32,7 +31,8 @@ from ..ops.qca_step import fused_step
 from .config import TrainConfig, build_model, channels_last_for, parameter_count
 from .distributed import Distributed, resolve_device
 from .errors import Interrupted, TrainingStopped, UsageError, error_text
-from .metrics import METRIC_KEYS, EpisodeLog, duration_text, message, record_of
+from .metrics import METRIC_KEYS, EpisodeLog, duration_text, record_of
+from .say import message
 from .oom import RunPolicy
 from .run_folder import check_run_folder, set_aside
 from .runlock import FolderLock
@@ -44,7 +44,7 @@ def set_allocator_defaults():
     if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
         return
     if torch.cuda.is_initialized():  # (is_available() is not asked: it may touch the driver)
-        print("qca-lowmem: CUDA already initialised; PYTORCH_CUDA_ALLOC_CONF left unset", file=sys.stderr)
+        message("CUDA already initialised; PYTORCH_CUDA_ALLOC_CONF left unset")
         return
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
