@@ -237,6 +237,8 @@ def test_sparse_gradients_match_torch():
 def test_package_exports_scaler():
     assert qca_lowmem.amp.GradScaler is GradScaler
     assert "amp" in qca_lowmem.__all__
+    # the scaler only: the precision switches and the kernels' wrappers are imported from their modules
+    assert qca_lowmem.amp.__all__ == ["GradScaler"] and not hasattr(qca_lowmem.amp, "autocast")
 
 
 
