@@ -11,6 +11,7 @@ import contextlib
 from typing import List, Optional
 
 import torch
+
 # Dispatch modes (the base class of every mode that sees ops below autograd) and pytree helpers:
 # private module paths, public in all but name since torch 2.0.
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 (re-exported)

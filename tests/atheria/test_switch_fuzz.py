@@ -31,7 +31,8 @@ import os
 import warnings
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fixtures.switch_oracle import first_difference, is_clear, verdict
 from fixtures.switch_variants import OPS, POLICIES, Variant, outcome

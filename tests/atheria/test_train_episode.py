@@ -11,8 +11,8 @@ import types
 import pytest
 
 import qca_lowmem
-from qca_lowmem.atheria.switch import LowmemEpisode
 from qca_lowmem.atheria.code_identity import FOLLOWED, PYTHON, digest, followed
+from qca_lowmem.atheria.switch import LowmemEpisode
 from qca_lowmem.examples import QC_Trainer_v3, QC_Trainer_v4, make_config
 from qca_lowmem.examples import qc_trainer_v4 as stand_in_module
 from qca_lowmem.examples.qc_trainer_v4 import MemoryMotor, Motor

@@ -6,11 +6,10 @@ from unittest import mock
 
 import pytest
 import torch
-from fixtures.scaler import Net, bits_equal, reference_unscale
 from torch import nn
 
+from fixtures.scaler import Net, bits_equal, reference_unscale
 from qca_lowmem.amp import GradScaler
-
 
 # ----------------------------------------------------------------------------------------------
 # Complex and bfloat16 gradients

@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
-from fixtures.scaler import CHUNK, DTYPES, INJECT, SIZES, Net, bits_equal, check_unscale, ops, random_list, reference_unscale
-from helpers import cuda_only
 from torch import nn
 
+from fixtures.scaler import CHUNK, DTYPES, INJECT, SIZES, Net, bits_equal, check_unscale, ops, random_list, reference_unscale
+from helpers import cuda_only
 from qca_lowmem.amp import GradScaler
 from qca_lowmem.recompute.cuda_graphs import caching_allocator_off
 

@@ -4,6 +4,7 @@ plan run on the host."""
 
 import pytest
 import torch
+
 from fixtures.scaler import CHUNK, DTYPES, SIZES, bits_equal, check_unscale, ops, random_list, reference_unscale
 
 

@@ -8,11 +8,11 @@ from unittest import mock
 
 import pytest
 import torch
-from fixtures.scaler import INJECT, Net, bits_equal, ops, reference_unscale, run_training, twin_runs
-from helpers import CUDA
 from torch import nn
 
 import qca_lowmem
+from fixtures.scaler import INJECT, Net, bits_equal, ops, reference_unscale, run_training, twin_runs
+from helpers import CUDA
 from qca_lowmem.amp import GradScaler
 
 

@@ -14,11 +14,12 @@ import termios
 import pytest
 import torch
 
-from qca_lowmem.trainer import cli, train as train_mod
+from helpers import TINY, write_config
+from qca_lowmem.trainer import cli
+from qca_lowmem.trainer import train as train_mod
 from qca_lowmem.trainer.checkpoint import CHECKPOINT_NAME
 from qca_lowmem.trainer.metrics import METRICS_NAME
 from qca_lowmem.trainer.say import message
-from helpers import TINY, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -19,13 +19,21 @@ from ..precision import autocast
 from ..recompute import Policy, StepGraph, rollout
 from ..recompute.policy import NONE, STEP
 from ..unet import convert
+from .code_identity import not_recorded
 from .engine_probe import buffer_bindings, compiled_module, rebind
-from .engine_step import (EngineIdentity, EngineMemoryStep, fused_of, live_gamma, lowmem_steps, memory_of,
-                          put_side_state, side_state_of)
+from .engine_step import (
+    EngineIdentity,
+    EngineMemoryStep,
+    fused_of,
+    live_gamma,
+    lowmem_steps,
+    memory_of,
+    put_side_state,
+    side_state_of,
+)
 from .options import OPTION_NAMES, EpisodeOptions, check_options, resolve_options
 from .say import say
 from .scaler_swap import clip_scaled, lowmem_scaler_for
-from .code_identity import not_recorded
 from .stock_guard import EpisodeIdentity, check_stock_episode
 from .trainers import adapter_for
 

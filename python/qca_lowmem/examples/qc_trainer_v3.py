@@ -11,8 +11,8 @@ Nothing here uses qca_lowmem's kernels.
 
 import torch
 
-from qca_lowmem.stock import UNetUnitary
 from qca_lowmem.examples.qc_trainer_v4 import MemoryMotor, Motor, QuantumState
+from qca_lowmem.stock import UNetUnitary
 
 
 class EngineV3:

@@ -20,13 +20,13 @@ from typing import List, Optional
 import torch
 
 from .. import stock
+from ..ops.qca_step import fused_step
 from ..precision import autocast, parse_amp_dtype
-from .distributed import resolve_device
+from ..recompute import Policy, StepGraph, rollout
 from ..recompute.memory import saved_bytes
 from ..units import format_bytes
-from ..ops.qca_step import fused_step
-from ..recompute import Policy, StepGraph, rollout
 from .config import TrainConfig, build_model, channels_last_for
+from .distributed import resolve_device
 
 
 def library_commit(repo=None) -> Optional[str]:

@@ -23,19 +23,19 @@ from typing import Callable, List, Optional
 import torch
 
 from .. import amp, precision, stock
-from . import checkpoint, divergence, oom
-from ..precision import amp_name, autocast, parse_amp_dtype
-from ..recompute import StepGraph, rollout, saved_bytes, shared_weight_casts
 from ..ops.noise import episode_noise
 from ..ops.qca_step import fused_step
+from ..precision import amp_name, autocast, parse_amp_dtype
+from ..recompute import StepGraph, rollout, saved_bytes, shared_weight_casts
+from . import checkpoint, divergence, oom
 from .config import TrainConfig, build_model, channels_last_for, parameter_count
 from .distributed import Distributed, resolve_device
 from .errors import Interrupted, TrainingStopped, UsageError, error_text
 from .metrics import METRIC_KEYS, EpisodeLog, duration_text, record_of
-from .say import message
 from .oom import RunPolicy
 from .run_folder import check_run_folder, set_aside
 from .runlock import FolderLock
+from .say import message
 from .signals import Stop, interrupts_deferred
 
 
