@@ -25,11 +25,11 @@ import torch  # noqa: E402
 
 from qca_lowmem.trainer.allocator import expandable_in_environment  # noqa: E402
 from qca_lowmem.trainer.bench import environment  # noqa: E402
-from qca_lowmem.recompute.memory import parse_bytes  # noqa: E402
-from qca_lowmem.trainer.oom import OutOfMemoryStop  # noqa: E402
 from qca_lowmem.trainer.config import load_config  # noqa: E402
+from qca_lowmem.trainer.oom import OutOfMemoryStop  # noqa: E402
 from qca_lowmem.trainer.plan import plan  # noqa: E402
 from qca_lowmem.trainer.train import Trainer  # noqa: E402
+from qca_lowmem.units import parse_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from qca_lowmem import stock
-from qca_lowmem.trainer.bench import EpisodeRunner, environment
 from qca_lowmem.trainer.allocator import expandable_in_environment
-from qca_lowmem.trainer.plan import plan
+from qca_lowmem.trainer.bench import EpisodeRunner, environment
 from qca_lowmem.trainer.config import load_config
+from qca_lowmem.trainer.plan import plan
 from qca_lowmem.trainer.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -85,7 +85,7 @@ phase() {
       # inside a larger cached block); workers in parallel: the sanitizer follows child processes
       run memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
         "$PYTHON" -m pytest -q ${SANITIZE_PYTEST_ARGS:-} \
-        tests/ops/test_qca_step.py tests/ops/test_noise.py tests/library/test_blocks.py tests/library/test_scaler.py tests/ops/test_c_api.py -m cuda
+        tests/ops/test_qca_step.py tests/ops/test_noise.py tests/library/test_blocks.py tests/library/test_scaler_*.py tests/ops/test_c_api.py -m cuda
       # initcheck over our kernels: torch's own (at::native) report reads of memory they allocate
       # themselves (col2im with cuDNN off; a bf16-to-fp32 copy seen once in a comparison and not
       # reproduced in a fresh process, with our U-Net or torch's: docs/benchmarks.md)

@@ -15,8 +15,16 @@ from .blocks import FusedConvBlock
 from .ops.groupnorm_elu import groupnorm_elu
 from .ops.noise import NoiseSchedule, bit_flip, noise_coin, phase_flip
 from .ops.qca_step import qca_pack, qca_update
-from .recompute import (CaptureFallbackWarning, RecomputeMismatchError, StepGraph, block_keeps_intermediates,
-                        keep_block_intermediates, rollout, saved_bytes, shared_weight_casts)
+from .recompute import (
+    CaptureFallbackWarning,
+    RecomputeMismatchError,
+    StepGraph,
+    block_keeps_intermediates,
+    keep_block_intermediates,
+    rollout,
+    saved_bytes,
+    shared_weight_casts,
+)
 from .unet import ConversionReport, UNetUnitary, convert
 
 __all__ = [

@@ -12,6 +12,7 @@ from typing import List, Optional
 
 import torch
 from torch import Tensor  # (a global: the op walk below reads it per value, faster than torch.Tensor)
+
 # Dispatch modes (the base class of every mode that sees ops below autograd): a private module
 # path, public in all but name since torch 2.0.
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 (re-exported)

@@ -1,5 +1,5 @@
 """A drop-in `torch.amp.GradScaler` on the qca_lowmem loss-scaler kernels (the compute-dtype
-switches, `parse_amp_dtype`, `autocast` and the rest, are precision.py's, also importable here).
+switches, `parse_amp_dtype`, `autocast` and the rest, are precision.py's).
 
 `GradScaler` keeps torch's constructor, methods, stage errors, per-optimizer state, disabled
 behaviour and state_dict format (it subclasses `torch.amp.GradScaler`, so torch's scaler loads
@@ -11,7 +11,7 @@ its state_dict and vice versa), and replaces the arithmetic with the C/CUDA kern
   reuse_unscale_norm=True)` clips without a second pass over the gradients;
 - the scale update (`torch.ops.qca_lowmem.amp_update_scale_`), torch's rule bit for bit.
 
-The low-level ops (scaler.py) are also exposed here as `unscale_`, `mul_` and `update_scale_`.
+The kernels' wrappers (`unscale_`, `mul_`, `update_scale_`) are qca_lowmem.ops.scaler's.
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
 from .ops import has_cuda_kernels
 from .ops.scaler import mul_, unscale_, update_scale_
-from .precision import amp_name, autocast, autocast_dtype, native_amp_dtype, parse_amp_dtype  # noqa: F401
 
-__all__ = ["GradScaler", "amp_name", "autocast", "autocast_dtype", "mul_", "native_amp_dtype", "parse_amp_dtype", "unscale_",
-           "update_scale_"]
+__all__ = ["GradScaler"]
+
 
 def _norm_dtype(grad_dtype: torch.dtype) -> torch.dtype:
     """dtype of torch.linalg.vector_norm of a gradient of this dtype."""

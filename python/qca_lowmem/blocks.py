@@ -16,9 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from . import stock
-from .precision import autocast_dtype
 from .ops import calls_are_forwards, refuse_func_transforms, torch_layers_unchanged
 from .ops.conv_block import conv_block_forward
+from .precision import autocast_dtype
 from .recompute.intermediates import block_keeps_intermediates
 from .recompute.weight_casts import cast_weight
 

@@ -11,13 +11,11 @@ from torch.utils.checkpoint import checkpoint
 
 from . import _torch_private as torch_private
 from . import stock
-from .recompute.intermediates import block_keeps_intermediates
 from .blocks import FusedConvBlock, layers_mismatch
-from .ops import (call_unwatched, calls_are_forwards, eager_watchers, refuse_func_transforms, run_hidden,
-                  torch_layers_unchanged)
+from .ops import call_unwatched, calls_are_forwards, eager_watchers, refuse_func_transforms, run_hidden, torch_layers_unchanged
 from .precision import autocast_dtype
+from .recompute.intermediates import block_keeps_intermediates
 from .recompute.weight_casts import cast_weight, checkpoint_kwargs
-
 
 RECOMPUTE_MODES = ("unet", "blocks", "none")
 

@@ -6,11 +6,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import DEVICES, cuda_only, randomize_affine
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qca_lowmem
+from helpers import DEVICES, cuda_only, randomize_affine
 from qca_lowmem import stock as R
 from qca_lowmem.ops.conv_block import conv_block, conv_block_keep
 

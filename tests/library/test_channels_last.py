@@ -7,9 +7,9 @@ import csv
 import pytest
 import torch
 import yaml
-from helpers import cuda_only, randomize_affine
 
 import qca_lowmem
+from helpers import cuda_only, randomize_affine
 from qca_lowmem import rollout
 from qca_lowmem.ops.qca_step import fused_step
 from qca_lowmem.trainer import cli

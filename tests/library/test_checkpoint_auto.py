@@ -4,9 +4,9 @@ kept within the budget."""
 
 import pytest
 import torch
-from helpers import episode, full_step_bytes, initial_state, randomize_affine
 
 import qca_lowmem
+from helpers import episode, full_step_bytes, initial_state, randomize_affine
 from qca_lowmem import rollout, saved_bytes
 from qca_lowmem.recompute import Policy, memory, schedule
 
@@ -212,8 +212,8 @@ import csv  # noqa: E402
 import json  # noqa: E402
 
 import yaml  # noqa: E402
-from qca_lowmem.examples.qc_trainer_v4 import QC_Trainer_v4, make_config  # noqa: E402
 
+from qca_lowmem.examples.qc_trainer_v4 import QC_Trainer_v4, make_config  # noqa: E402
 from qca_lowmem.trainer import cli  # noqa: E402
 from qca_lowmem.trainer.oom import RunPolicy  # noqa: E402
 

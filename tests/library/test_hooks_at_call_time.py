@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
-from helpers import randomize_affine
 from torch import nn
 
 import qca_lowmem
+from helpers import randomize_affine
 from qca_lowmem import stock as R
 
 

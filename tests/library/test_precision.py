@@ -6,12 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from qca_lowmem.examples.qc_trainer_v4 import QC_Trainer_v4, make_config
 
 import qca_lowmem
 from qca_lowmem import amp, precision
 from qca_lowmem.atheria import switch
-from qca_lowmem.trainer import config as config_mod, doctor, plan as plan_mod, train as train_mod
+from qca_lowmem.examples.qc_trainer_v4 import QC_Trainer_v4, make_config
+from qca_lowmem.trainer import config as config_mod
+from qca_lowmem.trainer import doctor
+from qca_lowmem.trainer import plan as plan_mod
+from qca_lowmem.trainer import train as train_mod
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,16 +9,26 @@ import weakref
 import numpy
 import pytest
 import torch
-from helpers import (DEVICES, RECORD_EVERY, STEPS, cuda_only, episode_grads, episode_loss, fused_step, initial_state,
-                     make_conv_net, max_relative_error, noisy_schedule, randomize_affine)
 from torch import nn
 
 import qca_lowmem
+from helpers import (
+    DEVICES,
+    RECORD_EVERY,
+    STEPS,
+    cuda_only,
+    episode_grads,
+    episode_loss,
+    fused_step,
+    initial_state,
+    make_conv_net,
+    max_relative_error,
+    noisy_schedule,
+    randomize_affine,
+)
 from qca_lowmem import block_keeps_intermediates, rollout, saved_bytes
 from qca_lowmem import stock as reference
-
 from qca_lowmem.recompute import revolve
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

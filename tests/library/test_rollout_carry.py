@@ -3,11 +3,11 @@ every mode, and the recompute check that refuses a step depending on state outsi
 
 import pytest
 import torch
-from helpers import (CARRY_STEPS as STEPS, MemoryCell, carried_grads, cuda_only, full_step_bytes, initial_memory,
-                     initial_state, memory_step)
 from torch import nn
 
 import qca_lowmem
+from helpers import CARRY_STEPS as STEPS
+from helpers import MemoryCell, carried_grads, cuda_only, full_step_bytes, initial_memory, initial_state, memory_step
 from qca_lowmem import NoiseSchedule, RecomputeMismatchError, rollout, saved_bytes
 from qca_lowmem import stock as reference
 

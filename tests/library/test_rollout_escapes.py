@@ -3,10 +3,10 @@ rollout, the step and the fix; never torch's unpack TypeError or a gradient sile
 
 import pytest
 import torch
-from helpers import initial_state
 from torch import nn
 
 import qca_lowmem
+from helpers import initial_state
 from qca_lowmem.recompute.escapes import EscapedTensorError
 
 STEPS = 4

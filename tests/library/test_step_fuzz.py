@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import qca_lowmem
 from qca_lowmem import stock

@@ -6,12 +6,14 @@ import warnings
 
 import pytest
 import torch
-from helpers import episode, initial_state, randomize_affine
 from torch import nn
 
 import qca_lowmem
-from qca_lowmem.recompute import cuda_graphs, graph as step_graph
-from qca_lowmem.trainer import config as config_mod, train as train_mod
+from helpers import episode, initial_state, randomize_affine
+from qca_lowmem.recompute import cuda_graphs
+from qca_lowmem.recompute import graph as step_graph
+from qca_lowmem.trainer import config as config_mod
+from qca_lowmem.trainer import train as train_mod
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,12 +9,26 @@ import contextlib
 
 import pytest
 import torch
-from helpers import (CARRY_STEPS, MemoryCell, batchnorm_step, carried_grads, episode_grads, fused_step,
-                     gradient_casts_in, host_waits, initial_memory, initial_state, make_conv_net, max_relative_error,
-                     memory_step, noisy_schedule, randomize_affine)
 
 import qca_lowmem
 from fixtures.model_families import EPISODES, assert_same_run, make_trainer, run
+from helpers import (
+    CARRY_STEPS,
+    MemoryCell,
+    batchnorm_step,
+    carried_grads,
+    episode_grads,
+    fused_step,
+    gradient_casts_in,
+    host_waits,
+    initial_memory,
+    initial_state,
+    make_conv_net,
+    max_relative_error,
+    memory_step,
+    noisy_schedule,
+    randomize_affine,
+)
 from qca_lowmem import NoiseSchedule
 from qca_lowmem.atheria import noise_replay
 from qca_lowmem.examples import QC_Trainer_v4, make_config
@@ -231,7 +245,8 @@ def test_no_capture_without_the_caching_allocator(monkeypatch):
 def test_a_free_budget_is_read_after_the_capture(replayed_graphs, monkeypatch):
     """budget="free" must see the memory the capture's pool takes: read before it, the first
     episode would budget memory the graphs then hold."""
-    from qca_lowmem.recompute import policy as policy_mod, schedule as schedule_mod
+    from qca_lowmem.recompute import policy as policy_mod
+    from qca_lowmem.recompute import schedule as schedule_mod
 
     read_with_graphs = []
     monkeypatch.setattr(policy_mod.Policy, "check_device", lambda self, device, caller="rollout": None)

@@ -9,13 +9,14 @@ import csv
 import pytest
 import torch
 import yaml
-from helpers import TINY, gradient_casts_in, inside, randomize_affine
 
 import qca_lowmem
+from helpers import TINY, gradient_casts_in, inside, randomize_affine
 from qca_lowmem import rollout
-from qca_lowmem.recompute import weight_casts
 from qca_lowmem.ops.qca_step import fused_step
-from qca_lowmem.trainer import cli, train as train_mod
+from qca_lowmem.recompute import weight_casts
+from qca_lowmem.trainer import cli
+from qca_lowmem.trainer import train as train_mod
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

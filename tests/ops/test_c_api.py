@@ -8,9 +8,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import qca_lowmem._C as native_module
 import torch
 
-import qca_lowmem._C as native_module
 from helpers import DEVICES
 
 QCA_F32 = 0

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from cuda_emu import C, CUDA, QCA_DTYPE, describe, emulator
+from cuda_emu import CUDA, QCA_DTYPE, C, describe, emulator
 
 pytestmark = pytest.mark.slow  # the emulator builds every kernel and runs each thread as a fiber
 

@@ -10,9 +10,9 @@ import re
 
 import pytest
 import torch
-from helpers import CUDA
 
 import qca_lowmem
+from helpers import CUDA
 
 OPS = torch.ops.qca_lowmem
 SECOND = ["meta"] + (["cuda"] if CUDA else [])

@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
-from helpers import DEVICES, cuda_only
 from torch.library import opcheck
 
 import qca_lowmem
+from helpers import DEVICES, cuda_only
 from qca_lowmem import NoiseSchedule, bit_flip, noise_coin, phase_flip
 from qca_lowmem import stock as reference
 

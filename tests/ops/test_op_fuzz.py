@@ -5,11 +5,11 @@ the argument; never garbage, never a crash."""
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import single_thread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qca_lowmem
+from helpers import single_thread
 from qca_lowmem import stock
 
 FUZZ = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 import qca_lowmem
-from qca_lowmem import stock as reference
 from helpers import DEVICES, cuda_only
+from qca_lowmem import stock as reference
 
 SHAPES = [(1, 4, 4, 1), (2, 5, 7, 3), (1, 8, 8, 14), (3, 3, 11, 14)]
 

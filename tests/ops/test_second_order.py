@@ -4,10 +4,10 @@ naming itself. Never the silent zero of an op whose backward has no autograd."""
 
 import pytest
 import torch
-from helpers import randomize_affine
 from torch.autograd import gradgradcheck
 
 import qca_lowmem
+from helpers import randomize_affine
 from qca_lowmem import stock
 from qca_lowmem.ops.qca_step import fused_step
 

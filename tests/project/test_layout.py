@@ -14,10 +14,10 @@ import qca_lowmem
 PACKAGE = Path(qca_lowmem.__file__).parent
 NAME = "qca_lowmem"
 
-# Lowest first. The reference (`stock`) and the native library sit under every layer; the switch
-# for the users' trainers (`atheria/`) over the library; the package faces (`__init__`,
-# `__main__`) over them all; `configs` holds data only; `examples/` (stand-ins of the users'
-# trainers) is imported by no other layer.
+# Lowest first. The reference (`stock`), the byte units (`units`) and the native library sit
+# under every layer; the switch for the users' trainers (`atheria/`) over the library; the package
+# faces (`__init__`, `__main__`) over them all; `configs` holds data only; `examples/` (stand-ins
+# of the users' trainers) is imported by no other layer.
 LAYERS = ["base", "ops", "library", "atheria", "trainer", "face", "examples"]
 LAYER_LIMIT_LINES = 400
 
@@ -26,7 +26,7 @@ def layer_of(module: str) -> str:
     parts = module.split(".")
     if module in (NAME, f"{NAME}.__main__"):
         return "face"
-    if parts[1] in ("stock", "_C", "_build_info", "_version", "_torch_private", "configs"):
+    if parts[1] in ("stock", "units", "_C", "_build_info", "_version", "_torch_private", "configs"):
         return "base"
     if parts[1] in ("ops", "atheria", "trainer", "examples"):
         return parts[1]
@@ -138,10 +138,10 @@ def test_the_checker_sees_upward_imports_and_circles(tmp_path, monkeypatch):
 
 
 # The top level: the package faces, the model (blocks, U-Net, the stock reference), the precision
-# switches and the scaler, the build and the private torch APIs; the rest lives in the package
-# folders (ops/, recompute/, atheria/, trainer/, examples/, configs).
+# switches and the scaler, the byte units, the build and the private torch APIs; the rest lives in
+# the package folders (ops/, recompute/, atheria/, trainer/, examples/, configs).
 TOP_LEVEL = {"__init__", "__main__", "_version", "_build_info", "_torch_private", "stock", "blocks", "unet", "amp",
-             "precision"}
+             "precision", "units"}
 
 
 def test_the_top_level_holds_the_face_and_the_model_only():
@@ -154,10 +154,11 @@ def test_the_top_level_holds_the_face_and_the_model_only():
 
 def test_the_recompute_package_imports_only_ops_and_itself():
     """The core is self-contained: the model, enable() and the trainer build on it, never the
-    other way round."""
+    other way round (below it only the private torch APIs and the byte units)."""
     for module, targets in GRAPH.items():
         if module.startswith(f"{NAME}.recompute"):
-            outside = [t for t in targets if not t.startswith((f"{NAME}.recompute", f"{NAME}.ops", f"{NAME}._torch_private"))]
+            outside = [t for t in targets if not t.startswith((f"{NAME}.recompute", f"{NAME}.ops", f"{NAME}._torch_private",
+                                                               f"{NAME}.units"))]
             assert not outside, f"{module} imports {outside}"
 
 

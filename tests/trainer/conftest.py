@@ -3,8 +3,8 @@
 import shutil
 
 import pytest
-from helpers import single_thread, write_config
 
+from helpers import single_thread, write_config
 from qca_lowmem.trainer import cli
 
 

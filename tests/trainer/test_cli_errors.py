@@ -13,9 +13,9 @@ import pytest
 import torch
 import yaml
 
+from helpers import TINY, report_lines, write_config
 from qca_lowmem.trainer import cli
 from qca_lowmem.trainer.checkpoint import CHECKPOINT_NAME, previous_path
-from helpers import TINY, report_lines, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -238,7 +238,8 @@ def test_fuzz_config_and_arguments_give_a_config_or_one_line(tmp_path_factory):
     import contextlib
     import io
 
-    from hypothesis import HealthCheck, given, settings, strategies as st
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
 
     documents, arguments = _fuzz_strategies()
     folder = tmp_path_factory.mktemp("fuzz")

@@ -12,7 +12,9 @@ import torch
 import yaml
 
 import qca_lowmem
-from qca_lowmem.trainer import bench as bench_mod, cli, config as config_mod, doctor
+from qca_lowmem.trainer import bench as bench_mod
+from qca_lowmem.trainer import cli, doctor
+from qca_lowmem.trainer import config as config_mod
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

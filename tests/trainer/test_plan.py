@@ -9,11 +9,12 @@ import pytest
 import torch
 import yaml
 
-from qca_lowmem.recompute.memory import format_bytes, parse_bytes
-from qca_lowmem.trainer import cli, config as config_mod
 from qca_lowmem.recompute import Policy
 from qca_lowmem.recompute.schedule import EveryStep, schedule_for
+from qca_lowmem.trainer import cli
+from qca_lowmem.trainer import config as config_mod
 from qca_lowmem.trainer.plan import StepMeasure, auto_split, measure_step, plan
+from qca_lowmem.units import format_bytes, parse_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,10 +14,12 @@ import termios
 import pytest
 import torch
 
-from qca_lowmem.trainer import cli, train as train_mod
+from helpers import TINY, write_config
+from qca_lowmem.trainer import cli
+from qca_lowmem.trainer import train as train_mod
 from qca_lowmem.trainer.checkpoint import CHECKPOINT_NAME
 from qca_lowmem.trainer.metrics import METRICS_NAME
-from helpers import TINY, write_config
+from qca_lowmem.trainer.say import message
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -103,3 +105,9 @@ def test_the_first_lines_say_where_and_how_long(tmp_path, capsys):
     device = "cuda" if torch.cuda.is_available() else "cpu (no CUDA GPU visible)"
     assert first.startswith(f"qca-lowmem: training episodes 0-2 of 3 steps on {device}")
     assert timing.startswith("qca-lowmem: first episode ") and timing.endswith("for the 2 episodes left")
+
+
+def test_a_line_is_said_once_by_rank_0_and_by_no_other(capsys):
+    message("training episodes 0-2", rank=0)
+    message("training episodes 0-2", rank=1)
+    assert capsys.readouterr() == ("", "qca-lowmem: training episodes 0-2\n")

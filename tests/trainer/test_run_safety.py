@@ -14,13 +14,14 @@ import time
 import pytest
 import torch
 
+from helpers import TINY, report_lines, write_config
+from qca_lowmem.trainer import checkpoint as train_state
 from qca_lowmem.trainer import cli
-from qca_lowmem.trainer import checkpoint as train_state, metrics as metrics_mod
+from qca_lowmem.trainer import metrics as metrics_mod
 from qca_lowmem.trainer.checkpoint import CHECKPOINT_NAME, atomic_save, previous_path, read_checkpoint
 from qca_lowmem.trainer.errors import UsageError
 from qca_lowmem.trainer.runlock import LOCK_NAME
 from qca_lowmem.trainer.signals import STOP_SIGNALS
-from helpers import TINY, report_lines, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,14 +14,16 @@ import torch
 import yaml
 
 import qca_lowmem
-from qca_lowmem.trainer import cli, config as config_mod, train as train_mod
 from helpers import cuda_only
-from qca_lowmem.recompute.memory import parse_bytes
-from qca_lowmem.trainer.footprint import LOSS_STATES
 from qca_lowmem.recompute import Policy
+from qca_lowmem.trainer import cli
+from qca_lowmem.trainer import config as config_mod
+from qca_lowmem.trainer import train as train_mod
+from qca_lowmem.trainer.checkpoint import atomic_save
+from qca_lowmem.trainer.footprint import LOSS_STATES
 from qca_lowmem.trainer.oom import EXIT_OOM, RunPolicy
 from qca_lowmem.trainer.plan import Estimate, recommend
-from qca_lowmem.trainer.checkpoint import atomic_save
+from qca_lowmem.units import parse_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -31,7 +31,7 @@ _LOADS_GLOBAL = {"LOAD_GLOBAL", "LOAD_NAME"}
 # Per Python version, per role: digest -> where the version followed was taken from. Theirs from
 # Jonakss/Atheria at 4df21e7 (2025-12, the same train_episode text as c780b4c / ee9d178 and the same
 # noise.py as 6c95798, which the earlier source digests named); the stand-ins from qca_lowmem.examples,
-# whose digests follow qca_lowmem.stock's code (tests/library/test_enable_identity.py recomputes them).
+# whose digests follow qca_lowmem.stock's code (tests/atheria/test_identity.py recomputes them).
 # Each version's entry is what scripts/record_digests.py prints on it (3.11.7, 3.12.1, 3.13.0).
 ATHERIA = "Jonakss/Atheria at 4df21e7, "
 STAND_IN = "the bundled stand-in, qca_lowmem/examples/"

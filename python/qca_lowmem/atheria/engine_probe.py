@@ -17,7 +17,6 @@ import torch
 from ..recompute import generators
 from .user_modules import compiled_module
 
-
 SUPPORTED_ENGINES = (
     "qca_lowmem supports engines whose state psi is a complex (B, H, W, d) tensor, stepped by the Cartesian "
     "engine step (delta = operator(pack(psi)); psi + delta*psi for UNetUnitary, else psi + delta; minus "

@@ -19,8 +19,16 @@ from ..recompute import StepGraph, rollout
 from ..recompute.policy import NONE
 from ..unet import convert
 from .code_identity import not_recorded
-from .engine_step import (EngineIdentity, EngineMemoryStep, fused_of, live_gamma, lowmem_steps, memory_of,
-                          put_side_state, side_state_of)
+from .engine_step import (
+    EngineIdentity,
+    EngineMemoryStep,
+    fused_of,
+    live_gamma,
+    lowmem_steps,
+    memory_of,
+    put_side_state,
+    side_state_of,
+)
 from .episode_options import EpisodeOptions, resolve_options
 from .options import Options, enable_signature, options_doc
 from .say import say

@@ -1,6 +1,6 @@
 """A stand-in for the users' QC_Trainer_v3 (Jonakss/Atheria), the trainer their command-line
 pipeline resumes old experiments on, written to the attributes `qca_lowmem.enable` relies on
-(docs/design.md): the integration tests train it.
+(docs/design.md): the switch's tests (tests/atheria/) train it.
 
 Its episode, as theirs: psi0 = `motor.get_initial_state(batch_size)` (batch 4 by default), the
 stock engine step `qca_steps` times, the reward on (psi0, psi_T), loss = -reward, gradient
@@ -11,8 +11,8 @@ Nothing here uses qca_lowmem's kernels.
 
 import torch
 
-from qca_lowmem.stock import UNetUnitary
 from qca_lowmem.examples.qc_trainer_v4 import MemoryMotor, Motor, QuantumState
+from qca_lowmem.stock import UNetUnitary
 
 
 class EngineV3:

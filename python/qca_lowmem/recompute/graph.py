@@ -41,8 +41,14 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from .. import _torch_private as torch_private
-from .cuda_graphs import (CaptureFailed, CaptureFallbackWarning, CudaGraphs, caching_allocator_off,
-                          capture_errors_explained, random_draws_refused)
+from .cuda_graphs import (
+    CaptureFailed,
+    CaptureFallbackWarning,
+    CudaGraphs,
+    caching_allocator_off,
+    capture_errors_explained,
+    random_draws_refused,
+)
 from .intermediates import keep_block_intermediates
 from .param_grads import Accumulators, deposited_into
 from .state import State, check_like_psi, differentiable, signature

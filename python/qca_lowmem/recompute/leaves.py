@@ -4,8 +4,8 @@ refusing a tensor that requires grad but was computed before the step."""
 from typing import List
 
 import torch
-from .. import _torch_private as torch_private
 
+from .. import _torch_private as torch_private
 
 
 def next_sequence_nr() -> int:

@@ -1,7 +1,7 @@
 """What the rollout measures in bytes, for its "auto" schedule and for `qca-lowmem plan`, so they
-agree: what an autograd graph keeps for backward (a device-independent measure), the memory a
-CUDA device can still give, and byte sizes written for people and read from them. The trainer's
-own planning figures (model state, a state's size, the loss's states) are in
+agree: what an autograd graph keeps for backward (a device-independent measure) and the memory a
+CUDA device can still give. Byte sizes written for people and read from them are units.py's;
+the trainer's own planning figures (model state, a state's size, the loss's states) are in
 trainer/footprint.py."""
 
 from typing import List
@@ -69,40 +69,3 @@ def private_pool_free_bytes(device: torch.device) -> int:
 def free_budget(device: torch.device, step_bytes: int) -> int:
     """budget="free": the device's free memory after plan's margin and one step's working set."""
     return max(0, int(free_bytes(device) / SAFETY) - step_bytes)
-
-
-def format_bytes(n) -> str:
-    """1536 -> '1.50 KiB': binary units up to GiB."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-
-
-def parse_bytes(text: str, allow_zero: bool = False) -> int:
-    """'3.68GiB', '512 MiB', '4GB', '1e9' -> bytes."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-             "k": 2**10, "m": 2**20, "g": 2**30}
-    s = str(text).strip().lower().replace(" ", "")
-    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = None
-    if value is None or unit not in units or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"memory size must look like 3.68GiB, 512MiB or 4GB, got {text!r}")
-    return int(value * units[unit])
-
-
-def size_text(n: int) -> str:
-    """Bytes as a size parse_bytes reads back: exact in the largest unit that divides them
-    ('1MiB'), else to two decimals of the largest unit below them ('3.07GiB': a size typed as
-    such is said back as typed)."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            if n % size == 0:
-                return f"{n // size}{unit}"
-            return f"{n / size:.2f}{unit}"
-    return str(n)

@@ -5,10 +5,9 @@ import functools
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from .. import _torch_private as torch_private
-
 from torch.utils.hooks import RemovableHandle
 
+from .. import _torch_private as torch_private
 
 # id(parameter) -> (the sink collecting its gradient, its index there). Global, not per thread:
 # autograd runs a CUDA backward on its own device threads.

@@ -11,7 +11,7 @@ from typing import List, Optional, Union
 
 import torch
 
-from .memory import parse_bytes, size_text
+from ..units import parse_bytes, size_text
 
 NONE, STEP, REVOLVE, AUTO = "none", "step", "revolve", "auto"
 MODES = (NONE, STEP, REVOLVE, AUTO)

@@ -20,12 +20,13 @@ from typing import List, Optional
 import torch
 
 from .. import stock
-from ..precision import autocast, parse_amp_dtype
-from .distributed import resolve_device
-from ..recompute.memory import format_bytes, saved_bytes
 from ..ops.qca_step import fused_step
+from ..precision import autocast, parse_amp_dtype
 from ..recompute import Policy, StepGraph, rollout
+from ..recompute.memory import saved_bytes
+from ..units import format_bytes
 from .config import TrainConfig, build_model, channels_last_for
+from .distributed import resolve_device
 
 
 def library_commit(repo=None) -> Optional[str]:

@@ -170,8 +170,8 @@ def entry():
 
 def _failure(command: str, error: BaseException):
     """(exit status, one line) for an exception that ended `command`."""
-    from .oom import EXIT_OOM, OutOfMemoryStop
     from .errors import Interrupted, TrainingStopped, UsageError, error_text
+    from .oom import EXIT_OOM, OutOfMemoryStop
 
     if isinstance(error, KeyboardInterrupt):
         status = getattr(error, "status", EXIT_INTERRUPTED)
@@ -224,6 +224,7 @@ def _train_flags(args) -> List[str]:
     any folder (a file by its absolute path, a bundled config by name); not the policy, which
     plan recommends."""
     import shlex
+
     from .config import config_reference
 
     flags = ["--config", shlex.quote(config_reference(args.config))] if args.config is not None else []
@@ -238,12 +239,13 @@ def _train_flags(args) -> List[str]:
 
 def _train(args) -> int:
     import dataclasses
-    from .errors import UsageError
-    from .metrics import message
-    from .run_folder import free_run_folder
-    from .run_checks import check_run, device_note
-    from .train import train
+
     from .checkpoint import CHECKPOINT_NAME
+    from .errors import UsageError
+    from .run_checks import check_run, device_note
+    from .run_folder import free_run_folder
+    from .say import message
+    from .train import train
 
     config = _config(args)
     # No --out and a new run: the next free folder, as run.sh did (under torchrun every rank would

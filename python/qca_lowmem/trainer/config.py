@@ -13,9 +13,9 @@ import torch
 
 from .. import configs as bundled
 from ..atheria import config_section
+from ..precision import nhwc_faster, parse_amp_dtype
 from ..recompute import Policy
 from ..recompute.policy import STEP
-from ..precision import nhwc_faster, parse_amp_dtype
 from ..unet import UNetUnitary
 from .errors import UsageError, error_text
 

@@ -8,7 +8,7 @@ from typing import List, Tuple
 import torch
 
 from ..precision import native_amp_dtype
-from ..recompute.memory import format_bytes
+from ..units import format_bytes
 
 SMALL_GPU = 4 * 2**30
 

@@ -1,5 +1,5 @@
 """What the reference trainer reports: one record per episode to metrics.csv, TensorBoard (when
-installed) and a progress bar, and messages on stderr. Only rank 0 reports."""
+installed) and a progress bar, and notes that the bar stays below. Only rank 0 reports."""
 
 import codecs
 import csv
@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from .errors import TrainingStopped, UsageError
+from .say import PREFIX, message
 
 METRICS_NAME = "metrics.csv"
 METRIC_KEYS = ("survival", "symmetry", "complexity")
@@ -39,11 +40,6 @@ def duration_text(seconds: float) -> str:
     if minutes < 60:
         return f"{minutes} min {int(seconds % 60)} s"
     return f"{minutes // 60} h {minutes % 60:02d} min"
-
-
-def message(text: str, rank: int = 0):
-    if rank == 0:
-        print(f"qca-lowmem: {text}", file=sys.stderr, flush=True)
 
 
 class EpisodeLog:
@@ -110,7 +106,7 @@ class EpisodeLog:
     def note(self, text: str):
         """A message on stderr that the bar, when there is one, stays below."""
         if self.bar is not None:
-            self.bar.write(f"qca-lowmem: {text}", file=sys.stderr)
+            self.bar.write(f"{PREFIX}{text}", file=sys.stderr)
         elif self.writer is not None:
             message(text)
 

@@ -11,7 +11,7 @@ from typing import List, Optional
 import torch
 
 from ..recompute import Policy
-from ..recompute.memory import format_bytes
+from ..units import format_bytes
 from .footprint import kept_bytes, model_state_bytes, psi_bytes
 
 EXIT_OOM = 3

@@ -30,15 +30,16 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .. import stock
-from ..precision import autocast, native_amp_dtype, parse_amp_dtype
 from ..ops.qca_step import fused_step
+from ..precision import autocast, native_amp_dtype, parse_amp_dtype
 from ..recompute import Policy, keep_block_intermediates
-from ..recompute.memory import SAFETY, format_bytes, parse_bytes, saved_storage_sizes
+from ..recompute.memory import SAFETY, saved_storage_sizes
 from ..recompute.schedule import budget_split
+from ..units import format_bytes, parse_bytes
 from .allocator import expandable_in_environment, reserved_bytes
 from .config import TrainConfig, build_model
-from .footprint import LOSS_STATES, MODEL_STATE_BYTES_PER_PARAMETER, model_state_bytes, psi_bytes
 from .errors import UsageError
+from .footprint import LOSS_STATES, MODEL_STATE_BYTES_PER_PARAMETER, model_state_bytes, psi_bytes
 
 _PROBE_GRIDS = (8, 16)
 MiB = 2**20

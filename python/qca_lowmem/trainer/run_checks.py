@@ -7,14 +7,14 @@ from typing import Optional
 import torch
 
 from .. import precision
-from . import checkpoint, oom
 from ..precision import parse_amp_dtype
+from . import checkpoint, oom
 from .config import TrainConfig, parameter_count
 from .distributed import resolve_device
 from .errors import UsageError
-from .metrics import message
 from .run_folder import check_run_folder, set_aside
 from .runlock import FolderLock
+from .say import message
 
 
 def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = True, rank: int = 0,

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import UsageError
-from .metrics import message
+from .say import message
 
 LOCK_NAME = ".qca-lowmem.lock"
 

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -24,18 +23,19 @@ from typing import Callable, List, Optional
 import torch
 
 from .. import amp, precision, stock
-from . import checkpoint, divergence, oom
-from ..precision import amp_name, autocast, parse_amp_dtype
-from ..recompute import StepGraph, rollout, saved_bytes, shared_weight_casts
 from ..ops.noise import episode_noise
 from ..ops.qca_step import fused_step
+from ..precision import amp_name, autocast, parse_amp_dtype
+from ..recompute import StepGraph, rollout, saved_bytes, shared_weight_casts
+from . import checkpoint, divergence, oom
 from .config import TrainConfig, build_model, channels_last_for
 from .distributed import Distributed, resolve_device
 from .errors import Interrupted, TrainingStopped, UsageError, error_text
-from .metrics import METRIC_KEYS, EpisodeLog, duration_text, message, record_of
+from .metrics import METRIC_KEYS, EpisodeLog, duration_text, record_of
 from .oom import RunPolicy
 from .run_checks import check_run, device_note
 from .runlock import FolderLock
+from .say import message
 from .signals import Stop, interrupts_deferred
 
 
@@ -44,7 +44,7 @@ def set_allocator_defaults():
     if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
         return
     if torch.cuda.is_initialized():  # (is_available() is not asked: it may touch the driver)
-        print("qca-lowmem: CUDA already initialised; PYTORCH_CUDA_ALLOC_CONF left unset", file=sys.stderr)
+        message("CUDA already initialised; PYTORCH_CUDA_ALLOC_CONF left unset")
         return
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 

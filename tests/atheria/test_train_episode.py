@@ -11,8 +11,8 @@ import types
 import pytest
 
 import qca_lowmem
-from qca_lowmem.atheria.switch import LowmemEpisode
 from qca_lowmem.atheria.code_identity import FOLLOWED, PYTHON, digest, followed
+from qca_lowmem.atheria.switch import LowmemEpisode
 from qca_lowmem.examples import QC_Trainer_v3, QC_Trainer_v4, make_config
 from qca_lowmem.examples import qc_trainer_v4 as stand_in_module
 from qca_lowmem.examples.qc_trainer_v4 import MemoryMotor, Motor
@@ -57,11 +57,11 @@ def refused(trainer, match):
 
 
 def test_an_episode_of_its_own_is_refused_naming_it():
-    refused(trainer_of(Overriding), r"Overriding.train_episode is test_enable_episode.Overriding.train_episode "
+    refused(trainer_of(Overriding), r"Overriding.train_episode is test_train_episode.Overriding.train_episode "
                                     r"\(its class's\), not a stock episode qca_lowmem follows")
     patched = trainer_of()
     patched.train_episode = types.MethodType(lambda self, e: (0.0, {}, None), patched)
-    refused(patched, r"QC_Trainer_v4.train_episode is test_enable_episode.test_an_episode_of_its_own_is_refused_"
+    refused(patched, r"QC_Trainer_v4.train_episode is test_train_episode.test_an_episode_of_its_own_is_refused_"
                      r"naming_it.<locals>.<lambda> \(set on the instance\)")
     other = trainer_of()
     other.train_episode = trainer_of().train_episode  # the stock function, but another trainer's

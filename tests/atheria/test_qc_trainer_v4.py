@@ -16,7 +16,6 @@ from helpers import cuda_only, randomize_affine
 from qca_lowmem.examples import QC_Trainer_v4, make_config
 from qca_lowmem.stock import ConvBlock
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

@@ -9,8 +9,17 @@ import torch
 from torch import nn
 
 import qca_lowmem
-from fixtures.model_families import (D_STATE, FAMILIES, HIDDEN, MEMORY_FAMILIES, SpikingOperator, assert_same_run, make_operator,
-                                     make_trainer, run)
+from fixtures.model_families import (
+    D_STATE,
+    FAMILIES,
+    HIDDEN,
+    MEMORY_FAMILIES,
+    SpikingOperator,
+    assert_same_run,
+    make_operator,
+    make_trainer,
+    run,
+)
 from qca_lowmem import RecomputeMismatchError, saved_bytes
 from qca_lowmem.atheria.engine_step import FusedMemoryStep
 

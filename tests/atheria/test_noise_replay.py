@@ -10,9 +10,9 @@ import sys
 import numpy
 import pytest
 import torch
-from helpers import host_waits
 
 import qca_lowmem
+from helpers import host_waits
 from qca_lowmem import stock
 from qca_lowmem.atheria import noise_replay
 from qca_lowmem.atheria.noise_replay import MaskFreeInjector, follows, without_host_waits

@@ -22,7 +22,7 @@ qca_steps, the learning rate or max_noise changed between episodes; noisy episod
 trainer's own psi0 draw. Every checkpoint policy.
 
 CI runs QCA_FUZZ_EXAMPLES examples (default 100, about 20 s on two shared cores once they pass); a long search:
-    QCA_FUZZ_EXAMPLES=3000 python -m pytest -q tests/library/test_switch_fuzz.py   # about 10 min
+    QCA_FUZZ_EXAMPLES=3000 python -m pytest -q tests/atheria/test_switch_fuzz.py   # about 10 min
 The generation is derandomized: the same budget draws the same variants on every run. A failure
 prints the variant; `verdict(Variant(...))` (tests/fixtures/switch_oracle.py) replays it.
 """
@@ -31,7 +31,8 @@ import os
 import warnings
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fixtures.switch_oracle import first_difference, is_clear, verdict
 from fixtures.switch_variants import OPS, POLICIES, Variant, outcome

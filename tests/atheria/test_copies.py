@@ -10,9 +10,8 @@ import numpy
 import pytest
 import torch
 
-from fixtures.model_families import make_trainer
-
 import qca_lowmem
+from fixtures.model_families import make_trainer
 from qca_lowmem.examples import QC_Trainer_v3, QC_Trainer_v4, make_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
