@@ -79,11 +79,11 @@ def in_graph(fn, device, calls):
     launch; a replay issues the calls back to back, as the captured step runs them."""
     if device.type != "cuda" or calls <= 1:
         return fn, 1
-    from qca_lowmem.recompute import graph  # StepGraph's capture: it leaves the process as found on failure
+    from qca_lowmem.recompute import step_graph  # StepGraph's capture: it leaves the process as found on failure
 
     if device.index is None:  # the capture's clean-up after a failure names the device by index
         device = torch.device("cuda", torch.cuda.current_device())
-    graphs = graph._graphs(device)
+    graphs = step_graph._graphs(device)
     try:
         with graphs.warming_up():
             for _ in range(3):

@@ -20,7 +20,7 @@
    `free_bytes` reads against the cap, and that an "auto" rollout of a captured step (a StepGraph)
    runs under it, with its private pool's free bytes, which free_bytes leaves out.
 6. noise: the users' boolean-mask noise injector (stock.NoiseInjector) against its replay without
-   host waits (atheria/noise_replay.py): bitwise equal flips, the CUDA generator left alike, and
+   host waits (atheria/mask_free_noise.py): bitwise equal flips, the CUDA generator left alike, and
    the ops that wait for the GPU in each.
 
 Each section is written to benchmarks/results/probe_<device>.json as soon as it ends (a killed
@@ -47,8 +47,8 @@ import qca_lowmem
 from qca_lowmem import stock
 from qca_lowmem.ops.qca_step import fused_step
 from qca_lowmem.recompute import memory
+from qca_lowmem.recompute.check import ROUNDING_UNITS, _relative_difference
 from qca_lowmem.recompute.cuda_graphs import CaptureFallbackWarning
-from qca_lowmem.recompute.recompute_check import ROUNDING_UNITS, _relative_difference
 
 SECTIONS = ["capture", "fallback", "determinism", "groupnorm", "budget", "noise"]
 GRAPH_CALLS = 20  # calls per captured graph when timing a kernel
@@ -331,7 +331,7 @@ def section_budget(args, device):
 
 
 def section_noise(args, device):
-    from qca_lowmem.atheria.noise_replay import MaskFreeInjector
+    from qca_lowmem.atheria.mask_free_noise import MaskFreeInjector
 
     def flipped(injector, method, psi):
         torch.manual_seed(5)

@@ -163,7 +163,7 @@ class NoiseInjector:
     """The users' QuantumNoiseInjector (Jonakss/Atheria, module src.physics.noise), its phase and bit
     flips as they are written there: the masks and angles drawn on the injector's device, the
     state indexed by boolean masks (on CUDA each such index waits for the GPU; enable() replays
-    them without, atheria/noise_replay.py)."""
+    them without, atheria/mask_free_noise.py)."""
 
     def __init__(self, device="cpu"):
         self.device = device

@@ -7,8 +7,7 @@ import pytest
 
 import qca_lowmem
 from qca_lowmem.examples import QC_Trainer_v4, make_config
-from qca_lowmem.recompute import Policy
-from qca_lowmem.recompute import graph as step_graph
+from qca_lowmem.recompute import Policy, step_graph
 from qca_lowmem.trainer import config as config_mod
 from qca_lowmem.trainer.train import Trainer
 

@@ -18,11 +18,11 @@ import qca_lowmem
 import qca_lowmem.atheria.code_identity
 from qca_lowmem.atheria.discontinuity import discontinuity
 from qca_lowmem.atheria.engine_step import FusedEngineStep
-from qca_lowmem.atheria.noise_replay import follows
+from qca_lowmem.atheria.mask_free_noise import follows
 from qca_lowmem.examples import qc_trainer_v4 as stand_in
 from qca_lowmem.examples.qc_trainer_v4 import Motor, QC_Trainer_v4, make_config
 from qca_lowmem.ops.qca_step import qca_pack
-from qca_lowmem.recompute.recompute_check import RecomputeMismatchError
+from qca_lowmem.recompute.check import RecomputeMismatchError
 from qca_lowmem.stock import NoiseInjector, pack, update
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -133,7 +133,7 @@ def test_a_kernel_is_timed_inside_a_captured_graph_of_calls(monkeypatch, capsys)
     timed call by call, and says so; off CUDA nothing is captured."""
     import contextlib
 
-    from qca_lowmem.recompute import graph
+    from qca_lowmem.recompute import step_graph
 
     class EagerGraphs:
         def __init__(self, device):
@@ -145,7 +145,7 @@ def test_a_kernel_is_timed_inside_a_captured_graph_of_calls(monkeypatch, capsys)
         def capture(self, body):
             return body(), body
 
-    monkeypatch.setattr(graph, "_graphs", EagerGraphs)
+    monkeypatch.setattr(step_graph, "_graphs", EagerGraphs)
     common = bench_module("common")
     calls = []
     replay, per = common.in_graph(lambda: calls.append(1), torch.device("cuda", 0), 5)
@@ -183,7 +183,7 @@ def test_a_backward_candidates_graph_is_made_in_the_captures_warm_up(monkeypatch
     once; every call returns the forward's gradients."""
     import contextlib
 
-    from qca_lowmem.recompute import graph
+    from qca_lowmem.recompute import step_graph
 
     where = ["caller's stream"]
 
@@ -200,7 +200,7 @@ def test_a_backward_candidates_graph_is_made_in_the_captures_warm_up(monkeypatch
         def capture(self, body):
             return body(), body
 
-    monkeypatch.setattr(graph, "_graphs", SideStreamGraphs)
+    monkeypatch.setattr(step_graph, "_graphs", SideStreamGraphs)
     common = bench_module("common")
     forwards = []
 

@@ -255,7 +255,7 @@ def test_the_check_sees_a_dependence_of_one_part_in_a_billion(policy):
 
 
 def test_on_a_gpu_the_check_allows_rounding_of_the_compute_precision():
-    from qca_lowmem.recompute.recompute_check import ROUNDING_UNITS, _tolerance
+    from qca_lowmem.recompute.check import ROUNDING_UNITS, _tolerance
 
     on_gpu = torch.empty(2, dtype=torch.complex64, device="meta")
     assert _tolerance(on_gpu, torch.bfloat16) == ROUNDING_UNITS * torch.finfo(torch.bfloat16).eps
@@ -268,7 +268,7 @@ def test_on_a_gpu_float32_steps_may_round_as_tf32_where_torch_allows_it(monkeypa
                                                                          units_of):
     """cuDNN computes float32 convs in TF32 by default, and with cudnn.benchmark each thread may pick
     another algorithm: a recompute on autograd's device thread differed by 0.64 TF32 units (H200)."""
-    from qca_lowmem.recompute.recompute_check import ROUNDING_UNITS, _tolerance
+    from qca_lowmem.recompute.check import ROUNDING_UNITS, _tolerance
 
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", cudnn_tf32)
     precision = torch.get_float32_matmul_precision()

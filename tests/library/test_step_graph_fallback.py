@@ -10,8 +10,7 @@ from torch import nn
 
 import qca_lowmem
 from helpers import episode, initial_state, randomize_affine
-from qca_lowmem.recompute import cuda_graphs
-from qca_lowmem.recompute import graph as step_graph
+from qca_lowmem.recompute import cuda_graphs, step_graph
 from qca_lowmem.trainer import config as config_mod
 from qca_lowmem.trainer import train as train_mod
 

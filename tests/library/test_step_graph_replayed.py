@@ -30,9 +30,9 @@ from helpers import (
     randomize_affine,
 )
 from qca_lowmem import NoiseSchedule
-from qca_lowmem.atheria import noise_replay
+from qca_lowmem.atheria import mask_free_noise
 from qca_lowmem.examples import QC_Trainer_v4, make_config
-from qca_lowmem.recompute import graph as step_graph
+from qca_lowmem.recompute import step_graph
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -325,7 +325,7 @@ def test_a_captured_step_casts_its_weights_once_an_episode(replayed_graphs):
 def test_no_host_wait_in_a_captured_step_of_the_default_episode(replayed_graphs, monkeypatch):
     """enable()'s defaults where a capture runs, a noisy episode with the users' injector replayed
     as on CUDA: the waits an episode makes (its loss's reads) do not grow with its steps."""
-    monkeypatch.setattr(noise_replay, "index_waits", lambda device: True)
+    monkeypatch.setattr(mask_free_noise, "index_waits", lambda device: True)
     waits = []
     for steps in (3, 6):
         torch.manual_seed(3)

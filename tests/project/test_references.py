@@ -52,7 +52,7 @@ def file_exists(name: str, source: str) -> bool:
     candidates = [ROOT / name, here / name]
     if any(c.resolve().relative_to(ROOT).as_posix() in TRACKED_SET for c in candidates if c.resolve().is_relative_to(ROOT)):
         return True
-    # A path named from inside the package or the C tree (recompute/graph.py, kernels/noise.cu).
+    # A path named from inside the package or the C tree (recompute/step_graph.py, kernels/noise.cu).
     return any(p.endswith("/" + name.lstrip("./")) for p in TRACKED)
 
 
@@ -137,8 +137,9 @@ def test_every_named_file_and_module_exists(path):
 def test_the_check_sees_a_stale_reference(tmp_path):
     assert not file_exists("auto_checkpoint.py", "docs/design.md")
     assert not file_exists("qca_lowmem/episode_reverse.py", "docs/design.md")
-    assert file_exists("recompute/graph.py", "docs/design.md") and file_exists("../csrc/ops/glue.h", "docs/design.md")
-    assert not module_exists("qca_lowmem.step_graph") and module_exists("qca_lowmem.recompute.graph.StepGraph")
+    assert file_exists("recompute/step_graph.py", "docs/design.md") and file_exists("../csrc/ops/glue.h", "docs/design.md")
+    assert not module_exists("qca_lowmem.step_graph") and module_exists("qca_lowmem.recompute.step_graph.StepGraph")
+    assert not module_exists("qca_lowmem.recompute.graph") and not file_exists("recompute/graph.py", "docs/design.md")
     assert not short_form_exists("switch", "parse_flag") and short_form_exists("config_section", "parse_flag")
     comments = prose_of_text("// see python/qca_lowmem/qca_step.py\nint f(const char* s = \"a/b.py\");\n", "x.c")
     assert [name for _, name, _ in references_in(comments)] == ["python/qca_lowmem/qca_step.py"]

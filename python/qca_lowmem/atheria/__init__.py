@@ -8,7 +8,7 @@ trainer version: what differs between their episodes), `engine_step` (the steps 
 their engine), `engine_probe` (the check that their engine steps as the fused step does),
 `user_modules` (helpers on their torch modules), `discontinuity` (the allowlist of continuous ops),
 `code_identity` (the identity of the code that runs), `stock_guard` (recognising their stock
-episode by it), `noise_replay` (their injector's draws without host waits), `scaler_swap` (their
+episode by it), `mask_free_noise` (their injector's draws without host waits), `scaler_swap` (their
 GradScaler as qca_lowmem's) and `say` (the switch's one line).
 """
 

@@ -11,8 +11,7 @@ import torch
 
 from .. import precision
 from ..precision import parse_amp_dtype
-from ..recompute import Policy, StepGraph
-from ..recompute import graph as step_graph
+from ..recompute import Policy, StepGraph, step_graph
 from .engine_step import has_memory, own_step_verdict
 from .options import Options
 from .trainers import TrainerVersion

@@ -17,7 +17,7 @@ import torch
 from .. import stock
 from ..ops.noise import NoiseSchedule
 from .engine_step import store_memory
-from .noise_replay import without_host_waits
+from .mask_free_noise import without_host_waits
 
 
 def _missing(trainer, paths) -> list:
@@ -108,7 +108,7 @@ class TrainerV4:
         """The episode's noise(psi, t), None when the curriculum leaves it off. "trainer": the
         trainer's injector as stock applies it, the same draws in the same order (the rollout
         replays the generators' states in its recomputes), without host waits on CUDA
-        (noise_replay.py); "fused": a NoiseSchedule keyed by one
+        (mask_free_noise.py); "fused": a NoiseSchedule keyed by one
         draw from torch's generator, replayed by construction."""
         rate = stock.noise_rate(episode, trainer.max_noise)
         if rate <= stock.NOISE_RATE_THRESHOLD:

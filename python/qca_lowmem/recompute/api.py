@@ -14,13 +14,13 @@ import torch
 from .buffers import StepBuffers
 from .episode import Episode, EpisodeFunction, StepUnit
 from .escapes import Leftovers, StepFrame
-from .graph import StepGraph
 from .intermediates import keep_block_intermediates
 from .leaves import leaves_reached, next_sequence_nr
 from .policy import STEP, Policy
 from .replay import AutocastState, RngStates
 from .schedule import holds_every_graph, schedule_for
 from .state import State, checked_carry
+from .step_graph import StepGraph
 
 
 def rollout(

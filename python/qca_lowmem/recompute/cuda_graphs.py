@@ -2,7 +2,7 @@
 explained: graphs sharing one pool, warmed up and captured on a side stream (`CudaGraphs`); a
 capture's failure raised as `CaptureFailed` with its whole exception chain, first error first,
 and the cause a user can act on; a step that draws random numbers refused before it is captured.
-StepGraph (graph.py) turns a failure into one CaptureFallbackWarning and eager steps.
+StepGraph (step_graph.py) turns a failure into one CaptureFallbackWarning and eager steps.
 """
 
 import contextlib

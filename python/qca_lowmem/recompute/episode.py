@@ -36,7 +36,7 @@ from .watch import StepWatch
 class StepUnit:
     """One step of the episode: step_fn then noise, with the checks that keep the state's type.
 
-    With a capture (a StepGraph's, graph.py), steps taken without grad replay its forward graph;
+    With a capture (a StepGraph's, step_graph.py), steps taken without grad replay its forward graph;
     the reverse pass asks the capture for the backward."""
 
     def __init__(self, step_fn: Callable, noise: Optional[Callable], carried: bool):

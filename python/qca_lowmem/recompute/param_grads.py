@@ -42,7 +42,7 @@ def deposited_into(sink, params):
 
 
 class Accumulators:
-    """deposit()'s target while a StepGraph's backward is captured (graph.py): its per-parameter
+    """deposit()'s target while a StepGraph's backward is captured (step_graph.py): its per-parameter
     accumulators, noting which it reached."""
 
     def __init__(self, params, accumulators):

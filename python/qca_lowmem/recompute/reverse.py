@@ -5,13 +5,13 @@ outputs and a vector-Jacobian product from one of three ways of running a step:
 
 - recomputed eagerly: the step runs again with grad from its kept input state (same autocast
   state, same random numbers, blocks keeping their intermediates);
-- replayed on a capture (a StepGraph, graph.py): the captured forward and backward graphs, the
+- replayed on a capture (a StepGraph, step_graph.py): the captured forward and backward graphs, the
   noise after the step eager;
 - kept graphs (checkpoint="auto"'s last steps): the chain of graphs the forward built, reversed in
   one backward as plain autograd would, nothing recomputed.
 
 The pass itself owns what they share: the gradients flowing into each step's outputs, the
-recompute check (recompute_check.py), and the first step's inputs, whose gradients are returned
+recompute check (check.py), and the first step's inputs, whose gradients are returned
 only where psi0 or a carry entry requires grad. Parameter gradients reach the episode's
 ParamGradSink through the parameters' hooks, or the capture's accumulators.
 """
@@ -20,9 +20,9 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from .check import RecomputeCheck
 from .intermediates import keep_block_intermediates
 from .leaves import leaves_reached, next_sequence_nr
-from .recompute_check import RecomputeCheck
 from .state import State
 
 

@@ -86,7 +86,7 @@ class _Active:
 
 
 class StaticCasts(WeightCasts):
-    """The copies a captured step reads (graph.py): made by its eager warm-up, at addresses the
+    """The copies a captured step reads (step_graph.py): made by its eager warm-up, at addresses the
     graphs then read at every replay, and written again in place (`refresh`) before each
     episode's replays, since the weights may have changed between episodes without a Python
     call in the replays to notice. One cast per weight per episode, as eager steps do."""

@@ -1,5 +1,5 @@
 """The users' boolean-mask noise (stock.NoiseInjector is their QuantumNoiseInjector's code)
-replayed without host waits (atheria/noise_replay.py): the same draws in the same order, the
+replayed without host waits (atheria/mask_free_noise.py): the same draws in the same order, the
 generators left where theirs leave them, the same flips, and no op that waits for the device in a
 step of enable()'s episode, eager or recomputed (captured: test_step_graph_replayed.py)."""
 
@@ -14,8 +14,8 @@ import torch
 import qca_lowmem
 from helpers import host_waits
 from qca_lowmem import stock
-from qca_lowmem.atheria import noise_replay
-from qca_lowmem.atheria.noise_replay import MaskFreeInjector, follows, without_host_waits
+from qca_lowmem.atheria import mask_free_noise
+from qca_lowmem.atheria.mask_free_noise import MaskFreeInjector, follows, without_host_waits
 from qca_lowmem.examples import QC_Trainer_v4, make_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -60,7 +60,7 @@ def test_the_replay_is_bitwise_theirs_under_scalar_cpu_kernels():
     """With torch's CPU kernels at their scalar capability every element's product runs the same
     code, as on a GPU: the phase flips too are bitwise theirs."""
     code = (
-        "import torch\nfrom qca_lowmem import stock\nfrom qca_lowmem.atheria.noise_replay import MaskFreeInjector\n"
+        "import torch\nfrom qca_lowmem import stock\nfrom qca_lowmem.atheria.mask_free_noise import MaskFreeInjector\n"
         f"for shape in {SHAPES!r}:\n"
         "    for dtype in (torch.complex64, torch.complex128):\n"
         "        psi = torch.randn(shape, dtype=dtype)\n"
@@ -86,7 +86,7 @@ def test_only_the_followed_injector_is_replayed_and_only_where_an_index_waits(mo
     over_the_instance.apply_phase_flip = lambda psi, rate: psi
     no_device = stock.NoiseInjector()
     del no_device.device
-    monkeypatch.setattr(noise_replay, "index_waits", lambda device: True)
+    monkeypatch.setattr(mask_free_noise, "index_waits", lambda device: True)
     assert isinstance(without_host_waits(theirs), MaskFreeInjector) and without_host_waits(theirs).device == "cpu"
     for other in (Edited(), over_the_instance, no_device):
         assert not follows(other) and without_host_waits(other) is other
@@ -115,7 +115,7 @@ def test_no_host_wait_in_a_step_of_the_default_episode(monkeypatch, checkpoint):
     not grow with the steps. Their own code, run on the CPU, waits in every step."""
     theirs = [episode_waits(steps, checkpoint=checkpoint) for steps in (3, 6)]
     assert theirs[1] >= theirs[0] + 3 * 2
-    monkeypatch.setattr(noise_replay, "index_waits", lambda device: True)
+    monkeypatch.setattr(mask_free_noise, "index_waits", lambda device: True)
     replayed = [episode_waits(steps, checkpoint=checkpoint) for steps in (3, 6)]
     assert replayed[0] == replayed[1] < theirs[0]
 
@@ -126,7 +126,7 @@ def test_episodes_with_the_replay_equal_stocks(monkeypatch, checkpoint, options)
     episode with the users' masked noise, complex128, every policy."""
     runs = []
     for replay in (False, True):
-        monkeypatch.setattr(noise_replay, "index_waits", lambda device, replay=replay: replay)
+        monkeypatch.setattr(mask_free_noise, "index_waits", lambda device, replay=replay: replay)
         trainer = noisy_trainer(5, torch.complex128)
         if replay:
             qca_lowmem.enable(trainer, checkpoint=checkpoint, **options)
