@@ -3,6 +3,7 @@ imports in a circle (function-level imports included: they are the usual way to 
 
 import ast
 import importlib
+import re
 import sys
 import tomllib
 from pathlib import Path
@@ -199,6 +200,33 @@ def test_every_package_folder_is_installed():
     folders = {".".join((NAME, *p.relative_to(source).parts)) for p in source.rglob("*")
                if p.is_dir() and p.name != "__pycache__" and any(p.glob("*.py"))}
     assert folders <= listed, f"not installed: {sorted(folders - listed)}"
+
+
+def face_listing_gaps(package: Path):
+    """(modules without a line in the package docstring, lines naming no module): each module of a
+    package is listed there as a line `- `name`: what it holds`."""
+    listed = set(re.findall(r"^- `(\w+)`:", ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or "",
+                            re.MULTILINE))
+    modules = {p.stem for p in package.glob("*.py") if p.name != "__init__.py"}
+    return sorted(modules - listed), sorted(listed - modules)
+
+
+PACKAGE_FOLDERS = sorted(p.parent for p in PACKAGE.glob("*/__init__.py"))
+
+
+@pytest.mark.parametrize("package", PACKAGE_FOLDERS, ids=lambda p: p.name)
+def test_every_package_face_lists_its_modules(package):
+    unlisted, stale = face_listing_gaps(package)
+    assert not unlisted, f"{package.name}/__init__.py's docstring has no line for {unlisted}"
+    assert not stale, f"{package.name}/__init__.py's docstring lists modules that do not exist: {stale}"
+
+
+def test_the_face_check_sees_a_module_without_a_line(tmp_path):
+    (tmp_path / "__init__.py").write_text('"""A package.\n\n- `kept`: what it holds.\n- `gone`: removed.\n"""\n')
+    (tmp_path / "kept.py").write_text("")
+    (tmp_path / "added.py").write_text("")
+    assert face_listing_gaps(tmp_path) == (["added"], ["gone"])
+    assert {p.name for p in PACKAGE_FOLDERS} >= {"recompute", "atheria", "ops"}
 
 
 def test_the_version_is_the_projects():

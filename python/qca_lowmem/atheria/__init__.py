@@ -1,15 +1,22 @@
 """The switch for the users' Atheria trainers (`QC_Trainer_v4`, `QC_Trainer_v3`): `enable()`
 puts the recomputing rollout under their `train_episode` and `disable()` takes it out.
 
-`switch` (enable, disable, the episode they run), `options` (enable()'s options, each declared
-once), `episode_options` (what enable() decided, one frozen value), `config_section` (the
-`LOWMEM` section of their config and the `QCA_LOWMEM` switch), `trainers` (one adapter per
-trainer version: what differs between their episodes), `engine_step` (the steps installed on
-their engine), `engine_probe` (the check that their engine steps as the fused step does),
-`user_modules` (helpers on their torch modules), `discontinuity` (the allowlist of continuous ops),
-`code_identity` (the identity of the code that runs), `stock_guard` (recognising their stock
-episode by it), `mask_free_noise` (their injector's draws without host waits), `scaler_swap` (their
-GradScaler as qca_lowmem's) and `say` (the switch's one line).
+Its modules, one concern each:
+
+- `switch`: enable, disable, the episode they run, and what enable() keeps on the trainer.
+- `options`: enable()'s options, each declared once (type, default, check, doc).
+- `episode_options`: what enable() decided from them, one frozen value (`EpisodeOptions`).
+- `config_section`: the `LOWMEM` section of their config and the `QCA_LOWMEM` variable.
+- `trainers`: one adapter per trainer version, what differs between their episodes.
+- `engine_step`: the engine's verdict and the steps installed on their engine.
+- `engine_probe`: the one-time probe that their engine steps as the fused step does.
+- `user_modules`: helpers on their torch modules (a compiled operator's module, buffer bindings).
+- `discontinuity`: whether every op of their operator is allowlisted continuous.
+- `code_identity`: the digests of the code that runs, per Python version.
+- `stock_guard`: which `train_episode` enable() may replace (their stock one).
+- `mask_free_noise`: a copy of their noise injector writing its flips without a boolean mask.
+- `scaler_swap`: their GradScaler as qca_lowmem's, and the clipping of scaled gradients.
+- `say`: enable()'s lines where the user sees them, once.
 """
 
 from .config_section import enable_from_config

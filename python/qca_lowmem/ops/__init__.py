@@ -4,8 +4,17 @@ around them), and the helpers they share.
 
 The lowest layer of the package: it imports only torch, the native library and `stock` (the
 reference the ops' double backward runs through). The helpers that the library above uses too
-(input checks, second order, the native library's build, running hidden from an episode's watch)
-are named here; their modules, whose names start with an underscore, are this package's own.
+are named here; their modules, whose names start with an underscore, are this package's own:
+
+- `qca_step`: the QCA step ops (pack, update) and the fused step on them (`fused_step`).
+- `noise`: the noise ops (phase flip, bit flip, coin) and the stock noise schedule on them.
+- `groupnorm_elu`: the GroupNorm + ELU ops.
+- `conv_block`: the fused U-Net ConvBlock as two custom ops.
+- `scaler`: the loss-scaler ops under `amp.GradScaler`.
+- `_checks`: argument checks shared with the C glue.
+- `_double_backward`: second-order gradients of the fused ops.
+- `_loader`: the native library, loaded after checking its build.
+- `_watchers`: known computations run hidden from an episode's watch, and the forward-only check.
 """
 
 from ._loader import REBUILD_COMMAND, has_cuda_kernels, load_native

@@ -1,11 +1,28 @@
 """recompute: the rollout, an episode that recomputes instead of storing, with exact gradients.
 
-The core of the library, importing nothing of it but ops/ (docs/design.md, "The rollout"):
-`api` (rollout()), `policy` (what to keep: the mode names live there), `schedule` and `revolve`
-(which states the forward keeps, in which order the reverse pass visits steps), `episode` (the
-autograd Function), `reverse` (the reverse pass) with `check`, `step_graph` (StepGraph:
-captured CUDA graphs, a way of running a step), `state`, `replay` (autocast and RNG),
-`param_grads`, `weight_casts`, `intermediates` and `memory` (bytes, counted once).
+The core of the library, importing nothing of it but ops/ (docs/design.md, "The rollout"). Its
+modules, one concern each:
+
+- `api`: `rollout()`, its arguments and their checks, the history rule, the probe of step 0.
+- `policy`: the memory policy (`Policy`): what to keep; the mode names live there.
+- `schedule`: which states the forward keeps and in which order the reverse visits steps.
+- `revolve`: binomial checkpointing's arithmetic and reverse order.
+- `episode`: the episode as one autograd Function, its forward loop and what it saves.
+- `reverse`: the reverse pass, one step at a time (recomputed, replayed or kept graphs).
+- `check`: the check that a recomputed step reproduces its forward (`RecomputeMismatchError`).
+- `step_graph`: `StepGraph`, one step as two captured CUDA graphs.
+- `cuda_graphs`: the captures' graphs, pool and side stream; a failed capture undone and explained.
+- `state`: psi and the carry as the rollout holds them.
+- `replay`: what a recompute replays from its forward (autocast, the generators' states).
+- `generators`: the random generators' states, saved and put back in one place.
+- `buffers`: the tensors a step writes that outlive it (running statistics, registered buffers).
+- `leaves`: which leaves (parameters) a step reaches.
+- `watch`: what the forward's unprobed steps read and write besides their state (`StepWatch`).
+- `escapes`: tensors that leave a step other than through its state.
+- `param_grads`: parameter gradients summed over the steps into one buffer each.
+- `weight_casts`: half-precision weight copies, once per episode or per optimizer step.
+- `intermediates`: whether fused blocks keep their intermediates or recompute them.
+- `memory`: what the rollout measures in bytes (`saved_bytes`, the free memory of a device).
 
 The public function is `qca_lowmem.rollout` (this package's `api.rollout`); every module here
 imports by its dotted name, `import qca_lowmem.recompute.step_graph`.
