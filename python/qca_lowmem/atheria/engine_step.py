@@ -282,7 +282,7 @@ def own_step_verdict(motor, fused_step_ops: bool, grid=None, d_state: Optional[i
             f"{type(operator).__name__}'s output jumps with its input ({jumps}): the fused step, rounding "
             "differently from the engine's, would give other jumps")
     if (not fused_step_ops or why is not None) and compiled_module(operator) is not operator:
-        named = f"{type(operator).__name__} (torch.compile of {type(operator._orig_mod).__name__})"
+        named = f"{type(operator).__name__} (torch.compile of {type(compiled_module(operator)).__name__})"
         own_step = ("The engine's own step would run one compiled graph in the forward (no grad) and another in "
                     "the recompute (grad), which can round differently")
         if why is None:
