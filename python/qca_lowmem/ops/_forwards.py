@@ -1,21 +1,13 @@
-"""Known computations run hidden from the dispatch modes that only watch (an episode's StepWatch),
-and the check that a module call is only its class's forward, on which every such shortcut rests.
+"""Whether a module call is just its class's forward, on which every shortcut past a stock layer
+rests: a fused block standing in for a ConvBlock, the fused U-Net's wiring, a torch layer run
+hidden from an episode's watch (watchers.py)."""
 
-A mode sees each op for 5-25 us on a CPU, more than a small fused block's kernels. A computation
-whose reads and writes are known (a fused block: its input and parameters, writing only what it
-makes) runs with dispatch off instead, and tells each watcher what it read and made.
-"""
+from typing import Iterable
 
-import functools
-from typing import Callable, Iterable, Sequence
-
-import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from .. import _torch_private as torch_private
-
-watching_modes = torch_private.watching_modes
 
 # The torch methods and functions that a stock U-Net's layers run; a fused path computes what they
 # compute, so it stands in for them only while each is still the one torch defined.
@@ -27,6 +19,8 @@ _STOCK_METHODS = tuple((owner, name, getattr(owner, name)) for owner, name in (
 # Replaced before this module was imported (a wrapper, a function of another module): never stood in for.
 _STOCK_AT_IMPORT = all(getattr(fn, "__module__", "").startswith("torch") and not hasattr(fn, "__wrapped__")
                        for _, _, fn in _STOCK_METHODS)
+# The torch layers of the stock U-Net besides its ConvBlocks.
+_TORCH_LAYERS = (nn.MaxPool2d, nn.Conv2d, nn.ConvTranspose2d)
 
 
 def torch_layers_unchanged() -> bool:
@@ -55,28 +49,7 @@ def calls_are_forwards(modules: Iterable[nn.Module], *, with_submodules: bool = 
     return True
 
 
-def eager_watchers():
-    """watching_modes() in eager execution; None under torch.compile, whose graphs see the ops."""
-    return None if torch.compiler.is_compiling() else watching_modes()
-
-
-def run_hidden(run: Callable, read: Sequence[Tensor], watchers: list):
-    """run() with dispatch off, then each watcher told `read` and the tensors run() returned. A
-    tensor subclass among `read` keeps its own dispatch: then run() runs as it is, watched."""
-    if not all(type(t) in (Tensor, nn.Parameter) for t in read):
-        return run()
-    with torch_private.dispatch_disabled():
-        out = run()
-    made = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, Tensor)]
-    for watcher in watchers:
-        watcher.ran_unseen(read, made)
-    return out
-
-
-def call_unwatched(op: Callable, tensors: Sequence[Tensor], *args):
-    """op(*tensors, *args) for an op that reads `tensors` and writes only the tensor it returns
-    (this package's QCA and noise ops, `cat`): hidden from watching modes, seen by any other."""
-    watchers = eager_watchers()
-    if watchers:
-        return run_hidden(functools.partial(op, *tensors, *args), tensors, watchers)
-    return op(*tensors, *args)
+def plain_torch_layer(layer: nn.Module) -> bool:
+    """A stock U-Net's torch layer (MaxPool2d, Conv2d, ConvTranspose2d) whose call now is just
+    torch's forward: it reads its input and parameters and writes only its output."""
+    return type(layer) in _TORCH_LAYERS and torch_layers_unchanged() and calls_are_forwards((layer,))
