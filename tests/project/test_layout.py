@@ -247,7 +247,7 @@ WATCHED = {
     ("ops/scaler.py", "mul_"): "writes its arguments in place",
     ("ops/scaler.py", "update_scale_"): "writes its arguments in place",
 }
-HIDING = {"call_unwatched", "run_hidden"}
+HIDING = {"call_unwatched", "call_layer_unwatched", "run_hidden"}
 
 
 def op_wrappers(tree: ast.Module):
