@@ -101,16 +101,6 @@ def below_autograd():
     return torch._C._AutoDispatchBelowAutograd()
 
 
-class WatchingDispatchMode(TorchDispatchMode):
-    """A mode that only watches the ops it sees and runs them as they are (the episode's
-    StepWatch). A fused op may run its pieces hidden from it (`dispatch_disabled`), telling it
-    what they read and made, where another mode must see the op whole."""
-
-    def ran_unseen(self, read, made) -> None:
-        """An op ran without this mode seeing it: the tensors it read, those it made."""
-        raise NotImplementedError
-
-
 def argument_tensors(args, kwargs) -> List[torch.Tensor]:
     """The tensors among an op's arguments, as a dispatch mode receives them: each a Tensor or
     Tensor? argument, or in a Tensor[] or Tensor?[] one (op schemas nest no deeper). The walk of
@@ -133,11 +123,10 @@ def result_tensors(out) -> List[torch.Tensor]:
     return argument_tensors(out, None) if isinstance(out, (tuple, list)) else []
 
 
-def watching_modes() -> Optional[list]:
-    """The dispatch modes active when every one is a WatchingDispatchMode ([] without any), None
-    when another is."""
-    modes = [torch._C._get_dispatch_stack_at(i) for i in range(torch._C._len_torch_dispatch_stack())]
-    return modes if all(isinstance(mode, WatchingDispatchMode) for mode in modes) else None
+def dispatch_modes() -> list:
+    """The dispatch modes active in this thread, outermost first ([] without any)."""
+    count = torch._C._len_torch_dispatch_stack()
+    return [torch._C._get_dispatch_stack_at(i) for i in range(count)] if count else []
 
 
 def dispatch_disabled():

@@ -12,7 +12,8 @@ from torch.utils.checkpoint import checkpoint
 from . import _torch_private as torch_private
 from . import stock
 from .blocks import FusedConvBlock, layers_mismatch
-from .ops import call_unwatched, calls_are_forwards, eager_watchers, refuse_func_transforms, run_hidden, torch_layers_unchanged
+from .ops import calls_are_forwards, plain_torch_layer, refuse_func_transforms, torch_layers_unchanged
+from .ops.watchers import call_layer_unwatched, call_unwatched
 from .precision import autocast_dtype
 from .recompute.intermediates import block_keeps_intermediates
 from .recompute.weight_casts import cast_weight, checkpoint_kwargs
@@ -87,8 +88,8 @@ class UNetUnitary(nn.Module):
         """The stock U-Net forward with `run_block(block, h)` applying each ConvBlock, so that the
         stock computation (`block.conv_block(h)`) and the fused one share the wiring."""
         x1 = run_block(self.inc, x)
-        x2 = run_block(self.down1[1], _as_one_op(self.down1[0], x1))
-        x3 = run_block(self.down2[1], _as_one_op(self.down2[0], x2))
+        x2 = run_block(self.down1[1], call_layer_unwatched(self.down1[0], x1))
+        x3 = run_block(self.down2[1], call_layer_unwatched(self.down2[0], x2))
         b = run_block(self.bot, x3)
         c1 = run_block(self.conv_up1, call_unwatched(_cat_channels, (_unfused(self.up1, b), x2)))
         c2 = run_block(self.conv_up2, call_unwatched(_cat_channels, (_unfused(self.up2, c1), x1)))
@@ -100,7 +101,6 @@ def _cat_channels(skip_from: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
 
 
 _BLOCKS = ("inc", "bot", "conv_up1", "conv_up2")
-_TORCH_LAYERS = (nn.MaxPool2d, nn.Conv2d, nn.ConvTranspose2d)
 
 
 def _is_pool_then_block(down) -> bool:
@@ -108,32 +108,15 @@ def _is_pool_then_block(down) -> bool:
         and type(down[1]) is FusedConvBlock
 
 
-def _plain_torch_layer(layer: nn.Module) -> bool:
-    """A torch layer whose call now is just torch's forward: it reads its input and parameters
-    and writes only its output."""
-    return type(layer) in _TORCH_LAYERS and torch_layers_unchanged() and calls_are_forwards((layer,))
-
-
-def _as_one_op(layer: nn.Module, x: torch.Tensor, run=None) -> torch.Tensor:
-    """run() (default layer(x)), layer applied to x; hidden from an episode's watch when layer is a
-    plain torch layer: under a dispatch mode max_pool2d takes a slower path, computing its indices too."""
-    if run is None:  # not `run or ...`: torch.compile cannot branch on a callable's truth
-        run = functools.partial(layer, x)
-    watchers = eager_watchers()
-    if watchers and _plain_torch_layer(layer):
-        return run_hidden(run, (x, *layer.parameters(recurse=False)), watchers)
-    return run()
-
-
 def _unfused(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return _as_one_op(layer, x, functools.partial(_unfused_run, layer, x))
+    return call_layer_unwatched(layer, x, functools.partial(_unfused_run, layer, x))
 
 
 def _unfused_run(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """layer(x), under autocast with its weights from the episode's copies (cast once per episode,
     as the fused blocks' are) instead of autocast's per-call casts: the same values and gradients."""
     compute_dtype = autocast_dtype(x.device.type)
-    if compute_dtype is None or type(layer) is nn.MaxPool2d or not _plain_torch_layer(layer) \
+    if compute_dtype is None or type(layer) is nn.MaxPool2d or not plain_torch_layer(layer) \
             or layer.weight.dtype == torch.float64:
         return layer(x)
     weight = cast_weight(layer.weight, compute_dtype)

@@ -7,6 +7,7 @@ import torch
 
 import qca_lowmem
 from qca_lowmem import stock
+from qca_lowmem.recompute import weight_casts
 from qca_lowmem.recompute.watch import StepWatch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -268,6 +269,24 @@ def test_the_watch_sees_what_the_fused_unets_hidden_layers_read_and_what_a_hook_
             handle.remove()
     assert {id(p) for p in watch.leaves} == {id(p) for p in model.parameters()}
     assert [id(tensor) for tensor, _ in watch.writes] == ([] if hook is None else [id(counter)])
+
+
+@pytest.mark.parametrize("model", ["block", "unet"])
+def test_the_watch_is_told_the_weights_a_step_reads_through_the_episodes_casts(model):
+    """Without grad under autocast a fused block reads its conv weights through the episode's
+    bf16 copies, made before the step: the cast tells the watch (through the dispatch-mode stack,
+    as everything the watch is told), so every parameter is found."""
+    torch.manual_seed(0)
+    module = qca_lowmem.FusedConvBlock(4, 4) if model == "block" else qca_lowmem.UNetUnitary(2, 8)
+    x = torch.randn(1, 4, 8, 8)
+    casts = weight_casts.WeightCasts()
+    with casts.active(), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        module(x)  # the copies, made before the step
+        watch = StepWatch(known_leaves=set(), known_writes=set(), inputs={id(x)})
+        with watch:
+            module(x)
+    assert len(casts.copies()) >= 2
+    assert {id(p) for p in watch.leaves} == {id(p) for p in module.parameters()}
 
 
 class SeeingWatch(StepWatch):

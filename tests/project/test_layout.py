@@ -266,3 +266,55 @@ def test_every_module_imports_by_its_dotted_name(path):
     if parent:
         assert getattr(importlib.import_module(parent), leaf) is imported, \
             f"{parent}.{leaf} is not the module {module}: a name in {parent} shadows it"
+
+
+# Op wrappers that run watched, with why (ops/watchers.py: a wrapper runs hidden from an episode's
+# watch when it reads only its arguments and writes only what it returns).
+WATCHED = {
+    ("ops/groupnorm_elu.py", "groupnorm_elu"): "the library runs the op only inside a fused block, hidden with it",
+    ("ops/scaler.py", "unscale_"): "writes its arguments in place",
+    ("ops/scaler.py", "mul_"): "writes its arguments in place",
+    ("ops/scaler.py", "update_scale_"): "writes its arguments in place",
+}
+HIDING = {"call_unwatched", "call_layer_unwatched", "run_hidden"}
+
+
+def op_wrappers(tree: ast.Module):
+    """(name, whether it runs hidden) for each public function of an op module that calls the
+    native library (`torch.ops.qca_lowmem`, bound to a module name) or a custom op defined there."""
+    ops = set()
+    for node in tree.body:
+        value = ast.unparse(node.value) if isinstance(node, ast.Assign) else ""
+        if "torch.ops.qca_lowmem" in value or "torch.library.custom_op" in value:
+            ops |= {target.id for target in node.targets if isinstance(target, ast.Name)}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+            names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            if names & ops:
+                yield node.name, bool(names & HIDING)
+
+
+OP_MODULES = sorted(p for p in (PACKAGE / "ops").glob("*.py") if not p.name.startswith("_") and p.name != "watchers.py")
+
+
+def test_every_op_wrapper_runs_hidden_from_the_watch_or_is_listed_as_watched():
+    found, wrong = set(), []
+    for path in OP_MODULES:
+        relative = str(path.relative_to(PACKAGE))
+        for name, hidden in op_wrappers(ast.parse(path.read_text())):
+            found.add((relative, name))
+            if hidden == ((relative, name) in WATCHED):
+                wrong.append(f"{relative}: {name} " + ("is listed as watched but runs hidden" if hidden else
+                             "runs watched: hide it (ops/watchers.py) or list it in WATCHED with why"))
+    assert not wrong, wrong
+    assert set(WATCHED) <= found, f"listed but no op wrapper: {sorted(set(WATCHED) - found)}"
+    assert {("ops/noise.py", "phase_flip"), ("ops/qca_step.py", "qca_update"), ("ops/conv_block.py", "conv_block_forward")} \
+        <= found  # the check finds the wrappers
+
+
+def test_the_wrapper_check_sees_a_wrapper_that_runs_watched():
+    source = ("import torch\n_lib = torch.ops.qca_lowmem\n"
+              "def hidden(x):\n    return call_unwatched(_lib.qca_pack, (x,))\n"
+              "def watched(x):\n    return _lib.qca_pack(x)\n"
+              "def helper(x):\n    return x\n")
+    assert list(op_wrappers(ast.parse(source))) == [("hidden", True), ("watched", False)]

@@ -49,30 +49,22 @@ def test_backward_hooks_are_the_tensors_own():
 
 
 def test_dispatch_state_queries():
-    assert torch_private.watching_modes() == [] and not torch_private.functorch_transforms_active()
-    from torch.utils._python_dispatch import TorchDispatchMode
+    assert torch_private.dispatch_modes() == [] and not torch_private.functorch_transforms_active()
 
-    class Passthrough(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    class Watcher(torch_private.WatchingDispatchMode):
+    class Seeing(torch_private.TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             seen.append(func)
             return func(*args, **(kwargs or {}))
 
     seen = []
-    with Passthrough():
-        assert torch_private.watching_modes() is None
-        with Watcher():
-            assert torch_private.watching_modes() is None
-    with Watcher() as watcher:
-        assert torch_private.watching_modes() == [watcher]
+    with Seeing() as outer, Seeing() as inner:
+        assert torch_private.dispatch_modes() == [outer, inner]
         with torch_private.dispatch_disabled():
             torch.ones(2).add(1)
+            assert torch_private.dispatch_modes() == [outer, inner]  # hidden from, still active
         assert seen == []
         torch.ones(2).add(1)
-    assert torch.ops.aten.add.Tensor in seen
+    assert torch.ops.aten.add.Tensor in seen and torch_private.dispatch_modes() == []
     seen = []
     torch.func.grad(lambda x: (seen.append((torch_private.functorch_transforms_active(),
                                             torch_private.is_functorch_wrapped(x))), x.sum())[1])(torch.ones(2))

@@ -4,17 +4,21 @@ around them), and the helpers they share.
 
 The lowest layer of the package: it imports only torch, the native library and `stock` (the
 reference the ops' double backward runs through). The helpers that the library above uses too
-are named here; their modules, whose names start with an underscore, are this package's own:
+(input checks, second order, the native library's build, whether a module call is just its
+forward) are named here; their modules, whose names start with an underscore, are this package's
+own. The watch's contract and what runs hidden from it is a public module, `watchers`, which the
+library's watch (recompute/watch.py) builds on:
 
 - `qca_step`: the QCA step ops (pack, update) and the fused step on them (`fused_step`).
 - `noise`: the noise ops (phase flip, bit flip, coin) and the stock noise schedule on them.
 - `groupnorm_elu`: the GroupNorm + ELU ops.
 - `conv_block`: the fused U-Net ConvBlock as two custom ops.
 - `scaler`: the loss-scaler ops under `amp.GradScaler`.
+- `watchers`: the watch's contract (`WatchingDispatchMode`), what runs hidden from it and how.
 - `_checks`: argument checks shared with the C glue.
 - `_double_backward`: second-order gradients of the fused ops.
+- `_forwards`: whether a module call is just its class's forward, now (no hook, no replaced method).
 - `_loader`: the native library, loaded after checking its build.
-- `_watchers`: known computations run hidden from an episode's watch, and the forward-only check.
 """
 
 from ._loader import REBUILD_COMMAND, has_cuda_kernels, load_native
@@ -25,8 +29,8 @@ load_native()
 
 from ._checks import check_same_device, refuse_func_transforms  # noqa: E402
 from ._double_backward import reference_backward, second_order_requested  # noqa: E402
-from ._watchers import call_unwatched, calls_are_forwards, eager_watchers, run_hidden, torch_layers_unchanged  # noqa: E402
+from ._forwards import calls_are_forwards, plain_torch_layer, torch_layers_unchanged  # noqa: E402
 
-__all__ = ["REBUILD_COMMAND", "call_unwatched", "calls_are_forwards", "check_same_device", "eager_watchers",
-           "has_cuda_kernels", "load_native", "reference_backward", "refuse_func_transforms", "run_hidden",
-           "second_order_requested", "torch_layers_unchanged"]
+__all__ = ["REBUILD_COMMAND", "calls_are_forwards", "check_same_device", "has_cuda_kernels", "load_native",
+           "plain_torch_layer", "reference_backward", "refuse_func_transforms", "second_order_requested",
+           "torch_layers_unchanged"]

@@ -16,7 +16,7 @@ from torch import Tensor
 from .. import _torch_private as torch_private
 from ._checks import check_same_device
 from ._double_backward import reference_backward, second_order_requested
-from ._watchers import run_hidden, watching_modes
+from .watchers import eager_watchers, run_hidden
 from .groupnorm_elu import output_layout, stat_dtype
 from .groupnorm_elu import reference as groupnorm_elu_reference
 
@@ -231,24 +231,25 @@ _ConvBlockKeepFunction = _eager_function("_ConvBlockKeepFunction", _conv_block_k
 
 
 def _plain_eager(tensors) -> bool:
-    """Plain eager execution on one device: no torch.compile or functorch transform, and no tensor
-    with its own __torch_function__; there (and under no dispatch mode but those that only watch,
-    conv_block_forward) the Function above is the op's autograd exactly, and everything else sees
-    the op itself (a device mix, its checks)."""
+    """No functorch transform, no tensor with its own __torch_function__, one device: there, in
+    eager execution (and under no dispatch mode but watchers, conv_block_forward) the Function
+    above is the op's autograd exactly, and everything else sees the op itself (a device mix, its
+    checks)."""
     device = tensors[0].device
-    return not (torch.compiler.is_compiling() or torch_private.functorch_transforms_active()
-                or torch.overrides.has_torch_function(tensors) or any(t.device != device for t in tensors))
+    return not (torch_private.functorch_transforms_active() or torch.overrides.has_torch_function(tensors)
+                or any(t.device != device for t in tensors))
 
 
 def conv_block_forward(x: Tensor, conv1_weight: Tensor, norm1_weight: Tensor, norm1_bias: Tensor,
                        conv2_weight: Tensor, norm2_weight: Tensor, norm2_bias: Tensor, groups1: int, groups2: int,
                        eps1: float, eps2: float, keep_intermediates: bool) -> Tensor:
     """The block's output through conv_block (recomputing in backward) or conv_block_keep; in
-    plain eager execution through their autograd.Functions, without the custom ops' wrappers."""
+    plain eager execution through their autograd.Functions, without the custom ops' wrappers,
+    hidden from watchers (it reads its arguments and writes only what it returns)."""
     args = (x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias,
             groups1, groups2, eps1, eps2)
-    watchers = watching_modes() if _plain_eager(args[:7]) else None
-    if watchers is None:
+    watchers = eager_watchers()
+    if watchers is None or not _plain_eager(args[:7]):
         return (conv_block_keep if keep_intermediates else conv_block)(*args)[0]
     if torch.is_grad_enabled() and any(t.requires_grad for t in args[:7]):
         run = (_ConvBlockKeepFunction if keep_intermediates else _ConvBlockFunction).apply

@@ -13,7 +13,7 @@ import torch
 
 from .. import stock
 from ._checks import refuse_func_transforms
-from ._watchers import call_unwatched
+from .watchers import call_unwatched
 
 _lib = torch.ops.qca_lowmem
 

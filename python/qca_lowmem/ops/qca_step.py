@@ -9,7 +9,7 @@ import torch
 from .. import stock
 from ._checks import check_same_device, describe, refuse_func_transforms
 from ._double_backward import reference_backward, second_order_requested
-from ._watchers import call_unwatched
+from .watchers import call_unwatched
 
 _lib = torch.ops.qca_lowmem
 

@@ -15,22 +15,21 @@ autograd, so a step run without grad still shows them. It reports
   (escapes.py).
 No copies but of what is written. A fused block, this package's QCA and noise ops, and the fused
 U-Net's `cat` and torch layers run hidden from the watch and tell it what they read and made
-(`ran_unseen`, ops/_watchers.py): under a dispatch mode each op costs microseconds of Python, and
-some take a slower path (docs/design.md).
+(`ran_unseen`), and a weight read through the episode's cached cast is told (`read`): the
+watcher's contract, ops/watchers.py, reached through the dispatch-mode stack alone.
 """
 
-import threading
 import weakref
 from typing import Dict, List, Tuple
 
 import torch
 
 from .. import _torch_private as torch_private
+from ..ops.watchers import WatchingDispatchMode
 
 _aten = torch.ops.aten
 # Ops that update running statistics (arguments 3 and 4) when `training` (argument 5), undeclared.
 _BATCH_NORMS = (_aten.native_batch_norm.default, _aten.cudnn_batch_norm.default, _aten.miopen_batch_norm.default)
-_active = threading.local()
 _schemas: Dict[object, tuple] = {}  # op -> _schema_info(op)
 
 
@@ -45,14 +44,7 @@ def _schema_info(func) -> Tuple[Tuple[int, ...], Tuple[str, ...], bool]:
     return tuple(positions), tuple(names), fresh
 
 
-def note_read(tensor: torch.Tensor) -> None:
-    """A leaf the step reads through a copy made before it (weight_casts.py's cached casts)."""
-    watch = getattr(_active, "watch", None)
-    if watch is not None:
-        watch.read(tensor)
-
-
-class StepWatch(torch_private.WatchingDispatchMode):
+class StepWatch(WatchingDispatchMode):
     def __init__(self, known_leaves: set, known_writes: set, inputs: set):
         super().__init__()
         self.known_leaves = known_leaves  # ids of the leaves the episode already has
@@ -63,14 +55,6 @@ class StepWatch(torch_private.WatchingDispatchMode):
         self.leaves: List[torch.Tensor] = []
         self.writes: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its value before the step)
 
-    def __enter__(self):
-        self._outer, _active.watch = getattr(_active, "watch", None), self
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        _active.watch = self._outer
-        return super().__exit__(*exc)
-
     def read(self, tensor) -> None:
         key = id(tensor)
         if key not in self.known_leaves and key not in self.inputs and tensor.requires_grad and tensor.is_leaf \
@@ -79,7 +63,7 @@ class StepWatch(torch_private.WatchingDispatchMode):
             self.leaves.append(tensor)
 
     def ran_unseen(self, read, made) -> None:
-        """A computation ran hidden from the watch (ops/_watchers.py): what it read, what it made;
+        """A computation ran hidden from the watch (ops/watchers.py): what it read, what it made;
         it writes nothing it did not make."""
         for tensor in read:
             if tensor.requires_grad:

@@ -36,8 +36,8 @@ from typing import Dict
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ..ops.watchers import note_read
 from .param_grads import deposit
-from .watch import note_read
 
 _state = threading.local()
 _scopes = set()  # the WeightCasts of open shared_weight_casts() scopes, any thread

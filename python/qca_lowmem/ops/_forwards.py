@@ -1,0 +1,55 @@
+"""Whether a module call is just its class's forward, on which every shortcut past a stock layer
+rests: a fused block standing in for a ConvBlock, the fused U-Net's wiring, a torch layer run
+hidden from an episode's watch (watchers.py)."""
+
+from typing import Iterable
+
+import torch.nn.functional as F
+from torch import nn
+
+from .. import _torch_private as torch_private
+
+# The torch methods and functions that a stock U-Net's layers run; a fused path computes what they
+# compute, so it stands in for them only while each is still the one torch defined.
+_STOCK_METHODS = tuple((owner, name, getattr(owner, name)) for owner, name in (
+    (nn.Module, "__call__"), (nn.Module, "_call_impl"), (nn.Sequential, "forward"), (nn.Conv2d, "forward"),
+    (nn.Conv2d, "_conv_forward"), (nn.ConvTranspose2d, "forward"), (nn.MaxPool2d, "forward"),
+    (nn.GroupNorm, "forward"), (nn.ELU, "forward"), (F, "conv2d"), (F, "conv_transpose2d"), (F, "max_pool2d"),
+    (F, "group_norm"), (F, "elu")))
+# Replaced before this module was imported (a wrapper, a function of another module): never stood in for.
+_STOCK_AT_IMPORT = all(getattr(fn, "__module__", "").startswith("torch") and not hasattr(fn, "__wrapped__")
+                       for _, _, fn in _STOCK_METHODS)
+# The torch layers of the stock U-Net besides its ConvBlocks.
+_TORCH_LAYERS = (nn.MaxPool2d, nn.Conv2d, nn.ConvTranspose2d)
+
+
+def torch_layers_unchanged() -> bool:
+    """Whether the torch methods a stock U-Net layer runs are still torch's own (none replaced on
+    its class or in torch.nn.functional since import)."""
+    return _STOCK_AT_IMPORT and all(getattr(owner, name) is fn for owner, name, fn in _STOCK_METHODS)
+
+
+def calls_are_forwards(modules: Iterable[nn.Module], *, with_submodules: bool = False) -> bool:
+    """Whether calling each of `modules` (and, `with_submodules`, each module inside them) runs
+    just its class's forward, now: no hook registered for every module (forward, forward-pre,
+    backward, backward-pre, full backward), none on the module itself, and no `forward` set on
+    the instance. A shortcut past such calls (a fused block, a layer run hidden) holds only while
+    this does, so it is asked at every call: about 0.3 us a module on a CPU."""
+    if torch_private.global_module_hooks():
+        return False
+    has_hooks = torch_private.module_has_hooks
+    pending = list(modules)
+    for module in pending:  # grows while walked: the submodules, in turn
+        if module is None:  # a submodule slot registered empty
+            continue
+        if has_hooks(module) or "forward" in module.__dict__:
+            return False
+        if with_submodules:
+            pending.extend(module._modules.values())
+    return True
+
+
+def plain_torch_layer(layer: nn.Module) -> bool:
+    """A stock U-Net's torch layer (MaxPool2d, Conv2d, ConvTranspose2d) whose call now is just
+    torch's forward: it reads its input and parameters and writes only its output."""
+    return type(layer) in _TORCH_LAYERS and torch_layers_unchanged() and calls_are_forwards((layer,))
