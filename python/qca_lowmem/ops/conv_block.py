@@ -16,9 +16,9 @@ from torch import Tensor
 from .. import _torch_private as torch_private
 from ._checks import check_same_device
 from ._double_backward import reference_backward, second_order_requested
-from .watchers import eager_watchers, run_hidden
 from .groupnorm_elu import output_layout, stat_dtype
 from .groupnorm_elu import reference as groupnorm_elu_reference
+from .watchers import eager_watchers, run_hidden
 
 _lib = torch.ops.qca_lowmem
 
