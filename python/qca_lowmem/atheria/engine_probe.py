@@ -45,9 +45,33 @@ def check_engine_state(motor) -> None:
         if not fits:
             found = (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
                      else f"a {type(value).__name__}")
-            raise TypeError(f"enable(): {type(motor).__name__}.state.{name} is {found}, not {kind}; "
-                            f"no setting changes that: train this engine on stock, without enable()\n"
-                            f"{SUPPORTED_ENGINES}")
+            raise _state_refusal(motor, f"state.{name} is {found}, not {kind}")
+    if not isinstance(getattr(state, "psi", None), torch.Tensor) and callable(getattr(motor, "get_initial_state", None)):
+        _check_drawn_state(motor)
+
+
+def _state_refusal(motor, why: str) -> TypeError:
+    return TypeError(f"enable(): {type(motor).__name__}.{why}; no setting changes that: train this engine on "
+                    f"stock, without enable()\n{SUPPORTED_ENGINES}")
+
+
+def _check_drawn_state(motor) -> None:
+    """An engine that keeps no state.psi starts its episodes from motor.get_initial_state(batch)
+    (QC_Trainer_v3's always, their QC_Trainer_v4's then): one call under no_grad, the engine and
+    every RNG left as found, must give a complex (B, H, W, d) tensor (their HARMONIC engine gives
+    a real (B, d, H, W) one, which its step hands back untouched: no gradient reaches the operator)."""
+    device = next(motor.operator.parameters()).device
+    try:
+        with torch.no_grad(), _engine_left_as_found(motor, device):
+            psi = motor.get_initial_state(1)
+    except Exception as error:  # any failure is the refusal's reason
+        raise _state_refusal(motor, f"get_initial_state(1) raised {type(error).__name__}: "
+                             f"{(str(error).splitlines() or [''])[0][:100]} (it keeps no state.psi)") from None
+    if not (isinstance(psi, torch.Tensor) and psi.is_complex() and psi.dim() == 4):
+        found = (f"a {psi.dtype} tensor of shape {tuple(psi.shape)}" if isinstance(psi, torch.Tensor)
+                 else f"a {type(psi).__name__}")
+        raise _state_refusal(motor, f"get_initial_state(1), where it keeps no state.psi, gives {found}, not a complex "
+                             "(B, H, W, d) tensor")
 
 
 # The probe's update moves each cell by up to this fraction of its norm: large, so a missing or

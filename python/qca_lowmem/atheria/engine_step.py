@@ -263,10 +263,11 @@ def _hooked(operator: torch.nn.Module) -> Optional[str]:
                  for name, module in operator.named_modules() if torch_private.module_has_hooks(module)), None)
 
 
-def own_step_verdict(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] = None) -> Optional[str]:
+def own_step_verdict(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] = None,
+                     recomputes: bool = True) -> Optional[str]:
     """Why the engine's own step runs although fused_step_ops asks for the fused one, else None;
     refuses an engine or operator that neither step can roll out. `grid` and `d_state` size the
-    probe when the engine holds no psi."""
+    probe when the engine holds no psi; `recomputes`: the episode runs steps again in the backward."""
     check_engine_state(motor)
     operator = motor.operator
     memory = has_memory(motor)
@@ -281,10 +282,11 @@ def own_step_verdict(motor, fused_step_ops: bool, grid=None, d_state: Optional[i
         why = None if jumps is None else (
             f"{type(operator).__name__}'s output jumps with its input ({jumps}): the fused step, rounding "
             "differently from the engine's, would give other jumps")
-    if (not fused_step_ops or why is not None) and compiled_module(operator) is not operator:
+    # Without a recompute the compiled step runs once, with grad, as in the engine's own episode.
+    if (not fused_step_ops or why is not None) and recomputes and compiled_module(operator) is not operator:
         named = f"{type(operator).__name__} (torch.compile of {type(compiled_module(operator)).__name__})"
         own_step = ("The engine's own step would run one compiled graph in the forward (no grad) and another in "
-                    "the recompute (grad), which can round differently")
+                    "the recompute (grad), which can round differently; checkpoint='none' recomputes nothing")
         if why is None:
             raise TypeError(f"enable(): {named} with fused_step_ops=False; fused_step_ops=True runs the module it "
                             f"wraps\n{own_step}")

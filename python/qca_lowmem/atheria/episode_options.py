@@ -12,9 +12,11 @@ import torch
 from .. import precision
 from ..precision import parse_amp_dtype
 from ..recompute import Policy, StepGraph, step_graph
+from ..recompute.policy import NONE
 from .engine_step import has_memory, own_step_verdict
 from .options import Options
 from .trainers import TrainerVersion
+from .user_modules import compiled_module
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class EpisodeOptions:
     channels_last: bool  # the operator's weights and the fused pack NHWC
     cuda_graph: bool  # whether the steps run as captured graphs
     cuda_graph_said: str  # what enable()'s line says of it: "cuda_graph", "cuda_graph off", or "" off CUDA
+    noise_said: str  # what enable()'s line says of noise="fused" ("" for the trainer's own noise)
 
     def describe(self) -> str:
         """The policy, the precision and the switches that are on, for enable()'s line."""
@@ -40,7 +43,20 @@ class EpisodeOptions:
             ("fused blocks", self.fused_blocks), ("fused step", self.fused_step_ops),
             ("channels_last", self.channels_last),
             (self.cuda_graph_said, bool(self.cuda_graph_said)),
-            ("fused noise", self.given.noise == "fused")) if on])
+            (self.noise_said, bool(self.noise_said))) if on])
+
+
+    def no_kernel_said(self, operator, error: NotImplementedError) -> Optional[NotImplementedError]:
+        """torch's "... not implemented for 'BFloat16'" raised under the episode's autocast (an
+        antialiased resize on the CPU, for one), as the option that asked for it and the fix; else None."""
+        kernel = {torch.bfloat16: "BFloat16", torch.float16: "Half"}.get(self.amp_dtype)
+        if kernel is None or f"not implemented for '{kernel}'" not in str(error):
+            return None
+        device = next(operator.parameters()).device.type
+        return NotImplementedError(
+            f"qca_lowmem: amp_dtype={precision.amp_name(self.amp_dtype)!r}: {type(compiled_module(operator)).__name__} "
+            f"runs an op torch has no {kernel} kernel for on the {device} ({error}), as stock would under the same "
+            "autocast; amp_dtype='fp32' trains it in fp32")
 
 
 def _resolved_channels_last(channels_last: Optional[bool], fused_step_ops: bool, memory: bool,
@@ -173,15 +189,17 @@ def resolve_options(trainer, version: TrainerVersion, given: Options) -> Episode
     grid, batch_size, initial_state = _psi0_options(trainer, version, given.grid_size, given.batch_size,
                                                     given.initial_state)
     d_state = given.d_state or _infer_d_state(trainer, trainer.motor.operator)
-    own_step = own_step_verdict(trainer.motor, given.fused_step_ops, grid, d_state)
+    own_step = own_step_verdict(trainer.motor, given.fused_step_ops, grid, d_state, policy.checkpoint != NONE)
     channels_last = _resolved_channels_last(given.channels_last, given.fused_step_ops, has_memory(trainer.motor),
                                             own_step, device, compute_dtype)
     _check_noise(trainer, version, given.noise)
+    noise_said = "" if given.noise != "fused" else "fused noise" if version.has_noise else (
+        f"no noise ({version.name}'s episode has none; noise='fused' unread)")
     return EpisodeOptions(
         given=given, policy=policy, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size, d_state=d_state,
         initial_state=initial_state, fused_step_ops=given.fused_step_ops and own_step is None, own_step=own_step,
         fused_blocks=given.fused_blocks and own_step is None,  # the fused blocks round differently too
-        channels_last=channels_last, cuda_graph=cuda_graph, cuda_graph_said=cuda_graph_said)
+        channels_last=channels_last, cuda_graph=cuda_graph, cuda_graph_said=cuda_graph_said, noise_said=noise_said)
 
 
 def _psi0_options(trainer, version, grid_size, batch_size, initial_state):

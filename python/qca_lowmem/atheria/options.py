@@ -76,7 +76,8 @@ class Options:
         "the identity of its code, a Cartesian step qca_lowmem follows (checked again at each episode), or whose "
         "operator runs an op not known continuous (spikes, quantising: the ops of one probe call tell), keeps "
         "the engine's own step and stock blocks, which round as stock does, and enable()'s line says so. False "
-        "rolls out the engine's own step, which needs only the complex tensor state.")
+        "rolls out the engine's own step, which needs only the complex tensor state (and, for a compiled operator, "
+        'checkpoint="none": a recompute would run another compiled graph than its forward).')
     lowmem_scaler: bool = option(
         True, "replace `trainer.scaler` by qca_lowmem.amp.GradScaler carrying its state.")
     grid_size: Optional[Union[int, Tuple[int, int]]] = option(
@@ -111,7 +112,8 @@ class Options:
         "applied as stock applies it (a phase flip, and a bit flip when NumPy's coin says so): the same random "
         "draws in the same order as stock, replayed in recomputes, so episodes equal stock's and leave the "
         "generators as stock leaves them. \"fused\": qca_lowmem's NoiseSchedule (fused kernels keyed by "
-        "(seed, step); the same distribution, other numbers than stock's).",
+        "(seed, step); the same distribution, other numbers than stock's). A V3 trainer's episode has no noise "
+        "and reads neither, as enable()'s line says.",
         f"one of {NOISE_SOURCES}", lambda v: isinstance(v, str) and v in NOISE_SOURCES)
     assume_stock_episode: bool = option(
         False, "run qca_lowmem's stock episode in place of a train_episode that is not one it follows (edited, "

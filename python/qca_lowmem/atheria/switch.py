@@ -105,6 +105,11 @@ class LowmemEpisode:
             return theirs(episode_num)
         try:
             return _lowmem_train_episode(self.trainer, episode_num)
+        except NotImplementedError as error:
+            said = state.options.no_kernel_said(self.trainer.motor.operator, error)
+            if said is None:
+                raise
+            raise said from error
         finally:  # an episode that raised leaves the step as their code and inference call it
             if state.fused is not None:
                 state.fused.end_episode()
