@@ -1,9 +1,10 @@
 """recompute: the rollout, an episode that recomputes instead of storing, with exact gradients.
 
 The core of the library, importing nothing of it but ops/ (docs/design.md, "The rollout"):
-`api` (rollout()), `policy` (what to keep: the mode names live there), `schedule` and `revolve`
-(which states the forward keeps, in which order the reverse pass visits steps), `episode` (the
-autograd Function), `reverse` (the reverse pass) with `recompute_check`, `graph` (StepGraph:
+`api` (rollout()), `policy` (what to keep: the mode names live there), `schedule` (the one
+place that picks an episode's schedule, plain autograd included: which states the forward keeps,
+in which order the reverse pass visits steps) with `revolve`, `probe` (the first steps, run before
+the choice), `episode` (the autograd Function), `reverse` (the reverse pass) with `recompute_check`, `graph` (StepGraph:
 captured CUDA graphs, a way of running a step), `state`, `replay` (autocast and RNG),
 `param_grads`, `weight_casts`, `intermediates` and `memory` (bytes, counted once).
 
