@@ -78,7 +78,8 @@ class Rerun:
         return state
 
     def with_grad(self, t: int, inputs: State) -> State:
-        """Step t on `inputs` with grad, blocks keeping their intermediates (the buffers loaded first)."""
+        """Step t on `inputs` with grad, as its forward ran (autocast, random draws), blocks keeping
+        their intermediates."""
         with torch.enable_grad(), self.autocast(), keep_block_intermediates(), self.rng.replay(t):
             return self.unit(inputs, t)
 

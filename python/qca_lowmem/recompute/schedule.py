@@ -31,7 +31,10 @@ from .policy import AUTO, NONE, REVOLVE, STEP, Policy
 
 
 class Schedule:
-    mode: str  # the checkpoint name of the policy it runs: a subclass naming one is found by choose
+    """How an episode runs under the policy whose checkpoint name is `mode`: a subclass that names
+    one is the schedule `choose` picks for that policy."""
+
+    mode: str
     _by_mode: Dict[str, type] = {}
 
     def __init_subclass__(cls, **kwargs):
@@ -52,6 +55,9 @@ class PlainAutograd(Schedule):
 
 
 class Recomputing(Schedule):
+    """A schedule run by the episode Function: what the forward keeps, how the reverse visits the
+    steps (the module's docstring), made for an episode by its class."""
+
     steps: int
     measures_step = False  # for_episode reads a step's full-graph bytes: the probe counts them
 
