@@ -139,10 +139,13 @@ class Layout:
         self.carry_T_present: List[bool] = []  # which carry_T entries are outputs, once the forward ran
 
     def outputs(self, final: State, history: list) -> list:
+        """The Function's outputs of the forward's final state and history; notes which carry_T
+        entries are among them."""
         self.carry_T_present = [c is not None for c in final.carry]
         return [final.psi, *history, *(c for c in final.carry if c is not None)]
 
     def final_state(self, outputs) -> State:
+        """psi_T and carry_T (None entries put back) of the Function's outputs."""
         carry_T = iter(outputs[1 + len(self.history_steps):])
         return State(outputs[0], tuple(next(carry_T) if present else None for present in self.carry_T_present))
 
