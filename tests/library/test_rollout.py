@@ -675,3 +675,40 @@ def test_step_graph_rolls_a_step_that_draws_random_numbers_out_eagerly():
     with pytest.warns(qca_lowmem.CaptureFallbackWarning, match="draws random numbers"):
         rollout(graph, psi0, 3)
     assert graph.captures_made == 0 and graph.failed_keys
+
+
+def test_a_new_policy_is_a_schedule_subclass(monkeypatch):
+    """A Schedule subclass naming a mode is all a new policy's episode needs: choose finds it by the
+    policy's mode, the forward keeps the states it says, its reverse drives the steps (here every
+    other state kept, the others re-advanced), and the gradients are plain autograd's."""
+    from qca_lowmem.recompute import Policy, schedule
+
+    monkeypatch.setattr(schedule.Schedule, "_by_mode", dict(schedule.Schedule._by_mode))
+    reversed_steps = []
+
+    class EveryOther(schedule.Recomputing):
+        mode = "every other"
+
+        def __init__(self, steps):
+            self.steps = steps
+
+        @classmethod
+        def for_episode(cls, policy, start, check_recompute):
+            return cls(start.steps)
+
+        def keeps_state(self, t):
+            return t % 2 == 0
+
+        def reverse(self, kept, reverser):
+            for t in reversed(range(self.steps)):
+                reverser.backprop(t, kept[t] if t % 2 == 0 else reverser.advance(kept[t - 1], t - 1, t))
+                reversed_steps.append(t)
+
+    net = make_conv_net()
+    params = list(net.parameters())
+    psi0 = initial_state()
+    expected = episode_grads(fused_step(net), params, psi0, "none", noise=noisy_schedule(), history_loss=True)
+    grads = episode_grads(fused_step(net), params, psi0, Policy("every other"), noise=noisy_schedule(),
+                          history_loss=True)
+    assert reversed_steps == list(reversed(range(STEPS)))
+    assert max_relative_error(grads, expected) <= 1e-9

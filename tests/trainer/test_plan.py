@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from qca_lowmem.recompute import Policy
-from qca_lowmem.recompute.schedule import EveryStep, schedule_for
+from qca_lowmem.recompute.schedule import Auto
 from qca_lowmem.trainer import cli
 from qca_lowmem.trainer import config as config_mod
 from qca_lowmem.trainer.plan import StepMeasure, auto_split, measure_step, plan
@@ -171,7 +171,6 @@ def test_auto_keeps_what_the_rollouts_own_schedule_keeps():
     assert auto_split(every, steps, psi, m, captured=False) == (steps, steps)
     assert auto_split(every, steps, psi, m, captured=True) == (steps - 1, steps)
     for budget in (steps * psi + 2 * counted, steps * (m.saved_bytes + psi)):
-        schedule = schedule_for(Policy.auto(budget), steps, counted, psi, torch.device("cpu"), keeps_final_state=True,
-                                probed=1)
-        assert isinstance(schedule, EveryStep)
+        schedule = Auto.for_bytes(steps, counted, psi, budget, keeps_final_state=True, probed=1)
+        assert isinstance(schedule, Auto)
         assert auto_split(Policy.auto(budget), steps, psi, m) == (steps - schedule.graphs_from, steps)

@@ -3,9 +3,11 @@
 The core of the library, importing nothing of it but ops/ (docs/design.md, "The rollout"). Its
 modules, one concern each:
 
-- `api`: `rollout()`, its arguments and their checks, the history rule, the probe of step 0.
+- `api`: `rollout()`, its arguments and their checks, the history rule.
+- `probe`: the first steps, run before the schedule is chosen (`EpisodeStart`, `Probe`).
 - `policy`: the memory policy (`Policy`): what to keep; the mode names live there.
-- `schedule`: which states the forward keeps and in which order the reverse visits steps.
+- `schedule`: the one place that picks an episode's schedule, plain autograd included: which states
+  the forward keeps and in which order the reverse visits steps.
 - `revolve`: binomial checkpointing's arithmetic and reverse order.
 - `episode`: the episode as one autograd Function, its forward loop and what it saves.
 - `reverse`: the reverse pass, one step at a time (recomputed, replayed or kept graphs).

@@ -1,26 +1,24 @@
 """`rollout()`: an episode that recomputes instead of storing, memory flat in the number of steps.
 
 `rollout(step_fn, psi0, steps)` runs `psi <- noise(step_fn(psi), t)` for t = 0 .. steps-1 like the
-stock trainer's episode. The arguments are checked here, the policy (policy.py) picks a schedule
-(schedule.py), and one autograd Function (episode.py) stands for the whole episode: its
-backward is the reverse pass (reverse.py). With checkpoint="none", or without grad, the steps
-run as the stock loop does.
+stock trainer's episode. The arguments are checked here; schedule.choose picks the policy's
+schedule, running the episode's first steps with grad as it needs them (probe.py). Plain autograd
+runs the stock loop here; any other schedule runs as one autograd Function (episode.py) that stands
+for the whole episode: its backward is the reverse pass (reverse.py).
 """
 
+import contextlib
 from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
-from .buffers import StepBuffers
 from .episode import Episode, EpisodeFunction, StepUnit
-from .escapes import Leftovers, StepFrame
 from .intermediates import keep_block_intermediates
-from .leaves import leaves_reached, next_sequence_nr
 from .policy import STEP, Policy
-from .replay import AutocastState, RngStates
-from .schedule import holds_every_graph, schedule_for
+from .probe import EpisodeStart
+from .replay import RngStates
+from .schedule import PlainAutograd, choose
 from .state import State, checked_carry
-from .step_graph import StepGraph
 
 
 def rollout(
@@ -134,100 +132,28 @@ def history_steps(steps: int, record_every: int) -> List[int]:
 def _episode(unit: StepUnit, state0: State, steps: int, policy: Policy, recorded: List[int],
              preserve_rng_state: bool, check_recompute: bool):
     """(psi_T, history, carry_T) of the episode under `policy`."""
-    if not policy.recomputes or not torch.is_grad_enabled():
-        return _run_plain(unit, state0, 0, steps, recorded, [])
-    rng = RngStates(state0.psi.device, preserve_rng_state)
-    unit.refuse_in_place = policy.checkpoint
-    # A budget may hold every step's graph, the probed steps' too: they keep theirs until that is
-    # known. Their inputs are copies of the state, so only a state that needs no gradient allows it.
-    may_run_plain = policy.budget is not None and not isinstance(unit.step_fn, StepGraph) \
-        and not any(state0.needs_grad())
-    probed, params, step_bytes, buffers, graphs, leftovers = _probe(unit, state0, steps, rng,
-                                                                    measure=policy.budget is not None,
-                                                                    keep_graphs=may_run_plain)
-    if not params and not any(state0.needs_grad()):
-        # Nothing to differentiate so far: the rest runs as plain autograd, which keeps no graph
-        # unless a later step reaches a parameter.
-        unit.refuse_in_place = None
-        return _run_plain(unit, probed[-1], len(probed), steps, recorded, _history_of(probed, recorded, steps))
-    if graphs is not None and len(graphs) == 1 and holds_every_graph(policy, steps, step_bytes, state0.psi.device):
-        # Plain autograd on from step 0's graph: nothing to recompute, so nothing to watch. (Probed
-        # steps after the first start from a copy of the state: their graphs are not one chain.)
-        unit.refuse_in_place = None
-        with keep_block_intermediates():
-            return _run_plain(unit, graphs[0], 1, steps, recorded, _history_of(graphs, recorded, steps))
-    del graphs
-    # What the probed steps made and handed out besides their state (escapes.py): the other steps then run with grad too.
-    grad_forward = leftovers.any(unit.weight_casts.copies())
-    del leftovers
-    autocast = AutocastState(sorted({"cpu", state0.psi.device.type}))
-    if isinstance(unit.step_fn, StepGraph):
-        with buffers.unchanged():
-            unit.capture = unit.step_fn.for_rollout(probed[-1], unit.step, params, autocast)
-    # After the capture: a budget of "free" then sees the memory its graphs' pool took.
-    schedule = schedule_for(policy, steps, step_bytes, probed[-1].nbytes(), state0.psi.device, check_recompute,
-                            probed=len(probed))
-    plan = Episode(unit, schedule, rng, recorded, policy.checkpoint, probed, params, state0, check_recompute,
-                   buffers, autocast, grad_forward)
+    start = EpisodeStart(unit, state0, steps, RngStates(state0.psi.device, preserve_rng_state))
+    schedule = choose(policy, start, check_recompute)
+    if isinstance(schedule, PlainAutograd):
+        return _run_plain(unit, state0, schedule, steps, recorded)
+    plan = Episode(policy, schedule, start, recorded, check_recompute)
     plan.run(state0)
     result = EpisodeFunction.apply(plan, state0.psi, *state0.carry, *plan.params)
-    n_history = len(plan.history_steps)
-    psi_T, history = result[0], list(result[1:1 + n_history])
-    history.append(psi_T)
-    carry_T = iter(result[1 + n_history:])
-    return psi_T, history, tuple(next(carry_T) if present else None for present in plan.carry_T_present)
+    return plan.layout.results(result)
 
 
-def _probe(unit: StepUnit, state0: State, steps: int, rng: RngStates, measure: bool, keep_graphs: bool = False):
-    """The episode's first steps run with grad enabled: their graphs tell which leaves
-    (parameters) the episode depends on, and, with `measure`, what one step's full graph keeps
-    (blocks keeping their intermediates), each storage counted once. Nothing they would save for
-    backward is kept. Step 0 alone, or, while its carry is not made yet (None entries: a first
-    step that skips what later ones run), up to the first step with the whole carry. They also
-    find the tensors a step writes that outlive it (buffers.py).
-    Returns (their output states, the leaves, bytes of the largest full graph with its output,
-    the written tensors as StepBuffers, with `keep_graphs` their output states with their
-    graphs, else None, and the tensors they made as Leftovers)."""
-    probed, params, step_bytes, writes, leftovers = [], [], 0, [], Leftovers()
-    graphs = [] if keep_graphs else None
-    state = state0
-    for t in range(steps):
-        marker = next_sequence_nr()
-        rng.record()
-        saved = []
-        frame = StepFrame(unit.refuse_in_place, t, saved if measure else None, keep=keep_graphs)
-        inputs = frame.inputs(state)
-        finder = StepBuffers.finder()
-        with keep_block_intermediates(measure), frame, finder:
-            outputs = unit(inputs, t)
-        writes.append(finder.written())
-        leftovers.add(finder.made.values(), outputs, finder.before, frame.kept)
-        found = {id(p) for p in params}
-        params += [leaf for leaf in leaves_reached([x for x in outputs.tensors() if x is not None],
-                                                    {id(x) for x in inputs.tensors()}, marker)
-                   if id(leaf) not in found]
-        state = outputs.detached()
-        probed.append(state)
-        if keep_graphs:
-            graphs.append(outputs)
-        step_bytes = max(step_bytes, sum(saved) + state.nbytes())
-        if all(c is not None for c in inputs.carry):
-            break
-    return probed, params, step_bytes, StepBuffers.of_probes(writes), graphs, leftovers
-
-
-def _history_of(states: List[State], recorded: List[int], steps: int) -> list:
-    """The history entries of the first steps' output states (the last step's is psi_T, added at the end)."""
-    return [state.psi for t, state in enumerate(states) if t in recorded and t != steps - 1]
-
-
-def _run_plain(unit: StepUnit, state: State, start: int, steps: int, recorded: List[int], history: list):
-    """The stock loop from step `start` (history holds the records before it) under the current
-    grad mode: (psi_T, history, carry_T); history[-1] is psi_T."""
+def _run_plain(unit: StepUnit, state0: State, schedule: PlainAutograd, steps: int, recorded: List[int]):
+    """The stock loop, on from the steps the schedule has run, under the current grad mode:
+    (psi_T, history, carry_T); history[-1] is psi_T. Nothing is recomputed, so nothing is watched."""
+    unit.refuse_in_place = None
+    done = schedule.done
+    history = [state.psi for t, state in enumerate(done) if t in recorded and t != steps - 1]
+    state = done[-1] if done else state0
     recorded = set(recorded)
-    for t in range(start, steps):
-        state = unit(state, t)
-        if t in recorded and t != steps - 1:
-            history.append(state.psi)
+    with keep_block_intermediates() if schedule.keep_intermediates else contextlib.nullcontext():
+        for t in range(len(done), steps):
+            state = unit(state, t)
+            if t in recorded and t != steps - 1:
+                history.append(state.psi)
     history.append(state.psi)
     return state.psi, history, state.carry

@@ -3,7 +3,7 @@ registered buffer, a counter kept in a tensor.
 
 Plain autograd runs each step once, so such a buffer ends the episode having seen T updates. A
 recomputing episode runs steps again: each recompute would update the buffer once more, and
-read values the forward had already moved on from. So the probe (api.py) finds the tensors a
+read values the forward had already moved on from. So the probe (probe.py) finds the tensors a
 step writes, the forward keeps their values before each step (they are small: statistics, not
 activations), every recompute starts from the values its forward step saw, and the end of the
 backward puts back the values the forward left.

@@ -79,8 +79,8 @@ def _relative_difference(actual: torch.Tensor, expected: torch.Tensor, before: O
 class RecomputeCheck:
     """The per-step differences of one backward, read once at its end."""
 
-    def __init__(self, mode: str, compute_dtype: Optional[torch.dtype]):
-        self.mode = mode
+    def __init__(self, policy, compute_dtype: Optional[torch.dtype]):
+        self.policy = policy  # the error names it
         self.compute_dtype = compute_dtype  # the autocast dtype of psi's device, None without
         self.steps: List[int] = []
         self.names: List[List[str]] = []
@@ -129,7 +129,7 @@ class RecomputeCheck:
 
     def error(self, t: int, what: str) -> RecomputeMismatchError:
         return RecomputeMismatchError(
-            f"rollout(checkpoint={self.mode!r}): the recompute of step {t} in backward does not reproduce the "
+            f"rollout(checkpoint={self.policy.checkpoint!r}): the recompute of step {t} in backward does not reproduce the "
             f"forward: {what}. The step is not a function of its inputs alone, so its gradients would be wrong. "
             "Likely causes: state kept outside psi (a memory such as ConvLSTM h/c read from and written to an "
             "object, a counter): pass it through rollout(..., carry=...); or a nondeterministic kernel. "

@@ -5,7 +5,7 @@ whose graph the schedule keeps runs with one) and keeps what the schedule says; 
 hands the kept states to the schedule, which drives the reverse pass (reverse.py) one step at a
 time.
 
-Parameters are found, not listed: the probe (api.py) runs the first steps with grad enabled and
+Parameters are found, not listed: the probe (probe.py) runs the first steps with grad enabled and
 walks their graphs to the leaf tensors they reach (the parameters of step_fn's closure). They
 become inputs of the Function, so autograd accumulates each one's gradient once per backward
 (DDP's hooks fire once) and `torch.autograd.grad(loss, params)` works too. Leaves that only later
@@ -21,14 +21,14 @@ import torch
 
 from ..ops import second_order_requested
 from . import weight_casts
-from .buffers import StepBuffers
+from .check import RecomputeCheck
 from .escapes import EscapedTensorError, InputTrap, Leftovers, StepFrame
 from .intermediates import keep_block_intermediates
 from .leaves import next_sequence_nr
 from .param_grads import ParamGradSink
-from .replay import AutocastState, RngStates
-from .reverse import StepReverser
-from .schedule import Schedule
+from .policy import Policy
+from .reverse import Rerun, StepReverser
+from .schedule import Recomputing
 from .state import State, check_like_psi, checked_carry
 from .watch import StepWatch
 
@@ -44,9 +44,9 @@ class StepUnit:
         self.noise = noise
         self.carried = carried
         self.capture = None
-        # While a recomputing episode runs its forward (the probe included): its mode, for the
+        # While a recomputing episode runs its forward (the probe included): its policy, for the
         # refusal of a step that changes its input in place (the state the backward starts from).
-        self.refuse_in_place: Optional[str] = None
+        self.refuse_in_place: Optional[Policy] = None
         # The episode's half-precision weights, cast once (or once per shared_weight_casts() scope).
         self.weight_casts = weight_casts.for_episode()
 
@@ -87,7 +87,7 @@ class StepUnit:
         for (name, x), version in zip(given.entries(), versions):
             if x is not None and x._version != version:
                 raise RuntimeError(
-                    f"rollout(checkpoint={self.refuse_in_place!r}): step_fn changed its input {name} in place at step "
+                    f"rollout(checkpoint={self.refuse_in_place.checkpoint!r}): step_fn changed its input {name} in place at step "
                     f"{t} (an in-place op such as {name}.mul_()); the episode keeps that state to recompute the step in "
                     f"backward: compute out of place ({name} = {name} * 0.9), or use checkpoint='none'")
 
@@ -127,46 +127,73 @@ class KeptGraph:
         return self.outputs[-1].detached()
 
 
-class Episode:
-    """Everything the episode's Function needs besides tensors."""
+class Layout:
+    """The episode Function's inputs and outputs as states. Inputs: psi0, the carry entries, the
+    parameters; outputs: psi_T, the history (each recorded step but the last), the entries of
+    carry_T that are not None."""
 
-    def __init__(self, unit: StepUnit, schedule: Schedule, rng: RngStates, history_steps: List[int], mode: str,
-                 probed: List[State], params: List[torch.Tensor], state0: State, check_recompute: bool,
-                 buffers: StepBuffers, autocast: AutocastState, grad_forward: bool = False):
-        self.unit = unit
-        self.schedule = schedule
-        self.rng = rng
-        self.steps = schedule.steps
-        self.history_steps = [t for t in history_steps if t != self.steps - 1]
-        self.mode = mode
-        self.probed = probed  # the output states of the first steps, run before the Function
-        # The parameters stay here, not in save_for_backward: saved-tensor hooks (save_on_cpu,
-        # saved_bytes) would hand back copies, which the recomputed steps never use.
-        self.params = params  # the probe's leaves, then those the forward's other steps read (run)
-        self.param_versions: List[int] = []
+    def __init__(self, steps: int, recorded: List[int], state0: State):
+        self.steps = steps
+        self.history_steps = [t for t in recorded if t != steps - 1]
         self.input_needs_grad = state0.needs_grad()  # psi0 then each carry entry
-        self.carry_width = len(state0.carry)
-        self.carry_T_present: List[bool] = []  # which carry_T entries are outputs (not None)
-        # The check compares the last step's recompute with the final state, kept for it.
-        self.keeps_final_state = check_recompute and schedule.recomputes(self.steps - 1)
-        self.check_recompute = check_recompute
-        self.state_device = state0.psi.device.type
-        self.autocast = autocast  # the forward's, re-entered around each recompute
-        self.kept_steps: List[int] = []  # which states are saved, in saved order
-        self.graphs: Optional[KeptGraph] = None
-        self.buffers = buffers  # tensors the steps write that outlive them (BatchNorm's statistics)
-        self.grad_forward = grad_forward  # the forward's steps run with grad (escapes.py)
-        self.stored = self.outputs = None  # what run() kept and made, until the Function takes them
+        self.carry_T_present: List[bool] = []  # which carry_T entries are outputs, once the forward ran
 
-    def advance(self, state: State, start: int, stop: int) -> State:
-        """The state at step `stop` from the one at step `start`, without a graph (as the
-        forward ran)."""
-        with torch.no_grad(), self.autocast():
-            for t in range(start, stop):
-                self.load_buffers(t)
-                with self.rng.replay(t):
-                    state = self.unit(state, t)
-        return state
+    def outputs(self, final: State, history: list) -> list:
+        """The Function's outputs of the forward's final state and history; notes which carry_T
+        entries are among them."""
+        self.carry_T_present = [c is not None for c in final.carry]
+        return [final.psi, *history, *(c for c in final.carry if c is not None)]
+
+    def final_state(self, outputs) -> State:
+        """psi_T and carry_T (None entries put back) of the Function's outputs."""
+        carry_T = iter(outputs[1 + len(self.history_steps):])
+        return State(outputs[0], tuple(next(carry_T) if present else None for present in self.carry_T_present))
+
+    def results(self, outputs) -> tuple:
+        """rollout's (psi_T, history, carry_T) of the Function's outputs; history[-1] is psi_T."""
+        final = self.final_state(outputs)
+        return final.psi, [*outputs[1:1 + len(self.history_steps)], final.psi], final.carry
+
+    def incoming(self, grad_psi_T, grads) -> dict:
+        """The gradients flowing into each step's output (step -> State), of those of the outputs."""
+        n_history = len(self.history_steps)
+        no_carry_grads = (None,) * (len(self.input_needs_grad) - 1)
+        incoming = {t: State(g, no_carry_grads) for t, g in zip(self.history_steps, grads[:n_history]) if g is not None}
+        carry_grads = iter(grads[n_history:])
+        grad_carry_T = tuple(next(carry_grads) if present else None for present in self.carry_T_present)
+        if grad_psi_T is not None or any(g is not None for g in grad_carry_T):
+            incoming[self.steps - 1] = State(grad_psi_T, grad_carry_T)
+        return incoming
+
+
+class Episode:
+    """Everything the episode's Function needs besides tensors, made from its start (a
+    probe.EpisodeStart, probed and prepared)."""
+
+    def __init__(self, policy: Policy, schedule: Recomputing, start, recorded: List[int], check_recompute: bool):
+        # What runs: the policy (which the errors name), its schedule, the step and what running it
+        # again as the forward ran needs, whether the forward's steps run with grad (escapes.py).
+        self.policy = policy
+        self.schedule = schedule
+        self.rerun = Rerun(start.unit, start.rng, start.autocast, start.probed.buffers)
+        self.grad_forward = start.grad_forward
+        self.layout = Layout(schedule.steps, recorded, start.state0)
+        # The leaves: the probe's, then those the forward's other steps read (run); their versions
+        # after it. They stay here, not in save_for_backward: saved-tensor hooks (save_on_cpu,
+        # saved_bytes) would hand back copies, which the recomputed steps never use.
+        self.params: List[torch.Tensor] = start.probed.params
+        self.param_versions: List[int] = []
+        # The recompute check: the precision it allows for, and the final state kept for the last step's.
+        self.check_recompute = check_recompute
+        self.check_dtype = start.autocast.dtype(start.state0.psi.device.type)
+        self.keeps_final_state = check_recompute and schedule.recomputes(schedule.steps - 1)
+        # The forward's work: the output states of the first steps (run before it), what run() kept
+        # and made until the Function takes them, which steps' states are saved (in saved order), and
+        # the chain of full graphs the schedule keeps.
+        self.probed: Optional[List[State]] = start.probed.states
+        self.stored = self.outputs = None
+        self.kept_steps: List[int] = []
+        self.graphs: Optional[KeptGraph] = None
 
     def run(self, state: State) -> None:
         """The episode's forward from its input state, without a graph (steps whose graph the
@@ -174,52 +201,52 @@ class Episode:
         EpisodeFunction. Each step the probe did not run is watched (watch.py): the leaves it reads
         join `params`, the tensors it writes the buffers."""
         stored, history = [], []
-        history_steps = set(self.history_steps)
+        schedule, unit, rng, buffers = self.schedule, self.rerun.unit, self.rerun.rng, self.rerun.buffers
+        history_steps = set(self.layout.history_steps)
         probed, self.probed = self.probed, None
         known_leaves = {id(p) for p in self.params}
-        known_writes = {id(x) for x in self.buffers.tensors}
+        known_writes = {id(x) for x in buffers.tensors}
         with torch.no_grad():
-            for t in range(self.steps):
-                if self.schedule.keeps_state(t):
+            for t in range(schedule.steps):
+                if schedule.keeps_state(t):
                     stored.append((t, state))
                 if t < len(probed):
                     state = probed[t]
                 else:
-                    self.rng.record()
-                    if self.schedule.recomputes(t):
-                        self.buffers.record(t)
-                    if self.schedule.keeps_graph(t) and self.graphs is None:
-                        trap = InputTrap(self.mode, t, allowed=False)
+                    rng.record()
+                    if schedule.recomputes(t):
+                        buffers.record(t)
+                    if schedule.keeps_graph(t) and self.graphs is None:
+                        trap = InputTrap(self.policy, t, allowed=False)
                         self.graphs = KeptGraph(t, trap.set_on(state.as_inputs(True)), trap)
                     # A replayed capture is one fixed graph, of the leaves it was captured for.
-                    framed = not (self.schedule.keeps_graph(t) or self.unit.replays(state))
-                    frame = StepFrame(self.mode, t, grad=self.grad_forward) if framed else None
+                    framed = not (schedule.keeps_graph(t) or unit.replays(state))
+                    frame = StepFrame(self.policy, t, grad=self.grad_forward) if framed else None
                     given = frame.inputs(state) if frame else state
                     inputs = {id(x) for x in (*state.tensors(), *given.tensors(),
                                               *(self.graphs.inputs.tensors() if self.graphs else ()))}
-                    watch = None if self.unit.replays(state) else StepWatch(known_leaves, known_writes, inputs)
+                    watch = None if unit.replays(state) else StepWatch(known_leaves, known_writes, inputs)
                     with watch or contextlib.nullcontext():
-                        if self.schedule.keeps_graph(t):
-                            state = self.graphs.run(self.unit, t)
+                        if schedule.keeps_graph(t):
+                            state = self.graphs.run(unit, t)
                         else:
                             with frame or contextlib.nullcontext():
-                                state = self.unit(given, t)
+                                state = unit(given, t)
                             state = state.detached()
                     if framed and not self.grad_forward:
                         self._refuse_leftovers(watch, state, t)
                     if watch is not None:
                         self.params += watch.leaves
                         for tensor, value in watch.writes:
-                            self.buffers.add(tensor, value)
+                            buffers.add(tensor, value)
                 if t in history_steps:
                     history.append(state.psi)
-        self.unit.refuse_in_place = None  # every step ran once: its recomputes change nothing in place
-        self.buffers.forward_done()
+        unit.refuse_in_place = None  # every step ran once: its recomputes change nothing in place
+        buffers.forward_done()
         self.param_versions = [p._version for p in self.params]
         self.kept_steps = [t for t, _ in stored]
-        self.carry_T_present = [c is not None for c in state.carry]
         self.stored = stored
-        self.outputs = [state.psi, *history, *(c for c in state.carry if c is not None)]
+        self.outputs = self.layout.outputs(state, history)
 
     def _refuse_leftovers(self, watch: Optional[StepWatch], state: State, t: int) -> None:
         """Step t ran without grad, the probed steps having handed nothing out: refuse what it
@@ -229,16 +256,35 @@ class Episode:
             return
         leftovers = Leftovers()
         leftovers.add(watch.made, state, ())
-        if leftovers.any(self.unit.weight_casts.copies()):
+        if leftovers.any(self.rerun.unit.weight_casts.copies()):
             raise EscapedTensorError(
-                f"rollout(checkpoint={self.mode!r}): step {t} handed out a tensor other than through psi (or the carry), "
-                "which the first steps did not, so the forward ran it without grad and that tensor carries no "
-                "gradient: hand it out through the carry (rollout(..., carry=...)), the same way from the first step "
-                "on, or use checkpoint='none' (plain autograd)")
+                f"rollout(checkpoint={self.policy.checkpoint!r}): step {t} handed out a tensor other than through psi "
+                "(or the carry), which the first steps did not, so the forward ran it without grad and that tensor "
+                "carries no gradient: hand it out through the carry (rollout(..., carry=...)), the same way from the "
+                "first step on, or use checkpoint='none' (plain autograd)")
 
-    def load_buffers(self, t: int) -> None:
-        """Before step t runs again: the buffers as its forward saw them."""
-        self.buffers.load(t)
+    def check_params_unchanged(self) -> None:
+        """Refuse parameters changed in place since the forward (an optimizer step)."""
+        for p, version in zip(self.params, self.param_versions):
+            if p._version != version:
+                raise RuntimeError(
+                    f"rollout: a parameter of shape {tuple(p.shape)} was modified by an inplace operation "
+                    f"between the episode's forward and its backward (version {version} -> {p._version}), "
+                    "e.g. an optimizer step; the recompute would not reproduce the forward"
+                )
+
+    def take_graphs(self) -> Optional["KeptGraph"]:
+        """The chain of full graphs the forward kept, for one backward (reversing frees their
+        buffers: a later backward finds an empty chain)."""
+        graphs = self.graphs
+        if graphs is None:
+            return None
+        if not graphs.outputs:
+            raise RuntimeError(f"rollout(checkpoint={self.policy.checkpoint!r}): the full graphs kept for the "
+                               "episode's last steps were freed by its first backward; retain_graph=True does not keep "
+                               "them: run the episode again, or use checkpoint='step' to backpropagate through it twice")
+        self.graphs = KeptGraph(graphs.start, graphs.inputs, graphs.trap)
+        return graphs
 
 
 class EpisodeFunction(torch.autograd.Function):
@@ -256,9 +302,7 @@ class EpisodeFunction(torch.autograd.Function):
                 outputs[i] = out.clone()
             seen.add(id(outputs[i]))
         if plan.keeps_final_state:
-            carry_out = iter(outputs[1 + len(plan.history_steps):])
-            stored.append((plan.steps, State(outputs[0], tuple(next(carry_out) if present else None
-                                                               for present in plan.carry_T_present))))
+            stored.append((plan.layout.steps, plan.layout.final_state(outputs)))
         ctx.plan = plan
         ctx.save_for_backward(*(x for _, kept in stored for x in kept.tensors()))
         ctx.set_materialize_grads(False)
@@ -269,48 +313,33 @@ class EpisodeFunction(torch.autograd.Function):
         plan: Episode = ctx.plan
         if second_order_requested():
             # Each step's graph lives only while its reverse step runs: no graph can span them.
-            raise RuntimeError(f"rollout(checkpoint={plan.mode!r}): no second-order gradients (create_graph=True): "
-                               "this mode keeps no graph across steps; use checkpoint='none' (plain autograd)")
-        for p, version in zip(plan.params, plan.param_versions):
-            if p._version != version:
-                raise RuntimeError(
-                    f"rollout: a parameter of shape {tuple(p.shape)} was modified by an inplace operation "
-                    f"between the episode's forward and its backward (version {version} -> {p._version}), "
-                    "e.g. an optimizer step; the recompute would not reproduce the forward"
-                )
-        width = 1 + plan.carry_width
+            raise RuntimeError(f"rollout(checkpoint={plan.policy.checkpoint!r}): no second-order gradients "
+                               "(create_graph=True): this mode keeps no graph across steps; use checkpoint='none' "
+                               "(plain autograd)")
+        plan.check_params_unchanged()
+        width = len(plan.layout.input_needs_grad)
         saved = ctx.saved_tensors
         states = [State(saved[i], tuple(saved[i + 1:i + width])) for i in range(0, len(saved), width)]
         kept = dict(zip(plan.kept_steps, states))
-        if plan.graphs is not None:
-            if not plan.graphs.outputs:
-                raise RuntimeError(f"rollout(checkpoint={plan.mode!r}): the full graphs kept for the episode's last "
-                                   "steps were freed by its first backward; retain_graph=True does not keep them: run "
-                                   "the episode again, or use checkpoint='step' to backpropagate through it twice")
-            kept[plan.graphs.start] = plan.graphs
-            plan.graphs = KeptGraph(plan.graphs.start, plan.graphs.inputs, plan.graphs.trap)  # reversing frees their buffers
-        final_state = states[-1] if plan.keeps_final_state else None
-        del states, saved
+        graphs = plan.take_graphs()
+        if graphs is not None:
+            kept[graphs.start] = graphs
+        final = (plan.layout.steps, states[-1]) if plan.keeps_final_state else None
+        del states, saved, graphs
 
-        n_history = len(plan.history_steps)
-        no_carry_grads = (None,) * plan.carry_width
-        incoming = {t: State(g, no_carry_grads) for t, g in zip(plan.history_steps, grads[:n_history]) if g is not None}
-        carry_grads = iter(grads[n_history:])
-        grad_carry_T = tuple(next(carry_grads) if present else None for present in plan.carry_T_present)
-        if grad_psi_T is not None or any(g is not None for g in grad_carry_T):
-            incoming[plan.steps - 1] = State(grad_psi_T, grad_carry_T)
-
-        capture = plan.unit.capture
+        capture = plan.rerun.unit.capture
         if capture is not None:
             capture.zero_accumulators()
         sink = ParamGradSink(plan.params)  # steps run eagerly (all, or a capture's first) add theirs here
-        reverser = StepReverser(plan, incoming, sink, final_state)
+        check = RecomputeCheck(plan.policy, plan.check_dtype) if plan.check_recompute else None
+        reverser = StepReverser(plan.rerun, plan.policy, plan.layout.incoming(grad_psi_T, grads), sink,
+                                plan.layout.input_needs_grad, check, final)
         try:
-            with sink, plan.rng.untouched():
+            with sink, plan.rerun.rng.untouched():
                 plan.schedule.reverse(kept, reverser)
         finally:
-            plan.buffers.restore()
-        del kept, final_state
+            plan.rerun.buffers.restore()
+        del kept, final
         reverser.verify()
         if capture is not None:
             for i, grad in enumerate(capture.parameter_grads()):
@@ -318,4 +347,3 @@ class EpisodeFunction(torch.autograd.Function):
                     sink.add(i, grad)
         grad_psi0, *grad_carry0 = reverser.grads_of_inputs()
         return (None, grad_psi0, *grad_carry0, *sink.take())
-

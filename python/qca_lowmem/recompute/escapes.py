@@ -36,8 +36,8 @@ class InputTrap:
     """Refuses the gradient of a step's input leaves (`set_on`), except while `allowed`: reached
     otherwise, the gradient would stop there instead of flowing on into the earlier steps."""
 
-    def __init__(self, mode: str, t: int, allowed: bool):
-        self.mode, self.t, self.allowed = mode, t, allowed
+    def __init__(self, policy, t: int, allowed: bool):
+        self.policy, self.t, self.allowed = policy, t, allowed
 
     def set_on(self, state: State) -> State:
         for x in state.tensors():
@@ -52,7 +52,7 @@ class InputTrap:
 
     def refuse(self):
         raise EscapedTensorError(
-            f"rollout(checkpoint={self.mode!r}): the backward reached the graph of step {self.t} through a tensor "
+            f"rollout(checkpoint={self.policy.checkpoint!r}): the backward reached the graph of step {self.t} through a tensor "
             "that left the step other than through psi (or the carry): an activity penalty a forward hook appends "
             "to a list, a tensor kept on a module, ... The episode keeps no graph of its steps, so that gradient "
             "cannot be computed: hand the tensor out through the carry (rollout(..., carry=...)), or use "
@@ -60,15 +60,15 @@ class InputTrap:
 
 
 class StepFrame:
-    """Step `t`'s forward run, for a rollout(checkpoint=`mode`). With `keep` the graph's saved
+    """Step `t`'s forward run, for a rollout under `policy` (a Policy). With `keep` the graph's saved
     tensors are kept (a graph the episode goes on using), and nothing is refused; with `sizes`
     the bytes of the storages saved (parameters excluded, each counted once) are appended to it
     on exit, as memory.saved_bytes counts them."""
 
-    def __init__(self, mode: str, t: int, sizes: Optional[List[int]] = None, keep: bool = False, grad: bool = True):
-        self.mode, self.t, self.sizes, self.keep = mode, t, sizes, keep
+    def __init__(self, policy, t: int, sizes: Optional[List[int]] = None, keep: bool = False, grad: bool = True):
+        self.t, self.sizes, self.keep = t, sizes, keep
         self.saved: Optional[list] = []  # None once the step has ended
-        self.trap = InputTrap(mode, t, allowed=True)
+        self.trap = InputTrap(policy, t, allowed=True)
         self.storages = {}
         self.kept = {}  # with `keep`: id of each tensor the graph saved -> how many times (its references)
         self._grad = torch.enable_grad() if grad else None

@@ -1,9 +1,11 @@
 """The memory policy of an episode: what the rollout keeps for backward and what it recomputes.
 
 A `Policy` is a frozen value, checked and normalised once (`Policy.of`): the budget is bytes or
-"free". It is the only place that reads the mode names; everything else (rollout, enable(), the
-trainer, plan, the OOM guard) asks it: which schedule runs the episode, how it is described,
-how it is lowered when memory runs out, what it keeps.
+"free". The mode names are defined here, and what each means for an episode by its `Schedule`
+subclass (schedule.py, which `schedule.choose` picks by the policy's mode); everything else
+(rollout, enable(), the trainer, plan, the OOM guard) asks the policy: how it is described, how it
+is lowered when memory runs out, what it keeps. The rollout passes it whole, down to the errors
+that name it.
 """
 
 from dataclasses import dataclass

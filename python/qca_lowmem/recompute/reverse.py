@@ -20,7 +20,6 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .check import RecomputeCheck
 from .intermediates import keep_block_intermediates
 from .leaves import leaves_reached, next_sequence_nr
 from .state import State
@@ -58,21 +57,55 @@ def graph_vjp(inputs: State, outputs: State, sink) -> Callable[[State], State]:
     return vjp
 
 
-class StepReverser:
-    """The gradients flowing back along the episode: w.r.t. the state after the step being
-    reversed, then, once it is reversed, w.r.t. its input state."""
+class Rerun:
+    """The episode's step (an episode.StepUnit) and what running it again as its forward ran
+    needs: the generators' states before each step, the forward's autocast state and the tensors
+    the steps write that outlive them (buffers.py)."""
 
-    def __init__(self, plan, incoming: dict, sink, final_state: Optional[State] = None):
-        self.plan = plan
-        self.sink = sink  # the episode's ParamGradSink
-        self.incoming = incoming  # step -> State of the gradients flowing into its output
-        self.grads = State(None, (None,) * plan.carry_width)
-        self.check = RecomputeCheck(plan.mode, plan.autocast.dtype(plan.state_device)) if plan.check_recompute else None
-        # The state after the step reversed next, when known: (step index, state).
-        self.next_state: Optional[Tuple[int, State]] = (plan.steps, final_state) if final_state else None
+    def __init__(self, unit, rng, autocast, buffers):
+        self.unit = unit
+        self.rng = rng
+        self.autocast = autocast
+        self.buffers = buffers
 
     def advance(self, state: State, start: int, stop: int) -> State:
-        return self.plan.advance(state, start, stop)
+        """The state at step `stop` from the one at step `start`, without a graph (as the forward
+        ran)."""
+        with torch.no_grad(), self.autocast():
+            for t in range(start, stop):
+                self.buffers.load(t)
+                with self.rng.replay(t):
+                    state = self.unit(state, t)
+        return state
+
+    def with_grad(self, t: int, inputs: State) -> State:
+        """Step t on `inputs` with grad, as its forward ran (autocast, random draws), blocks keeping
+        their intermediates."""
+        with torch.enable_grad(), self.autocast(), keep_block_intermediates(), self.rng.replay(t):
+            return self.unit(inputs, t)
+
+
+class StepReverser:
+    """The gradients flowing back along the episode: w.r.t. the state after the step being
+    reversed, then, once it is reversed, w.r.t. its input state. `incoming`: step -> State of the
+    gradients flowing into its output; `input_needs_grad`: psi0's then each carry entry's (the
+    first step's input gradients are returned only there); `check`: the recompute check, with
+    `final` (steps, the final state) when it keeps that."""
+
+    def __init__(self, rerun: Rerun, policy, incoming: dict, sink, input_needs_grad, check=None,
+                 final: Optional[Tuple[int, State]] = None):
+        self.rerun = rerun
+        self.policy = policy  # the errors name it
+        self.sink = sink  # the episode's ParamGradSink
+        self.incoming = incoming
+        self.input_needs_grad = input_needs_grad
+        self.grads = State(None, (None,) * (len(input_needs_grad) - 1))
+        self.check = check
+        # The state after the step reversed next, when known: (step index, state).
+        self.next_state: Optional[Tuple[int, State]] = final
+
+    def advance(self, state: State, start: int, stop: int) -> State:
+        return self.rerun.advance(state, start, stop)
 
     def backprop(self, t: int, state: State) -> None:
         """Reverse step t given the input state the forward kept (or re-advanced): the gradients
@@ -82,7 +115,8 @@ class StepReverser:
         self.next_state = (t, state) if self.check is not None else None
         if all(g is None for g in self.grads.tensors()):
             return  # nothing of the loss depends on this step's output
-        if self.plan.unit.capture is not None and self.plan.unit.capture.takes(state.carry):
+        capture = self.rerun.unit.capture
+        if capture is not None and capture.takes(state.carry):
             outputs, vjp = self._replayed(t, state)
         else:
             outputs, vjp = self._recomputed(t, state)
@@ -124,20 +158,18 @@ class StepReverser:
 
     def _set_grads(self, t: int, grads: State) -> None:
         if t == 0:  # psi0 and the carry entries that do not require grad get none
-            needs = self.plan.input_needs_grad
+            needs = self.input_needs_grad
             grads = State(grads.psi if needs[0] else None,
                           tuple(g if n else None for g, n in zip(grads.carry, needs[1:])))
         self.grads = grads
 
     def _recomputed(self, t: int, state: State):
-        plan = self.plan
-        plan.load_buffers(t)
+        self.rerun.buffers.load(t)
         # Inputs requiring grad at every step, step 0 too (its gradients are dropped where psi0 or
         # the carry needs none): the step then sees what the forward's saw (escapes.py).
         inputs = state.as_inputs(True)
         marker = next_sequence_nr()
-        with torch.enable_grad(), plan.autocast(), keep_block_intermediates(), plan.rng.replay(t):
-            outputs = plan.unit(inputs, t)
+        outputs = self.rerun.with_grad(t, inputs)
         self._find_leaves(outputs.tensors(), inputs, marker, t)
         return outputs, graph_vjp(inputs, outputs, self.sink)
 
@@ -148,20 +180,20 @@ class StepReverser:
         found = leaves_reached([x for x in outputs if x is not None and x.grad_fn is not None],
                                {id(x) for x in inputs.tensors()} | known, marker)
         if found:
-            raise RuntimeError(f"rollout(checkpoint={self.plan.mode!r}): the recompute of step {t} reached a tensor "
+            raise RuntimeError(f"rollout(checkpoint={self.policy.checkpoint!r}): the recompute of step {t} reached a tensor "
                                f"requiring grad (shape {tuple(found[0].shape)}) that no step of the forward read: "
                                "step_fn must compute the same function of (psi, carry) each time it runs")
 
     def _replayed(self, t: int, state: State):
         """Step t on the capture's graphs: its forward replayed, the noise after it eager."""
-        plan = self.plan
-        unit = plan.unit
-        plan.load_buffers(t)
+        rerun = self.rerun
+        unit = rerun.unit
+        rerun.buffers.load(t)
         out, out_carry = unit.capture.output_for_backward(*state)
         noisy = out
         if unit.noise is not None:
             out = out.requires_grad_(True)
-            with torch.enable_grad(), plan.autocast(), plan.rng.replay(t):
+            with torch.enable_grad(), rerun.autocast(), rerun.rng.replay(t):
                 noisy = unit.add_noise(out, t)
 
         def vjp(grads: State) -> State:

@@ -1,6 +1,6 @@
 """What each forward step the probe did not run reads and writes besides its state.
 
-The probe (api.py) sees the first steps only; a later step may reach a parameter they did not
+The probe (probe.py) sees the first steps only; a later step may reach a parameter they did not
 (a branch on psi's values) or write a tensor they did not (a BatchNorm on that branch). So every
 other step of the forward runs under a `StepWatch`: a dispatch mode that sees each op below
 autograd, so a step run without grad still shows them. It reports
