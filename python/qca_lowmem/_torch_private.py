@@ -91,6 +91,23 @@ def module_has_hooks(module: torch.nn.Module) -> bool:
                 or getattr(module, "_backward_pre_hooks", None))
 
 
+def any_call_hooked(modules, with_submodules: bool) -> bool:
+    """Whether a hook of its own (module_has_hooks) or a `forward` set on the instance is on any of
+    `modules` (None entries skipped) or, `with_submodules`, on any module inside them. Asked at
+    every call of a fused block or U-Net: one read of each module's __dict__, no call a module."""
+    pending = list(modules)
+    for module in pending:  # grows while walked: the submodules, in turn
+        if module is None:  # a submodule slot registered empty
+            continue
+        d = module.__dict__
+        if (d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d.get("_backward_pre_hooks")
+                or "forward" in d):
+            return True
+        if with_submodules:
+            pending.extend(d["_modules"].values())
+    return False
+
+
 def op_schema(func):
     """An OpOverload's schema (its arguments and returns, with their alias information)."""
     return func._schema

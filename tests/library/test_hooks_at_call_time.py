@@ -287,3 +287,32 @@ def test_enable_calls_no_hook_and_a_hooked_episode_steps_as_the_engine(where, ca
         if switched:
             assert any("the episodes run the engine's own step while it is there" in r.message for r in caplog.records)
     assert_same_run(runs[1], runs[0])
+
+
+def test_blocks_trust_the_unets_check_only_inside_its_call():
+    """Inside its fused call the U-Net has just checked every module it calls, so its blocks and
+    layers do not check again; a block called on its own afterwards (or after a call that raised)
+    checks for itself, and a hook added to it since is honoured."""
+    stock, fused = stock_and_converted_unet()
+    x = torch.randn(1, 4, 8, 8, dtype=torch.float64)
+    assert_same_run(stock, fused, x)
+    hooked = nn.Identity()
+    hooked.register_forward_hook(lambda module, args, output: None)
+    with qca_lowmem.ops.calls_checked_by_caller():
+        assert qca_lowmem.ops.calls_plain((hooked,))  # trusted inside
+    assert not qca_lowmem.ops.calls_plain((hooked,))
+    with pytest.raises(RuntimeError), qca_lowmem.ops.calls_checked_by_caller():
+        raise RuntimeError("a call that raised inside")
+    assert not qca_lowmem.ops.calls_plain((hooked,))
+    calls = []
+    handle = fused.inc.conv_block[0].register_forward_hook(scale_conv_outputs(calls))
+    stock_handle = stock.inc.conv_block[0].register_forward_hook(scale_conv_outputs([]))
+    try:
+        assert not fused.inc.runs_fused()
+        h = torch.randn(1, 4, 8, 8, dtype=torch.float64)
+        torch.testing.assert_close(fused.inc(h), stock.inc(h), rtol=1e-10, atol=1e-12)
+        assert calls == ["Conv2d"]
+        assert_same_run(stock, fused, x)
+    finally:
+        handle.remove()
+        stock_handle.remove()

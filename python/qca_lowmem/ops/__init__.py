@@ -29,8 +29,25 @@ load_native()
 
 from ._checks import check_same_device, refuse_func_transforms  # noqa: E402
 from ._double_backward import reference_backward, second_order_requested  # noqa: E402
-from ._forwards import calls_are_forwards, plain_torch_layer, torch_layers_unchanged  # noqa: E402
+from ._forwards import (  # noqa: E402
+    calls_are_forwards,
+    calls_checked_by_caller,
+    calls_plain,
+    plain_torch_layer,
+    torch_layers_unchanged,
+)
 
-__all__ = ["REBUILD_COMMAND", "calls_are_forwards", "check_same_device", "has_cuda_kernels", "load_native",
-           "plain_torch_layer", "reference_backward", "refuse_func_transforms", "second_order_requested",
-           "torch_layers_unchanged"]
+__all__ = [
+    "REBUILD_COMMAND",
+    "calls_are_forwards",
+    "calls_checked_by_caller",
+    "calls_plain",
+    "check_same_device",
+    "has_cuda_kernels",
+    "load_native",
+    "plain_torch_layer",
+    "reference_backward",
+    "refuse_func_transforms",
+    "second_order_requested",
+    "torch_layers_unchanged",
+]
