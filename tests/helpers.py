@@ -265,3 +265,15 @@ def gradient_casts_in(episode) -> int:
     return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
                and len(e.input_shapes[0]) == 4 and e.input_shapes[0][2:] == [3, 3]
                and e.input_dtypes[0] == "c10::BFloat16" and not inside(e, "aten::add_"))
+
+
+class RecordingMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode that is not a watcher: it sees each op (its name in `seen`) and runs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import qca_lowmem
+from helpers import RecordingMode
 from qca_lowmem import stock
 from qca_lowmem.recompute import weight_casts
 from qca_lowmem.recompute.watch import StepWatch
@@ -301,16 +302,6 @@ class SeeingWatch(StepWatch):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-class Counting(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 def noisy_fused_step(model, drift):
     """pack -> the fused U-Net -> update, then an update by the leaf `drift` -> the stock noise (a
     bit flip at step 0 of seed 2), and a write into what the pack made."""
@@ -344,7 +335,7 @@ def test_the_step_ops_and_the_unets_cat_run_hidden_from_the_watch_and_tell_it_th
     assert {id(p) for p in watch.leaves} == {id(p) for p in [*model.parameters(), drift]}
     assert watch.writes == []
 
-    counting = Counting()  # any other mode sees every op
+    counting = RecordingMode()  # any other mode sees every op
     with torch.set_grad_enabled(grad), counting:
         step(psi.clone())
     for op in ("qca_lowmem.qca_pack", "qca_lowmem.qca_update", "qca_lowmem.phase_flip", "qca_lowmem.bit_flip",

@@ -4,6 +4,7 @@ that reaches them (the dispatch-mode stack), and what running hidden tells them.
 import pytest
 import torch
 
+from helpers import RecordingMode
 from qca_lowmem import _torch_private as torch_private
 from qca_lowmem import qca_update
 from qca_lowmem.ops import watchers
@@ -29,23 +30,13 @@ class Watcher(watchers.WatchingDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class Passthrough(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 def test_watching_modes_are_the_stack_when_every_mode_only_watches():
     assert watchers.watching_modes() == [] and watchers.eager_watchers() == []
     with Watcher() as outer, Watcher() as inner:
         assert watchers.watching_modes() == [outer, inner]
-        with Passthrough():
+        with RecordingMode():
             assert watchers.watching_modes() is None
-    with Passthrough(), Watcher():
+    with RecordingMode(), Watcher():
         assert watchers.watching_modes() is None and watchers.eager_watchers() is None
     assert watchers.watching_modes() == []
 
@@ -56,7 +47,7 @@ def test_note_read_reaches_every_active_watcher_through_the_stack_alone():
     w = torch.ones(2, requires_grad=True)
     watchers.note_read(w)  # no watcher: nothing to tell
     with Watcher() as outer:
-        with Passthrough(), Watcher() as inner:
+        with RecordingMode(), Watcher() as inner:
             watchers.note_read(w)
         with torch_private.dispatch_disabled():
             watchers.note_read(w)
@@ -72,7 +63,7 @@ def test_run_hidden_tells_the_watchers_what_ran_unseen():
     assert watcher.seen == []
     [(read, made)] = watcher.unseen
     assert [id(t) for t in read] == [id(psi), id(delta)] and [id(t) for t in made] == [id(out)]
-    other = Passthrough()  # a mode that is not a watcher sees the op itself
+    other = RecordingMode()  # a mode that is not a watcher sees the op itself
     with other, Watcher() as watcher:
         qca_update(psi, delta, 0.1)
     assert "qca_lowmem.qca_update" in other.seen and watcher.unseen == []
