@@ -84,7 +84,7 @@ class RecomputeCheck:
         self.compute_dtype = compute_dtype  # the autocast dtype of psi's device, None without
         self.steps: List[int] = []
         self.names: List[List[str]] = []
-        self.differences: List[torch.Tensor] = []
+        self.differences: List[torch.Tensor] = []  # scalars on the device, every step's in turn
         self.tolerances: List[List[float]] = []
 
     def add(self, t: int, recomputed: State, expected: State, before: State) -> None:
@@ -108,13 +108,14 @@ class RecomputeCheck:
             tolerances.append(tolerance)
         self.steps.append(t)
         self.names.append(names)
-        self.differences.append(torch.stack(differences))
+        self.differences += differences  # stacked once, in verify(): no op a step
         self.tolerances.append(tolerances)
 
     def verify(self) -> None:
-        if not self.steps:
+        if not self.differences:
             return
-        values = torch.cat(self.differences).tolist()  # the check's only host sync
+        device = self.differences[0].device
+        values = torch.stack([d.to(device) for d in self.differences]).tolist()  # the check's only host sync
         failures, i = [], 0
         for t, names, tolerances in zip(self.steps, self.names, self.tolerances):
             for name, tolerance in zip(names, tolerances):
