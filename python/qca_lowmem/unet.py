@@ -167,7 +167,7 @@ def stock_block_mismatch(module: nn.Module) -> Optional[str]:
     others = [name for name, _ in module.named_children() if name != "conv_block"]
     if others or list(module.named_parameters(recurse=False)) or list(module.named_buffers(recurse=False)):
         return "has submodules, parameters or buffers besides conv_block, so its forward may do more"
-    if torch_private.module_has_hooks(module) or "forward" in vars(module):
+    if torch_private.any_call_hooked((module,), with_submodules=False):
         return "has hooks or a forward of its own, which the fused block (a new module) would not carry"
     return None
 

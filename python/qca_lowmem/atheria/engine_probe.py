@@ -38,16 +38,20 @@ def check_engine_state(motor) -> None:
         value = getattr(state, name, None)
         if value is None:
             continue
-        if name == "psi":
-            fits = isinstance(value, torch.Tensor) and value.is_complex() and value.dim() == 4
-        else:
-            fits = isinstance(value, torch.Tensor)
-        if not fits:
-            found = (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
-                     else f"a {type(value).__name__}")
-            raise _state_refusal(motor, f"state.{name} is {found}, not {kind}")
+        if not (_is_psi(value) if name == "psi" else isinstance(value, torch.Tensor)):
+            raise _state_refusal(motor, f"state.{name} is {_found(value)}, not {kind}")
     if not isinstance(getattr(state, "psi", None), torch.Tensor) and callable(getattr(motor, "get_initial_state", None)):
         _check_drawn_state(motor)
+
+
+def _is_psi(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_complex() and value.dim() == 4
+
+
+def _found(value) -> str:
+    """What a refusal says was found instead."""
+    return (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+            else f"a {type(value).__name__}")
 
 
 def _state_refusal(motor, why: str) -> TypeError:
@@ -67,11 +71,9 @@ def _check_drawn_state(motor) -> None:
     except Exception as error:  # any failure is the refusal's reason
         raise _state_refusal(motor, f"get_initial_state(1) raised {type(error).__name__}: "
                              f"{(str(error).splitlines() or [''])[0][:100]} (it keeps no state.psi)") from None
-    if not (isinstance(psi, torch.Tensor) and psi.is_complex() and psi.dim() == 4):
-        found = (f"a {psi.dtype} tensor of shape {tuple(psi.shape)}" if isinstance(psi, torch.Tensor)
-                 else f"a {type(psi).__name__}")
-        raise _state_refusal(motor, f"get_initial_state(1), where it keeps no state.psi, gives {found}, not a complex "
-                             "(B, H, W, d) tensor")
+    if not _is_psi(psi):
+        raise _state_refusal(motor, f"get_initial_state(1), where it keeps no state.psi, gives {_found(psi)}, not a "
+                             "complex (B, H, W, d) tensor")
 
 
 # The probe's update moves each cell by up to this fraction of its norm: large, so a missing or

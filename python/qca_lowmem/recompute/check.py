@@ -104,7 +104,7 @@ class RecomputeCheck:
                 difference = _ZERO  # the common case, at a tenth of the cost (no host sync on the CPU)
             else:
                 difference = _relative_difference(actual.detach(), wanted.detach(), None if old is None else old.detach())
-            differences.append(difference.to(differences[0].device) if differences else difference)
+            differences.append(difference)  # (moved to one device in verify())
             tolerances.append(tolerance)
         self.steps.append(t)
         self.names.append(names)
