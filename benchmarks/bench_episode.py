@@ -26,7 +26,9 @@ graph, lowmem_fp32_auto_half with half of it, lowmem_fp32_auto_free with budget=
 device has left). Each run gets a fresh copy of the same initial weights and its own optimizer; it
 reports the peaks of torch.cuda.max_memory_allocated and max_memory_reserved over the measured
 episodes (after a warm-up episode, so AdamW's state exists) and the median episode time; a
-StepGraph run also the captures it made and whether it fell back to eager steps. The _cl runs
+StepGraph run also the captures it made and whether it fell back to eager steps. By name,
+lowmem_{fp32,bf16}_step_graph_overlap_cl: StepGraph(overlap=True), each step's recompute run
+ahead on a second stream while the step after it runs its backward. The _cl runs
 are their runs with the model's weights and the pack channels_last (NHWC end to end); by name,
 the runs that take the episode apart have them too (lowmem_fp32_step_cl, ...). stock_v4
 and lowmem_enable_default are the users' trainer, stock and through enable()'s defaults
@@ -78,6 +80,10 @@ TAKEN_APART_RUNS = ["lowmem_fp32_step", "lowmem_fp32_keep", "lowmem_fp32_forward
 # The compiled peer by name too: its compiles take minutes on a GPU (gpu_checks.sh's peer phase).
 EXTRA_RUNS = [*PEER_RUNS, "stock_fp32_checkpoint", *TAKEN_APART_RUNS[1:], "lowmem_fp32_auto", "lowmem_fp32_auto_half",
               "lowmem_fp32_auto_free", *(name + "_cl" for name in TAKEN_APART_RUNS)]
+# StepGraph(overlap=True): each step's recompute runs ahead on a second lane (issue 50); by name
+# until a GPU run shows it pays.
+OVERLAP_RUNS = ["lowmem_fp32_step_graph_overlap_cl", "lowmem_bf16_step_graph_overlap_cl"]
+EXTRA_RUNS += OVERLAP_RUNS
 CUDA_ONLY_RUNS = ["lowmem_fp32_auto_free"]  # budget="free" reads a GPU's free memory
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -162,7 +168,7 @@ def lowmem_forward(model, psi0, args, schedule, autocast_dtype=None, checkpoint=
 
 
 def run_forward(name, model, psi0, args, episode_seed, step=None, budget=None):
-    name = name.removesuffix("_cl")  # its model and step are channels_last (Run)
+    name = unlayered(name)
     rate = reference.noise_rate(args.episode, args.max_noise)
     schedule = qca_lowmem.NoiseSchedule(args.max_noise, args.episode, seed=episode_seed)
     if name == "stock_fp32":
@@ -194,6 +200,12 @@ def run_forward(name, model, psi0, args, episode_seed, step=None, budget=None):
     if name.endswith("_step_graph"):
         return lowmem_forward(model, psi0, args, schedule, AMP[name.split("_")[1]], step=step)
     raise ValueError(name)
+
+
+def unlayered(name: str) -> str:
+    """The run whose episode `name` runs: its channels_last model and step and its StepGraph's
+    overlap are set up by Run."""
+    return name.removesuffix("_cl").removesuffix("_overlap")
 
 
 def initial_state(args, device, seed):
@@ -229,7 +241,7 @@ def step_back_by_hand(model, psi0, args, schedule, step):
 def train_episode(name, model, optimizer, scaler, args, device, episode_seed, step=None, budget=None):
     optimizer.zero_grad(set_to_none=True)
     psi0 = initial_state(args, device, episode_seed)
-    name = name.removesuffix("_cl")  # its model and step are channels_last (Run)
+    name = unlayered(name)
     if name == "lowmem_fp32_forward":
         with torch.no_grad():
             history = run_forward("lowmem_fp32_step", model, psi0, args, episode_seed, step)
@@ -274,8 +286,9 @@ class Run:
             self.step = episode_peer.peer_step_fn(self.model, args.gamma, args.compile_modes[0])
         elif name.endswith("_cl"):
             self.step = lowmem_step_fn(self.model, args.gamma, AMP[name.split("_")[1]], channels_last=True)
-        if name.removesuffix("_cl").endswith("_step_graph"):
-            self.step = qca_lowmem.StepGraph(self.step or lowmem_step_fn(self.model, args.gamma, AMP[name.split("_")[1]]))
+        if unlayered(name).endswith("_step_graph"):
+            self.step = qca_lowmem.StepGraph(self.step or lowmem_step_fn(self.model, args.gamma, AMP[name.split("_")[1]]),
+                                             overlap=name in OVERLAP_RUNS)
         self.budget = None
         if name == "lowmem_fp32_auto_free":
             self.budget = "free"

@@ -24,6 +24,8 @@
 # grids:    the users' fix against `LOWMEM: true` at grid 128 (with stock fp32, which needs about
 #           111 GiB) and at grid 256, where the GPU is the bound (episode_grid128/256_<device>.json;
 #           each bounded at 240 s)
+# overlap:  StepGraph(overlap=True) against one lane, bf16 and fp32 channels_last, grid 64 and
+#           128, profiled (episode_overlap_<device>.json, episode_overlap_grid128_<device>.json)
 # cap:      100 default-config episodes under a 3.68 GiB cap (benchmarks/results/cap_<device>.json)
 # cap128:   the small-GPU profile at grid 128 under the same cap, step and revolve (a few episodes)
 # PYTEST_ARGS adds arguments to the test phase, SANITIZE_PYTEST_ARGS to memcheck's, EPISODE_ARGS
@@ -122,12 +124,19 @@ phase() {
       run bench_episode_grid256 "$PYTHON" benchmarks/bench_episode.py --grid 256 --episodes 2 --skip-grad-check --runs \
         stock_fp16_checkpoint lowmem_enable_default lowmem_enable_channels_last --name episode_grid256
       ;;
+    overlap)
+      run bench_episode_overlap "$PYTHON" benchmarks/bench_episode.py --episodes 3 --profile --profile-steps 50 --runs \
+        lowmem_bf16_step_graph_cl lowmem_bf16_step_graph_overlap_cl lowmem_fp32_step_graph_cl \
+        lowmem_fp32_step_graph_overlap_cl --name episode_overlap
+      run bench_episode_overlap_grid128 "$PYTHON" benchmarks/bench_episode.py --grid 128 --episodes 2 --skip-grad-check \
+        --runs lowmem_bf16_step_graph_cl lowmem_bf16_step_graph_overlap_cl --name episode_overlap_grid128
+      ;;
     cap) run bench_cap "$PYTHON" benchmarks/bench_cap.py ;;
     cap128)
       run cap128_step "$PYTHON" benchmarks/bench_cap.py --config configs/small_gpu.yaml --grid 128 --episodes 5 --name cap128_fp16_step
       run cap128_revolve "$PYTHON" benchmarks/bench_cap.py --config configs/small_gpu.yaml --grid 128 --episodes 5 --checkpoint revolve --slots 32 --name cap128_fp16_revolve32
       ;;
-    *) echo "unknown phase: $1 (build, probe, test, sanitize, bench, kernels, episode, plan, users, peer, grids, cap, cap128)"; exit 2 ;;
+    *) echo "unknown phase: $1 (build, probe, test, sanitize, bench, kernels, episode, plan, users, peer, grids, overlap, cap, cap128)"; exit 2 ;;
   esac
 }
 echo "=== $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -n 1); $("$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1); $(nproc) CPUs; $(git rev-parse --short HEAD 2>/dev/null)"

@@ -71,6 +71,22 @@ def test_every_run_kind_runs_on_a_tiny_config(tmp_path):
     assert refused.returncode == 2 and "need a CUDA device" in refused.stderr
 
 
+def test_the_gpu_checks_ask_bench_episode_only_for_runs_it_has():
+    """A GPU is lent for minutes: a run name the script refuses would waste a phase."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_episode
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    script = (ROOT / "scripts" / "gpu_checks.sh").read_text().replace("\\\n", " ")
+    asked = [line.split("--runs", 1)[1].split("--", 1)[0].split() for line in script.splitlines()
+             if "bench_episode.py" in line and "--runs" in line]
+    assert len(asked) >= 6
+    known = set(bench_episode.RUNS + bench_episode.EXTRA_RUNS)
+    assert [name for names in asked for name in names if name not in known] == []
+    assert {"lowmem_bf16_step_graph_overlap_cl", "stock_compiled_checkpoint"} <= {n for names in asked for n in names}
+
+
 def test_a_result_names_its_commit_and_says_when_the_files_differ_from_it(tmp_path, monkeypatch):
     """Result files record the commit that ran: a tree changed since its last commit (or a copy
     whose .git is stale, as on a lent GPU machine) is marked -dirty, unless QCA_LOWMEM_COMMIT names

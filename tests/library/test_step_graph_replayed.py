@@ -5,13 +5,12 @@ keeps their contract (a replay writes new values into the tensors the capture re
 What the stand-in cannot show, that the kernels recorded once replay the same work on a GPU, the
 CUDA tests in test_rollout.py and test_rollout_carry.py show."""
 
-import contextlib
-
 import pytest
 import torch
 
 import qca_lowmem
 from fixtures.model_families import EPISODES, assert_same_run, make_trainer, run
+from fixtures.replayed_graphs import ReplayedGraphs, replays
 from helpers import (
     CARRY_STEPS,
     MemoryCell,
@@ -35,61 +34,6 @@ from qca_lowmem.examples import QC_Trainer_v4, make_config
 from qca_lowmem.recompute import step_graph
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _tensors(tree):
-    if isinstance(tree, (tuple, list)):
-        for item in tree:
-            yield from _tensors(item)
-    else:
-        yield tree
-
-
-class ReplayedGraphs:
-    """CUDA graphs' contract, run eagerly: a capture runs its body once and returns what it
-    returned; a replay runs the body again and copies the new values into those tensors, as a
-    replay rewrites the graph's static memory. `live` gives a later capture the latest replay's
-    outputs, whose autograd graph is the one of the values now held."""
-
-    made = []
-
-    def __init__(self, device):
-        self.latest = {}
-        self.replays = 0
-        ReplayedGraphs.made.append(self)
-
-    def warming_up(self):
-        return contextlib.nullcontext()
-
-    def capture(self, body):
-        outputs = body()
-
-        def replay():
-            fresh = body()
-            with torch.no_grad():
-                for static, value in zip(_tensors(outputs), _tensors(fresh), strict=True):
-                    assert (static is None) == (value is None)
-                    if static is not None:
-                        static.detach().copy_(value)
-            self.latest[id(outputs)] = fresh
-            self.replays += 1
-
-        return outputs, replay
-
-    def live(self, outputs):
-        return self.latest.get(id(outputs), outputs)
-
-
-@pytest.fixture
-def replayed_graphs(monkeypatch):
-    monkeypatch.setattr(step_graph, "_captures_on", lambda device: True)
-    monkeypatch.setattr(step_graph, "_graphs", ReplayedGraphs)
-    ReplayedGraphs.made = []
-    return ReplayedGraphs.made
-
-
-def replays(made):
-    return sum(graphs.replays for graphs in made)
 
 
 @pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 3)])
@@ -118,7 +62,7 @@ def test_the_capture_keeps_no_autograd_graph_of_its_outputs(replayed_graphs, det
                   memory_loss=not detach)
     capture = graph.capture
     assert capture is not None
-    outputs = [capture.static_out, *capture.static_carry_out]
+    outputs = [capture.lanes[0].static_out, *capture.lanes[0].static_carry_out]
     assert all(o is None or (o.grad_fn is None and not o.requires_grad) for o in outputs)
 
 

@@ -97,6 +97,23 @@ class CudaGraphs:
         generator = torch.cuda.default_generators[self.device.index]
         generator.graphsafe_set_state(generator.clone_state())  # the same seed and offset, not capturing
 
+    def run_ahead(self, body: Callable, reads: List[torch.Tensor]) -> torch.cuda.Event:
+        """Queue body on the side stream after what the caller's stream holds so far, to run
+        alongside what the caller queues next; join() the returned event before reading what it
+        writes. `reads`: the caller's tensors it reads (their memory kept until it is done)."""
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side):
+            body()
+        for tensor in reads:
+            tensor.record_stream(self.side)
+        done = torch.cuda.Event()
+        done.record(self.side)
+        return done
+
+    def join(self, done: torch.cuda.Event) -> None:
+        """The caller's stream waits for work queued by run_ahead."""
+        torch.cuda.current_stream(self.device).wait_event(done)
+
     @staticmethod
     def live(outputs):
         """The tensors a later capture differentiates for `outputs` of a capture: themselves, whose

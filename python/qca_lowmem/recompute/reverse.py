@@ -107,9 +107,10 @@ class StepReverser:
     def advance(self, state: State, start: int, stop: int) -> State:
         return self.rerun.advance(state, start, stop)
 
-    def backprop(self, t: int, state: State) -> None:
+    def backprop(self, t: int, state: State, upcoming: Optional[State] = None) -> None:
         """Reverse step t given the input state the forward kept (or re-advanced): the gradients
-        then refer to it."""
+        then refer to it. `upcoming`: the input state of step t-1, where the schedule already holds
+        it (a capture with two lanes then recomputes step t-1 while step t's backward runs)."""
         self._take_incoming(t)
         expected = self.next_state[1] if self.next_state is not None and self.next_state[0] == t + 1 else None
         self.next_state = (t, state) if self.check is not None else None
@@ -117,7 +118,7 @@ class StepReverser:
             return  # nothing of the loss depends on this step's output
         capture = self.rerun.unit.capture
         if capture is not None and capture.takes(state.carry):
-            outputs, vjp = self._replayed(t, state)
+            outputs, vjp = self._replayed(t, state, upcoming)
         else:
             outputs, vjp = self._recomputed(t, state)
         if expected is not None:
@@ -184,12 +185,16 @@ class StepReverser:
                                f"requiring grad (shape {tuple(found[0].shape)}) that no step of the forward read: "
                                "step_fn must compute the same function of (psi, carry) each time it runs")
 
-    def _replayed(self, t: int, state: State):
-        """Step t on the capture's graphs: its forward replayed, the noise after it eager."""
+    def _replayed(self, t: int, state: State, upcoming: Optional[State]):
+        """Step t on the capture's graphs: its forward replayed (or run ahead), the noise after it
+        eager; step t-1's forward run ahead on upcoming where the capture can."""
         rerun = self.rerun
         unit = rerun.unit
         rerun.buffers.load(t)
-        out, out_carry = unit.capture.output_for_backward(*state)
+        out, out_carry = unit.capture.output_for_backward(t, *state)
+        # Buffers are loaded before each step's recompute on this stream: such steps are not run ahead.
+        if upcoming is not None and not rerun.buffers.tensors and unit.capture.takes(upcoming.carry):
+            unit.capture.run_ahead(t - 1, *upcoming)
         noisy = out
         if unit.noise is not None:
             out = out.requires_grad_(True)

@@ -14,8 +14,8 @@ One `Schedule` subclass per policy (its `mode`), plain autograd included:
 
 A recomputing schedule runs over the same episode Function (episode.py) and the same reverse pass
 (reverse.py): it tells the forward `keeps_state(t)` / `keeps_graph(t)` for the input of step t,
-and reverses by calling `reverser.backprop(t, state)` for t from the last step down with the
-state the forward kept for t, re-advancing states with `reverser.advance(state, start, stop)`
+and reverses by calling `reverser.backprop(t, state, upcoming)` for t from the last step down with
+the state the forward kept for t (and for t-1 where it holds it), re-advancing states with `reverser.advance(state, start, stop)`
 where it keeps fewer, and `reverser.backprop_graph(kept)` for steps whose graph the forward kept.
 Its class makes it for an episode (`for_episode`) from what the episode's first steps measured
 (probe.py), asked for with `measures_step`.
@@ -102,7 +102,7 @@ class EveryStep(Recomputing):
 
     def reverse(self, kept: dict, reverser) -> None:
         for t in reversed(range(self.steps)):
-            reverser.backprop(t, kept.pop(t))  # popped: each state freed once reversed
+            reverser.backprop(t, kept.pop(t), kept.get(t - 1))  # popped: each state freed once reversed
 
 
 class Revolve(Recomputing):
@@ -170,7 +170,7 @@ class Auto(Recomputing):
         if self.graphs_from < self.steps:
             reverser.backprop_graph(kept.pop(self.graphs_from))
         for t in reversed(range(self.graphs_from)):
-            reverser.backprop(t, kept.pop(t))
+            reverser.backprop(t, kept.pop(t), kept.get(t - 1))
 
 
 def choose(policy: Policy, start, check_recompute: bool) -> Schedule:

@@ -31,6 +31,17 @@ numbers (its warm-up's draws undone, so the eager steps draw what they would hav
 Memory: the graphs' pool holds one step's activations and one set of per-parameter gradients;
 the accumulators one more set. The rollout's eager path needs the first and one gradient set
 too, so a StepGraph costs about one extra copy of the parameters.
+
+Overlap (`StepGraph(step_fn, overlap=True)`): at B=1 a step's kernels leave most of a large GPU
+idle, and the recompute of step t-1 needs only the state the forward kept for it. So the step is
+captured on two lanes, each with its graphs, static tensors, pool and stream; the reverse pass
+replays step t on lane t % 2 and, while step t's backward replays on the caller's stream, queues
+the forward of step t-1 on the other lane's stream (schedules that keep step t-1's input state
+pass it on). The kernels and their order on each lane are those of one lane, and the gradients
+are added to the shared accumulators in the same order, so the bits are the same. It costs a
+second pool (one step's activations and gradients) and, once per configuration, a second
+capture. Not run ahead: a step whose carry the capture does not take, and episodes whose steps
+write buffers (their values are loaded before each recompute, on the caller's stream).
 """
 
 import contextlib
@@ -62,12 +73,19 @@ class StepGraph:
 
     Called directly it is the plain step: step_fn(psi), or step_fn(psi, carry) in a rollout with
     carry=... . Keep one per model and configuration: each capture is reused by every later
-    rollout with the same key, and a new key replaces the old capture (its memory is released)."""
+    rollout with the same key, and a new key replaces the old capture (its memory is released).
 
-    def __init__(self, step_fn: Callable):
+    overlap=True captures the step twice (two lanes, see the module notes): in the reverse pass
+    the recompute of the step reversed next runs on a second stream while this step's backward
+    runs, for a second copy of the graphs' memory."""
+
+    def __init__(self, step_fn: Callable, overlap: bool = False):
         if not callable(step_fn):
             raise TypeError(f"StepGraph: step_fn must be callable, got {type(step_fn).__name__}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"StepGraph: overlap must be True or False, got {overlap!r}")
         self.step_fn = step_fn
+        self.overlap = overlap
         self.capture: Optional[_Capture] = None
         self.captures_made = 0  # for tests and reports: how often a new capture was needed
         self.failed_keys = set()  # configurations whose capture failed: rolled out eagerly
@@ -117,7 +135,7 @@ class StepGraph:
         if self.capture is None or self.capture.key != key:
             self.capture = None  # release the old graphs and pool before capturing anew
             try:
-                self.capture = _Capture(step, state, params, autocast_state, key)
+                self.capture = _Capture(step, state, params, autocast_state, key, lanes=2 if self.overlap else 1)
             except CaptureFailed as failure:
                 self.failed_keys.add(key)
                 gc.collect()  # the half-made graphs and their pool
@@ -176,56 +194,46 @@ def _requires_grad(tensor) -> bool:
     return tensor is not None and tensor.requires_grad
 
 
-class _Capture:
-    """The two graphs of one configuration and the static tensors they read and write: psi and
-    the carry in, the step's psi and carry out; in the backward, the gradients flowing into those
-    outputs, the gradients w.r.t. psi and the carry in, and per-parameter accumulators."""
+class _Lane:
+    """One copy of a configuration's two graphs and the static tensors they read and write: psi
+    and the carry in, the step's psi and carry out; in the backward, the gradients flowing into
+    those outputs and the gradients w.r.t. psi and the carry in. Each lane has its own memory pool
+    and stream (a cuBLAS workspace is kept per stream), so two lanes' graphs may run at once."""
 
-    def __init__(self, step, state: State, params, autocast_state, key):
-        self.key = key
-        self.params = params
-        self.carry_signature = tuple(map(signature, state.carry))
+    def __init__(self, state: State, device: torch.device):
+        self.graphs = _graphs(device)
         self.static_in = state.psi.detach().clone().requires_grad_(True)
         self.static_carry_in = tuple(
             None if c is None else c.detach().clone().requires_grad_(differentiable(c)) for c in state.carry)
-        autocast = autocast_state.without_cache
-        psi = state.psi
-        # Half-precision weight copies outside the graphs, cast once an episode (refresh_casts),
-        # not at every replay.
-        self.casts = StaticCasts()
 
-        def forward():
-            with torch.enable_grad(), autocast(), keep_block_intermediates(), self.casts.active():
-                return step(self.static_in, self.static_carry_in)
+    def inputs(self) -> List[torch.Tensor]:
+        return [self.static_in, *(c for c in self.static_carry_in if _requires_grad(c))]
 
-        # Autocast's cache holds the weights' casts from the eager steps so far, and through them
-        # the weights' gradient accumulators, made on the caller's stream: a backward capture that
-        # reaches one syncs that stream with the capture, which CUDA refuses (every bf16 and fp16
-        # capture failed so on an H200). Dropped, the accumulators are made anew on the side stream.
-        torch.clear_autocast_cache()
-        graphs = _graphs(psi.device)
-        with _hooks_set_aside(params):
-            with graphs.warming_up(), random_draws_refused(psi.device):
-                for _ in range(WARMUP_STEPS):
-                    out, carry_out = forward()
-                    check_like_psi(out, psi, "step_fn", None)
-                    if not out.requires_grad:
-                        raise ValueError("StepGraph: step_fn's output does not require grad: nothing to capture a "
-                                         "backward for")
-                    outputs = [out, *(c for c in carry_out if _requires_grad(c))]
-                    torch.autograd.grad(outputs, self._inputs() + params, [torch.zeros_like(o) for o in outputs],
-                                        allow_unused=True)
-                    del out, carry_out, outputs
-            with capture_errors_explained():
-                static_outputs, self.replay_forward = graphs.capture(forward)
-                out, carry_out = static_outputs
-                self.static_grad_out = torch.zeros_like(out)
-                self.static_grad_carry_out = tuple(torch.zeros_like(c) if _requires_grad(c) else None
-                                                   for c in carry_out)
-                self.accumulators = [torch.zeros_like(p) for p in params]
-                self.reached: List[bool] = []
-                (self.static_grad_in, self.static_grad_carry_in), self.replay_backward = graphs.capture(
-                    lambda: self._backward(graphs.live(static_outputs)))
+    def warm_up(self, forward, params) -> None:
+        """Eager runs of the step on the lane's stream before capturing: lazy initialisations, the
+        stream's cuDNN and cuBLAS workspaces."""
+        with self.graphs.warming_up(), random_draws_refused(self.static_in.device):
+            for _ in range(WARMUP_STEPS):
+                out, carry_out = forward(self)
+                check_like_psi(out, self.static_in, "step_fn", None)
+                if not out.requires_grad:
+                    raise ValueError("StepGraph: step_fn's output does not require grad: nothing to capture a "
+                                     "backward for")
+                outputs = [out, *(c for c in carry_out if _requires_grad(c))]
+                torch.autograd.grad(outputs, self.inputs() + params, [torch.zeros_like(o) for o in outputs],
+                                    allow_unused=True)
+                del out, carry_out, outputs
+
+    def capture(self, forward, capture: "_Capture") -> None:
+        graphs = self.graphs
+        with capture_errors_explained():
+            static_outputs, self.replay_forward = graphs.capture(lambda: forward(self))
+            out, carry_out = static_outputs
+            self.static_grad_out = torch.zeros_like(out)
+            self.static_grad_carry_out = tuple(torch.zeros_like(c) if _requires_grad(c) else None
+                                               for c in carry_out)
+            (self.static_grad_in, self.static_grad_carry_in), self.replay_backward = graphs.capture(
+                lambda: self._backward(graphs.live(static_outputs), capture))
         # Kept with their autograd graph, the outputs would keep the parameters' AccumulateGrad
         # nodes made on the capture's side stream, and every later backward on the caller's stream
         # that reaches a parameter would sync with it (torch warns so). The replays need only the
@@ -233,36 +241,30 @@ class _Capture:
         self.static_out = out.detach()
         self.static_carry_out = tuple(None if c is None else c.detach() for c in carry_out)
 
-    def _inputs(self) -> List[torch.Tensor]:
-        return [self.static_in, *(c for c in self.static_carry_in if _requires_grad(c))]
-
-    def _backward(self, outputs):
+    def _backward(self, outputs, capture: "_Capture"):
         """The body of the backward graph: gradients w.r.t. psi and the carry in returned, the
-        parameters' added to the accumulators."""
+        parameters' added to the capture's accumulators."""
         out, carry_out = outputs
         differentiated = [(out, self.static_grad_out)] + [
             (c, g) for c, g in zip(carry_out, self.static_grad_carry_out) if g is not None]
-        inputs = self._inputs()
+        inputs = self.inputs()
+        params, accumulators = capture.params, capture.accumulators
         # A half-precision weight copy's gradient is added to its fp32 accumulator in the graph
         # (deposit()): one pass over the weight, not a cast and then an add.
-        with deposited_into(Accumulators(self.params, self.accumulators), self.params) as deposits:
-            grads = torch.autograd.grad([o for o, _ in differentiated], inputs + self.params,
+        with deposited_into(Accumulators(params, accumulators), params) as deposits:
+            grads = torch.autograd.grad([o for o, _ in differentiated], inputs + params,
                                         [g for _, g in differentiated], allow_unused=True)
         by_input = iter(grads[1:len(inputs)])
         grad_carry_in = tuple(next(by_input) if _requires_grad(c) else None for c in self.static_carry_in)
         param_grads = grads[len(inputs):]
-        self.reached = [g is not None or d for g, d in zip(param_grads, deposits.reached)]
-        reached = [(a, g) for a, g in zip(self.accumulators, param_grads) if g is not None]
+        capture.reached = [g is not None or d for g, d in zip(param_grads, deposits.reached)]
+        reached = [(a, g) for a, g in zip(accumulators, param_grads) if g is not None]
         if reached:
             torch._foreach_add_([a for a, _ in reached], [g for _, g in reached])
         return grads[0], grad_carry_in
 
-    def takes(self, carry: tuple) -> bool:
-        """Whether a step with this carry runs on the graphs (a first step whose memory is not made
-        yet, None, does not)."""
-        return tuple(map(signature, carry)) == self.carry_signature
-
-    def _load(self, psi: torch.Tensor, carry: tuple) -> None:
+    def load(self, psi: torch.Tensor, carry: tuple) -> None:
+        """psi and the carry into the static inputs, then the forward replayed."""
         with torch.no_grad():
             self.static_in.copy_(psi)
             for static, c in zip(self.static_carry_in, carry):
@@ -270,29 +272,101 @@ class _Capture:
                     static.copy_(c)
         self.replay_forward()
 
+
+class _Capture:
+    """The lanes of one configuration (one, or two with StepGraph's overlap) and what they share:
+    the half-precision weight copies and per-parameter gradient accumulators. Steps taken without
+    grad replay lane 0; the reverse pass replays step t on lane t % len(lanes), and with two lanes
+    the forward of the step it reverses next runs ahead on its own lane while this step's backward
+    runs (`run_ahead`)."""
+
+    def __init__(self, step, state: State, params, autocast_state, key, lanes: int = 1):
+        self.key = key
+        self.params = params
+        self.carry_signature = tuple(map(signature, state.carry))
+        autocast = autocast_state.without_cache
+        # Half-precision weight copies outside the graphs, cast once an episode (refresh_casts),
+        # not at every replay.
+        self.casts = StaticCasts()
+
+        def forward(lane: _Lane):
+            with torch.enable_grad(), autocast(), keep_block_intermediates(), self.casts.active():
+                return step(lane.static_in, lane.static_carry_in)
+
+        # Autocast's cache holds the weights' casts from the eager steps so far, and through them
+        # the weights' gradient accumulators, made on the caller's stream: a backward capture that
+        # reaches one syncs that stream with the capture, which CUDA refuses (every bf16 and fp16
+        # capture failed so on an H200). Dropped, the accumulators are made anew on the side stream.
+        torch.clear_autocast_cache()
+        self.lanes = [_Lane(state, state.psi.device) for _ in range(lanes)]
+        self.reached: List[bool] = []
+        with _hooks_set_aside(params):
+            for lane in self.lanes:
+                lane.warm_up(forward, params)
+            with capture_errors_explained():
+                self.accumulators = [torch.zeros_like(p) for p in params]
+            for lane in self.lanes:
+                lane.capture(forward, self)
+        self.reversing: Optional[_Lane] = None  # the lane of the step being reversed
+        # (step, psi, carry, lane, its end) of a forward run ahead, until the reverse joins it.
+        self.ahead: Optional[tuple] = None
+
+    def takes(self, carry: tuple) -> bool:
+        """Whether a step with this carry runs on the graphs (a first step whose memory is not made
+        yet, None, does not)."""
+        return tuple(map(signature, carry)) == self.carry_signature
+
     def forward(self, psi: torch.Tensor, carry: tuple):
         """The step's (psi, carry) for (psi, carry), as tensors of their own (the next replay
         overwrites the graph's)."""
-        self._load(psi, carry)
-        return self.static_out.detach().clone(), tuple(_own(c) for c in self.static_carry_out)
+        self._join_ahead()
+        lane = self.lanes[0]
+        lane.load(psi, carry)
+        return lane.static_out.detach().clone(), tuple(_own(c) for c in lane.static_carry_out)
 
-    def output_for_backward(self, psi: torch.Tensor, carry: tuple):
-        """Replays the forward for (psi, carry) and returns the graph's own outputs (valid until the
-        next replay), ready for backward()."""
-        self._load(psi, carry)
-        return self.static_out.detach(), tuple(None if c is None else c.detach() for c in self.static_carry_out)
+    def output_for_backward(self, t: int, psi: torch.Tensor, carry: tuple):
+        """Step t's forward replayed for (psi, carry) (or joined, if it ran ahead on these very
+        tensors); returns the lane's own outputs (valid until the lane's next replay), ready for
+        backward()."""
+        ahead = self.ahead
+        ran_ahead = ahead is not None and ahead[0] == t and ahead[1] is psi and len(ahead[2]) == len(carry) and \
+            all(a is b for a, b in zip(ahead[2], carry))
+        self._join_ahead()
+        lane = self.reversing = self.lanes[t % len(self.lanes)]
+        if not ran_ahead:
+            lane.load(psi, carry)
+        return lane.static_out.detach(), tuple(None if c is None else c.detach() for c in lane.static_carry_out)
+
+    def run_ahead(self, t: int, psi: torch.Tensor, carry: tuple) -> bool:
+        """With two lanes: step t's forward for (psi, carry) queued on its lane's stream, after
+        what the caller's stream holds and alongside what it queues next (the backward of step
+        t + 1, on the other lane). Returns whether it was queued."""
+        if len(self.lanes) < 2:
+            return False
+        self._join_ahead()
+        lane = self.lanes[t % len(self.lanes)]
+        done = lane.graphs.run_ahead(lambda: lane.load(psi, carry), [psi, *(c for c in carry if c is not None)])
+        self.ahead = (t, psi, carry, lane, done)
+        return True
+
+    def _join_ahead(self) -> None:
+        if self.ahead is not None:
+            lane, done = self.ahead[3:]
+            self.ahead = None
+            lane.graphs.join(done)
 
     def backward(self, grad_out: Optional[torch.Tensor], grad_carry_out: tuple):
         """After output_for_backward: adds the parameters' gradients to the accumulators and
         returns the gradients w.r.t. psi and each carry entry (tensors of their own; None where
         the step's inputs do not reach its differentiable outputs)."""
+        lane = self.reversing
         with torch.no_grad():
-            _load_or_zero(self.static_grad_out, grad_out)
-            for static, g in zip(self.static_grad_carry_out, grad_carry_out):
+            _load_or_zero(lane.static_grad_out, grad_out)
+            for static, g in zip(lane.static_grad_carry_out, grad_carry_out):
                 if static is not None:
                     _load_or_zero(static, g)
-        self.replay_backward()
-        return _own(self.static_grad_in), tuple(_own(g) for g in self.static_grad_carry_in)
+        lane.replay_backward()
+        return _own(lane.static_grad_in), tuple(_own(g) for g in lane.static_grad_carry_in)
 
     def zero_accumulators(self) -> None:
         torch._foreach_zero_(self.accumulators)
