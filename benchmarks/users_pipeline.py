@@ -164,7 +164,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--atheria", type=Path, default=ROOT / "atheria", help="their checkout (default: atheria/ here)")
     parser.add_argument("--cap-gib", type=float, default=3.68, help="the per-process cap on the GPU, GiB")
-    parser.add_argument("--grid", type=int, default=128, help="their --grid_size_training")
+    parser.add_argument("--grid", type=int, default=128,
+                        help="their --grid_size_training (at 4df21e7 their engine trains at 128 whatever it says)")
     parser.add_argument("--steps", type=int, default=500, help="their --qca_steps_training")
     parser.add_argument("--episodes", type=int, default=3, help="their --total_episodes")
     parser.add_argument("--model-params", default='{"d_state": 14, "hidden_channels": 128}', help="their --model_params")
