@@ -2,6 +2,7 @@
 (with the facts `qca_lowmem.trainer.bench.environment` records)."""
 
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -70,6 +71,14 @@ def write_result(kind, device, payload, out=None):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"kind": kind, **environment(device, repo=ROOT), **payload}, indent=2) + "\n")
     return path
+
+
+def readme_patch(path: str) -> str:
+    """The README's ```diff block that changes the users' file `path`, as a user saves it for
+    `git apply` (tests/project/test_atheria_patch.py checks it against their file)."""
+    blocks = re.findall(r"^```diff\n(.*?)^```$", (ROOT / "README.md").read_text(), flags=re.M | re.S)
+    [patch] = [b for b in blocks if b.startswith(f"--- a/{path}\n+++ b/{path}\n")]
+    return patch
 
 
 def in_graph(fn, device, calls):

@@ -28,8 +28,13 @@
 #           128, profiled (episode_overlap_<device>.json, episode_overlap_grid128_<device>.json)
 # cap:      100 default-config episodes under a 3.68 GiB cap (benchmarks/results/cap_<device>.json)
 # cap128:   the small-GPU profile at grid 128 under the same cap, step and revolve (a few episodes)
+# pipeline: the users' own CLI (`python -m src.trainer`) with the README's patch, QCA_LOWMEM=1 then
+#           0, grid 128, 500 steps, 3 episodes, each process capped at 3.68 GiB
+#           (benchmarks/users_pipeline.py -> users_pipeline_<device>.json; bounded at 300 s). Their
+#           checkout must be at atheria/ in this tree (untracked: docs/ci.md, "On a GPU"); without
+#           it the step fails saying so
 # PYTEST_ARGS adds arguments to the test phase, SANITIZE_PYTEST_ARGS to memcheck's, EPISODE_ARGS
-# to bench_episode's. Phases joined by '+' run at the same time (`test+sanitize`: neither is
+# to bench_episode's, PIPELINE_ARGS to users_pipeline's. Phases joined by '+' run at the same time (`test+sanitize`: neither is
 # timed); the others one after another. TIMEOUT_<step> (seconds, e.g. TIMEOUT_memcheck=240)
 # bounds one step. After every step the logs and result files so far are packed into
 # $OUT/gpu_checks.tgz (the device tool's output folder; else /tmp/qca_gpu_logs.*), so a command
@@ -73,6 +78,8 @@ run() {  # name, command...: run (bounded by TIMEOUT_<name>), log, remember fail
 # The peer's compiles (max-autotune autotunes) and the grid-256 episodes have not run on a GPU yet:
 # bounded, so that each phase stays under ten minutes.
 : "${TIMEOUT_bench_episode_peer:=480}" "${TIMEOUT_bench_episode_grid128:=240}" "${TIMEOUT_bench_episode_grid256:=240}"
+# Their pipeline: two runs of at most 120 s each (users_pipeline.py's --timeout), then the kill.
+: "${TIMEOUT_pipeline:=300}"
 has_module() { "$PYTHON" -c "import $1" 2>/dev/null; }
 TEST_ARGS=()  # parallel workers and per-test timeouts where the plugins are installed
 has_module xdist && TEST_ARGS+=(-n "${TEST_WORKERS:-8}")
@@ -136,7 +143,9 @@ phase() {
       run cap128_step "$PYTHON" benchmarks/bench_cap.py --config configs/small_gpu.yaml --grid 128 --episodes 5 --name cap128_fp16_step
       run cap128_revolve "$PYTHON" benchmarks/bench_cap.py --config configs/small_gpu.yaml --grid 128 --episodes 5 --checkpoint revolve --slots 32 --name cap128_fp16_revolve32
       ;;
-    *) echo "unknown phase: $1 (build, probe, test, sanitize, bench, kernels, episode, plan, users, peer, grids, overlap, cap, cap128)"; exit 2 ;;
+    # shellcheck disable=SC2086
+    pipeline) run pipeline "$PYTHON" benchmarks/users_pipeline.py ${PIPELINE_ARGS:-} ;;
+    *) echo "unknown phase: $1 (build, probe, test, sanitize, bench, kernels, episode, plan, users, peer, grids, overlap, pipeline, cap, cap128)"; exit 2 ;;
   esac
 }
 echo "=== $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -n 1); $("$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1); $(nproc) CPUs; $(git rev-parse --short HEAD 2>/dev/null)"

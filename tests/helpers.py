@@ -4,6 +4,8 @@ Imported as `helpers` (tests/conftest.py puts tests/ on the path): test modules 
 never from each other or from a conftest (which one `conftest` names depends on the folder)."""
 
 import contextlib
+import importlib
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -18,6 +20,16 @@ from qca_lowmem import stock
 CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def benchmark_module(name: str):
+    """benchmarks/<name>.py, imported as the scripts import each other (benchmarks/ on the path)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
 
 
 @contextlib.contextmanager

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import benchmark_module
+
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = json.loads((ROOT / "tests" / "fixtures" / "atheria_pipeline_train.json").read_text())
 HUNK = re.compile(r"^@@ -(\d+),(\d+) \+(\d+),(\d+) @@")
@@ -26,9 +28,7 @@ needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not i
 
 
 def readme_patch() -> str:
-    blocks = re.findall(r"^```diff\n(.*?)^```$", (ROOT / "README.md").read_text(), flags=re.M | re.S)
-    [patch] = [b for b in blocks if b.startswith(f"--- a/{RECORD['path']}\n+++ b/{RECORD['path']}\n")]
-    return patch
+    return benchmark_module("common").readme_patch(RECORD["path"])
 
 
 def hunks(patch: str):
