@@ -144,7 +144,11 @@ phase() {
       run cap128_revolve "$PYTHON" benchmarks/bench_cap.py --config configs/small_gpu.yaml --grid 128 --episodes 5 --checkpoint revolve --slots 32 --name cap128_fp16_revolve32
       ;;
     # shellcheck disable=SC2086
-    pipeline) run pipeline "$PYTHON" benchmarks/users_pipeline.py ${PIPELINE_ARGS:-} ;;
+    pipeline)  # their CLI's own imports (python-dotenv, snntorch) unpacked into atheria/deps (docs/ci.md)
+      deps=()
+      [ -d atheria/deps ] && deps=(--pythonpath "$PWD/atheria/deps")
+      run pipeline "$PYTHON" benchmarks/users_pipeline.py "${deps[@]}" ${PIPELINE_ARGS:-}
+      ;;
     *) echo "unknown phase: $1 (build, probe, test, sanitize, bench, kernels, episode, plan, users, peer, grids, overlap, pipeline, cap, cap128)"; exit 2 ;;
   esac
 }
