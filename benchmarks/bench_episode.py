@@ -33,7 +33,7 @@ are their runs with the model's weights and the pack channels_last (NHWC end to 
 the runs that take the episode apart have them too (lowmem_fp32_step_cl, ...). stock_v4
 and lowmem_enable_default are the users' trainer, stock and through enable()'s defaults
 (episode_trainer.py). --profile adds one profiled episode per run: kernels and host-waiting ops
-per step, the GPU's busy fraction (episode_profile.py).
+per step, the GPU's busy fraction, kernel time and launches per step by family (episode_profile.py).
 The fp32 gradients of stock and lowmem_fp32_step are compared on the same weights, psi0 and
 noise. A run that runs out of memory is reported with an "error" and no numbers.
 
@@ -429,16 +429,6 @@ def _gradient_errors(stock_model, args, device, kinds):
                       for n, g in grads["stock"].items()) for kind in kinds[1:]}
 
 
-def _profiled(result):
-    if "host_wait_ops_per_step" not in result:
-        return ""
-    text = f"   waits/step {result['host_wait_ops_per_step']:.2f}"
-    if result["kernels_per_step"] is not None:
-        text += (f"   kernels/step {result['kernels_per_step']:.0f} (layout {result['layout_conversions_per_step']:.0f})"
-                 f"   GPU busy {result['gpu_busy_fraction']:.0%}")
-    return text
-
-
 def _modes(result):
     """The compiled peer's mode, and on CUDA every mode's episode or error."""
     if "compile_mode" not in result:
@@ -500,8 +490,10 @@ def main(argv=None):
             graph = ""
             if "captures_made" in result:
                 graph = f"   captures {result['captures_made']}" + (", FELL BACK to eager" if result["fell_back"] else "")
-            print(f"{name:26s} peak {peak:>12s}   episode {result['episode_s']:.3f} s{ratio}{graph}{_profiled(result)}"
-                  f"{_modes(result)}")
+            print(f"{name:26s} peak {peak:>12s}   episode {result['episode_s']:.3f} s{ratio}{graph}"
+                  f"{episode_profile.summary(result)}{_modes(result)}")
+            if families := episode_profile.family_table(result):
+                print(families)
     grad_errors = {}
     if not args.skip_grad_check:
         try:

@@ -1,9 +1,24 @@
-"""What one episode of a bench_episode run does on the device, from torch's profiler: kernels per
-step, the fraction of the episode the GPU is busy, cuDNN's layout conversions per step (None
-off CUDA), and the ops per step after which the host waits for a GPU (counted on any device; on
-the CPU they wait for nothing). Per step: the episode's count over its steps, so what an episode
-does once (the loss's reads, the optimizer) is spread over them. Measured under the profiler,
-which slows the host: an eager episode's busy fraction is a floor."""
+"""What one episode of a bench_episode run does on the device, from torch's profiler. Per step: the
+episode's count over its steps, so what an episode does once (the loss's reads, the optimizer) is
+spread over them. Measured under the profiler, which slows the host: an eager episode's busy
+fraction is a floor.
+
+- host_wait_ops_per_step: the ops after which the host waits for a GPU (HOST_WAIT_OPS; counted on
+  any device, on the CPU they wait for nothing).
+
+The rest are None off CUDA. The device's events are its kernels and its memory operations
+(Memcpy, Memset); torch's GPU user annotations (ranges such as `Optimizer.step#AdamW.step` laid
+over the kernels they hold) are not events here.
+
+- kernels_per_step: kernels, the memory operations left out.
+- layout_conversions_per_step: cuDNN's layout conversion kernels (LAYOUT_CONVERSION).
+- gpu_busy_fraction: the union of the device's events over the episode's span (host events
+  included).
+- kernel_ms_per_step_by_family, kernels_per_step_by_family: every family of FAMILIES, in its
+  order, and the device's milliseconds and launches of its events. Memset counts under fills and
+  Memcpy under copies, so the milliseconds add up to all the device's time in kernels and memory
+  operations, and the launches to kernels_per_step plus the memory operations a step.
+"""
 
 import re
 
@@ -15,6 +30,36 @@ import common
 # A boolean index or mask (nonzero, masked_select) and a scalar read (.item()).
 HOST_WAIT_OPS = ("aten::nonzero", "aten::masked_select", "aten::_local_scalar_dense")
 LAYOUT_CONVERSION = re.compile(r"nchwToNhwc|nhwcToNchw", re.IGNORECASE)
+MEMORY_OPS = ("Memcpy", "Memset")
+# A kernel's family by its name as the profiler gives it (demangled, with its parameter types):
+# the first that matches, else "other".
+FAMILIES = tuple((family, re.compile(pattern, re.IGNORECASE)) for family, pattern in (
+    ("layout", LAYOUT_CONVERSION.pattern),
+    # Ours by their parameter types (csrc/kernels/groupnorm_elu*; qca_gn_elu_* in older builds);
+    # torch's GroupNorm and ELU kernels in stock's rows.
+    ("groupnorm_elu", r"qca_(groupnorm|gn)_elu|GroupNorm|RowwiseMoments|ComputeInternalGradients"
+                      r"|Compute\w*FusedParams|GammaBeta\w*Backward|::elu(_backward)?_kernel"),
+    # Ours: pack and update (qca_step.cu), noise (noise.cu; a name cut short keeps its cells).
+    ("qca", r"qca_(pack|update|noise)_\w*params|(phase|bit)_flip_cells"),
+    # cuDNN, CUTLASS and cuBLAS: the U-Net's only matrix products are its convolutions.
+    ("convolution", r"cudnn|cutlass|cublas|nvjet|xmma|gemm|fprop|dgrad|wgrad|winograd|im2col|col2im"
+                    r"|conv(olution|_depthwise|2d)"),
+    ("cats", r"CatArray"),
+    ("fills", r"^Memset|FillFunctor|ZeroFunctor"),
+    ("copies", r"^Memcpy|copy_kernel|CopyFunctor"),
+    # A foreach add of two lists: the library's gradient accumulators (AdamW adds scalars only).
+    ("adds", r"CUDAFunctor_add|BinaryOpListAlphaFunctor<[^>]*>, std::plus"),
+    # AdamW's and the gradient clipping's foreach kernels, torch's and our gradient scalers.
+    ("optimizer", r"multi_tensor_apply_kernel|lpnorm_cleanup|amp_update_scale|unscale_chunks_kernel"
+                  r"|sum_partials_kernel|scale_update_kernel"),
+    ("pooling", r"max_pool|avg_pool"),
+    ("reductions", r"reduce_kernel"),
+))
+FAMILY_NAMES = tuple(family for family, _ in FAMILIES) + ("other",)
+
+
+def family_of(kernel_name: str) -> str:
+    return next((family for family, pattern in FAMILIES if pattern.search(kernel_name)), "other")
 
 
 def busy_seconds(intervals) -> float:
@@ -28,6 +73,25 @@ def busy_seconds(intervals) -> float:
     return busy / 1e6
 
 
+def device_counts(events, steps) -> dict:
+    """The fields that are None off CUDA, from a profile's events (host ones included); {} where
+    the device has none."""
+    device_events = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    if not device_events:
+        return {}
+    milliseconds, launches = dict.fromkeys(FAMILY_NAMES, 0.0), dict.fromkeys(FAMILY_NAMES, 0)
+    for event in device_events:
+        family = family_of(event.name)
+        milliseconds[family] += (event.time_range.end - event.time_range.start) / 1e3
+        launches[family] += 1
+    span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / 1e6
+    return {"kernels_per_step": sum(not e.name.startswith(MEMORY_OPS) for e in device_events) / steps,
+            "gpu_busy_fraction": busy_seconds((e.time_range.start, e.time_range.end) for e in device_events) / span,
+            "layout_conversions_per_step": launches["layout"] / steps,
+            "kernel_ms_per_step_by_family": {family: ms / steps for family, ms in milliseconds.items()},
+            "kernels_per_step_by_family": {family: n / steps for family, n in launches.items()}}
+
+
 def episode_counts(run, steps=None) -> dict:
     """One more episode of `run` (Run or TrainerRun), profiled; of `steps` steps where given (the
     profiler holds every kernel's event: a 500-step eager episode makes about half a million)."""
@@ -39,12 +103,32 @@ def episode_counts(run, steps=None) -> dict:
         common.synchronize(run.device)
     events = profile.events()
     counts = {"profiled_steps": steps, "host_wait_ops_per_step": sum(e.name in HOST_WAIT_OPS for e in events) / steps,
-              "kernels_per_step": None, "gpu_busy_fraction": None, "layout_conversions_per_step": None}
-    device_events = [e for e in events if e.device_type == DeviceType.CUDA]
-    if on_cuda and device_events:
-        kernels = [e for e in device_events if not e.name.startswith(("Memcpy", "Memset"))]
-        span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / 1e6
-        counts.update(kernels_per_step=len(kernels) / steps,
-                      gpu_busy_fraction=busy_seconds((e.time_range.start, e.time_range.end) for e in device_events) / span,
-                      layout_conversions_per_step=sum(bool(LAYOUT_CONVERSION.search(e.name)) for e in kernels) / steps)
+              **dict.fromkeys(("kernels_per_step", "gpu_busy_fraction", "layout_conversions_per_step",
+                               "kernel_ms_per_step_by_family", "kernels_per_step_by_family"))}
+    if on_cuda:
+        counts.update(device_counts(events, steps))
     return counts
+
+
+def summary(result) -> str:
+    """A bench_episode result's profiled fields for the end of its line ('' unprofiled)."""
+    if "host_wait_ops_per_step" not in result:
+        return ""
+    text = f"   waits/step {result['host_wait_ops_per_step']:.2f}"
+    if result["kernels_per_step"] is not None:
+        text += (f"   kernels/step {result['kernels_per_step']:.0f} (layout {result['layout_conversions_per_step']:.0f})"
+                 f"   GPU busy {result['gpu_busy_fraction']:.0%}")
+    return text
+
+
+def family_table(result) -> str:
+    """Its kernel time a step by family, a line of its own: ms (launches) of each family that ran,
+    the most time first; '' where there is none."""
+    milliseconds = result.get("kernel_ms_per_step_by_family")
+    if not milliseconds:
+        return ""
+    launches = result["kernels_per_step_by_family"]
+    parts = [f"{family} {ms:.3f} ({launches[family]:g})"
+             for family, ms in sorted(milliseconds.items(), key=lambda item: -item[1]) if launches[family]]
+    return (f"{'':26s} ms/step by family (launches): {', '.join(parts)}; "
+            f"all {sum(milliseconds.values()):.3f} ({sum(launches.values()):g})")

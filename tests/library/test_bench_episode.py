@@ -2,12 +2,15 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
+from torch.autograd import DeviceType
 
 import qca_lowmem
 
@@ -66,6 +69,7 @@ def test_every_run_kind_runs_on_a_tiny_config(tmp_path):
     assert all("error" not in r and r["episode_s"] > 0 for r in report["runs"]), report["runs"]
     # Off CUDA the profile has no kernels; every episode reads its loss, so some op waits.
     assert all(r["kernels_per_step"] is None and r["gpu_busy_fraction"] is None and r["host_wait_ops_per_step"] > 0
+               and r["kernel_ms_per_step_by_family"] is None and r["kernels_per_step_by_family"] is None
                and r["profiled_steps"] == 2 for r in report["runs"])
     refused = run("--device", "cpu", "--runs", *bench_episode.CUDA_ONLY_RUNS, "--out", str(tmp_path / "refused.json"))
     assert refused.returncode == 2 and "need a CUDA device" in refused.stderr
@@ -123,6 +127,141 @@ def test_the_gpus_busy_time_is_the_union_of_its_intervals():
     assert profile.busy_seconds([]) == 0
     assert profile.LAYOUT_CONVERSION.search("void cudnn::ops::nchwToNhwcKernel<float>")
     assert not profile.LAYOUT_CONVERSION.search("sm90_xmma_fprop_implicit_gemm")
+
+
+# Host events in the recorded "top" lists (ops, autograd Functions), and the one recorded device
+# event that is no kernel: torch's GPU user annotation of the optimizer's step.
+HOST_EVENT_PREFIXES = ("aten::", "qca_lowmem::", "autograd::", "_")
+NOT_KERNELS = {"Optimizer.step#AdamW.step"}
+# Genuinely other: cub's select behind nonzero (the stock noise's boolean masks), and a name the
+# record cut short before its functor.
+GENUINELY_OTHER = ("void at_cuda_detail::cub::detail::select::DeviceSelectSweepKernel<",
+                   "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<"
+                   "at::native::(anonymous namespac")
+MULTI_TENSOR = "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<TensorListMetadata<{}>, {}>(...)"
+# Names no record holds in full (torch's GroupNorm apply and backward kernels, a Memcpy, a Memset),
+# and names two families' patterns match or one must not: the first family in the table wins.
+ORDERED = [
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous namespace)::GroupNormKernelImplInternal"
+     "<float, float>(...)::{lambda(float, float, float)#1}>(...)", "groupnorm_elu"),
+    ("void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernel<float>(...)", "groupnorm_elu"),
+    ("void cudnn::engines_precompiled::nchwToNhwcKernel<__half, __half, float, false, true>(...)", "layout"),
+    ("void (anonymous namespace)::nhwc_forward_kernel<__half, float>(qca_groupnorm_elu_params, NhwcPlan)", "groupnorm_elu"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy_alignedK_contig<float, 4>(...)", "cats"),
+    (MULTI_TENSOR.format(2, "BinaryOpListAlphaFunctor<float, 2, 2, 0>, std::plus<float>, float"), "adds"),
+    (MULTI_TENSOR.format(3, "BinaryOpScalarFunctor<float, 1, 1, 0>, std::plus<float>, float"), "optimizer"),
+    (MULTI_TENSOR.format(1, "ZeroFunctor<float, 1, 1, 0>"), "fills"),
+    (MULTI_TENSOR.format(2, "CopyFunctor<float, 2, 1, 1>"), "copies"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::CUDAFunctor_add<float>, LoadWithCast<2> >(...)", "adds"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous namespace)::gelu_kernel(...)", "other"),
+    ("Memcpy DtoD (Device -> Device)", "copies"),
+    ("Memset (Device)", "fills"),
+]
+
+
+def recorded_kernel_names():
+    """The CUDA kernel names the committed GPU results record: the profiles' top lists and the
+    kernel mixes' top kernels."""
+    names = set()
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*nvidia*.json")):
+        report = json.loads(path.read_text())
+        for entry in [report, *report.get("runs", [])]:
+            names.update(row["name"] for key in ("top", "top_kernels") for row in entry.get(key, []))
+    return {name for name in names if not name.startswith(HOST_EVENT_PREFIXES)} - NOT_KERNELS
+
+
+def test_every_kernel_name_recorded_on_a_gpu_has_its_family():
+    profile = bench_module("episode_profile")
+    names = recorded_kernel_names()
+    assert len(names) > 50  # the H100's profiles and the H200's profile and kernel mixes
+    other = {name for name in names if profile.family_of(name) == "other"}
+    assert other == {name for name in names if name.startswith(GENUINELY_OTHER)} and len(other) == len(GENUINELY_OTHER)
+    assert {profile.family_of(name) for name in names} == set(profile.FAMILY_NAMES)  # no family without a name
+    assert [(name, profile.family_of(name)) for name, _ in ORDERED] == ORDERED
+
+
+def our_kernel_names():
+    """Each __global__ kernel of csrc/kernels as the profiler names it (its parameters' types in
+    its signature; a template's Params as each type it is launched with), and its file."""
+    kernels = []
+    for path in sorted((ROOT / "csrc" / "kernels").glob("*.cu*")):
+        text = path.read_text()
+        launched = re.findall(r"launch<(qca_\w+_params)", text)
+        for name, param in re.findall(r"__global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(const (\w+)", text):
+            for param_type in launched if param == "Params" else [param]:
+                kernels.append((f"void (anonymous namespace)::{name}<float, float>({param_type}, long)", path.name))
+    return kernels
+
+
+def test_our_kernels_are_in_their_families():
+    profile = bench_module("episode_profile")
+    expected = {"groupnorm_elu.cu": "groupnorm_elu", "groupnorm_elu_nhwc.cuh": "groupnorm_elu", "qca_step.cu": "qca",
+                "noise.cu": "qca", "scaler.cu": "optimizer"}
+    kernels = our_kernel_names()
+    # 4 NCHW and 4 channels_last GroupNorm+ELU, pack and update forward and backward, noise, 3 scaler
+    assert len(kernels) == 16
+    assert [(name, profile.family_of(name)) for name, _ in kernels] == [(name, expected[file]) for name, file in kernels]
+
+
+def event(name, start, end, device_type=DeviceType.CUDA, is_user_annotation=False):
+    """An event as torch's profiler gives it: start and end in microseconds."""
+    return types.SimpleNamespace(name=name, device_type=device_type, is_user_annotation=is_user_annotation,
+                                 time_range=types.SimpleNamespace(start=start, end=end))
+
+
+def test_kernel_time_and_launches_per_step_by_family_add_up_to_the_device_events():
+    """Over 2 steps: each device event's milliseconds and launch go to its family, per step; the
+    families add up to all the device's time; Memcpy and Memset count there but not as kernels; a
+    GPU user annotation counts nowhere; host events only widen the span."""
+    profile = bench_module("episode_profile")
+    events = [
+        event("aten::conv2d", 0, 1000, DeviceType.CPU),
+        event("Optimizer.step#AdamW.step", 0, 900, is_user_annotation=True),
+        event("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_execute_kernel__5x_cudnn", 100, 400),
+        event("void cutlass__5x_cudnn::Kernel<cutlass_tensorop_bf16_s16816dgrad_optimized_bf16>(...)", 400, 500),
+        event("void cudnn::engines_precompiled::nchwToNhwcKernel<float, float, float, false, true>(...)", 500, 520),
+        event("void (anonymous namespace)::forward_kernel<__half, float>(qca_groupnorm_elu_params, Plan)", 520, 560),
+        event("void (anonymous namespace)::per_cell_kernel<qca_update_params, &update_cell<float>>(qca_update_params, "
+              "long)", 560, 570),
+        event("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(...)", 600, 602),
+        event("Memset (Device)", 602, 604),
+        event("Memcpy DtoD (Device -> Device)", 610, 618),
+        event("void at_cuda_detail::cub::detail::select::DeviceSelectSweepKernel<...>(...)", 700, 704),
+    ]
+    counts = profile.device_counts(events, steps=2)
+    expected_ms = dict.fromkeys(profile.FAMILY_NAMES, 0.0) | {
+        "convolution": 0.2, "layout": 0.01, "groupnorm_elu": 0.02, "qca": 0.005, "fills": 0.002, "copies": 0.004,
+        "other": 0.002}
+    assert counts["kernel_ms_per_step_by_family"] == pytest.approx(expected_ms, abs=1e-12)
+    assert counts["kernels_per_step_by_family"] == dict.fromkeys(profile.FAMILY_NAMES, 0) | {
+        "convolution": 1.0, "layout": 0.5, "groupnorm_elu": 0.5, "qca": 0.5, "fills": 1.0, "copies": 0.5, "other": 0.5}
+    assert list(counts["kernel_ms_per_step_by_family"]) == list(profile.FAMILY_NAMES)
+    device_ms = sum(e.time_range.end - e.time_range.start for e in events[2:]) / 1e3
+    assert sum(counts["kernel_ms_per_step_by_family"].values()) == pytest.approx(device_ms / 2)
+    assert counts["kernels_per_step"] == 3.5  # 7 kernels: not the Memcpy, Memset or annotation
+    assert sum(counts["kernels_per_step_by_family"].values()) == counts["kernels_per_step"] + 1.0
+    assert counts["layout_conversions_per_step"] == 0.5
+    assert counts["gpu_busy_fraction"] == pytest.approx((470 + 4 + 8 + 4) / 1000)
+    assert profile.device_counts(events[:2], steps=2) == {}  # no device event but the annotation
+    table = profile.family_table(counts)
+    assert "by family (launches): convolution 0.200 (1), groupnorm_elu 0.020 (0.5), layout 0.010 (0.5), qca 0.005 " \
+           "(0.5), copies 0.004 (0.5), " in table and "adds" not in table
+    assert table.endswith("all 0.243 (4.5)")
+
+
+def test_off_cuda_the_profile_has_no_device_fields():
+    """A profiled episode on the CPU: its device fields are None, its host waits counted."""
+    import contextlib
+
+    profile = bench_module("episode_profile")
+    run = types.SimpleNamespace(device=torch.device("cpu"), args=types.SimpleNamespace(steps=4),
+                                steps_set=lambda steps: contextlib.nullcontext(),
+                                episode=lambda seed: torch.ones(3).sin().sum().item())
+    counts = profile.episode_counts(run, steps=2)
+    assert counts == {"profiled_steps": 2, "host_wait_ops_per_step": 0.5, "kernels_per_step": None,
+                      "gpu_busy_fraction": None, "layout_conversions_per_step": None,
+                      "kernel_ms_per_step_by_family": None, "kernels_per_step_by_family": None}
+    assert profile.family_table(counts) == "" and profile.summary(counts) == "   waits/step 0.50"
 
 
 def test_the_users_trainer_rows_run_their_episode_and_enables_defaults():
