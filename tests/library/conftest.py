@@ -2,14 +2,11 @@
 
 import pytest
 
-from fixtures.replayed_graphs import ReplayedGraphs
-from qca_lowmem.recompute import step_graph
+from fixtures import replayed_graphs as stand_in
 
 
 @pytest.fixture
-def replayed_graphs(monkeypatch):
-    monkeypatch.setattr(step_graph, "_captures_on", lambda device: True)
-    monkeypatch.setattr(step_graph, "_graphs", ReplayedGraphs)
-    ReplayedGraphs.made = []
-    monkeypatch.setattr(ReplayedGraphs, "ahead_runs", "queued")
-    return ReplayedGraphs.made
+def replayed_graphs():
+    """StepGraph captures on ReplayedGraphs (fixtures/replayed_graphs.py): the graphs made."""
+    with stand_in.installed() as made:
+        yield made

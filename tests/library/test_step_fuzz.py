@@ -10,6 +10,7 @@ becomes a named test in test_rollout_semantics.py.
 """
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -18,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qca_lowmem
+from fixtures import replayed_graphs
 from qca_lowmem import stock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,6 +48,9 @@ class Program:
     ask: str  # the backward: "backward", "inputs" (backward(inputs=ASKED)), "grad" (autograd.grad of ASKED)
     hooked: bool  # `late` also in the loss, with a clipping hook (not additive: partial sums would show)
     in_place: bool  # the step scales psi in place
+    # The step as a StepGraph on the stand-in of CUDA graphs (fixtures/replayed_graphs.py): "none",
+    # "one lane", or two lanes with the recompute run ahead at once ("queued") or when joined.
+    graph: str
 
 
 programs = st.builds(Program, kernel=st.sampled_from([1, 3]), branch=st.booleans(),
@@ -54,7 +59,8 @@ programs = st.builds(Program, kernel=st.sampled_from([1, 3]), branch=st.booleans
                      conj=st.booleans(), noise=st.booleans(), bf16=st.booleans(),
                      later=st.sampled_from(["none", "leaf", "batchnorm", "counter"]),
                      ask=st.sampled_from(["backward", "inputs", "grad"]), hooked=st.booleans(),
-                     in_place=st.sampled_from([False, False, False, True]))
+                     in_place=st.sampled_from([False, False, False, True]),
+                     graph=st.sampled_from(["none", "one lane", "queued", "joined"]))
 
 
 class Model(torch.nn.Module):
@@ -129,6 +135,17 @@ def episode(program: Program, options: dict):
     """(loss, .grad of every parameter, the gradients asked for, buffers, generator state) of one
     episode, or the qca_lowmem error."""
     model, step, carry0 = make(program, seed=0)
+    if program.graph != "none":
+        with replayed_graphs.installed("queued" if program.graph == "one lane" else program.graph), \
+                warnings.catch_warnings():
+            # dropout draws random numbers: that step is not captured, and says so
+            warnings.simplefilter("ignore", qca_lowmem.CaptureFallbackWarning)
+            return run_episode(program, options, model, qca_lowmem.StepGraph(step, overlap=program.graph != "one lane"),
+                               carry0)
+    return run_episode(program, options, model, step, carry0)
+
+
+def run_episode(program: Program, options: dict, model, step, carry0):
     psi0 = PSI0.clone()
     if program.hooked:
         model.late.weight.register_hook(clipped)

@@ -30,8 +30,8 @@ def failing_capture(first_error, attempts):
     raising another one while it propagates (so the first is only the second's __context__)."""
 
     class FailingCapture:
-        def __init__(self, *args):
-            attempts.append(args[-1])
+        def __init__(self, step, state, params, autocast_state, key, *args, **kwargs):
+            attempts.append(key)
             with cuda_graphs.capture_errors_explained():
                 try:
                     raise first_error()

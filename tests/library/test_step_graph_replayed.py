@@ -302,3 +302,56 @@ def test_the_captured_backward_adds_half_gradients_without_casting_them(replayed
     assert recorded == [0, 0]  # the forward graph, the backward graph
     assert max_relative_error(_bf16_grads(graph, unet), eager) == 0
     assert replays(replayed_graphs) > 0
+
+
+def counting_step(late):
+    """A step that changes with the calls made of it (state kept on an object, no host read):
+    from its second call on it adds `late(x)` ("leaf") or counts its calls in a buffer ("write")."""
+    net = make_conv_net()
+    extra = torch.nn.Conv2d(4, 4, 1).double()
+    counter = torch.zeros((), dtype=torch.float64)
+    calls = [0]
+
+    def step(psi):
+        calls[0] += 1
+        x = qca_lowmem.qca_pack(psi)
+        h = net(x)
+        if calls[0] > 1 and late == "leaf":
+            h = h + extra(x)
+        if calls[0] > 1 and late == "write":
+            counter.add_(1)
+        return qca_lowmem.qca_update(psi, h, gamma=0.05, multiplicative=False)
+
+    return step, list(net.parameters()) + list(extra.parameters()), counter
+
+
+def test_a_capture_reaching_a_leaf_the_first_steps_did_not_is_refused(replayed_graphs):
+    """Captured at the probed state, the step reaches a parameter the probe did not see: a replay
+    would drop its gradient and its recompute would agree with its forward. Refused, the eager
+    steps see the step change and say so."""
+    step, params, _ = counting_step("leaf")
+    psi = initial_state().requires_grad_()
+    first_steps_did_not = r"step_fn reaches a tensor requiring grad \(shape \(4,\)\) that the episode's first steps did not"
+    with pytest.warns(qca_lowmem.CaptureFallbackWarning, match=first_steps_did_not):
+        with pytest.raises(qca_lowmem.RecomputeMismatchError, match="recompute of step"):
+            psi_T, _ = qca_lowmem.rollout(qca_lowmem.StepGraph(step), psi, 4, checkpoint="step")
+            psi_T.abs().sum().backward()
+    assert params[-1].grad is None
+
+
+def test_a_capture_writing_a_tensor_the_first_steps_did_not_is_refused_and_undone(replayed_graphs):
+    """Captured at the probed state, the step writes a tensor the probe did not see written (the
+    episode would neither keep nor put it back). The write is undone and the episode runs eagerly,
+    ending with plain autograd's count."""
+    counts = {}
+    for name in ("plain", "captured"):
+        step, _, counter = counting_step("write")
+        psi = initial_state().requires_grad_()
+        if name == "plain":
+            psi_T, _ = qca_lowmem.rollout(step, psi, 4, checkpoint="none")
+        else:
+            with pytest.warns(qca_lowmem.CaptureFallbackWarning, match=r"writes a tensor \(shape \(\)\)"):
+                psi_T, _ = qca_lowmem.rollout(qca_lowmem.StepGraph(step), psi, 4, checkpoint="step")
+        psi_T.abs().sum().backward()
+        counts[name] = counter.item()
+    assert counts["captured"] == counts["plain"] == 3

@@ -13,6 +13,7 @@ modules, one concern each:
 - `reverse`: the reverse pass, one step at a time (recomputed, replayed or kept graphs).
 - `check`: the check that a recomputed step reproduces its forward (`RecomputeMismatchError`).
 - `step_graph`: `StepGraph`, one step as two captured CUDA graphs.
+- `lanes`: one copy of a capture's graphs and static tensors, warmed up, checked and captured.
 - `cuda_graphs`: the captures' graphs, pool and side stream; a failed capture undone and explained.
 - `state`: psi and the carry as the rollout holds them.
 - `replay`: what a recompute replays from its forward (autocast, the generators' states).

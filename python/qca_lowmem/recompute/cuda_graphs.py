@@ -127,7 +127,11 @@ def random_draws_refused(device):
     the captured draw): the warm-up's draws are undone, so the eager steps that follow draw what
     they would have drawn without a StepGraph."""
     before = generators.save(generators.cuda_of(device), host=False)
-    yield
+    try:
+        yield
+    except BaseException:  # a warm-up refused for another cause: its draws undone all the same
+        before.restore()
+        raise
     if before.torch_drawn_from():
         before.restore()
         raise CaptureFailed(

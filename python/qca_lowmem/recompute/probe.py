@@ -75,7 +75,8 @@ class EpisodeStart:
         self.autocast = AutocastState(sorted({"cpu", self.state0.psi.device.type}))
         if isinstance(unit.step_fn, StepGraph):
             with probed.buffers.unchanged():
-                unit.capture = unit.step_fn.for_rollout(probed.states[-1], unit.step, probed.params, self.autocast)
+                unit.capture = unit.step_fn.for_rollout(probed.states[-1], unit.step, probed.params, self.autocast,
+                                                        probed.buffers.tensors)
 
 
 def _probe(unit, state0: State, steps: int, rng: RngStates, measure: bool, keep_graphs: bool) -> Probe:

@@ -19,7 +19,13 @@ What a capture assumes, checked where it can be:
 - step_fn draws no random numbers from torch's generators (a replay would repeat the captured
   draw): checked while warming up; such a step falls back as below;
 - step_fn does nothing on the host that depends on the data (no `.item()`, no branches on
-  values): such a step fails to capture.
+  values): such a step fails to capture;
+- step_fn reaches the parameters and writes the tensors the episode's first steps did (the
+  probe's): the first warm-up run is watched, and a step that, from the state captured, reaches
+  or writes others (a step that changes with the calls made of it) falls back as below, its
+  writes undone;
+- step_fn keeps doing what it did when captured: a replay repeats the recorded kernels, so a step
+  that changes later with the calls made of it (state kept on an object) is not one to capture.
 Noise between steps stays outside the graphs (its keys change every step).
 
 A capture that fails does not stop the rollout: the StepGraph warns once per configuration with
@@ -47,7 +53,7 @@ write buffers (their values are loaded before each recompute, on the caller's st
 import contextlib
 import gc
 import warnings
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -58,14 +64,11 @@ from .cuda_graphs import (
     CudaGraphs,
     caching_allocator_off,
     capture_errors_explained,
-    random_draws_refused,
 )
 from .intermediates import keep_block_intermediates
-from .param_grads import Accumulators, deposited_into
-from .state import State, check_like_psi, differentiable, signature
+from .lanes import Lane
+from .state import State, signature
 from .weight_casts import StaticCasts
-
-WARMUP_STEPS = 3  # eager runs on a side stream before capture: lazy inits, cuDNN/cuBLAS handles
 
 
 class StepGraph:
@@ -121,12 +124,14 @@ class StepGraph:
             why_not = f"{policy.describe()} runs plain autograd, with no recomputed step to capture"
         return why_not is None, why_not
 
-    def for_rollout(self, state: State, step: Callable, params: List[torch.Tensor],
-                    autocast_state) -> Optional["_Capture"]:
+    def for_rollout(self, state: State, step: Callable, params: List[torch.Tensor], autocast_state,
+                    writes: Sequence[torch.Tensor] = ()) -> Optional["_Capture"]:
         """The capture of `step(psi, carry) -> (psi, carry)` (the rollout's call of step_fn, the
         carry () in a rollout without one) for a state like `state`, this parameter set and
         autocast state, made when missing; None where the rollout runs eagerly (psi not on CUDA,
-        or this configuration failed to capture)."""
+        or this configuration failed to capture). `params` and `writes`: the leaves the episode's
+        steps reach and the tensors they write, as far as its first steps showed; a step that,
+        from `state`, reaches or writes others is not captured (lanes.py)."""
         if not _captures(state.psi):
             return None
         key = _capture_key(state, params, autocast_state)
@@ -135,7 +140,8 @@ class StepGraph:
         if self.capture is None or self.capture.key != key:
             self.capture = None  # release the old graphs and pool before capturing anew
             try:
-                self.capture = _Capture(step, state, params, autocast_state, key, lanes=2 if self.overlap else 1)
+                self.capture = _Capture(step, state, params, autocast_state, key, writes,
+                                        lanes=2 if self.overlap else 1)
             except CaptureFailed as failure:
                 self.failed_keys.add(key)
                 gc.collect()  # the half-made graphs and their pool
@@ -190,89 +196,6 @@ def _graphs(device: torch.device):
     return CudaGraphs(device)
 
 
-def _requires_grad(tensor) -> bool:
-    return tensor is not None and tensor.requires_grad
-
-
-class _Lane:
-    """One copy of a configuration's two graphs and the static tensors they read and write: psi
-    and the carry in, the step's psi and carry out; in the backward, the gradients flowing into
-    those outputs and the gradients w.r.t. psi and the carry in. Each lane has its own memory pool
-    and stream (a cuBLAS workspace is kept per stream), so two lanes' graphs may run at once."""
-
-    def __init__(self, state: State, device: torch.device):
-        self.graphs = _graphs(device)
-        self.static_in = state.psi.detach().clone().requires_grad_(True)
-        self.static_carry_in = tuple(
-            None if c is None else c.detach().clone().requires_grad_(differentiable(c)) for c in state.carry)
-
-    def inputs(self) -> List[torch.Tensor]:
-        return [self.static_in, *(c for c in self.static_carry_in if _requires_grad(c))]
-
-    def warm_up(self, forward, params) -> None:
-        """Eager runs of the step on the lane's stream before capturing: lazy initialisations, the
-        stream's cuDNN and cuBLAS workspaces."""
-        with self.graphs.warming_up(), random_draws_refused(self.static_in.device):
-            for _ in range(WARMUP_STEPS):
-                out, carry_out = forward(self)
-                check_like_psi(out, self.static_in, "step_fn", None)
-                if not out.requires_grad:
-                    raise ValueError("StepGraph: step_fn's output does not require grad: nothing to capture a "
-                                     "backward for")
-                outputs = [out, *(c for c in carry_out if _requires_grad(c))]
-                torch.autograd.grad(outputs, self.inputs() + params, [torch.zeros_like(o) for o in outputs],
-                                    allow_unused=True)
-                del out, carry_out, outputs
-
-    def capture(self, forward, capture: "_Capture") -> None:
-        graphs = self.graphs
-        with capture_errors_explained():
-            static_outputs, self.replay_forward = graphs.capture(lambda: forward(self))
-            out, carry_out = static_outputs
-            self.static_grad_out = torch.zeros_like(out)
-            self.static_grad_carry_out = tuple(torch.zeros_like(c) if _requires_grad(c) else None
-                                               for c in carry_out)
-            (self.static_grad_in, self.static_grad_carry_in), self.replay_backward = graphs.capture(
-                lambda: self._backward(graphs.live(static_outputs), capture))
-        # Kept with their autograd graph, the outputs would keep the parameters' AccumulateGrad
-        # nodes made on the capture's side stream, and every later backward on the caller's stream
-        # that reaches a parameter would sync with it (torch warns so). The replays need only the
-        # memory; the nodes are made anew on the stream that accumulates.
-        self.static_out = out.detach()
-        self.static_carry_out = tuple(None if c is None else c.detach() for c in carry_out)
-
-    def _backward(self, outputs, capture: "_Capture"):
-        """The body of the backward graph: gradients w.r.t. psi and the carry in returned, the
-        parameters' added to the capture's accumulators."""
-        out, carry_out = outputs
-        differentiated = [(out, self.static_grad_out)] + [
-            (c, g) for c, g in zip(carry_out, self.static_grad_carry_out) if g is not None]
-        inputs = self.inputs()
-        params, accumulators = capture.params, capture.accumulators
-        # A half-precision weight copy's gradient is added to its fp32 accumulator in the graph
-        # (deposit()): one pass over the weight, not a cast and then an add.
-        with deposited_into(Accumulators(params, accumulators), params) as deposits:
-            grads = torch.autograd.grad([o for o, _ in differentiated], inputs + params,
-                                        [g for _, g in differentiated], allow_unused=True)
-        by_input = iter(grads[1:len(inputs)])
-        grad_carry_in = tuple(next(by_input) if _requires_grad(c) else None for c in self.static_carry_in)
-        param_grads = grads[len(inputs):]
-        capture.reached = [g is not None or d for g, d in zip(param_grads, deposits.reached)]
-        reached = [(a, g) for a, g in zip(accumulators, param_grads) if g is not None]
-        if reached:
-            torch._foreach_add_([a for a, _ in reached], [g for _, g in reached])
-        return grads[0], grad_carry_in
-
-    def load(self, psi: torch.Tensor, carry: tuple) -> None:
-        """psi and the carry into the static inputs, then the forward replayed."""
-        with torch.no_grad():
-            self.static_in.copy_(psi)
-            for static, c in zip(self.static_carry_in, carry):
-                if static is not None:
-                    static.copy_(c)
-        self.replay_forward()
-
-
 class _Capture:
     """The lanes of one configuration (one, or two with StepGraph's overlap) and what they share:
     the half-precision weight copies and per-parameter gradient accumulators. Steps taken without
@@ -280,7 +203,7 @@ class _Capture:
     the forward of the step it reverses next runs ahead on its own lane while this step's backward
     runs (`run_ahead`)."""
 
-    def __init__(self, step, state: State, params, autocast_state, key, lanes: int = 1):
+    def __init__(self, step, state: State, params, autocast_state, key, writes, lanes: int = 1):
         self.key = key
         self.params = params
         self.carry_signature = tuple(map(signature, state.carry))
@@ -289,7 +212,7 @@ class _Capture:
         # not at every replay.
         self.casts = StaticCasts()
 
-        def forward(lane: _Lane):
+        def forward(lane: Lane):
             with torch.enable_grad(), autocast(), keep_block_intermediates(), self.casts.active():
                 return step(lane.static_in, lane.static_carry_in)
 
@@ -298,16 +221,16 @@ class _Capture:
         # reaches one syncs that stream with the capture, which CUDA refuses (every bf16 and fp16
         # capture failed so on an H200). Dropped, the accumulators are made anew on the side stream.
         torch.clear_autocast_cache()
-        self.lanes = [_Lane(state, state.psi.device) for _ in range(lanes)]
+        self.lanes = [Lane(state, _graphs(state.psi.device)) for _ in range(lanes)]
         self.reached: List[bool] = []
         with _hooks_set_aside(params):
-            for lane in self.lanes:
-                lane.warm_up(forward, params)
+            for i, lane in enumerate(self.lanes):
+                lane.warm_up(forward, params, writes if i == 0 else None)
             with capture_errors_explained():
                 self.accumulators = [torch.zeros_like(p) for p in params]
             for lane in self.lanes:
                 lane.capture(forward, self)
-        self.reversing: Optional[_Lane] = None  # the lane of the step being reversed
+        self.reversing: Optional[Lane] = None  # the lane of the step being reversed
         # (step, psi, carry, lane, its end) of a forward run ahead, until the reverse joins it.
         self.ahead: Optional[tuple] = None
 

@@ -1,0 +1,128 @@
+"""A lane of a StepGraph's capture (step_graph.py): one copy of the step's two graphs and the static
+tensors they read and write, warmed up, checked and captured on its own stream and pool."""
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from .buffers import StepBuffers
+from .cuda_graphs import CaptureFailed, capture_errors_explained, random_draws_refused
+from .leaves import leaves_reached, next_sequence_nr
+from .param_grads import Accumulators, deposited_into
+from .state import State, check_like_psi, differentiable
+
+WARMUP_STEPS = 3  # eager runs on a side stream before capture: lazy inits, cuDNN/cuBLAS handles
+
+
+def _requires_grad(tensor) -> bool:
+    return tensor is not None and tensor.requires_grad
+
+
+class Lane:
+    """psi and the carry in, the step's psi and carry out; in the backward, the gradients flowing
+    into those outputs and the gradients w.r.t. psi and the carry in. Each lane has its own
+    graphs, memory pool and stream (a cuBLAS workspace is kept per stream), so two lanes' graphs
+    may run at once."""
+
+    def __init__(self, state: State, graphs):
+        self.graphs = graphs
+        self.static_in = state.psi.detach().clone().requires_grad_(True)
+        self.static_carry_in = tuple(
+            None if c is None else c.detach().clone().requires_grad_(differentiable(c)) for c in state.carry)
+
+    def inputs(self) -> List[torch.Tensor]:
+        return [self.static_in, *(c for c in self.static_carry_in if _requires_grad(c))]
+
+    def warm_up(self, forward, params, known_writes: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """Eager runs of the step on the lane's stream before capturing: lazy initialisations, the
+        stream's cuDNN and cuBLAS workspaces. With `known_writes` the first run is watched: see
+        `_refuse_unseen`."""
+        with self.graphs.warming_up(), random_draws_refused(self.static_in.device):
+            for run in range(WARMUP_STEPS):
+                if run == 0 and known_writes is not None:
+                    out, carry_out = self._refuse_unseen(forward, params, known_writes)
+                else:
+                    out, carry_out = forward(self)
+                check_like_psi(out, self.static_in, "step_fn", None)
+                if not out.requires_grad:
+                    raise ValueError("StepGraph: step_fn's output does not require grad: nothing to capture a "
+                                     "backward for")
+                outputs = [out, *(c for c in carry_out if _requires_grad(c))]
+                torch.autograd.grad(outputs, self.inputs() + params, [torch.zeros_like(o) for o in outputs],
+                                    allow_unused=True)
+                del out, carry_out, outputs
+
+    def _refuse_unseen(self, forward, params, known_writes):
+        """The step run once, watched. A replay would compute no gradient for a leaf outside
+        `params` (the leaves the episode's first steps reached), and the episode would not keep,
+        load or put back a tensor written outside `known_writes` (the tensors they wrote): where the
+        step, from the state captured, does either, its writes are undone and the capture refused
+        (the episode then runs this configuration eagerly, which finds both)."""
+        finder = StepBuffers.finder()
+        marker = next_sequence_nr()
+        with finder:
+            out, carry_out = forward(self)
+        known = {id(x) for x in known_writes}
+        unseen_writes = [(x, before) for x, before in finder.written() if id(x) not in known]
+        with torch.no_grad():
+            for tensor, before in unseen_writes:
+                tensor.copy_(before)
+        leaves = leaves_reached([x for x in (out, *carry_out) if _requires_grad(x)],
+                                {id(x) for x in self.inputs() + list(params)}, marker)
+        if unseen_writes or leaves:
+            what = (f"writes a tensor (shape {tuple(unseen_writes[0][0].shape)})" if unseen_writes else
+                    f"reaches a tensor requiring grad (shape {tuple(leaves[0].shape)})")
+            raise CaptureFailed(f"StepGraph: from the state it is captured at, step_fn {what} that the episode's "
+                                "first steps did not, which a replay would not account for; rolling this "
+                                "configuration out eagerly.")
+        return out, carry_out
+
+    def capture(self, forward, capture) -> None:
+        """Both graphs recorded; the parameters' gradients added to `capture`'s accumulators."""
+        graphs = self.graphs
+        with capture_errors_explained():
+            static_outputs, self.replay_forward = graphs.capture(lambda: forward(self))
+            out, carry_out = static_outputs
+            self.static_grad_out = torch.zeros_like(out)
+            self.static_grad_carry_out = tuple(torch.zeros_like(c) if _requires_grad(c) else None
+                                               for c in carry_out)
+            (self.static_grad_in, self.static_grad_carry_in), self.replay_backward = graphs.capture(
+                lambda: self._backward(graphs.live(static_outputs), capture))
+        # Kept with their autograd graph, the outputs would keep the parameters' AccumulateGrad
+        # nodes made on the capture's side stream, and every later backward on the caller's stream
+        # that reaches a parameter would sync with it (torch warns so). The replays need only the
+        # memory; the nodes are made anew on the stream that accumulates.
+        self.static_out = out.detach()
+        self.static_carry_out = tuple(None if c is None else c.detach() for c in carry_out)
+
+    def _backward(self, outputs, capture):
+        """The body of the backward graph: gradients w.r.t. psi and the carry in returned, the
+        parameters' added to the capture's accumulators."""
+        out, carry_out = outputs
+        differentiated = [(out, self.static_grad_out)] + [
+            (c, g) for c, g in zip(carry_out, self.static_grad_carry_out) if g is not None]
+        inputs = self.inputs()
+        params, accumulators = capture.params, capture.accumulators
+        # A half-precision weight copy's gradient is added to its fp32 accumulator in the graph
+        # (deposit()): one pass over the weight, not a cast and then an add.
+        with deposited_into(Accumulators(params, accumulators), params) as deposits:
+            grads = torch.autograd.grad([o for o, _ in differentiated], inputs + params,
+                                        [g for _, g in differentiated], allow_unused=True)
+        by_input = iter(grads[1:len(inputs)])
+        grad_carry_in = tuple(next(by_input) if _requires_grad(c) else None for c in self.static_carry_in)
+        param_grads = grads[len(inputs):]
+        capture.reached = [g is not None or d for g, d in zip(param_grads, deposits.reached)]
+        reached = [(a, g) for a, g in zip(accumulators, param_grads) if g is not None]
+        if reached:
+            torch._foreach_add_([a for a, _ in reached], [g for _, g in reached])
+        return grads[0], grad_carry_in
+
+    def load(self, psi: torch.Tensor, carry: tuple) -> None:
+        """psi and the carry into the static inputs, then the forward replayed."""
+        with torch.no_grad():
+            self.static_in.copy_(psi)
+            for static, c in zip(self.static_carry_in, carry):
+                if static is not None:
+                    static.copy_(c)
+        self.replay_forward()
+
