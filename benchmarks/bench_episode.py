@@ -65,7 +65,7 @@ import episode_peer
 import episode_profile
 import qca_lowmem
 from episode_peer import PEER_RUNS
-from episode_trainer import TRAINER_RUNS, TrainerRun
+from episode_trainer import OVERLAP_TRAINER_RUNS, TRAINER_RUNS, TrainerRun
 from qca_lowmem import stock as reference
 
 # channels_last: the model's weights and the pack NHWC, as the trainer's channels_last setting
@@ -83,7 +83,7 @@ EXTRA_RUNS = [*PEER_RUNS, "stock_fp32_checkpoint", *TAKEN_APART_RUNS[1:], "lowme
 # StepGraph(overlap=True): each step's recompute runs ahead on a second lane (issue 50); by name
 # until a GPU run shows it pays.
 OVERLAP_RUNS = ["lowmem_fp32_step_graph_overlap_cl", "lowmem_bf16_step_graph_overlap_cl"]
-EXTRA_RUNS += OVERLAP_RUNS
+EXTRA_RUNS += OVERLAP_RUNS + OVERLAP_TRAINER_RUNS
 CUDA_ONLY_RUNS = ["lowmem_fp32_auto_free"]  # budget="free" reads a GPU's free memory
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -343,7 +343,7 @@ def failed(name, e):
 
 
 def make_run(name, stock_model, args, device):
-    return (TrainerRun if name in TRAINER_RUNS else Run)(name, stock_model, args, device)
+    return (TrainerRun if name in TRAINER_RUNS + OVERLAP_TRAINER_RUNS else Run)(name, stock_model, args, device)
 
 
 def measure_run(name, stock_model, args, device):

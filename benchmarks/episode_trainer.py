@@ -7,23 +7,31 @@ stock_v4: the stand-in's own train_episode. lowmem_enable_default: the same trai
 blocks and step, cuda_graph on where it can run, the trainer's noise replayed without host
 waits on CUDA, channels_last where enable() turns it on): what `LOWMEM: true` gives them.
 lowmem_enable_channels_last and lowmem_enable_nchw: the same with `channels_last=True` and
-`channels_last=False`. Their weights are the other runs' initial
+`channels_last=False`. By name, lowmem_enable_default_overlap: enable()'s defaults with the
+StepGraph the switch makes given two lanes (StepGraph(overlap=True), not an enable() option until
+a GPU run shows it pays: the switch's StepGraph is replaced for that run's episodes only).
+Their weights are the other runs' initial
 weights; psi0 is drawn by the trainer (batch 1). The episode number is the benchmark's, made odd
 where it is a multiple of ten, at which the stock episode empties the CUDA cache.
 """
 
 import contextlib
 import copy
+import functools
 import time
+import unittest.mock
 
 import numpy
 import torch
 
 import common
 import qca_lowmem
+from qca_lowmem import StepGraph
+from qca_lowmem.atheria import switch
 from qca_lowmem.examples import QC_Trainer_v4, make_config
 
 TRAINER_RUNS = ["stock_v4", "lowmem_enable_default", "lowmem_enable_channels_last", "lowmem_enable_nchw"]
+OVERLAP_TRAINER_RUNS = ["lowmem_enable_default_overlap"]  # by name
 _CHANNELS_LAST = {"lowmem_enable_channels_last": True, "lowmem_enable_nchw": False}  # the default: unset
 
 
@@ -48,9 +56,16 @@ class TrainerRun:
         numpy.random.seed(seed)  # the bit flip's coin
         common.synchronize(self.device)
         start = time.perf_counter()
-        self.trainer.train_episode(self.episode_number)
+        with self._step_graphs():
+            self.trainer.train_episode(self.episode_number)
         common.synchronize(self.device)
         return time.perf_counter() - start
+
+    def _step_graphs(self):
+        """The StepGraph the switch makes for this run's episodes: two lanes for an _overlap run."""
+        if self.name not in OVERLAP_TRAINER_RUNS:
+            return contextlib.nullcontext()
+        return unittest.mock.patch.object(switch, "StepGraph", functools.partial(StepGraph, overlap=True))
 
     @contextlib.contextmanager
     def steps_set(self, steps):

@@ -24,8 +24,8 @@
 # grids:    the users' fix against `LOWMEM: true` at grid 128 (with stock fp32, which needs about
 #           111 GiB) and at grid 256, where the GPU is the bound (episode_grid128/256_<device>.json;
 #           each bounded at 240 s)
-# overlap:  StepGraph(overlap=True) against one lane, bf16 and fp32 channels_last, grid 64 and
-#           128, profiled (episode_overlap_<device>.json, episode_overlap_grid128_<device>.json)
+# overlap:  StepGraph(overlap=True) against one lane: enable()'s defaults, bf16 and fp32
+#           channels_last, at grid 64 and (bf16) 128, profiled (episode_overlap_<device>.json, episode_overlap_grid128_<device>.json)
 # cap:      100 default-config episodes under a 3.68 GiB cap (benchmarks/results/cap_<device>.json)
 # cap128:   the small-GPU profile at grid 128 under the same cap, step and revolve (a few episodes)
 # pipeline: the users' own CLI (`python -m src.trainer`) with the README's patch, QCA_LOWMEM=1 then
@@ -133,8 +133,8 @@ phase() {
       ;;
     overlap)
       run bench_episode_overlap "$PYTHON" benchmarks/bench_episode.py --episodes 3 --profile --profile-steps 50 --runs \
-        lowmem_bf16_step_graph_cl lowmem_bf16_step_graph_overlap_cl lowmem_fp32_step_graph_cl \
-        lowmem_fp32_step_graph_overlap_cl --name episode_overlap
+        lowmem_enable_default lowmem_enable_default_overlap lowmem_bf16_step_graph_cl lowmem_bf16_step_graph_overlap_cl \
+        lowmem_fp32_step_graph_cl lowmem_fp32_step_graph_overlap_cl --name episode_overlap
       run bench_episode_overlap_grid128 "$PYTHON" benchmarks/bench_episode.py --grid 128 --episodes 2 --skip-grad-check \
         --runs lowmem_bf16_step_graph_cl lowmem_bf16_step_graph_overlap_cl --name episode_overlap_grid128
       ;;

@@ -282,6 +282,26 @@ def test_the_users_trainer_rows_run_their_episode_and_enables_defaults():
     assert all(run.episode(seed=1) > 0 for run in runs.values())
 
 
+def test_the_overlap_trainer_row_captures_enables_step_on_two_lanes(replayed_graphs):
+    """lowmem_enable_default_overlap: enable()'s defaults, the switch's StepGraph with two lanes
+    for that row's episodes only (CUDA graphs replaced by the tests' stand-in, so that enable()
+    captures on the CPU); lowmem_enable_default beside it keeps one."""
+    trainer_rows = bench_module("episode_trainer")
+    bench_episode = bench_module("bench_episode")
+    args = bench_episode.parse_args(["--device", "cpu", "--grid", "8", "--d-state", "2", "--hidden", "4", "--steps",
+                                     "3", "--episode", "1000"])
+    stock_model = bench_episode.reference.UNetUnitary(2, 4)
+    lanes = {}
+    for name in ("lowmem_enable_default_overlap", "lowmem_enable_default"):
+        run = trainer_rows.TrainerRun(name, stock_model, args, torch.device("cpu"))
+        assert run.episode(seed=1) > 0
+        graph = run.trainer._qca_lowmem_state.captures.step_graph
+        lanes[name] = len(graph.capture.lanes)
+        assert run.capture_record() == {"cuda_graph": True, "captures_made": 1, "fell_back": False}
+    assert lanes == {"lowmem_enable_default_overlap": 2, "lowmem_enable_default": 1}
+    assert sum(graphs.ran_ahead for graphs in replayed_graphs) > 0
+
+
 def test_a_kernel_is_timed_inside_a_captured_graph_of_calls(monkeypatch, capsys):
     """On CUDA a timed call is one of `calls` in a captured graph (StepGraph's capture, replaced
     here by an eager stand-in: a replay runs the body again); a call that cannot be captured is
