@@ -119,3 +119,36 @@ def test_the_trainer_config_refuses_a_cuda_graph_it_cannot_read():
     with pytest.raises(config_mod.UsageError, match=r"cuda_graph must be true, false or null"):
         config_mod.config_from_dict({"cuda_graph": "sometimes"})
     assert config_mod.TrainConfig().cuda_graph is None
+
+
+def counting_engine_trainer():
+    """A trainer whose engine's step changes with the calls made of it (every third call another
+    gamma): an engine enable() does not recognise, so its own step runs."""
+    trainer = QC_Trainer_v4(make_config(grid=8, qca_steps=2))
+    motor = trainer.motor
+    base = type(motor)
+
+    def evolve_step(self, psi):
+        self.calls = getattr(self, "calls", 0) + 1
+        return base.evolve_step(self, psi) * (1.0 if self.calls % 3 else 1.5)
+
+    motor.__class__ = type(base.__name__, (base,), {"evolve_step": evolve_step})
+    return trainer
+
+
+def test_the_engines_own_step_is_not_captured(as_on_cuda, caplog):
+    """A replay repeats the kernels of the call captured: qca_lowmem follows the fused step's code,
+    not an unrecognised engine's, so it cannot know each call of that does the same. Unset is off,
+    said in the line; True is refused, naming the cause."""
+    caplog.set_level("INFO", logger="qca_lowmem")
+    trainer = counting_engine_trainer()
+    qca_lowmem.enable(trainer)
+    assert not getattr(trainer, "_qca_lowmem_state").options.cuda_graph
+    line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("on, ")]
+    assert line == ["on, checkpoint=step, fp32, cuda_graph off, the engine's own step and blocks: Motor.evolve_step is "
+                    "not, by its code, a Cartesian engine step qca_lowmem follows"]
+    with pytest.raises(ValueError, match=r"cuda_graph=True, but the engine's own step runs \(.*\): a capture would "
+                                         r"replay what one call of it did at every step"):
+        qca_lowmem.enable(counting_engine_trainer(), cuda_graph=True)
+    with pytest.raises(ValueError, match=r"the engine's own step runs \(fused_step_ops=False\)"):
+        qca_lowmem.enable(QC_Trainer_v4(make_config(grid=8, qca_steps=2)), cuda_graph=True, fused_step_ops=False)
