@@ -136,10 +136,11 @@ def counting_engine_trainer():
     return trainer
 
 
-def test_the_engines_own_step_is_not_captured(as_on_cuda, caplog):
-    """A replay repeats the kernels of the call captured: qca_lowmem follows the fused step's code,
-    not an unrecognised engine's, so it cannot know each call of that does the same. Unset is off,
-    said in the line; True is refused, naming the cause."""
+def test_an_engine_step_qca_lowmem_does_not_follow_is_not_captured(as_on_cuda, caplog):
+    """A replay repeats the kernels of the call captured: only a step whose code qca_lowmem follows
+    can be known to do the same at every call. For an engine it does not recognise, unset is off,
+    said in the line, and True is refused naming the cause; the engine it follows is captured
+    whichever step runs (fused_step_ops=False: the engine's own)."""
     caplog.set_level("INFO", logger="qca_lowmem")
     trainer = counting_engine_trainer()
     qca_lowmem.enable(trainer)
@@ -147,8 +148,10 @@ def test_the_engines_own_step_is_not_captured(as_on_cuda, caplog):
     line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("on, ")]
     assert line == ["on, checkpoint=step, fp32, cuda_graph off, the engine's own step and blocks: Motor.evolve_step is "
                     "not, by its code, a Cartesian engine step qca_lowmem follows"]
-    with pytest.raises(ValueError, match=r"cuda_graph=True, but the engine's own step runs \(.*\): a capture would "
-                                         r"replay what one call of it did at every step"):
+    with pytest.raises(ValueError, match=r"cuda_graph=True, but Motor.evolve_step is not, by its code, a Cartesian "
+                                         r"engine step qca_lowmem follows: a capture would replay what one call of it "
+                                         r"did at every step"):
         qca_lowmem.enable(counting_engine_trainer(), cuda_graph=True)
-    with pytest.raises(ValueError, match=r"the engine's own step runs \(fused_step_ops=False\)"):
-        qca_lowmem.enable(QC_Trainer_v4(make_config(grid=8, qca_steps=2)), cuda_graph=True, fused_step_ops=False)
+    followed = QC_Trainer_v4(make_config(grid=8, qca_steps=2))
+    qca_lowmem.enable(followed, cuda_graph=True, fused_step_ops=False)
+    assert getattr(followed, "_qca_lowmem_state").options.cuda_graph

@@ -13,7 +13,7 @@ from .. import precision
 from ..precision import parse_amp_dtype
 from ..recompute import Policy, StepGraph, step_graph
 from ..recompute.policy import NONE
-from .engine_step import has_memory, own_step_verdict
+from .engine_step import engine_kind, has_memory, own_step_verdict, unknown_engine
 from .options import Options
 from .trainers import TrainerVersion
 from .user_modules import compiled_module
@@ -76,20 +76,19 @@ def _resolved_channels_last(channels_last: Optional[bool], fused_step_ops: bool,
 
 
 def _resolved_cuda_graph(cuda_graph: Optional[bool], policy: Policy, device: torch.device,
-                         own_step: Optional[str]) -> Tuple[bool, str]:
+                         unfollowed: Optional[str]) -> Tuple[bool, str]:
     """(whether the steps run as captured graphs, what enable()'s line says of it: on CUDA either
     way, nothing elsewhere). Unset: on where it can run, off elsewhere without a word; True where
-    it cannot run warns why. `own_step`: why the engine's own step runs, where it does. A replay
-    repeats the kernels one call recorded; qca_lowmem follows the fused step's code, not the
-    engine's, so it cannot know that every call of the engine's does the same (a call counter,
-    state kept on the engine): that step is not captured, and True is refused."""
+    it cannot run warns why. `unfollowed`: why the engine's step is not code qca_lowmem follows.
+    A replay repeats the kernels one call recorded, so only a step whose code it follows can be
+    known to do the same at every call (not one keeping a call counter on the engine): an engine
+    it does not recognise is not captured, and True there is refused."""
     on, why_not = StepGraph.resolve(cuda_graph, policy, device)
-    if on and own_step is not None:
+    if on and unfollowed is not None:
         if cuda_graph:
-            raise ValueError(f"enable(): cuda_graph=True, but the engine's own step runs ({own_step}): a capture "
-                             "would replay what one call of it did at every step, and qca_lowmem does not follow its "
-                             "code to know that each call does the same; leave cuda_graph unset (eager steps, each "
-                             "recompute checked against its forward)")
+            raise ValueError(f"enable(): cuda_graph=True, but {unfollowed}: a capture would replay what one call of "
+                             "it did at every step, and qca_lowmem cannot know that each call does the same; leave "
+                             "cuda_graph unset (eager steps, each recompute checked against its forward)")
         on = False
     if cuda_graph and not on:
         warnings.warn(f"enable(): cuda_graph captures CUDA graphs, but {why_not}: its steps run eagerly", stacklevel=5)
@@ -201,8 +200,7 @@ def resolve_options(trainer, version: TrainerVersion, given: Options) -> Episode
     d_state = given.d_state or _infer_d_state(trainer, trainer.motor.operator)
     own_step = own_step_verdict(trainer.motor, given.fused_step_ops, grid, d_state, policy.checkpoint != NONE)
     cuda_graph, cuda_graph_said = _resolved_cuda_graph(
-        given.cuda_graph, policy, device,
-        own_step if given.fused_step_ops else own_step or "fused_step_ops=False")
+        given.cuda_graph, policy, device, None if engine_kind(trainer.motor) is not None else unknown_engine(trainer.motor))
     channels_last = _resolved_channels_last(given.channels_last, given.fused_step_ops, has_memory(trainer.motor),
                                             own_step, device, compute_dtype)
     _check_noise(trainer, version, given.noise)

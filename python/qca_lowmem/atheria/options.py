@@ -67,9 +67,10 @@ class Options:
     cuda_graph: Optional[bool] = option(
         None, "run each recomputed step as replays of captured CUDA graphs (qca_lowmem.StepGraph): the same "
         "kernels without launch overhead. None (the default): on where it can run (CUDA with torch's caching "
-        'allocator, a checkpoint other than "none", the fused step: the engine\'s own step, whose code qca_lowmem '
-        "does not follow, is not captured), off elsewhere; True where it cannot run warns why, once, and is refused "
-        "with the engine's own step; False: eager steps. enable()'s line says which on CUDA.",
+        'allocator, a checkpoint other than "none", an engine whose step qca_lowmem recognises: a replay repeats '
+        "one call, and only code it follows is known to do the same at every call), off elsewhere; True where it "
+        "cannot run warns why, once, and is refused for an engine it does not recognise; False: eager steps. "
+        "enable()'s line says which on CUDA.",
         "True, False or None (on where it can run)", lowmem_key=True, positional=True)
     fused_step_ops: bool = option(
         True, "replace `motor.evolve_step` by the fused pack/update ops. Only where that is exact: an engine "
