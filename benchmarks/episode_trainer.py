@@ -27,7 +27,7 @@ import torch
 import common
 import qca_lowmem
 from qca_lowmem import StepGraph
-from qca_lowmem.atheria import switch
+from qca_lowmem.atheria import captures
 from qca_lowmem.examples import QC_Trainer_v4, make_config
 
 TRAINER_RUNS = ["stock_v4", "lowmem_enable_default", "lowmem_enable_channels_last", "lowmem_enable_nchw"]
@@ -65,7 +65,7 @@ class TrainerRun:
         """The StepGraph the switch makes for this run's episodes: two lanes for an _overlap run."""
         if self.name not in OVERLAP_TRAINER_RUNS:
             return contextlib.nullcontext()
-        return unittest.mock.patch.object(switch, "StepGraph", functools.partial(StepGraph, overlap=True))
+        return unittest.mock.patch.object(captures, "StepGraph", functools.partial(StepGraph, overlap=True))
 
     @contextlib.contextmanager
     def steps_set(self, steps):

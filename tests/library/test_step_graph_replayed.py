@@ -355,3 +355,24 @@ def test_a_capture_writing_a_tensor_the_first_steps_did_not_is_refused_and_undon
         psi_T.abs().sum().backward()
         counts[name] = counter.item()
     assert counts["captured"] == counts["plain"] == 3
+
+
+def test_enable_runs_the_steps_eagerly_while_the_operator_has_a_hook(replayed_graphs, caplog):
+    """A replay runs no Python, so no module hook: while the operator has one (added after enable(),
+    on a step enable() captures: the engine's own, fused_step_ops=False), the episodes run eagerly,
+    said once; removed, the step is captured again."""
+    caplog.set_level("WARNING", logger="qca_lowmem")
+    trainer = make_trainer("unet_groupnorm")
+    qca_lowmem.enable(trainer, fused_step_ops=False)
+    conv = next(m for m in trainer.motor.operator.modules() if isinstance(m, torch.nn.Conv2d))
+    calls = []
+    handle = conv.register_forward_hook(lambda module, args, output: calls.append(1))
+    for episode in range(2):
+        trainer.train_episode(episode)
+    assert replays(replayed_graphs) == 0 and len(calls) > 0
+    said = [r.getMessage() for r in caplog.records if "eagerly while it is there" in r.getMessage()]
+    assert said == [f"a hook on {type(trainer.motor.operator).__name__}.inc.conv_block.0: the episodes run their steps "
+                    "eagerly while it is there (a captured step's replays would run no hook)"]
+    handle.remove()
+    trainer.train_episode(2)
+    assert replays(replayed_graphs) > 0

@@ -255,7 +255,7 @@ def unknown_engine(motor) -> str:
             + (f" ({why})" if why else ""))
 
 
-def _hooked(operator: torch.nn.Module) -> Optional[str]:
+def first_hook(operator: torch.nn.Module) -> Optional[str]:
     """The first module hook that calling the operator runs (global, or on one of its layers), or None."""
     if torch_private.global_module_hooks():
         return "a global module hook"
@@ -349,7 +349,7 @@ class EngineIdentity:
                 say(logging.WARNING, f"{type(motor).__name__}'s step changed since enable() ({unknown_engine(motor)}): "
                                      "the episodes run the engine's own step")
         else:
-            hooked = _hooked(compiled_module(motor.operator))
+            hooked = first_hook(compiled_module(motor.operator))
             if hooked is None:
                 self.hooked_said = None
                 return None

@@ -15,9 +15,10 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from ..precision import autocast
-from ..recompute import StepGraph, rollout
+from ..recompute import rollout
 from ..recompute.policy import NONE
 from ..unet import convert
+from .captures import StepCaptures
 from .code_identity import not_recorded
 from .engine_step import (
     EngineIdentity,
@@ -56,14 +57,6 @@ class _Undo:
 
 
 @dataclass
-class _Captures:
-    """The episode's cache: the CUDA capture of the motor's step, made at the first CUDA episode."""
-
-    step_graph: Any = None  # a StepGraph of the step
-    graph_reads: Any = None  # what its capture read once: GAMMA_DECAY, the operator
-
-
-@dataclass
 class _Said:
     """What the switch already said once, not to say again."""
 
@@ -83,12 +76,12 @@ class _Saved:
     engine_identity: Any = None  # the engine step recognised, checked at each episode (engine_step.py)
     episode_identity: Any = None  # the stock train_episode recognised, checked at each episode (stock_guard.py)
     edited_episode: Optional[str] = None  # why the episode is not stock, run anyway (assume_stock_episode)
-    captures: _Captures = field(default_factory=_Captures)
+    captures: StepCaptures = field(default_factory=StepCaptures)
     said: _Said = field(default_factory=_Said)
 
     def __getstate__(self):
         # A copy (deepcopy, pickle) captures its own CUDA graphs at its first CUDA episode.
-        return {**vars(self), "captures": _Captures()}
+        return {**vars(self), "captures": StepCaptures()}
 
 
 class LowmemEpisode:
@@ -125,12 +118,7 @@ def _episode_step(trainer, state: _Saved, opts):
         state.fused.start_episode(live_gamma(trainer.motor) if opts.policy.checkpoint != NONE else None)
     step = state.memory_step or trainer.motor.evolve_step
     if opts.cuda_graph:  # off CUDA a StepGraph is the plain step
-        # A capture keeps the values its step read as constants: captured again when they change.
-        reads, captures = (live_gamma(trainer.motor), trainer.motor.operator), state.captures
-        if captures.step_graph is None or captures.graph_reads is None or captures.graph_reads[0] != reads[0] \
-                or captures.graph_reads[1] is not reads[1]:
-            captures.step_graph, captures.graph_reads = StepGraph(step), reads
-        step = captures.step_graph
+        step = state.captures.step(trainer.motor, step)
     return step
 
 

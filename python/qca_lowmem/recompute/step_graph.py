@@ -24,8 +24,10 @@ What a capture assumes, checked where it can be:
   probe's): the first warm-up run is watched, and a step that, from the state captured, reaches
   or writes others (a step that changes with the calls made of it) falls back as below, its
   writes undone;
-- step_fn keeps doing what it did when captured: a replay repeats the recorded kernels, so a step
-  that changes later with the calls made of it (state kept on an object) is not one to capture.
+- step_fn keeps doing what it did when captured: a replay repeats the recorded kernels and runs
+  no Python, so a step that changes later with the calls made of it (state kept on an object) or
+  runs Python at each call (a module hook recording activations) is not one to capture (enable()
+  captures only an engine step whose code it follows, and not while the operator has a hook).
 Noise between steps stays outside the graphs (its keys change every step).
 
 A capture that fails does not stop the rollout: the StepGraph warns once per configuration with

@@ -1,0 +1,39 @@
+"""The capture of the episode's step (a StepGraph), kept on the trainer between episodes: made at
+its first CUDA episode, made again when a value it read once changes, and left aside while the
+operator has a module hook (a replay runs no Python, so no hook)."""
+
+import logging
+from typing import Any, Callable, Optional
+
+from ..recompute import StepGraph
+from .engine_step import first_hook, live_gamma
+from .say import say
+from .user_modules import compiled_module
+
+
+class StepCaptures:
+    """The episode's cache of the motor's captured step. A copy of the trainer (deepcopy, pickle)
+    starts a fresh one: it captures its own graphs."""
+
+    def __init__(self):
+        self.step_graph: Optional[StepGraph] = None
+        self.graph_reads: Any = None  # what the capture read once: GAMMA_DECAY, the operator
+        self.said_hook: Optional[str] = None
+
+    def step(self, motor, step: Callable) -> Callable:
+        """The step an episode of `motor` rolls out: `step` captured, or `step` itself (said once)
+        while the operator has a hook."""
+        hook = first_hook(compiled_module(motor.operator))
+        if hook != self.said_hook:
+            self.said_hook = hook
+            if hook is not None:
+                say(logging.WARNING, f"{hook}: the episodes run their steps eagerly while it is there (a captured "
+                                     "step's replays would run no hook)")
+        if hook is not None:
+            return step
+        # A capture keeps the values its step read as constants: captured again when they change.
+        reads = (live_gamma(motor), motor.operator)
+        if self.step_graph is None or self.graph_reads is None or self.graph_reads[0] != reads[0] \
+                or self.graph_reads[1] is not reads[1]:
+            self.step_graph, self.graph_reads = StepGraph(step), reads
+        return self.step_graph
