@@ -19,7 +19,9 @@ episodes), a forward set on its instance, a hook recording an activity penalty a
 each registered before or after the switch; the LOWMEM section as a dict or an object, with a
 misspelt key; grid_size spelt several ways; copy.copy / deepcopy of the enabled trainer, trained;
 qca_steps, the learning rate or max_noise changed between episodes; noisy episodes; the V4
-trainer's own psi0 draw. Every checkpoint policy.
+trainer's own psi0 draw; the switch's step captured (on the CPU stand-in of CUDA graphs, which
+runs the captured Python again at each replay where a GPU would not, on one lane or two). Every
+checkpoint policy.
 
 CI runs QCA_FUZZ_EXAMPLES examples (default 100, about 20 s on two shared cores once they pass); a long search:
     QCA_FUZZ_EXAMPLES=3000 python -m pytest -q tests/atheria/test_switch_fuzz.py   # about 10 min
@@ -60,6 +62,7 @@ EDITS = {
     "attribute": st.fixed_dictionaries({"attribute": st.sampled_from(["qca_steps", "lr", "max_noise"])}),
     "noise": st.just({"noise": True}),
     "state_object": st.just({"state_object": False}),
+    "graph": st.fixed_dictionaries({"graph": st.sampled_from(["one lane", "two lanes queued", "two lanes joined"])}),
 }
 
 
@@ -100,3 +103,15 @@ def test_a_clear_refusal_names_who_refused():
                                   "type NoneType"))
     assert not is_clear(RuntimeError("qca_lowmem::qca_update() expected scalar type Float but found Double"))
     assert not is_clear(IndexError("enable(): string index out of range"))
+
+
+@pytest.mark.parametrize("variant", [
+    # an engine whose step changes every third call, captured: replays repeat one call
+    Variant(policy="auto_all", engine="every_k", graph="two lanes joined"),
+    # an activity penalty a hook records, on a captured engine's own step: a replay runs no hook
+    Variant(policy="auto0", op="fake_quantize", hook="penalty", graph="one lane"),
+], ids=["every_k-captured", "penalty-hook-captured"])
+def test_what_the_fuzzer_found_with_captures(variant):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert verdict(variant) is None
