@@ -58,13 +58,13 @@ def test_overlapped_replays_equal_eager_steps(replayed_graphs, monkeypatch, ahea
 
 
 def test_a_run_ahead_not_waited_for_is_seen(replayed_graphs, monkeypatch):
-    """The stand-in's "never" leaves a lane holding the graph of its previous replay, already
-    differentiated: the backward replay fails, so the tests above would see a reverse that reads
-    a lane whose forward was not run."""
+    """The stand-in's "never" leaves a lane holding the outputs of its previous replay, as a read
+    before the second stream is done would: the recompute check sees the step differ from its
+    forward, so the tests above would see a reverse that reads a lane before joining it."""
     monkeypatch.setattr(ReplayedGraphs, "ahead_runs", "never")
     net = make_conv_net()
     graph = qca_lowmem.StepGraph(fused_step(net), overlap=True)
-    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+    with pytest.raises(qca_lowmem.RecomputeMismatchError, match="recompute of step"):
         episode_grads(graph, list(net.parameters()), initial_state(), "step", None, noisy_schedule(), history_loss=True)
     assert ran_ahead(replayed_graphs) > 0
 
