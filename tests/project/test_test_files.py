@@ -74,3 +74,21 @@ def test_the_check_sees_a_skipped_file_a_stray_folder_and_a_name_twice():
     assert problems == ["tests/ops/check_noise.py: not named test_*.py, so ['test_a'] never run",
                         "tests/stray/test_y.py: outside the test folders ['ops', 'trainer']",
                         "test_x.py: 2 test files of this name"]
+
+
+def test_the_gpu_commands_the_docs_give_name_phases_and_steps_gpu_checks_has():
+    """A lent GPU runs a few commands of minutes: a phase or a step's TIMEOUT_ misspelt in a
+    command the docs give would waste one."""
+    script = (ROOT / "scripts" / "gpu_checks.sh").read_text()
+    phases = set(re.findall(r"^    (\w+)\)", script, flags=re.M))
+    steps = set(re.findall(r"\brun (\w+) ", script))
+    docs = [ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+    commands = [(doc.name, m.group(1), m.group(2)) for doc in docs
+                for m in re.finditer(r"((?:TIMEOUT_\w+=\d+ )*)bash scripts/gpu_checks\.sh((?: [\w+]+)+)",
+                                     doc.read_text())]
+    assert len(commands) >= 10 and {"overlap", "pipeline", "users", "test"} <= phases
+    unknown = [f"{name}: {phase}" for name, _, named in commands for group in named.split()
+               for phase in group.split("+") if phase not in phases]
+    unknown += [f"{name}: {limit}" for name, limits, _ in commands for limit in re.findall(r"TIMEOUT_(\w+)=", limits)
+                if limit not in steps]
+    assert unknown == []
