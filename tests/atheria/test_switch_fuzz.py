@@ -18,7 +18,7 @@ sign); global forward and forward-pre hooks, a hook on an inner Conv2d (kept or 
 episodes), a forward set on its instance, a hook recording an activity penalty added to the loss,
 each registered before or after the switch; the LOWMEM section as a dict or an object, with a
 misspelt key; grid_size spelt several ways; copy.copy / deepcopy of the enabled trainer, trained;
-qca_steps, the learning rate or max_noise changed between episodes; noisy episodes; the V4
+qca_steps, the learning rate, max_noise or a GroupNorm's eps changed between episodes; noisy episodes; the V4
 trainer's own psi0 draw; the switch's step captured (on the CPU stand-in of CUDA graphs, which
 runs the captured Python again at each replay where a GPU would not, on one lane or two). Every
 checkpoint policy.
@@ -59,7 +59,7 @@ EDITS = {
                                                                 "namespace_misspelt"])}),
     "grid_size": st.fixed_dictionaries({"grid_size": st.sampled_from([8, (8, 8), [8, 8], "8", "128", True, 8.0, (8,)])}),
     "copy": st.fixed_dictionaries({"copy": st.sampled_from(["copy", "deepcopy"])}),
-    "attribute": st.fixed_dictionaries({"attribute": st.sampled_from(["qca_steps", "lr", "max_noise"])}),
+    "attribute": st.fixed_dictionaries({"attribute": st.sampled_from(["qca_steps", "lr", "max_noise", "norm_eps"])}),
     "noise": st.just({"noise": True}),
     "state_object": st.just({"state_object": False}),
     "graph": st.fixed_dictionaries({"graph": st.sampled_from(["one lane", "two lanes queued", "two lanes joined"])}),

@@ -376,3 +376,23 @@ def test_enable_runs_the_steps_eagerly_while_the_operator_has_a_hook(replayed_gr
     handle.remove()
     trainer.train_episode(2)
     assert replays(replayed_graphs) > 0
+
+
+def test_a_layer_setting_changed_between_episodes_makes_a_new_capture(replayed_graphs):
+    """A replay keeps the values its capture read (a GroupNorm's eps): changed between episodes,
+    the step is captured again, and the episodes are stock's, not refused."""
+    results = {}
+    for name in ("stock", "captured"):
+        trainer = make_trainer("unet_groupnorm")
+        if name == "captured":
+            qca_lowmem.enable(trainer)
+        losses = []
+        torch.manual_seed(99)
+        for episode in range(2):
+            if episode:
+                next(m for m in trainer.motor.operator.modules() if isinstance(m, torch.nn.GroupNorm)).eps = 0.5
+            losses.append(trainer.train_episode(episode)[0])
+        results[name] = losses, [p.grad.clone() for p in trainer.motor.operator.parameters()]
+    assert getattr(trainer, "_qca_lowmem_state").captures.step_graph.captures_made == 1  # the new one's
+    assert results["captured"][0] == pytest.approx(results["stock"][0], rel=1e-12)
+    assert max_relative_error(results["captured"][1], results["stock"][1]) < 1e-9

@@ -1,6 +1,7 @@
 """The capture of the episode's step (a StepGraph), kept on the trainer between episodes: made at
-its first CUDA episode, made again when a value it read once changes, and left aside while the
-operator has a module hook (a replay runs no Python, so no hook)."""
+its first CUDA episode, made again when a value it read once changes (GAMMA_DECAY, the operator,
+a setting of one of its layers), and left aside while the operator has a module hook (a replay
+runs no Python, so no hook)."""
 
 import logging
 from typing import Any, Callable, Optional
@@ -32,8 +33,20 @@ class StepCaptures:
         if hook is not None:
             return step
         # A capture keeps the values its step read as constants: captured again when they change.
-        reads = (live_gamma(motor), motor.operator)
+        reads = (live_gamma(motor), motor.operator, layer_settings(motor.operator))
         if self.step_graph is None or self.graph_reads is None or self.graph_reads[0] != reads[0] \
-                or self.graph_reads[1] is not reads[1]:
+                or self.graph_reads[1] is not reads[1] or self.graph_reads[2] != reads[2]:
             self.step_graph, self.graph_reads = StepGraph(step), reads
         return self.step_graph
+
+
+_PLAIN = (bool, int, float, complex, str, tuple, type(None))
+
+
+def layer_settings(operator) -> tuple:
+    """The plain values each of the operator's modules holds (a GroupNorm's eps, an ELU's alpha, a
+    convolution's padding, `training`), which its forward may read: a capture keeps the ones it
+    read, so a change between episodes makes a new one."""
+    return tuple(tuple(sorted(((name, value) for name, value in vars(module).items()
+                               if not name.startswith("_") and isinstance(value, _PLAIN)), key=lambda item: item[0]))
+                 for module in operator.modules())
