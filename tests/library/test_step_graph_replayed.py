@@ -396,3 +396,28 @@ def test_a_layer_setting_changed_between_episodes_makes_a_new_capture(replayed_g
     assert getattr(trainer, "_qca_lowmem_state").captures.step_graph.captures_made == 1  # the new one's
     assert results["captured"][0] == pytest.approx(results["stock"][0], rel=1e-12)
     assert max_relative_error(results["captured"][1], results["stock"][1]) < 1e-9
+
+
+def test_an_operator_keeping_a_call_counter_on_itself_is_not_captured(replayed_graphs):
+    """Its forward changes with the calls made of it (every third call scaled): a replay, running
+    no Python, would repeat one call. Its first watched warm-up run changes the counter, so the
+    capture is refused, said once, and the episodes run eagerly, where the recompute check sees
+    the step change."""
+    from fixtures.model_families import D_STATE, HIDDEN, make_operator
+
+    operator = make_operator("unet_groupnorm", D_STATE, HIDDEN)
+    unet = type(operator)
+
+    class Counting(unet):
+        def forward(self, x):
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().forward(x) * (1.0 if self.calls % 3 else 1.25)
+
+    operator.__class__ = Counting
+    trainer = make_trainer("unet_groupnorm", operator=operator)
+    qca_lowmem.enable(trainer)
+    with pytest.warns(qca_lowmem.CaptureFallbackWarning, match="a call of step_fn changed a value its objects hold"):
+        with pytest.raises(qca_lowmem.RecomputeMismatchError, match="recompute of step"):
+            for episode in range(2):
+                trainer.train_episode(episode)
+    assert replays(replayed_graphs) == 0

@@ -3,6 +3,7 @@ its first CUDA episode, made again when a value it read once changes (GAMMA_DECA
 a setting of one of its layers), and left aside while the operator has a module hook (a replay
 runs no Python, so no hook)."""
 
+import functools
 import logging
 from typing import Any, Callable, Optional
 
@@ -36,7 +37,8 @@ class StepCaptures:
         reads = (live_gamma(motor), motor.operator, layer_settings(motor.operator))
         if self.step_graph is None or self.graph_reads is None or self.graph_reads[0] != reads[0] \
                 or self.graph_reads[1] is not reads[1] or self.graph_reads[2] != reads[2]:
-            self.step_graph, self.graph_reads = StepGraph(step), reads
+            self.step_graph = StepGraph(step, settings=functools.partial(layer_settings, motor.operator))
+            self.graph_reads = reads
         return self.step_graph
 
 

@@ -1,7 +1,7 @@
 """A lane of a StepGraph's capture (step_graph.py): one copy of the step's two graphs and the static
 tensors they read and write, warmed up, checked and captured on its own stream and pool."""
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -33,14 +33,15 @@ class Lane:
     def inputs(self) -> List[torch.Tensor]:
         return [self.static_in, *(c for c in self.static_carry_in if _requires_grad(c))]
 
-    def warm_up(self, forward, params, known_writes: Optional[Sequence[torch.Tensor]] = None) -> None:
+    def warm_up(self, forward, params, known_writes: Optional[Sequence[torch.Tensor]] = None,
+                settings: Optional[Callable[[], object]] = None) -> None:
         """Eager runs of the step on the lane's stream before capturing: lazy initialisations, the
         stream's cuDNN and cuBLAS workspaces. With `known_writes` the first run is watched: see
         `_refuse_unseen`."""
         with self.graphs.warming_up(), random_draws_refused(self.static_in.device):
             for run in range(WARMUP_STEPS):
                 if run == 0 and known_writes is not None:
-                    out, carry_out = self._refuse_unseen(forward, params, known_writes)
+                    out, carry_out = self._refuse_unseen(forward, params, known_writes, settings)
                 else:
                     out, carry_out = forward(self)
                 check_like_psi(out, self.static_in, "step_fn", None)
@@ -52,16 +53,23 @@ class Lane:
                                     allow_unused=True)
                 del out, carry_out, outputs
 
-    def _refuse_unseen(self, forward, params, known_writes):
+    def _refuse_unseen(self, forward, params, known_writes, settings):
         """The step run once, watched. A replay would compute no gradient for a leaf outside
         `params` (the leaves the episode's first steps reached), and the episode would not keep,
         load or put back a tensor written outside `known_writes` (the tensors they wrote): where the
         step, from the state captured, does either, its writes are undone and the capture refused
-        (the episode then runs this configuration eagerly, which finds both)."""
+        (the episode then runs this configuration eagerly, which finds both). So is a step whose
+        call changes what `settings()` returns (the plain values its objects hold: a counter kept
+        on a module), which a replay, running no Python, would not change."""
+        before = None if settings is None else settings()
         finder = StepBuffers.finder()
         marker = next_sequence_nr()
         with finder:
             out, carry_out = forward(self)
+        if settings is not None and settings() != before:
+            raise CaptureFailed("StepGraph: a call of step_fn changed a value its objects hold (a counter kept on a "
+                                "module), which a replay, running no Python, would not; rolling this configuration "
+                                "out eagerly.")
         known = {id(x) for x in known_writes}
         unseen_writes = [(x, before) for x, before in finder.written() if id(x) not in known]
         with torch.no_grad():

@@ -27,7 +27,8 @@ What a capture assumes, checked where it can be:
 - step_fn keeps doing what it did when captured: a replay repeats the recorded kernels and runs
   no Python, so a step that changes later with the calls made of it (state kept on an object) or
   runs Python at each call (a module hook recording activations) is not one to capture (enable()
-  captures only an engine step whose code it follows, and not while the operator has a hook).
+  captures only an engine step whose code it follows, not while the operator has a hook, and not
+  where a call changes a plain value its layers hold: `settings`, checked at the watched run).
 Noise between steps stays outside the graphs (its keys change every step).
 
 A capture that fails does not stop the rollout: the StepGraph warns once per configuration with
@@ -82,15 +83,20 @@ class StepGraph:
 
     overlap=True captures the step twice (two lanes, see the module notes): in the reverse pass
     the recompute of the step reversed next runs on a second stream while this step's backward
-    runs, for a second copy of the graphs' memory."""
+    runs, for a second copy of the graphs' memory. `settings`: a function returning the plain
+    values the step's objects hold (enable() gives its operator's layers'); a step whose call
+    changes them is not captured."""
 
-    def __init__(self, step_fn: Callable, overlap: bool = False):
+    def __init__(self, step_fn: Callable, overlap: bool = False, settings: Optional[Callable[[], object]] = None):
         if not callable(step_fn):
             raise TypeError(f"StepGraph: step_fn must be callable, got {type(step_fn).__name__}")
         if not isinstance(overlap, bool):
             raise TypeError(f"StepGraph: overlap must be True or False, got {overlap!r}")
+        if settings is not None and not callable(settings):
+            raise TypeError(f"StepGraph: settings must be callable or None, got {type(settings).__name__}")
         self.step_fn = step_fn
         self.overlap = overlap
+        self.settings = settings
         self.capture: Optional[_Capture] = None
         self.captures_made = 0  # for tests and reports: how often a new capture was needed
         self.failed_keys = set()  # configurations whose capture failed: rolled out eagerly
@@ -142,7 +148,7 @@ class StepGraph:
         if self.capture is None or self.capture.key != key:
             self.capture = None  # release the old graphs and pool before capturing anew
             try:
-                self.capture = _Capture(step, state, params, autocast_state, key, writes,
+                self.capture = _Capture(step, state, params, autocast_state, key, writes, self.settings,
                                         lanes=2 if self.overlap else 1)
             except CaptureFailed as failure:
                 self.failed_keys.add(key)
@@ -205,7 +211,7 @@ class _Capture:
     the forward of the step it reverses next runs ahead on its own lane while this step's backward
     runs (`run_ahead`)."""
 
-    def __init__(self, step, state: State, params, autocast_state, key, writes, lanes: int = 1):
+    def __init__(self, step, state: State, params, autocast_state, key, writes, settings, lanes: int = 1):
         self.key = key
         self.params = params
         self.carry_signature = tuple(map(signature, state.carry))
@@ -227,7 +233,7 @@ class _Capture:
         self.reached: List[bool] = []
         with _hooks_set_aside(params):
             for i, lane in enumerate(self.lanes):
-                lane.warm_up(forward, params, writes if i == 0 else None)
+                lane.warm_up(forward, params, writes if i == 0 else None, settings)
             with capture_errors_explained():
                 self.accumulators = [torch.zeros_like(p) for p in params]
             for lane in self.lanes:
