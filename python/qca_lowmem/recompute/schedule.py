@@ -14,9 +14,10 @@ One `Schedule` subclass per policy (its `mode`), plain autograd included:
 
 A recomputing schedule runs over the same episode Function (episode.py) and the same reverse pass
 (reverse.py): it tells the forward `keeps_state(t)` / `keeps_graph(t)` for the input of step t,
-and reverses by calling `reverser.backprop(t, state, upcoming)` for t from the last step down with
-the state the forward kept for t (and for t-1 where it holds it), re-advancing states with `reverser.advance(state, start, stop)`
-where it keeps fewer, and `reverser.backprop_graph(kept)` for steps whose graph the forward kept.
+and reverses by calling `reverser.backprop(t, state, upcoming)` for t from the last step down
+with the state the forward kept for t (and for t-1 where it holds it), re-advancing states with
+`reverser.advance(state, start, stop)` where it keeps fewer, and `reverser.backprop_graph(kept)`
+for steps whose graph the forward kept.
 Its class makes it for an episode (`for_episode`) from what the episode's first steps measured
 (probe.py), asked for with `measures_step`.
 """

@@ -56,7 +56,7 @@ write buffers (their values are loaded before each recompute, on the caller's st
 import contextlib
 import gc
 import warnings
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -239,8 +239,7 @@ class _Capture:
             for lane in self.lanes:
                 lane.capture(forward, self)
         self.reversing: Optional[Lane] = None  # the lane of the step being reversed
-        # (step, psi, carry, lane, its end) of a forward run ahead, until the reverse joins it.
-        self.ahead: Optional[tuple] = None
+        self.ahead: Optional[_Ahead] = None  # a forward run ahead, until the reverse joins it
 
     def takes(self, carry: tuple) -> bool:
         """Whether a step with this carry runs on the graphs (a first step whose memory is not made
@@ -259,32 +258,28 @@ class _Capture:
         """Step t's forward replayed for (psi, carry) (or joined, if it ran ahead on these very
         tensors); returns the lane's own outputs (valid until the lane's next replay), ready for
         backward()."""
-        ahead = self.ahead
-        ran_ahead = ahead is not None and ahead[0] == t and ahead[1] is psi and len(ahead[2]) == len(carry) and \
-            all(a is b for a, b in zip(ahead[2], carry))
+        ran_ahead = self.ahead is not None and self.ahead.holds(t, psi, carry)
         self._join_ahead()
         lane = self.reversing = self.lanes[t % len(self.lanes)]
         if not ran_ahead:
             lane.load(psi, carry)
         return lane.static_out.detach(), tuple(None if c is None else c.detach() for c in lane.static_carry_out)
 
-    def run_ahead(self, t: int, psi: torch.Tensor, carry: tuple) -> bool:
+    def run_ahead(self, t: int, psi: torch.Tensor, carry: tuple) -> None:
         """With two lanes: step t's forward for (psi, carry) queued on its lane's stream, after
         what the caller's stream holds and alongside what it queues next (the backward of step
-        t + 1, on the other lane). Returns whether it was queued."""
+        t + 1, on the other lane). With one, nothing."""
         if len(self.lanes) < 2:
-            return False
+            return
         self._join_ahead()
         lane = self.lanes[t % len(self.lanes)]
         done = lane.graphs.run_ahead(lambda: lane.load(psi, carry), [psi, *(c for c in carry if c is not None)])
-        self.ahead = (t, psi, carry, lane, done)
-        return True
+        self.ahead = _Ahead(t, psi, carry, lane, done)
 
     def _join_ahead(self) -> None:
         if self.ahead is not None:
-            lane, done = self.ahead[3:]
-            self.ahead = None
-            lane.graphs.join(done)
+            ahead, self.ahead = self.ahead, None
+            ahead.lane.graphs.join(ahead.done)
 
     def backward(self, grad_out: Optional[torch.Tensor], grad_carry_out: tuple):
         """After output_for_backward: adds the parameters' gradients to the accumulators and
@@ -305,6 +300,21 @@ class _Capture:
     def parameter_grads(self) -> List[Optional[torch.Tensor]]:
         """The accumulated gradients (the accumulators themselves: valid until they are zeroed)."""
         return [a if used else None for a, used in zip(self.accumulators, self.reached)]
+
+
+class _Ahead(NamedTuple):
+    """A forward queued by run_ahead: step t's for (psi, carry), on `lane`, ending at `done`."""
+
+    t: int
+    psi: torch.Tensor
+    carry: tuple
+    lane: Lane
+    done: object
+
+    def holds(self, t: int, psi: torch.Tensor, carry: tuple) -> bool:
+        """Whether it is step t's for these very tensors."""
+        return t == self.t and psi is self.psi and len(carry) == len(self.carry) and \
+            all(a is b for a, b in zip(carry, self.carry))
 
 
 def _own(tensor):
