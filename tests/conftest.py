@@ -1,5 +1,6 @@
 """What every test gets: tests/ on the path (helpers, fixtures, cuda_emu), the `cuda` marks, the
-seed and one_thread. A layer's own fixtures live in its folder's conftest (tests/trainer's run)."""
+seed, the model families' stand-ins recorded as followed code, and one_thread. A layer's own
+fixtures live in its folder's conftest (tests/trainer's run)."""
 
 import os
 import sys
@@ -9,7 +10,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from helpers import cuda_only, single_thread  # noqa: E402  (tests/ on the path first)
+from fixtures.model_families import RECORDED  # noqa: E402
+from helpers import cuda_only, follow, single_thread  # noqa: E402  (tests/ on the path first)
 
 
 def pytest_collection_modifyitems(items):
@@ -28,6 +30,13 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _families_recorded(monkeypatch):
+    """The model families' stand-ins (fixtures/model_families.py) recorded as code qca_lowmem
+    follows, as their real classes are (code_identity.FOLLOWED)."""
+    follow(monkeypatch, *RECORDED, origin="the stand-in of a model family,")
 
 
 @pytest.fixture

@@ -32,6 +32,20 @@ def benchmark_module(name: str):
         sys.path.remove(str(BENCHMARKS))
 
 
+def follow(monkeypatch, *classes, origin="a test's class"):
+    """`classes` recorded as the users' code qca_lowmem follows on this Python, as
+    scripts/record_digests.py records their model families' (code_identity.FOLLOWED's "modules")."""
+    from qca_lowmem.atheria import code_identity  # noqa: PLC0415  (the switch's own module, for its record)
+    entry = dict(code_identity.FOLLOWED.get(code_identity.PYTHON, {}))
+    modules = dict(entry.get("modules", {}))
+    for cls in classes:
+        digest = code_identity.class_digest(cls)
+        assert digest is not None, f"{cls.__qualname__}'s code cannot be digested"
+        modules[digest] = f"{origin} {cls.__qualname__}"
+    entry["modules"] = modules
+    monkeypatch.setitem(code_identity.FOLLOWED, code_identity.PYTHON, entry)
+
+
 @contextlib.contextmanager
 def single_thread():
     """Tiny tensors gain nothing from threads, and on a shared machine the intra-op pool's

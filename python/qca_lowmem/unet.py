@@ -17,6 +17,7 @@ from .ops import (
     calls_checked_by_caller,
     plain_torch_layer,
     refuse_func_transforms,
+    stock_block_call,
     torch_layers_unchanged,
 )
 from .ops.watchers import call_layer_unwatched, call_unwatched
@@ -169,15 +170,16 @@ def stock_block_mismatch(module: nn.Module) -> Optional[str]:
         return "has submodules, parameters or buffers besides conv_block, so its forward may do more"
     if torch_private.any_call_hooked((module,), with_submodules=False):
         return "has hooks or a forward of its own, which the fused block (a new module) would not carry"
-    return None
+    return stock_block_call(type(module))
 
 
 def convert(module: nn.Module, *, recompute: bool = True) -> Tuple[nn.Module, ConversionReport]:
     """Replace every stock-shaped ConvBlock inside `module` by a `FusedConvBlock`, in place.
 
     A ConvBlock is any module whose `conv_block` is Sequential(Conv2d(3x3, padding 1, no bias),
-    GroupNorm, ELU(alpha=1), Conv2d(3x3, padding 1, no bias), GroupNorm, ELU(alpha=1)) and that
-    has nothing else; its forward is assumed to be `conv_block(x)`, as stock. The fused block
+    GroupNorm, ELU(alpha=1), Conv2d(3x3, padding 1, no bias), GroupNorm, ELU(alpha=1)), that
+    has nothing else, and whose call runs just `self.conv_block(x)`, as stock's, by the code of its
+    class's forward (`ops.stock_block_call`; an edited forward is left alone). The fused block
     wraps the very same layers, so Parameter objects (and an optimizer holding them), names and
     state_dict keys are unchanged. Modules with a `conv_block` of another shape (other norms,
     other activations...) are left alone and reported. Returns `(module, report)`; when

@@ -10,6 +10,7 @@ import torch
 
 import qca_lowmem
 from fixtures.model_families import make_operator
+from helpers import follow
 from qca_lowmem import precision, stock
 from qca_lowmem.examples import QC_Trainer_v4, make_config
 
@@ -146,6 +147,7 @@ def test_enable_unset_follows_the_rule_and_the_engines_verdict(monkeypatch, capl
     """Where the rule says NHWC (faked here on the CPU), unset turns it on with the fused step and
     says so; for an operator that keeps the engine's own step, unset is off without an error."""
     caplog.set_level("INFO", logger="qca_lowmem")
+    follow(monkeypatch, Rounding)  # recorded: enable() may call it to find its ops
     asked = []
     monkeypatch.setattr(precision, "nhwc_faster", lambda device, amp_dtype: asked.append(amp_dtype) or True)
     trainer = qca_lowmem.enable(small_trainer(state_object=True))

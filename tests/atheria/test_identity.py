@@ -16,6 +16,7 @@ import torch
 
 import qca_lowmem
 import qca_lowmem.atheria.code_identity
+from helpers import follow
 from qca_lowmem.atheria.discontinuity import discontinuity
 from qca_lowmem.atheria.engine_step import FusedEngineStep
 from qca_lowmem.atheria.mask_free_noise import follows
@@ -267,7 +268,7 @@ QUANTISING = {
 
 
 @pytest.mark.parametrize("name", sorted(QUANTISING))
-def test_an_operator_not_shown_continuous_keeps_the_engines_step(name, caplog):
+def test_an_operator_not_shown_continuous_keeps_the_engines_step(name, caplog, monkeypatch):
     forward, op = QUANTISING[name]
     x = qca_pack(torch.randn(1, 8, 8, 2, dtype=torch.complex64, generator=torch.Generator().manual_seed(0)))
     torch.manual_seed(0)
@@ -276,6 +277,7 @@ def test_an_operator_not_shown_continuous_keeps_the_engines_step(name, caplog):
     torch.manual_seed(0)
     cfg = make_config(grid=8, d_state=2, hidden=4, qca_steps=3)
     trainer = QC_Trainer_v4(cfg, operator=operator_of(forward))
+    follow(monkeypatch, type(trainer.motor.operator))  # recorded: enable() may call it to find its ops
     enabled(trainer, caplog)
     assert f"the engine's own step and blocks: Quantised's output jumps with its input ({op}" in caplog.text
     assert "evolve_step" not in vars(trainer.motor)

@@ -20,7 +20,9 @@ each registered before or after the switch; the LOWMEM section as a dict or an o
 misspelt key; grid_size spelt several ways; copy.copy / deepcopy of the enabled trainer, trained;
 qca_steps, the learning rate, max_noise or a GroupNorm's eps changed between episodes; noisy episodes; the V4
 trainer's own psi0 draw; the switch's step captured (on the CPU stand-in of CUDA graphs, which
-runs the captured Python again at each replay where a GPU would not, on one lane or two). Every
+replays the ops its capture recorded, as a GPU does, on one lane or two); ConvBlocks of a class
+whose forward is edited, before the switch or between episodes; an operator keeping state between
+calls (a call counter on the module, in a closure or a global; calls logged in a list). Every
 checkpoint policy.
 
 CI runs QCA_FUZZ_EXAMPLES examples (default 100, about 20 s on two shared cores once they pass); a long search:
@@ -63,6 +65,9 @@ EDITS = {
     "noise": st.just({"noise": True}),
     "state_object": st.just({"state_object": False}),
     "graph": st.fixed_dictionaries({"graph": st.sampled_from(["one lane", "two lanes queued", "two lanes joined"])}),
+    "block": st.fixed_dictionaries({"block": st.sampled_from(["edited", "edited_after"])}),
+    "op_state": st.fixed_dictionaries({"op_state": st.sampled_from(["module_counter", "closure_counter",
+                                                                    "global_counter", "dict_counter", "logged"])}),
 }
 
 

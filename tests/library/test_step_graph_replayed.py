@@ -5,11 +5,14 @@ keeps their contract (a replay writes new values into the tensors the capture re
 What the stand-in cannot show, that the kernels recorded once replay the same work on a GPU, the
 CUDA tests in test_rollout.py and test_rollout_carry.py show."""
 
+import itertools
+
 import pytest
 import torch
+from torch import nn
 
 import qca_lowmem
-from fixtures.model_families import EPISODES, assert_same_run, make_trainer, run
+from fixtures.model_families import D_STATE, EPISODES, HIDDEN, assert_same_run, make_trainer, run
 from fixtures.replayed_graphs import ReplayedGraphs, replays
 from helpers import (
     CARRY_STEPS,
@@ -17,6 +20,7 @@ from helpers import (
     batchnorm_step,
     carried_grads,
     episode_grads,
+    follow,
     fused_step,
     gradient_casts_in,
     host_waits,
@@ -398,11 +402,11 @@ def test_a_layer_setting_changed_between_episodes_makes_a_new_capture(replayed_g
     assert max_relative_error(results["captured"][1], results["stock"][1]) < 1e-9
 
 
-def test_an_operator_keeping_a_call_counter_on_itself_is_not_captured(replayed_graphs):
+def test_an_operator_keeping_a_call_counter_on_itself_is_not_captured(replayed_graphs, monkeypatch):
     """Its forward changes with the calls made of it (every third call scaled): a replay, running
-    no Python, would repeat one call. Its first watched warm-up run changes the counter, so the
-    capture is refused, said once, and the episodes run eagerly, where the recompute check sees
-    the step change."""
+    no Python, would repeat one call. Were its class recorded as followed code, its first watched
+    warm-up run changes the counter, so the capture is refused, said once, and the episodes run
+    eagerly, where the recompute check sees the step change."""
     from fixtures.model_families import D_STATE, HIDDEN, make_operator
 
     operator = make_operator("unet_groupnorm", D_STATE, HIDDEN)
@@ -414,6 +418,7 @@ def test_an_operator_keeping_a_call_counter_on_itself_is_not_captured(replayed_g
             return super().forward(x) * (1.0 if self.calls % 3 else 1.25)
 
     operator.__class__ = Counting
+    follow(monkeypatch, Counting)  # the second line of defence, behind the class not being followed
     trainer = make_trainer("unet_groupnorm", operator=operator)
     qca_lowmem.enable(trainer)
     with pytest.warns(qca_lowmem.CaptureFallbackWarning, match="a call of step_fn changed a value its objects hold"):
@@ -421,3 +426,68 @@ def test_an_operator_keeping_a_call_counter_on_itself_is_not_captured(replayed_g
             for episode in range(2):
                 trainer.train_episode(episode)
     assert replays(replayed_graphs) == 0
+
+
+def counted_unet(counter):
+    """The stand-in's U-Net with every third call scaled by a counter outside its modules."""
+    class UNetUnitary(qca_lowmem.stock.UNetUnitary):
+        def forward(self, x):
+            return super().forward(x) * (1.25 if next(counter) % 3 == 0 else 1.0)
+    return UNetUnitary
+
+
+def test_an_operator_of_code_not_followed_is_not_captured(replayed_graphs, caplog):
+    """A replay runs no Python: an operator whose class qca_lowmem does not follow (a counter kept in
+    a closure, which no check of its modules sees) is not captured (cuda_graph unset is off) and
+    cuda_graph=True is refused; its episodes are stock's under the policy that calls it as stock does."""
+    runs = []
+    for switched in (False, True):
+        torch.manual_seed(7)
+        operator = counted_unet(itertools.count(1))(D_STATE, HIDDEN).double()
+        trainer = make_trainer("unet_groupnorm", operator=operator)
+        if switched:
+            with caplog.at_level("INFO", logger="qca_lowmem"):
+                qca_lowmem.enable(trainer, checkpoint="none", cuda_graph=False)
+        runs.append(run(trainer))
+    assert_same_run(runs[1], runs[0])
+    with pytest.raises(ValueError, match=r"cuda_graph=True, but UNetUnitary \(\S*UNetUnitary is not code qca_lowmem "
+                                         r"follows\): a capture would replay"):
+        qca_lowmem.enable(make_trainer("unet_groupnorm", operator=counted_unet(itertools.count(1))(D_STATE, HIDDEN)
+                                       .double()), cuda_graph=True)
+    unset = qca_lowmem.enable(make_trainer("unet_groupnorm",
+                                           operator=counted_unet(itertools.count(1))(D_STATE, HIDDEN).double()))
+    assert not getattr(unset, "_qca_lowmem_state").options.cuda_graph  # where a followed one's is on:
+    assert getattr(qca_lowmem.enable(make_trainer("unet_groupnorm")), "_qca_lowmem_state").options.cuda_graph
+    assert replays(replayed_graphs) == 0
+
+
+def test_an_operator_swapped_for_code_not_followed_runs_eagerly(replayed_graphs, caplog):
+    """Checked at every episode: a block of the captured operator swapped for a module of the
+    user's after enable() (its class not recorded) runs the engine's own step, eagerly, said once;
+    the episodes stay stock's."""
+    class Halved(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return 0.5 * self.inner(x)
+
+    runs = []
+    for switched in (False, True):
+        trainer = make_trainer("unet_groupnorm")
+        if switched:
+            qca_lowmem.enable(trainer)
+        first = run(trainer, range(1))
+        operator = trainer.motor.operator
+        operator.bot = Halved(operator.bot)
+        replayed = replays(replayed_graphs)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="qca_lowmem"):
+            second = run(trainer, range(1, 3))
+        runs.append(([*first[0], *second[0]], second[1], second[2]))
+    assert_same_run(runs[1], runs[0])
+    assert replayed > 0 and replays(replayed_graphs) == replayed
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("UNetUnitary.bot (") and said[0].endswith(
+        "Halved is not code qca_lowmem follows): the episodes run the engine's own step while it is there"), said

@@ -12,8 +12,10 @@ Its modules, one concern each:
 - `captures`: the episode's captured step (a StepGraph), kept between episodes.
 - `engine_probe`: the one-time probe that their engine steps as the fused step does.
 - `user_modules`: helpers on their torch modules (a compiled operator's module, buffer bindings).
+- `fused_blocks`: their ConvBlocks swapped for fused blocks, proved again at each episode, and put back.
+- `operator_code`: whether a call of their operator runs only code qca_lowmem follows, with no hook.
 - `discontinuity`: whether every op of their operator is allowlisted continuous.
-- `code_identity`: the digests of the code that runs, per Python version.
+- `code_identity`: the digests of the code that runs (functions, and their model classes), per Python version.
 - `stock_guard`: which `train_episode` enable() may replace (their stock one).
 - `mask_free_noise`: a copy of their noise injector writing its flips without a boolean mask.
 - `scaler_swap`: their GradScaler as qca_lowmem's, and the clipping of scaled gradients.

@@ -1,14 +1,15 @@
 """The capture of the episode's step (a StepGraph), kept on the trainer between episodes: made at
 its first CUDA episode, made again when a value it read once changes (GAMMA_DECAY, the operator,
-a setting of one of its layers), and left aside while the operator has a module hook (a replay
-runs no Python, so no hook)."""
+a setting of one of its layers), and left aside while the operator has a module hook or runs code
+qca_lowmem does not follow (operator_code.py: a replay runs no Python, so no hook, no counter)."""
 
 import functools
 import logging
 from typing import Any, Callable, Optional
 
 from ..recompute import StepGraph
-from .engine_step import first_hook, live_gamma
+from .engine_step import live_gamma
+from .operator_code import first_hook, operator_unfollowed
 from .say import say
 from .user_modules import compiled_module
 
@@ -20,18 +21,20 @@ class StepCaptures:
     def __init__(self):
         self.step_graph: Optional[StepGraph] = None
         self.graph_reads: Any = None  # what the capture read once: GAMMA_DECAY, the operator
-        self.said_hook: Optional[str] = None
+        self.said_eager: Optional[str] = None
 
     def step(self, motor, step: Callable) -> Callable:
         """The step an episode of `motor` rolls out: `step` captured, or `step` itself (said once)
-        while the operator has a hook."""
-        hook = first_hook(compiled_module(motor.operator))
-        if hook != self.said_hook:
-            self.said_hook = hook
-            if hook is not None:
-                say(logging.WARNING, f"{hook}: the episodes run their steps eagerly while it is there (a captured "
-                                     "step's replays would run no hook)")
-        if hook is not None:
+        while the operator has a hook or runs code qca_lowmem does not follow."""
+        operator = compiled_module(motor.operator)
+        hook = first_hook(operator)
+        eager = hook or operator_unfollowed(operator)
+        if eager != self.said_eager:
+            self.said_eager = eager
+            if eager is not None:
+                say(logging.WARNING, f"{eager}: the episodes run their steps eagerly while it is there (a captured "
+                                     f"step's replays would run {'no hook' if hook else 'one call of it at every step'})")
+        if eager is not None:
             return step
         # A capture keeps the values its step read as constants: captured again when they change.
         reads = (live_gamma(motor), motor.operator, layer_settings(motor.operator))

@@ -22,13 +22,14 @@ import hashlib
 import inspect
 import sys
 import types
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 _SIMPLE = (type(None), bool, int, float, complex, str, bytes)
 _LOADS_GLOBAL = {"LOAD_GLOBAL", "LOAD_NAME"}
 
-# Per Python version, per role: digest -> where the version followed was taken from. Theirs from
+# Per Python version, per role: digest -> where the version followed was taken from (a function's
+# digest, or for "modules" the classes of their model families, class_digest). Theirs from
 # Jonakss/Atheria at 4df21e7 (2025-12, the same train_episode text as c780b4c / ee9d178 and the same
 # noise.py as 6c95798, which the earlier source digests named); the stand-ins from qca_lowmem.examples,
 # whose digests follow qca_lowmem.stock's code (tests/atheria/test_identity.py recomputes them).
@@ -64,6 +65,20 @@ FOLLOWED: Dict[str, Dict[str, Dict[str, str]]] = {
             "5d7d81d9ee448de4ad65b210335a74ae6ff7766ef159f9ef7a47228df10b0d19": STAND_IN + "qc_trainer_v4.py Motor",
             "9064eea868f46ab51e5a494567322184c2afb1a66d70d1b97d3c60681956b55a": STAND_IN + "qc_trainer_v4.py MemoryMotor",
         },
+        "modules": {
+            "8dda7b686516b8d47eebe6378e39a510e68c11ea71fd6f9c6c83599dc7eab808":
+                ATHERIA + "src/models/unet.py UNet",
+            "b1360ca1f7f83a25c0acd8d1db9e42c5fd510784dc67686d00118dc5df6aa3c1":
+                ATHERIA + "src/models/unet_unitary.py UNetUnitary, src/models/unet_unitary_rmsnorm.py UNetUnitaryRMSNorm",
+            "a004ffb797ae6ac297108f2479ffbaef706f535c4315d6efdc050365383d27eb":
+                ATHERIA + "src/models/rmsnorm.py RMSNorm2d",
+            "8a151858f8fe7b3927978668997d378a73ff7b046724d10699c1428d163923d8":
+                ATHERIA + "src/models/mlp.py MLP",
+            "5f40f985bb0144e9929965864e7d36bbf2ade12553b9cdee2ab9cbf20c6e99d3":
+                ATHERIA + "src/models/deep_qca.py DeepQCA",
+            "b2daec4b3564e3883d2b068ac045d85708fa039495ab5671e7c4def2911d7de1":
+                ATHERIA + "src/models/unet_convlstm.py UNetConvLSTM",
+        },
     },
     "3.12": {
         "QC_Trainer_v4.train_episode": {
@@ -92,6 +107,20 @@ FOLLOWED: Dict[str, Dict[str, Dict[str, str]]] = {
             "a48137444056f42bb45a169f6690a6717bde31273cf0fdec2d2ad119e8e9ecbf": STAND_IN + "qc_trainer_v4.py Motor",
             "6eb159b7b9fd21e311d912675239ec6f810884e0a9ff0f5854d605e8d0fe1915": STAND_IN + "qc_trainer_v4.py MemoryMotor",
         },
+        "modules": {
+            "675ad5fcc4d360c071000ce6361fae048d76f72e2833b60c2d14611eb8af6731":
+                ATHERIA + "src/models/unet.py UNet",
+            "fc2244d0a24a6077e1af0240a831072f220892d1112638e2f016eaa57a354868":
+                ATHERIA + "src/models/unet_unitary.py UNetUnitary, src/models/unet_unitary_rmsnorm.py UNetUnitaryRMSNorm",
+            "9a2e551638a1038d83265181ffff97a6c82159539a82f86367b0e697fe574d18":
+                ATHERIA + "src/models/rmsnorm.py RMSNorm2d",
+            "d13fd026165f2e41090f17eb426439fc6897a4013a634ca150ff33e8de96bb35":
+                ATHERIA + "src/models/mlp.py MLP",
+            "d3475bfb2a6952988d2935fb1f6e2f1e2ff1e3cd9d095c5d80380f4bbc9a3c1c":
+                ATHERIA + "src/models/deep_qca.py DeepQCA",
+            "38e860468d7c8502b85c605424d6ff1cdd099f5d3fc1ce6fa6503217f79a0646":
+                ATHERIA + "src/models/unet_convlstm.py UNetConvLSTM",
+        },
     },
     "3.13": {
         "QC_Trainer_v4.train_episode": {
@@ -119,6 +148,20 @@ FOLLOWED: Dict[str, Dict[str, Dict[str, str]]] = {
         "Motor.evolve_step": {
             "e863f16ebe7992741da9be8bd8c9a368c3d2ecfe640ae217e102c2d1f528bd16": STAND_IN + "qc_trainer_v4.py Motor",
             "b17f3fa309b7b24ec2af742125919537178be101d6c0182a627d971b2f4332f1": STAND_IN + "qc_trainer_v4.py MemoryMotor",
+        },
+        "modules": {
+            "e30ec2b2526a70730545d05af17032b3a1d143859b1bfd249ca35ac3a0c3b0d0":
+                ATHERIA + "src/models/unet.py UNet",
+            "c731a06bf411b1d2df401ea8b3b550446ea6b274afec5a2d5336973f337cd973":
+                ATHERIA + "src/models/unet_unitary.py UNetUnitary, src/models/unet_unitary_rmsnorm.py UNetUnitaryRMSNorm",
+            "2488a8eacec06049a0c7f0b2d1212b909a62d44b3952e1741a70c0e04615d4d9":
+                ATHERIA + "src/models/rmsnorm.py RMSNorm2d",
+            "d66a47826f494a28d03d0a3724650bfcac6b71bab6cfeaea552db6495fe29800":
+                ATHERIA + "src/models/mlp.py MLP",
+            "30348f0d530f15fa9d1f3c479fa058f3c4d80cea12588716c708a04509c500be":
+                ATHERIA + "src/models/deep_qca.py DeepQCA",
+            "97a2b0b8f3180f250f1b9d55eeb17021946ec96ceca7145321d0f4ece5341c71":
+                ATHERIA + "src/models/unet_convlstm.py UNetConvLSTM",
         },
     },
 }
@@ -220,6 +263,30 @@ def _digest(function, seen) -> Optional[str]:
     return found
 
 
+def reads(function) -> List[Tuple[str, object]]:
+    """What a plain function reads besides its arguments and attributes, where a call could keep
+    state: (a name for it, its value) for each closure cell and module global its code loads, of it
+    and of every function among those, each function once."""
+    found, pending, seen = [], [function], set()
+    while pending:
+        fn = pending.pop()
+        if not isinstance(fn, types.FunctionType) or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        read = []
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+            try:
+                read.append((f"{fn.__qualname__}'s {name}", cell.cell_contents))
+            except ValueError:  # an empty cell
+                pass
+        namespace = fn.__globals__
+        read += [(f"{namespace.get('__name__', '?')}.{name}", namespace[name])
+                 for name in _static_of(fn.__code__).globals if name in namespace]
+        found += read
+        pending += [value for _, value in read if isinstance(value, types.FunctionType)]
+    return found
+
+
 def digest(function) -> Optional[str]:
     """The digest of the code `function` runs; None for anything but a plain Python function
     (a wrapper with `__wrapped__`, a builtin, a callable object) or one reading what cannot be digested."""
@@ -247,6 +314,41 @@ def followed(role: str, function) -> Optional[str]:
     if not known:
         return None
     return known.get(digest(function))
+
+
+# What a class defines that never runs in a call of its instances (construction, class machinery,
+# names that describe it); the rest of its own namespace is its code as a call can run it.
+NOT_CALLED = frozenset({"__init__", "__new__", "__init_subclass__", "__class_getitem__", "__module__", "__qualname__",
+                        "__doc__", "__dict__", "__weakref__", "__firstlineno__", "__static_attributes__",
+                        "__annotations__", "__annotate__", "__orig_bases__", "__parameters__", "__slots__"})
+
+
+def class_digest(owner: type) -> Optional[str]:
+    """The digest of what `owner` itself defines that a call of its instances can run: each of its
+    functions (a static or class method's, a property's accessors) as `digest` takes it, and its
+    plain class values; None where any of it cannot be digested. Its bases are not included: each
+    class of a module's MRO is followed on its own."""
+    parts = []
+    for name, value in sorted(vars(owner).items()):
+        if name in NOT_CALLED:
+            continue
+        if isinstance(value, (staticmethod, classmethod)):
+            inner = [_value(value.__func__, frozenset())]
+        elif isinstance(value, property):
+            inner = [_value(f, frozenset()) for f in (value.fget, value.fset, value.fdel) if f is not None]
+        else:
+            inner = [_value(value, frozenset())]
+        if None in inner:
+            return None
+        parts.append(f"{name}={type(value).__name__}({','.join(inner)})")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def followed_class(owner: type) -> Optional[str]:
+    """Where the version of the users' class `owner` was taken from (its own code, `class_digest`),
+    or None if it is none recorded for this Python."""
+    known = FOLLOWED.get(PYTHON, {}).get("modules")
+    return known.get(class_digest(owner)) if known else None
 
 
 def not_recorded() -> Optional[str]:

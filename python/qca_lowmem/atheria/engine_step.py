@@ -33,6 +33,7 @@ from ..ops.qca_step import fused_step_once, qca_pack, qca_update
 from .code_identity import followed, not_recorded, resolved
 from .discontinuity import discontinuity
 from .engine_probe import check_engine_state, check_engine_step, probe_shape
+from .operator_code import first_hook, operator_unfollowed
 from .say import say
 from .user_modules import compiled_module
 
@@ -255,14 +256,6 @@ def unknown_engine(motor) -> str:
             + (f" ({why})" if why else ""))
 
 
-def first_hook(operator: torch.nn.Module) -> Optional[str]:
-    """The first module hook that calling the operator runs (global, or on one of its layers), or None."""
-    if torch_private.global_module_hooks():
-        return "a global module hook"
-    return next((f"a hook on {type(operator).__name__}{'.' + name if name else ''}"
-                 for name, module in operator.named_modules() if torch_private.module_has_hooks(module)), None)
-
-
 def own_step_verdict(motor, fused_step_ops: bool, grid=None, d_state: Optional[int] = None,
                      recomputes: bool = True) -> Optional[str]:
     """Why the engine's own step runs although fused_step_ops asks for the fused one, else None;
@@ -275,6 +268,9 @@ def own_step_verdict(motor, fused_step_ops: bool, grid=None, d_state: Optional[i
     why = None
     if fused_step_ops and engine_kind(motor) is None:
         why = unknown_engine(motor)
+    elif fused_step_ops and operator_unfollowed(compiled_module(operator)) is not None:
+        why = (f"{operator_unfollowed(compiled_module(operator))}, so it is not called to check its ops (a call could "
+               "move state it keeps outside its tensors)")
     elif fused_step_ops:
         shape, dtype = probe_shape(motor, grid, d_state)
         with torch_private.module_hooks_set_aside(compiled_module(operator)):  # stock calls no hook here
@@ -332,8 +328,9 @@ class EngineIdentity:
 
     def __init__(self, motor, installed, memory: bool):
         self.installed, self.memory, self.said = installed, memory, False
-        self.hooked_said = None  # the hook last said to keep the engine's own step
+        self.why_said = None  # why the operator's calls keep the engine's own step, as last said
         self.kind = engine_kind(motor, installed) if installed is not None else None
+        self.operator = compiled_module(motor.operator)  # the module the fused step was proved on
 
     def own_step(self, motor) -> Optional[Callable]:
         """None while the installed step still stands for the engine's; else the step the engine
@@ -349,17 +346,25 @@ class EngineIdentity:
                 say(logging.WARNING, f"{type(motor).__name__}'s step changed since enable() ({unknown_engine(motor)}): "
                                      "the episodes run the engine's own step")
         else:
-            hooked = first_hook(compiled_module(motor.operator))
-            if hooked is None:
-                self.hooked_said = None
+            why = self.operator_differs(compiled_module(motor.operator))
+            if why is None:
+                self.why_said = None
                 return None
-            if hooked != self.hooked_said:  # the fused step was proved on the operator without hooks
-                self.hooked_said = hooked
-                say(logging.WARNING, f"{hooked}: the episodes run the engine's own step while it is there")
+            if why != self.why_said:
+                self.why_said = why
+                say(logging.WARNING, f"{why}: the episodes run the engine's own step while it is there")
         own = vars(motor).get("evolve_step")
         if own is not None and own is not self.installed:
             return own
         return getattr(type(motor), "evolve_step").__get__(motor, type(motor))
+
+
+    def operator_differs(self, operator) -> Optional[str]:
+        """Why calling `operator` is not what the fused step was proved on (another module, a hook, code
+        qca_lowmem does not follow), else None."""
+        if operator is not self.operator:
+            return f"motor.operator ({type(operator).__name__}) is not the module enable() checked"
+        return first_hook(operator) or operator_unfollowed(operator)
 
 
 def _probe_input(operator, shape, dtype):

@@ -14,6 +14,7 @@ from ..precision import parse_amp_dtype
 from ..recompute import Policy, StepGraph, step_graph
 from ..recompute.policy import NONE
 from .engine_step import engine_kind, has_memory, own_step_verdict, unknown_engine
+from .operator_code import operator_unfollowed
 from .options import Options
 from .trainers import TrainerVersion
 from .user_modules import compiled_module
@@ -79,7 +80,7 @@ def _resolved_cuda_graph(cuda_graph: Optional[bool], policy: Policy, device: tor
                          unfollowed: Optional[str]) -> Tuple[bool, str]:
     """(whether the steps run as captured graphs, what enable()'s line says of it: on CUDA either
     way, nothing elsewhere). Unset: on where it can run, off elsewhere without a word; True where
-    it cannot run warns why. `unfollowed`: why the engine's step is not code qca_lowmem follows.
+    it cannot run warns why. `unfollowed`: why the engine's step or the operator is not code qca_lowmem follows.
     A replay repeats the kernels one call recorded, so only a step whose code it follows can be
     known to do the same at every call (not one keeping a call counter on the engine): an engine
     it does not recognise is not captured, and True there is refused."""
@@ -199,8 +200,9 @@ def resolve_options(trainer, version: TrainerVersion, given: Options) -> Episode
                                                     given.initial_state)
     d_state = given.d_state or _infer_d_state(trainer, trainer.motor.operator)
     own_step = own_step_verdict(trainer.motor, given.fused_step_ops, grid, d_state, policy.checkpoint != NONE)
-    cuda_graph, cuda_graph_said = _resolved_cuda_graph(
-        given.cuda_graph, policy, device, None if engine_kind(trainer.motor) is not None else unknown_engine(trainer.motor))
+    unfollowed = unknown_engine(trainer.motor) if engine_kind(trainer.motor) is None else \
+        operator_unfollowed(compiled_module(trainer.motor.operator))
+    cuda_graph, cuda_graph_said = _resolved_cuda_graph(given.cuda_graph, policy, device, unfollowed)
     channels_last = _resolved_channels_last(given.channels_last, given.fused_step_ops, has_memory(trainer.motor),
                                             own_step, device, compute_dtype)
     _check_noise(trainer, version, given.noise)

@@ -67,16 +67,17 @@ class Options:
     cuda_graph: Optional[bool] = option(
         None, "run each recomputed step as replays of captured CUDA graphs (qca_lowmem.StepGraph): the same "
         "kernels without launch overhead. None (the default): on where it can run (CUDA with torch's caching "
-        'allocator, a checkpoint other than "none", an engine whose step qca_lowmem recognises: a replay repeats '
-        "one call, and only code it follows is known to do the same at every call), off elsewhere; True where it "
-        "cannot run warns why, once, and is refused for an engine it does not recognise; False: eager steps. "
+        'allocator, a checkpoint other than "none", an engine and an operator whose code qca_lowmem follows: a '
+        "replay repeats one call, and only code it follows is known to do the same at every call), off elsewhere; "
+        "True where it cannot run warns why, once, and is refused for code it does not follow; False: eager steps. "
         "enable()'s line says which on CUDA.",
         "True, False or None (on where it can run)", lowmem_key=True, positional=True)
     fused_step_ops: bool = option(
         True, "replace `motor.evolve_step` by the fused pack/update ops. Only where that is exact: an engine "
         "whose state psi is not a complex tensor is refused naming its class; one whose evolve_step is not, by "
-        "the identity of its code, a Cartesian step qca_lowmem follows (checked again at each episode), or whose "
-        "operator runs an op not known continuous (spikes, quantising: the ops of one probe call tell), keeps "
+        "the identity of its code, a Cartesian step qca_lowmem follows (checked again at each episode), whose "
+        "operator runs code it does not follow (a class of the user's not recorded: never called to probe it) "
+        "or an op not known continuous (spikes, quantising: the ops of one probe call tell), keeps "
         "the engine's own step and stock blocks, which round as stock does, and enable()'s line says so. False "
         "rolls out the engine's own step, which needs only the complex tensor state (and, for a compiled operator, "
         'checkpoint="none": a recompute would run another compiled graph than its forward).')

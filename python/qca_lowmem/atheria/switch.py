@@ -10,14 +10,13 @@ An engine with memory (`motor.has_memory`, a ConvLSTM) has its memory carried by
 import copyreg
 import logging
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 
 from ..precision import autocast
 from ..recompute import rollout
 from ..recompute.policy import NONE
-from ..unet import convert
 from .captures import StepCaptures
 from .code_identity import not_recorded
 from .engine_step import (
@@ -31,6 +30,8 @@ from .engine_step import (
     side_state_of,
 )
 from .episode_options import EpisodeOptions, resolve_options
+from .fused_blocks import Swapped, put_back, still_stock, swap_in
+from .operator_code import state_drift
 from .options import Options, enable_signature, options_doc
 from .say import say
 from .scaler_swap import clip_scaled, lowmem_scaler_for
@@ -46,7 +47,7 @@ class _Undo:
     """What enable() changed on the trainer and its engine, for disable() to put back."""
 
     motor: Any  # the engine enable() changed, which every trainer sharing this state must still hold
-    blocks: List[Tuple[torch.nn.Module, str, torch.nn.Module]] = field(default_factory=list)
+    blocks: Swapped = field(default_factory=list)  # the users' blocks fused blocks stand in for
     evolve_step: Any = None
     had_evolve_step_attr: bool = False
     train_episode: Any = None
@@ -154,16 +155,12 @@ def _enabled_copy(cls, *args):
     return new
 
 
-def _children(root: torch.nn.Module):
-    """(parent, attribute name, child) of every submodule edge under root."""
-    return [(parent, name, child) for parent in root.modules() for name, child in parent.named_children()]
-
-
 def _lowmem_train_episode(trainer, episode_num):
     """train_episode with the stock semantics of the trainer's version (trainers.py),
     running the episode through qca_lowmem.rollout."""
     state: _Saved = getattr(trainer, _STATE_ATTR)
     _check_engine(trainer, state)
+    state.undo.blocks = still_stock(state.undo.blocks)
     opts, version = state.options, state.version
     operator = trainer.motor.operator
     device = next(operator.parameters()).device
@@ -189,19 +186,23 @@ def _lowmem_train_episode(trainer, episode_num):
         state.fused.flush()
     side_state = side_state_of(trainer.motor, copy=opts.cuda_graph)  # the forward's last step's, as stock leaves it
 
+    # The operator's state as the forward left it, where it runs code qca_lowmem does not follow.
+    drift = state_drift(compiled_module(operator)) if opts.policy.checkpoint != NONE else None
+
     parameters = [p for p in model.parameters() if p.requires_grad]
     scaler = getattr(trainer, "scaler", None)
-    if scaler is not None and scaler.is_enabled():
-        scaler.scale(loss).backward()
+    scaled = scaler is not None and scaler.is_enabled()
+    (scaler.scale(loss) if scaled else loss).backward()
+    if drift is not None:
+        drift.check()  # the recomputes called the operator again: its state as the forward left it, or refused
+    max_norm = _max_norm(trainer, opts, version)
+    if scaled:
         scaler.unscale_(trainer.optimizer)
-        max_norm = _max_norm(trainer, opts, version)
         if max_norm is not None:
             clip_scaled(scaler, parameters, max_norm)
         scaler.step(trainer.optimizer)
         scaler.update()
     else:
-        loss.backward()
-        max_norm = _max_norm(trainer, opts, version)
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         trainer.optimizer.step()
@@ -268,7 +269,7 @@ def enable(trainer, *args, **kwargs):
                                             options.channels_last)
     undo = _Undo(motor=trainer.motor)
     if options.fused_blocks:
-        _convert_blocks(trainer.motor.operator, undo)
+        undo.blocks = swap_in(trainer.motor.operator)
     if options.channels_last:
         trainer.motor.operator.to(memory_format=torch.channels_last)
     _swap_step(trainer, undo, evolve_step)
@@ -306,18 +307,6 @@ def _summary(state: _Saved) -> str:
     return ", ".join(parts)
 
 
-def _convert_blocks(operator, undo: _Undo):
-    """Stock ConvBlocks -> FusedConvBlock in place, remembering what was swapped for disable()."""
-    params_before = [id(p) for p in operator.parameters()]
-    edges = _children(operator)
-    convert(operator)
-    # What convert() swapped, so disable() can put the very same stock modules back.
-    undo.blocks = [(parent, name, child) for parent, name, child in edges if getattr(parent, name) is not child]
-    if [id(p) for p in operator.parameters()] != params_before:
-        _restore_blocks(undo.blocks)
-        raise RuntimeError("enable(): convert() did not keep the operator's Parameter objects; nothing was changed")
-
-
 def _swap_step(trainer, undo: _Undo, evolve_step):
     """motor.evolve_step -> `evolve_step` (the fused pack/update, engine_step.lowmem_steps) unless
     None; an original set on the engine is kept (the class's needs no keeping: a copy of a bound
@@ -341,11 +330,6 @@ def _swap_scaler(trainer, undo: _Undo, new_scaler):
     undo.scaler = getattr(trainer, "scaler", None)
     if new_scaler is not None:
         trainer.scaler = new_scaler
-
-
-def _restore_blocks(blocks):
-    for parent, name, module in blocks:
-        setattr(parent, name, module)
 
 
 def disable(trainer):
@@ -376,7 +360,7 @@ def disable(trainer):
 
 def _restore_engine(undo: _Undo, channels_last: bool):
     """The engine's stock blocks, layout and step."""
-    _restore_blocks(undo.blocks)
+    put_back(undo.blocks)
     motor = undo.motor
     if channels_last:
         motor.operator.to(memory_format=torch.contiguous_format)

@@ -17,7 +17,8 @@ library's watch (recompute/watch.py) builds on:
 - `watchers`: the watch's contract (`WatchingDispatchMode`), what runs hidden from it and how.
 - `_checks`: argument checks shared with the C glue.
 - `_double_backward`: second-order gradients of the fused ops.
-- `_forwards`: whether a module call is just its class's forward, now (no hook, no replaced method).
+- `_forwards`: whether a module call is just its class's forward, now (no hook, no replaced method),
+  and whether a block's call is stock's ConvBlock's, by its code.
 - `_loader`: the native library, loaded after checking its build.
 """
 
@@ -34,6 +35,8 @@ from ._forwards import (  # noqa: E402
     calls_checked_by_caller,
     calls_plain,
     plain_torch_layer,
+    same_code,
+    stock_block_call,
     torch_layers_unchanged,
 )
 
@@ -48,6 +51,8 @@ __all__ = [
     "plain_torch_layer",
     "reference_backward",
     "refuse_func_transforms",
+    "same_code",
     "second_order_requested",
+    "stock_block_call",
     "torch_layers_unchanged",
 ]

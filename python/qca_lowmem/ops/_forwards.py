@@ -3,13 +3,16 @@ rests: a fused block standing in for a ConvBlock, the fused U-Net's wiring, a to
 hidden from an episode's watch (watchers.py)."""
 
 import contextlib
+import inspect
 import threading
-from typing import Iterable
+import types
+from typing import Iterable, Optional
 
 import torch.nn.functional as F
 from torch import nn
 
 from .. import _torch_private as torch_private
+from .. import stock
 
 # The torch methods and functions that a stock U-Net's layers run; a fused path computes what they
 # compute, so it stands in for them only while each is still the one torch defined.
@@ -72,3 +75,49 @@ def plain_torch_layer(layer: nn.Module) -> bool:
     """A stock U-Net's torch layer (MaxPool2d, Conv2d, ConvTranspose2d) whose call now is just
     torch's forward: it reads its input and parameters and writes only its output."""
     return type(layer) in _TORCH_LAYERS and calls_plain((layer,))
+
+
+def _code_of(function) -> Optional[tuple]:
+    """What a plain function runs, its local names, line numbers and docstring left out: bytecode
+    and exception table, constants, the attribute and global names it reads, its argument counts
+    and flags (CO_NESTED aside: where it was defined). None for anything else: a wrapper, a
+    closure, a function with defaults, a callable object."""
+    if type(function) is not types.FunctionType or hasattr(function, "__wrapped__") or function.__closure__ \
+            or function.__defaults__ or function.__kwdefaults__:
+        return None
+    code = function.__code__
+    consts = code.co_consts
+    if consts and isinstance(consts[0], str) and consts[0] == function.__doc__:
+        consts = (None,) + consts[1:]
+    return (code.co_code, code.co_exceptiontable, consts, code.co_names, code.co_argcount, code.co_posonlyargcount,
+            code.co_kwonlyargcount, code.co_flags & ~inspect.CO_NESTED, len(code.co_varnames), code.co_freevars,
+            code.co_cellvars)
+
+
+def same_code(function, reference) -> bool:
+    """Whether `function` runs what `reference` runs, whatever its local names (both plain functions)."""
+    code = _code_of(function)
+    return code is not None and code == _code_of(reference)
+
+
+# What a call of a module runs besides its forward: torch's call path, and the attribute lookups
+# its forward makes.
+_CALL_PATH = ("__call__", "_call_impl", "__getattr__", "__getattribute__")
+
+
+def stock_block_call(cls: type) -> Optional[str]:
+    """None when calling an instance of `cls` runs just `self.conv_block(x)`, as stock's ConvBlock:
+    the forward its class resolves to has that code (checked against `stock.ConvBlock.forward` on the
+    running Python, not by its name), torch's call path is not overridden and no class defines
+    `conv_block` (its forward then reaches the submodule); else why not. What else the class defines
+    never runs in a call. A fused block stands in for such a module only."""
+    forward = inspect.getattr_static(cls, "forward", None)
+    if not same_code(forward, stock.ConvBlock.forward):
+        return f"its forward ({cls.__qualname__}.forward) is not `return self.conv_block(x)`, which a fused block computes"
+    for name in _CALL_PATH:
+        if inspect.getattr_static(cls, name) is not inspect.getattr_static(nn.Module, name):
+            return f"{cls.__qualname__} defines its own {name}"
+    owner = next((owner for owner in cls.__mro__ if "conv_block" in vars(owner)), None)
+    if owner is not None:
+        return f"{owner.__qualname__} defines conv_block on its class"
+    return None
