@@ -180,8 +180,9 @@ def test_torch_code_replaced_is_not_followed(monkeypatch):
     assert operator_unfollowed(operator) == "UNetUnitary.inc.conv_block.1 (GroupNorm.forward is not torch's own code)"
     monkeypatch.undo()
     assert operator_unfollowed(operator) is None
-    subclass = type("Norm", (nn.GroupNorm,), {})  # a class of the user's, however empty
+    subclass = type("Norm", (nn.GroupNorm,), {"extra_repr": lambda self: "theirs"})  # any code of the user's
     assert "test_operator_code.Norm is not code qca_lowmem follows" in class_unfollowed(subclass)
+    assert class_unfollowed(type("Norm", (nn.GroupNorm,), {})) is None  # nothing of its own: GroupNorm's
 
 
 # ---------------------------------------------------------------- state such code keeps
@@ -224,3 +225,18 @@ def test_followed_code_is_not_read_for_drift():
     convert(operator)
     assert state_drift(operator) is None
     assert state_drift(counting("module")) is not None
+
+
+def test_a_class_defining_nothing_a_call_runs_is_followed_and_a_callable_set_on_a_module_is_not():
+    """An empty subclass runs its bases' code alone; a function set on a module's instance is code
+    the followed classes may call in place of a submodule, and a closure of it may keep state."""
+    empty = type("Renamed", (stock.UNetUnitary,), {"__doc__": "nothing else"})
+    assert operator_unfollowed(empty(2, 4)) is None
+    operator = stock.UNetUnitary(2, 4)
+    calls = []
+    operator.inc.log = lambda: calls.append(None)
+    assert operator_unfollowed(operator) == "UNetUnitary (ConvBlock.log (function) is set on the instance)"
+    drift = state_drift(operator)
+    calls.append(None)
+    with pytest.raises(RuntimeError, match=r"\S*<lambda>'s calls changed during the backward"):
+        drift.check()

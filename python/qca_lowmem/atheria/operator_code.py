@@ -28,6 +28,7 @@ from ..ops import stock_block_call
 from .code_identity import NOT_CALLED, followed_class, not_recorded, reads
 
 _TORCH_FILES = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_MODULE_OWN = frozenset(vars(nn.Module()))  # what torch keeps on every module (its dicts of parameters, hooks...)
 _OWN_FILES = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the qca_lowmem package
 
 
@@ -82,8 +83,8 @@ def _owner_verdict(owner: type) -> Optional[str]:
         return None if name is None else f"{owner.__qualname__}.{name} is not qca_lowmem's own code"
     if module == "typing":  # Generic and Protocol: class machinery, nothing a call runs
         return None
-    if followed_class(owner) is not None:
-        return None
+    if all(name in NOT_CALLED for name in vars(owner)) or followed_class(owner) is not None:
+        return None  # a class of theirs defining nothing a call runs, or one recorded
     why = not_recorded()
     return f"{module}.{owner.__qualname__} is not code qca_lowmem follows" + (f" ({why})" if why else "")
 
@@ -104,22 +105,32 @@ def class_unfollowed(cls: type, judged: Optional[dict] = None) -> Optional[str]:
     return None
 
 
-def _classes(operator: nn.Module) -> set:
-    """The classes of the operator's modules (Module.modules() costs several times more)."""
-    classes, pending = set(), [operator]
+def _modules(operator: nn.Module) -> list:
+    """The operator's modules, a shared one as often as it is reached (Module.modules() costs
+    several times more)."""
+    pending = [operator]
     for module in pending:  # grows while walked
-        classes.add(type(module))
         pending.extend(child for child in module.__dict__["_modules"].values() if child is not None)
-    return classes
+    return pending
+
+
+def _held_callables(module: nn.Module) -> list:
+    """(name, value) of each callable the module holds on the instance (not a submodule: a function
+    set on it), which followed code may call in place of what it was followed with."""
+    return [(name, value) for name, value in vars(module).items()
+            if name not in _MODULE_OWN and callable(value) and not isinstance(value, (nn.Module, torch.Tensor, type))]
 
 
 def operator_unfollowed(operator: nn.Module) -> Optional[str]:
     """None when calling `operator` runs only code qca_lowmem follows, else the first module that
     does not, named by its path, with why: about 60 us a walk of the default U-Net on a CPU."""
+    modules = _modules(operator)
     judged: dict = {}
-    verdicts = {cls: class_unfollowed(cls, judged) for cls in _classes(operator)}
+    verdicts = {cls: class_unfollowed(cls, judged) for cls in {type(module) for module in modules}}
     if not any(verdicts.values()):
-        return None
+        held = next((f"{type(module).__name__}.{name} ({type(value).__name__})" for module in modules
+                     for name, value in _held_callables(module)), None)
+        return None if held is None else f"{type(operator).__name__} ({held} is set on the instance)"
     name = next(name for name, module in operator.named_modules() if verdicts[type(module)])
     return f"{type(operator).__name__}{'.' + name if name else ''} ({verdicts[type(operator.get_submodule(name))]})"
 
@@ -133,7 +144,6 @@ def first_hook(operator: nn.Module) -> Optional[str]:
 
 
 _SIMPLE = (type(None), bool, int, float, complex, str, bytes)
-_MODULE_OWN = frozenset(vars(nn.Module()))  # what torch keeps on every module (its dicts of parameters, hooks...)
 
 
 def _fingerprint(value):
@@ -156,10 +166,12 @@ def _fingerprint(value):
 
 
 def _shown(fingerprint) -> str:
+    """A fingerprint in a few words: a container as its type, length and simple entries."""
     if isinstance(fingerprint, tuple) and len(fingerprint) == 3 and isinstance(fingerprint[1], int) \
             and fingerprint[0] in ("dict", "list", "tuple", "set", "frozenset"):
-        return f"a {fingerprint[0]} of {fingerprint[1]}"
-    text = repr(fingerprint)
+        text = f"a {fingerprint[0]} of {fingerprint[1]}" + (f": {fingerprint[2]!r}" if fingerprint[2] else "")
+    else:
+        text = repr(fingerprint)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -200,9 +212,11 @@ class StateDrift:
 
 def state_drift(operator: nn.Module) -> Optional[StateDrift]:
     """A StateDrift of `operator` read now, where it runs code qca_lowmem does not follow, else None."""
-    owners = {owner for cls in _classes(operator) if stock_block_call(cls) is not None for owner in cls.__mro__
-              if owner is not object and _owner_verdict(owner) is not None}
-    if not owners:
+    modules = _modules(operator)
+    owners = {owner for cls in {type(m) for m in modules} if stock_block_call(cls) is not None
+              for owner in cls.__mro__ if owner is not object and _owner_verdict(owner) is not None}
+    held = [getattr(value, "__func__", value) for module in modules for _, value in _held_callables(module)]
+    if not owners and not held:
         return None
     functions = [f for owner in owners for value in vars(owner).values() for f in _functions(value) or ()]
-    return StateDrift(operator, functions)
+    return StateDrift(operator, functions + [f for f in held if isinstance(f, types.FunctionType)])
