@@ -5,8 +5,12 @@ a class not recorded, torch's code replaced, or state such code keeps between ca
 the users' own run (float64), or a clear refusal naming the cause."""
 
 import functools
+import importlib.util
 import itertools
+import os
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ from qca_lowmem.ops import stock_block_call
 from qca_lowmem.unet import convert
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 def trainer_with(make_operator, steps=4):
@@ -240,3 +245,51 @@ def test_a_class_defining_nothing_a_call_runs_is_followed_and_a_callable_set_on_
     calls.append(None)
     with pytest.raises(RuntimeError, match=r"\S*<lambda>'s calls changed during the backward"):
         drift.check()
+
+
+def test_an_operator_replaced_after_enable_keeps_the_engines_step(caplog):
+    """The fused step was proved on the operator enable() probed: another module set as
+    motor.operator runs the engine's own step, said once, and trains as stock does."""
+    runs = {}
+    for name in ("stock", "lowmem"):
+        trainer = trainer_with(lambda: stock.UNetUnitary(2, 4))
+        if name == "lowmem":
+            qca_lowmem.enable(trainer)
+
+        def replace(t=trainer):
+            torch.manual_seed(3)
+            t.motor.operator = stock.UNetUnitary(2, 4).double()
+            t.optimizer.add_param_group({"params": list(t.motor.operator.parameters())})
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="qca_lowmem"):
+            runs[name] = losses(trainer, 3, between=replace)
+    assert runs["lowmem"][0] == pytest.approx(runs["stock"][0], rel=1e-12, abs=0)
+    assert said(caplog) == ["motor.operator (UNetUnitary) is not the module enable() checked: the episodes run the "
+                            "engine's own step while it is there"]
+
+
+ATHERIA = os.environ.get("ATHERIA_CHECKOUT")
+
+
+@pytest.mark.skipif(not ATHERIA, reason="their checkout is not at hand (set ATHERIA_CHECKOUT)")
+def test_their_model_families_are_followed_on_this_python():
+    """Their families of plain torch layers, as their files at the commit define them, are recorded
+    for this Python (scripts/record_digests.py), before and after their blocks are fused."""
+    spec = importlib.util.spec_from_file_location("record_digests", SCRIPTS / "record_digests.py")
+    record_digests = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(record_digests)
+    before = set(sys.modules)
+    try:
+        for path, classes in record_digests.THEIR_MODULES.items():
+            for name in classes:
+                cls = getattr(record_digests.their_model_file(ATHERIA, path), name)
+                assert code_identity.followed_class(cls) is not None, f"{path} {name}"
+                if name == "RMSNorm2d":
+                    continue
+                operator = cls(d_state=2, hidden_channels=8)
+                assert operator_unfollowed(operator) is None, name
+                convert(operator)
+                assert operator_unfollowed(operator) is None, name
+    finally:
+        for name in set(sys.modules) - before:  # their src and src.models, as the script made them
+            del sys.modules[name]

@@ -265,12 +265,11 @@ def own_step_verdict(motor, fused_step_ops: bool, grid=None, d_state: Optional[i
     operator = motor.operator
     memory = has_memory(motor)
     check_operator_call(operator, memory)
-    why = None
+    why, unfollowed = None, operator_unfollowed(compiled_module(operator)) if fused_step_ops else None
     if fused_step_ops and engine_kind(motor) is None:
         why = unknown_engine(motor)
-    elif fused_step_ops and operator_unfollowed(compiled_module(operator)) is not None:
-        why = (f"{operator_unfollowed(compiled_module(operator))}, so it is not called to check its ops (a call could "
-               "move state it keeps outside its tensors)")
+    elif unfollowed is not None:
+        why = f"{unfollowed}, so it is not called to check its ops (a call could move state it keeps outside its tensors)"
     elif fused_step_ops:
         shape, dtype = probe_shape(motor, grid, d_state)
         with torch_private.module_hooks_set_aside(compiled_module(operator)):  # stock calls no hook here
@@ -357,7 +356,6 @@ class EngineIdentity:
         if own is not None and own is not self.installed:
             return own
         return getattr(type(motor), "evolve_step").__get__(motor, type(motor))
-
 
     def operator_differs(self, operator) -> Optional[str]:
         """Why calling `operator` is not what the fused step was proved on (another module, a hook, code

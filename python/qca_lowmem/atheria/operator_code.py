@@ -131,8 +131,8 @@ def operator_unfollowed(operator: nn.Module) -> Optional[str]:
         held = next((f"{type(module).__name__}.{name} ({type(value).__name__})" for module in modules
                      for name, value in _held_callables(module)), None)
         return None if held is None else f"{type(operator).__name__} ({held} is set on the instance)"
-    name = next(name for name, module in operator.named_modules() if verdicts[type(module)])
-    return f"{type(operator).__name__}{'.' + name if name else ''} ({verdicts[type(operator.get_submodule(name))]})"
+    name, module = next((name, module) for name, module in operator.named_modules() if verdicts[type(module)])
+    return f"{type(operator).__name__}{'.' + name if name else ''} ({verdicts[type(module)]})"
 
 
 def first_hook(operator: nn.Module) -> Optional[str]:
