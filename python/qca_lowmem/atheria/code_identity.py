@@ -323,6 +323,19 @@ NOT_CALLED = frozenset({"__init__", "__new__", "__init_subclass__", "__class_get
                         "__annotations__", "__annotate__", "__orig_bases__", "__parameters__", "__slots__"})
 
 
+def functions_of(value) -> Optional[list]:
+    """The plain functions a class attribute runs when called or read (a method; a static or class
+    method's; a property's accessors), [] for a value that runs nothing, None for a callable of
+    another kind (a callable object, a builtin set on the class)."""
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    if isinstance(value, property):
+        return [f for f in (value.fget, value.fset, value.fdel) if f is not None]
+    if isinstance(value, types.FunctionType):
+        return [value]
+    return [] if not callable(value) or isinstance(value, type) else None
+
+
 def class_digest(owner: type) -> Optional[str]:
     """The digest of what `owner` itself defines that a call of its instances can run: each of its
     functions (a static or class method's, a property's accessors) as `digest` takes it, and its
@@ -332,12 +345,8 @@ def class_digest(owner: type) -> Optional[str]:
     for name, value in sorted(vars(owner).items()):
         if name in NOT_CALLED:
             continue
-        if isinstance(value, (staticmethod, classmethod)):
-            inner = [_value(value.__func__, frozenset())]
-        elif isinstance(value, property):
-            inner = [_value(f, frozenset()) for f in (value.fget, value.fset, value.fdel) if f is not None]
-        else:
-            inner = [_value(value, frozenset())]
+        functions = functions_of(value)
+        inner = [_value(f, frozenset()) for f in functions] if functions else [_value(value, frozenset())]
         if None in inner:
             return None
         parts.append(f"{name}={type(value).__name__}({','.join(inner)})")

@@ -25,24 +25,11 @@ from torch import nn
 
 from .. import _torch_private as torch_private
 from ..ops import stock_block_call
-from .code_identity import NOT_CALLED, followed_class, not_recorded, reads
+from .code_identity import NOT_CALLED, followed_class, functions_of, not_recorded, reads
 
 _TORCH_FILES = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what torch keeps on every module (its dicts of parameters, hooks...)
 _OWN_FILES = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the qca_lowmem package
-
-
-def _functions(value) -> Optional[list]:
-    """The plain functions a class attribute runs when called or read (a method; a static or class
-    method's; a property's accessors), [] for a value that runs nothing, None for a callable of
-    another kind (a callable object, a builtin set on the class)."""
-    if isinstance(value, (staticmethod, classmethod)):
-        value = value.__func__
-    if isinstance(value, property):
-        return [f for f in (value.fget, value.fset, value.fdel) if f is not None]
-    if isinstance(value, types.FunctionType):
-        return [value]
-    return [] if not callable(value) or isinstance(value, type) else None
 
 
 def _outside(owner: type, files: str) -> Optional[str]:
@@ -51,7 +38,7 @@ def _outside(owner: type, files: str) -> Optional[str]:
     for name, value in vars(owner).items():
         if name in NOT_CALLED:
             continue
-        functions = _functions(value)
+        functions = functions_of(value)
         if functions is None or any(type(f) is not types.FunctionType or not f.__code__.co_filename.startswith(files)
                                     for f in functions):
             return name
@@ -218,5 +205,5 @@ def state_drift(operator: nn.Module) -> Optional[StateDrift]:
     held = [getattr(value, "__func__", value) for module in modules for _, value in _held_callables(module)]
     if not owners and not held:
         return None
-    functions = [f for owner in owners for value in vars(owner).values() for f in _functions(value) or ()]
+    functions = [f for owner in owners for value in vars(owner).values() for f in functions_of(value) or ()]
     return StateDrift(operator, functions + [f for f in held if isinstance(f, types.FunctionType)])
