@@ -14,7 +14,8 @@ included, such as the zero_ and fill_ of torch's CPU convolutions or the zero_ i
 and `issued`, the kind's ops that no other op runs (but composites that only dispatch one, such
 as `to` and `contiguous`): those issued by Python, autograd and the library's Functions, as a GPU
 step launches them (the ops inside torch's CPU kernels differ by backend). Both layouts: NCHW and
-channels_last (the weights and the pack NHWC).
+channels_last (the weights and the pack NHWC); each in float32 and under bfloat16 autocast
+(`_bf16`: the weights' half-precision copies, whose gradients go to their float32 accumulators).
 
     python benchmarks/bench_step_ops.py     # the embedded `qca-lowmem train` config, ~10 s
 
@@ -33,7 +34,7 @@ from bench_episode import lowmem_step_fn
 from qca_lowmem import stock as reference
 
 KINDS = {
-    "adds": ("aten::add", "aten::add_", "aten::_foreach_add", "aten::_foreach_add_"),
+    "adds": ("aten::add", "aten::add_", "aten::_foreach_add", "aten::_foreach_add_", "qca_lowmem::accumulate_"),
     "fills": ("aten::zeros", "aten::zeros_like", "aten::new_zeros", "aten::zero_", "aten::fill_", "aten::full",
               "aten::full_like", "aten::_foreach_zero_"),
     "copies": ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::_foreach_copy_"),
@@ -95,20 +96,23 @@ def by_kind(per_step: dict, which: str) -> dict:
     return kinds
 
 
-def step_counts(grid, d_state, hidden, steps, channels_last=False, wrap_step=None) -> dict:
+def step_counts(grid, d_state, hidden, steps, channels_last=False, wrap_step=None, autocast_dtype=None) -> dict:
     """A step's op counts of the step recompute (module docstring): {"ops": {kind: n}, "issued":
     {kind: n}, "ops_by_name" and "issued_by_name": {name: n} (the kinds' names), "linear_in_steps": bool}.
-    `wrap_step(step) -> step`, where given, changes the step (the tests add an op)."""
+    `wrap_step(step) -> step`, where given, changes the step (the tests add an op); `autocast_dtype`,
+    where given, runs the rollout under autocast (the weights' half-precision copies and their
+    gradients' accumulation)."""
     torch.manual_seed(0)
     model = qca_lowmem.UNetUnitary(d_state, hidden)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    step = lowmem_step_fn(model, 0.0, None, channels_last=channels_last)
+    step = lowmem_step_fn(model, 0.0, autocast_dtype, channels_last=channels_last)
     step = wrap_step(step) if wrap_step else step
 
     def episode(n):
         psi0 = reference.initial_state(1, grid, d_state, generator=torch.Generator().manual_seed(1))
-        _, history = qca_lowmem.rollout(step, psi0, n, checkpoint="step", record_every=n)
+        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            _, history = qca_lowmem.rollout(step, psi0, n, checkpoint="step", record_every=n)
         loss, _ = reference.evolutionary_loss(history, psi0)
         loss.backward()
         model.zero_grad(set_to_none=True)
@@ -131,11 +135,12 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     layouts = {}
-    for layout, channels_last in (("nchw", False), ("channels_last", True)):
-        layouts[layout] = step_counts(args.grid, args.d_state, args.hidden, args.steps, channels_last)
-        counts = layouts[layout]
-        print(f"{layout}: a step's ops, issued {counts['issued']} ({counts['issued_by_name']}); "
-              f"all {counts['ops']} ({counts['ops_by_name']}); linear in steps: {counts['linear_in_steps']}")
+    for precision, autocast_dtype in (("", None), ("_bf16", torch.bfloat16)):
+        for layout, channels_last in (("nchw", False), ("channels_last", True)):
+            counts = layouts[layout + precision] = step_counts(args.grid, args.d_state, args.hidden, args.steps,
+                                                               channels_last, autocast_dtype=autocast_dtype)
+            print(f"{layout + precision}: a step's ops, issued {counts['issued']} ({counts['issued_by_name']}); "
+                  f"all {counts['ops']} ({counts['ops_by_name']}); linear in steps: {counts['linear_in_steps']}")
     payload = {"config": {"grid": args.grid, "d_state": args.d_state, "hidden": args.hidden, "batch": 1,
                           "checkpoint": "step", "episodes_steps": [args.steps, 2 * args.steps, 3 * args.steps]},
                "threads": torch.get_num_threads(), "kinds": {kind: list(names) for kind, names in KINDS.items()},

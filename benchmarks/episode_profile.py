@@ -47,8 +47,9 @@ FAMILIES = tuple((family, re.compile(pattern, re.IGNORECASE)) for family, patter
     ("cats", r"CatArray"),
     ("fills", r"^Memset|FillFunctor|ZeroFunctor"),
     ("copies", r"^Memcpy|copy_kernel|CopyFunctor"),
-    # A foreach add of two lists: the library's gradient accumulators (AdamW adds scalars only).
-    ("adds", r"CUDAFunctor_add|BinaryOpListAlphaFunctor<[^>]*>, std::plus"),
+    # The library's gradient accumulators: its accumulate_ (scaler.cu), or torch's add and foreach
+    # add of two lists (older builds; AdamW adds scalars only).
+    ("adds", r"accumulate_chunks_kernel|CUDAFunctor_add|BinaryOpListAlphaFunctor<[^>]*>, std::plus"),
     # AdamW's and the gradient clipping's foreach kernels, torch's and our gradient scalers.
     ("optimizer", r"multi_tensor_apply_kernel|lpnorm_cleanup|amp_update_scale|unscale_chunks_kernel"
                   r"|sum_partials_kernel|scale_update_kernel"),

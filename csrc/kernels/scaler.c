@@ -125,3 +125,65 @@ qca_status qca_scale_update_cpu(const qca_scale_update_params* p) {
                         p->backoff_factor, p->growth_interval);
   return QCA_OK;
 }
+
+/* Gradient accumulation, one loop per pair of element types: the sum in float, or in double when
+ * either type is float64, rounded once into the accumulator (narrow types through float, as
+ * torch's double -> half cast). */
+static inline float f16_f(uint16_t x) { return qca_f16_to_f32(x); }
+static inline float bf16_f(uint16_t x) { return qca_bf16_to_f32(x); }
+static inline double f32_d(float x) { return (double)x; }
+static inline double f16_d(uint16_t x) { return (double)qca_f16_to_f32(x); }
+static inline double bf16_d(uint16_t x) { return (double)qca_bf16_to_f32(x); }
+static inline float d_f32(double x) { return (float)x; }
+static inline uint16_t d_f16(double x) { return qca_f32_to_f16((float)x); }
+static inline uint16_t d_bf16(double x) { return qca_f32_to_bf16((float)x); }
+
+#define QCA_DEFINE_ACCUMULATE(NAME, ACC, GRAD, LOAD_ACC, LOAD_GRAD, STORE)                 \
+  static void NAME(void* acc_data, const void* grad_data, int64_t n) {                     \
+    ACC* acc = (ACC*)acc_data;                                                             \
+    const GRAD* grad = (const GRAD*)grad_data;                                             \
+    for (int64_t i = 0; i < n; ++i) acc[i] = STORE(LOAD_ACC(acc[i]) + LOAD_GRAD(grad[i])); \
+  }
+
+/* float sums */
+QCA_DEFINE_ACCUMULATE(acc_f32_f32, float, float, id_f32, id_f32, id_f32)
+QCA_DEFINE_ACCUMULATE(acc_f32_f16, float, uint16_t, id_f32, f16_f, id_f32)
+QCA_DEFINE_ACCUMULATE(acc_f32_bf16, float, uint16_t, id_f32, bf16_f, id_f32)
+QCA_DEFINE_ACCUMULATE(acc_f16_f32, uint16_t, float, f16_f, id_f32, f32_to_f16_bits)
+QCA_DEFINE_ACCUMULATE(acc_f16_f16, uint16_t, uint16_t, f16_f, f16_f, f32_to_f16_bits)
+QCA_DEFINE_ACCUMULATE(acc_f16_bf16, uint16_t, uint16_t, f16_f, bf16_f, f32_to_f16_bits)
+QCA_DEFINE_ACCUMULATE(acc_bf16_f32, uint16_t, float, bf16_f, id_f32, f32_to_bf16_bits)
+QCA_DEFINE_ACCUMULATE(acc_bf16_f16, uint16_t, uint16_t, bf16_f, f16_f, f32_to_bf16_bits)
+QCA_DEFINE_ACCUMULATE(acc_bf16_bf16, uint16_t, uint16_t, bf16_f, bf16_f, f32_to_bf16_bits)
+/* double sums */
+QCA_DEFINE_ACCUMULATE(acc_f64_f64, double, double, id_f64, id_f64, id_f64)
+QCA_DEFINE_ACCUMULATE(acc_f64_f32, double, float, id_f64, f32_d, id_f64)
+QCA_DEFINE_ACCUMULATE(acc_f64_f16, double, uint16_t, id_f64, f16_d, id_f64)
+QCA_DEFINE_ACCUMULATE(acc_f64_bf16, double, uint16_t, id_f64, bf16_d, id_f64)
+QCA_DEFINE_ACCUMULATE(acc_f32_f64, float, double, f32_d, id_f64, d_f32)
+QCA_DEFINE_ACCUMULATE(acc_f16_f64, uint16_t, double, f16_d, id_f64, d_f16)
+QCA_DEFINE_ACCUMULATE(acc_bf16_f64, uint16_t, double, bf16_d, id_f64, d_bf16)
+
+typedef void (*accumulate_fn)(void*, const void*, int64_t);
+
+qca_status qca_accumulate_range_cpu(const qca_accumulate_params* p, int64_t tensor, int64_t begin,
+                                    int64_t end) {
+  if (!p || tensor < 0 || tensor >= p->n_tensors || begin < 0 || end < begin ||
+      end > p->numel[tensor])
+    return QCA_ERR_INVALID_ARGUMENT;
+  const qca_dtype a = p->accumulator_dtype[tensor], g = p->grad_dtype[tensor];
+  if (!qca_dtype_is_valid(a) || !qca_dtype_is_valid(g)) return QCA_ERR_UNSUPPORTED_DTYPE;
+  if (begin == end) return QCA_OK;
+  /* [accumulator][gradient], in qca_dtype order: F32, F64, F16, BF16 */
+  static const accumulate_fn kernels[4][4] = {
+      {acc_f32_f32, acc_f32_f64, acc_f32_f16, acc_f32_bf16},
+      {acc_f64_f32, acc_f64_f64, acc_f64_f16, acc_f64_bf16},
+      {acc_f16_f32, acc_f16_f64, acc_f16_f16, acc_f16_bf16},
+      {acc_bf16_f32, acc_bf16_f64, acc_bf16_f16, acc_bf16_bf16},
+  };
+  const size_t acc_size = a == QCA_F64 ? 8 : a == QCA_F32 ? 4 : 2;
+  const size_t grad_size = g == QCA_F64 ? 8 : g == QCA_F32 ? 4 : 2;
+  kernels[a][g]((char*)p->accumulators[tensor] + begin * acc_size,
+                (const char*)p->grads[tensor] + begin * grad_size, end - begin);
+  return QCA_OK;
+}

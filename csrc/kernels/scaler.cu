@@ -6,7 +6,9 @@
 // Every launch is checked, and a tensor cut across batches continues in the next one. Each chunk is
 // split over QCA_SCALER_CUDA_SPLIT thread blocks, so a batch fills the GPU with little metadata.
 // Sums of squares are written per block and added per tensor by a second, deterministic pass, so
-// the result does not depend on scheduling.
+// the result does not depend on scheduling. Gradient accumulation runs on the same plan, with a
+// pair of tensors and their element types in each slot, so one launch adds a step's gradients
+// of every dtype into their accumulators.
 #include <math.h>
 
 #include "qca_cuda_common.cuh"
@@ -23,9 +25,11 @@ constexpr int kSplit = QCA_SCALER_CUDA_SPLIT;
 constexpr int64_t kPart = QCA_SCALER_CHUNK / kSplit;  // reals per thread block
 static_assert(kPart % (kVecBytes / 2) == 0, "parts must start at whole vectors of any type");
 
+using qca_scaler_batches::AccumulateBatch;
 using qca_scaler_batches::ChunkBatch;
 // Kernel arguments stay within the 4 KiB that toolkits before 12.1 allow.
 static_assert(sizeof(ChunkBatch) + 3 * sizeof(void*) <= 4096, "unscale arguments over 4 KiB");
+static_assert(sizeof(AccumulateBatch) <= 4096, "accumulate arguments over 4 KiB");
 
 template <typename T>
 struct Real;
@@ -208,6 +212,39 @@ __global__ void __launch_bounds__(1) scale_update_kernel(const qca_scale_update_
                         p.growth_interval);
 }
 
+// One part of a pair: the sum in math_t, rounded once into the accumulator's type. The element
+// types are the same for the whole block; the accumulated lists are a few MB, so the launch, not
+// the loads, is what a step pays for.
+template <typename math_t>
+__device__ __forceinline__ void accumulate_part(void* acc, qca_dtype acc_dtype, const void* grad,
+                                                qca_dtype grad_dtype, int64_t begin, int64_t end) {
+  using qca_lowmem_cuda::load_as;
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x)
+    qca_lowmem_cuda::store_as<math_t>(
+        acc, acc_dtype, i,
+        load_as<math_t>(acc, acc_dtype, i) + load_as<math_t>(grad, grad_dtype, i));
+}
+
+__global__ void __launch_bounds__(kThreads) accumulate_chunks_kernel(const AccumulateBatch batch) {
+  const int entry = blockIdx.x / kSplit;
+  const int slot = batch.entry_tensor[entry];
+  const int64_t part = (int64_t)batch.entry_chunk[entry] * kSplit + blockIdx.x % kSplit;
+  const int64_t begin = part * kPart;
+  const int64_t end = min(batch.numel[slot], begin + kPart);
+  const qca_dtype acc_dtype = (qca_dtype)batch.accumulator_dtype[slot];
+  const qca_dtype grad_dtype = (qca_dtype)batch.grad_dtype[slot];
+  if (acc_dtype == QCA_F64 || grad_dtype == QCA_F64)
+    accumulate_part<double>(batch.accumulator[slot], acc_dtype, batch.grad[slot], grad_dtype, begin,
+                            end);
+  else
+    accumulate_part<float>(batch.accumulator[slot], acc_dtype, batch.grad[slot], grad_dtype, begin,
+                           end);
+}
+
+bool valid_dtype(qca_dtype d) {
+  return d == QCA_F32 || d == QCA_F64 || d == QCA_F16 || d == QCA_BF16;
+}
+
 }  // namespace
 
 extern "C" qca_status qca_unscale_cuda(const qca_unscale_params* p, void* stream,
@@ -233,4 +270,31 @@ extern "C" qca_status qca_scale_update_cuda(const qca_scale_update_params* p, vo
       qca_lowmem_cuda::launch_kernel(scale_update_kernel, 1, 1, 0,
                                      static_cast<cudaStream_t>(stream), *p),
       err);
+}
+
+extern "C" qca_status qca_accumulate_cuda(const qca_accumulate_params* p, void* stream,
+                                          qca_cuda_error* err) {
+  if (!p || p->n_tensors < 0) return QCA_ERR_INVALID_ARGUMENT;
+  for (int64_t t = 0; t < p->n_tensors; ++t) {
+    if (p->numel[t] < 0 || (p->numel[t] > 0 && (!p->accumulators[t] || !p->grads[t])))
+      return QCA_ERR_INVALID_ARGUMENT;
+    if (!valid_dtype(p->accumulator_dtype[t]) || !valid_dtype(p->grad_dtype[t]))
+      return QCA_ERR_UNSUPPORTED_DTYPE;
+  }
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return qca_scaler_batches::plan_batches<AccumulateBatch>(
+      p->numel, p->n_tensors, kSplit,
+      [&](AccumulateBatch& batch, int slot, int64_t t, int64_t) {
+        batch.accumulator[slot] = p->accumulators[t];
+        batch.grad[slot] = p->grads[t];
+        batch.numel[slot] = p->numel[t];
+        batch.accumulator_dtype[slot] = (uint8_t)p->accumulator_dtype[t];
+        batch.grad_dtype[slot] = (uint8_t)p->grad_dtype[t];
+      },
+      [&](const AccumulateBatch& batch, int entries) {
+        return qca_lowmem_cuda::finish_launch(
+            qca_lowmem_cuda::launch_kernel(accumulate_chunks_kernel, entries * kSplit, kThreads, 0,
+                                           s, batch),
+            err);
+      });
 }

@@ -22,23 +22,35 @@ struct ChunkBatch {
   int32_t entry_chunk[kMaxEntries];
 };
 
+// Kernel argument of the gradient accumulation: each slot a pair of tensors with their element
+// types. 64*8*3 + 64*2 + 320*(2+4) = 3584 bytes.
+struct AccumulateBatch {
+  void* accumulator[kMaxTensors];
+  const void* grad[kMaxTensors];
+  int64_t numel[kMaxTensors];
+  uint8_t accumulator_dtype[kMaxTensors];
+  uint8_t grad_dtype[kMaxTensors];
+  uint16_t entry_tensor[kMaxEntries];
+  int32_t entry_chunk[kMaxEntries];
+};
+
 // Calls launch(batch, entries) for each batch of up to kMaxTensors tensors and kMaxEntries
-// chunks, in order; a tensor cut by a full batch continues in slot 0 of the next. Empty tensors
-// take no chunk. Each chunk owns `split` consecutive workspace slots. Stops at the first status
-// that is not QCA_OK and returns it.
-template <typename Launch>
-qca_status for_each_batch(void* const* tensors, const int64_t* numel, int64_t n_tensors, int split,
-                          Launch launch) {
-  ChunkBatch batch;
+// chunks, in order, after set_slot(batch, slot, tensor, first_partial) has put each of its
+// tensors in a slot; a tensor cut by a full batch continues in slot 0 of the next. Empty tensors
+// take no chunk. Each chunk owns `split` consecutive workspace slots, from the tensor's
+// first_partial on. Stops at the first status that is not QCA_OK and returns it.
+template <typename Batch, typename SetSlot, typename Launch>
+qca_status plan_batches(const int64_t* numel, int64_t n_tensors, int split, SetSlot set_slot,
+                        Launch launch) {
+  Batch batch;
   int slots = 0, entries = 0;
   int64_t next_partial = 0;
   for (int64_t t = 0; t < n_tensors; ++t) {
     const int64_t n = numel[t];
     if (n == 0) continue;
     const int64_t chunks = (n + QCA_SCALER_CHUNK - 1) / QCA_SCALER_CHUNK;
-    batch.data[slots] = tensors[t];
-    batch.numel[slots] = n;
-    batch.first_partial[slots] = next_partial;
+    const int64_t first_partial = next_partial;
+    set_slot(batch, slots, t, first_partial);
     next_partial += chunks * split;
     ++slots;
     for (int64_t c = 0; c < chunks; ++c) {
@@ -53,15 +65,27 @@ qca_status for_each_batch(void* const* tensors, const int64_t* numel, int64_t n_
         if (last_chunk) {
           slots = 0;
         } else {
-          batch.data[0] = batch.data[slots - 1];
-          batch.numel[0] = batch.numel[slots - 1];
-          batch.first_partial[0] = batch.first_partial[slots - 1];
+          set_slot(batch, 0, t, first_partial);
           slots = 1;
         }
       }
     }
   }
   return entries > 0 ? launch(batch, entries) : QCA_OK;
+}
+
+// plan_batches for the loss scaler's lists: ChunkBatch slots of one data pointer each.
+template <typename Launch>
+qca_status for_each_batch(void* const* tensors, const int64_t* numel, int64_t n_tensors, int split,
+                          Launch launch) {
+  return plan_batches<ChunkBatch>(
+      numel, n_tensors, split,
+      [&](ChunkBatch& batch, int slot, int64_t t, int64_t first_partial) {
+        batch.data[slot] = tensors[t];
+        batch.numel[slot] = numel[t];
+        batch.first_partial[slot] = first_partial;
+      },
+      launch);
 }
 
 }  // namespace qca_scaler_batches

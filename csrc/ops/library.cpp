@@ -50,7 +50,7 @@ TORCH_LIBRARY(qca_lowmem, m) {
   m.def("bit_flip(Tensor psi, float rate, int seed, int step) -> Tensor", pt2);
   m.def("noise_coin(int seed, int step) -> float", pt2);
 
-  // Loss scaler.
+  // Loss scaler, and gradient accumulation on its multi-tensor engine.
   m.def(
       "amp_unscale_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, "
       "bool compute_sumsq=False) -> Tensor",
@@ -60,6 +60,7 @@ TORCH_LIBRARY(qca_lowmem, m) {
       "amp_update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor found_inf, "
       "float growth_factor, float backoff_factor, int growth_interval) -> ()",
       pt2);
+  m.def("accumulate_(Tensor(a!)[] accumulators, Tensor[] grads) -> ()", pt2);
 }
 
 // Ops with no derivative of their own: differentiating their output raises "the derivative for

@@ -39,6 +39,14 @@ void amp_mul_cuda(at::TensorList tensors, const at::Tensor& factor) {
   list.copy_back();
 }
 
+void accumulate_cuda(at::TensorList accumulators, at::TensorList grads) {
+  AccumulateList list;
+  prepare_accumulate(accumulators, grads, list);
+  const c10::cuda::CUDAGuard guard(accumulators[0].device());
+  launch_cuda(qca_accumulate_cuda, list.params, "accumulate_");
+  list.copy_back();
+}
+
 void amp_update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker,
                            const at::Tensor& found_inf, double growth_factor, double backoff_factor,
                            int64_t growth_interval) {
@@ -55,11 +63,13 @@ TORCH_LIBRARY_IMPL(qca_lowmem, CUDA, m) {
   m.impl("amp_unscale_", &amp_unscale_cuda);
   m.impl("amp_mul_", &amp_mul_cuda);
   m.impl("amp_update_scale_", &amp_update_scale_cuda);
+  m.impl("accumulate_", &accumulate_cuda);
 }
 
 TORCH_LIBRARY_IMPL(qca_lowmem, SparseCUDA, m) {
   m.impl("amp_unscale_", &amp_unscale_cuda);
   m.impl("amp_mul_", &amp_mul_cuda);
+  m.impl("accumulate_", &accumulate_cuda);
 }
 
 }  // namespace qca_lowmem

@@ -31,6 +31,27 @@ void prepare_unscale(at::TensorList tensors, const at::Tensor& found_inf, const 
                      const char* op, const char* list_name, const char* factor_name,
                      UnscaleList& list);
 
+// Host arrays and tensors the accumulation's parameters point into; they must outlive the kernel
+// call. An accumulator that is not dense is updated in a dense stand-in that copy_back() writes
+// into it; a gradient laid out otherwise than its accumulator is read from a copy in its layout.
+struct AccumulateList {
+  std::vector<void*> accumulators;
+  std::vector<const void*> grads;
+  std::vector<qca_dtype> accumulator_dtype, grad_dtype;
+  std::vector<int64_t> numel;
+  std::vector<std::pair<at::Tensor, at::Tensor>> stand_ins;
+  std::vector<at::Tensor> grad_copies;
+  qca_accumulate_params params{};
+
+  void copy_back() {
+    for (auto& [original, dense] : stand_ins) original.copy_(dense);
+  }
+};
+
+// Validates accumulate_'s lists (one device, pairs of one shape, floating types, no accumulator
+// sharing memory with another accumulator or gradient) and fills `list`.
+void prepare_accumulate(at::TensorList accumulators, at::TensorList grads, AccumulateList& list);
+
 void prepare_scale_update(const at::Tensor& scale, const at::Tensor& growth_tracker,
                           const at::Tensor& found_inf, double growth_factor, double backoff_factor,
                           int64_t growth_interval, qca_scale_update_params& p);

@@ -1,5 +1,7 @@
 /* Mixed-precision loss scaler: multi-tensor unscale with a non-finite check (and, in the same
- * pass, the sum of squares that gradient clipping needs), and the dynamic scale update.
+ * pass, the sum of squares that gradient clipping needs), and the dynamic scale update. And, on
+ * the same multi-tensor engine, gradient accumulation: a list of gradients of any floating types
+ * added into their accumulators in one pass.
  *
  * A list holds tensors of one device and one element type; complex tensors are passed as their
  * interleaved real parts (numel counts reals). Work is split into chunks of QCA_SCALER_CHUNK
@@ -73,6 +75,28 @@ typedef struct qca_scale_update_params {
 qca_status qca_scale_update_cpu(const qca_scale_update_params* p);
 qca_status qca_scale_update_cuda(const qca_scale_update_params* p, void* stream,
                                  qca_cuda_error* err);
+
+/* accumulators[t] += grads[t], real by real over numel[t] reals, each pair of tensors with its
+ * own element types: the sum is taken in double when either type is float64, else in float, and
+ * rounded once into the accumulator's type (torch's add_ with type promotion, bit for bit but for
+ * a NaN's payload). The two tensors of a pair share one dense layout; no two accumulators
+ * overlap, and a gradient overlaps its accumulator fully or not at all. */
+typedef struct qca_accumulate_params {
+  int64_t n_tensors;
+  void* const* accumulators;         /* host array of n_tensors data pointers */
+  const qca_dtype* accumulator_dtype; /* host array: each accumulator's element type */
+  const void* const* grads;          /* host array of n_tensors data pointers */
+  const qca_dtype* grad_dtype;       /* host array: each gradient's element type */
+  const int64_t* numel;              /* host array: reals per pair; 0 is allowed */
+} qca_accumulate_params;
+
+/* Reals [begin, end) of pair `tensor`, on the CPU. */
+qca_status qca_accumulate_range_cpu(const qca_accumulate_params* p, int64_t tensor, int64_t begin,
+                                    int64_t end);
+
+/* The whole list on the GPU, in as few launches as its batches take (one for up to 64 pairs
+ * and 320 chunks). On QCA_ERR_CUDA, err->code holds the cudaError_t. */
+qca_status qca_accumulate_cuda(const qca_accumulate_params* p, void* stream, qca_cuda_error* err);
 
 #ifdef __cplusplus
 }

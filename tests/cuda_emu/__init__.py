@@ -37,6 +37,7 @@ SIGNATURES = {
     "emu_gn_backward": [i32, T, T, i64, i32, T, T, T, T, ptr, ptr, ptr, ptr, i64, ERR],
     "emu_unscale": [i32, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ERR],
     "emu_scale_update": [i32, ptr, ptr, ptr, f64, f64, i64, ERR],
+    "emu_accumulate": [i32, i64, ptr, ptr, ptr, ptr, ptr, ERR],
 }
 
 

@@ -281,4 +281,37 @@ int emu_scale_update(int backend, float* scale, int32_t* growth_tracker, const f
   return s;
 }
 
+// accumulators[t] += grads[t] over numel[t] reals, each pair with its qca_dtype codes. The C
+// backend runs chunk by chunk, as the CPU glue does.
+int emu_accumulate(int backend, int64_t n_tensors, void* const* accumulators,
+                   const int64_t* accumulator_dtype, const void* const* grads,
+                   const int64_t* grad_dtype, const int64_t* numel, int* cuda_error) {
+  std::vector<qca_dtype> acc_dtypes(n_tensors), grad_dtypes(n_tensors);
+  for (int64_t t = 0; t < n_tensors; ++t) {
+    acc_dtypes[t] = (qca_dtype)accumulator_dtype[t];
+    grad_dtypes[t] = (qca_dtype)grad_dtype[t];
+  }
+  const qca_accumulate_params p = {
+      .n_tensors = n_tensors,
+      .accumulators = accumulators,
+      .accumulator_dtype = acc_dtypes.data(),
+      .grads = grads,
+      .grad_dtype = grad_dtypes.data(),
+      .numel = numel,
+  };
+  if (backend == kCuda) {
+    qca_cuda_error err{};
+    const int s = qca_accumulate_cuda(&p, nullptr, &err);
+    *cuda_error = err.code;
+    return s;
+  }
+  for (int64_t t = 0; t < n_tensors; ++t)
+    for (int64_t begin = 0; begin < numel[t]; begin += QCA_SCALER_CHUNK) {
+      const int64_t end = begin + QCA_SCALER_CHUNK < numel[t] ? begin + QCA_SCALER_CHUNK : numel[t];
+      const int s = qca_accumulate_range_cpu(&p, t, begin, end);
+      if (s != QCA_OK) return s;
+    }
+  return QCA_OK;
+}
+
 }  // extern "C"

@@ -6,15 +6,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 # Today's counts a step, the same at every size and in both layouts (docs/benchmarks.md): adds are
-# the 42 parameters' gradient accumulators, psi's gradient and the U-Net's two skip-connection
-# gradient sums; fills the 42 zero gradients autograd makes for the fused blocks' unused outputs
-# and the scalar that reads autograd's sequence number; cats the U-Net's two, in the forward and
-# in the recompute, and the recompute check's stack. The total counts views too: the two `detach`es
-# of a forward step's fresh inputs and output (recompute/escapes.py), which launch no kernel.
+# the parameters' gradient accumulation (one accumulate_ for all 42, the bfloat16 copies' gradients
+# with the rest), psi's gradient and the U-Net's two skip-connection gradient sums; fills the scalar
+# that reads autograd's sequence number; cats the U-Net's two, in the forward and in the
+# recompute, and the recompute check's stack. The total counts views too: the two `detach`es of a
+# forward step's fresh inputs and output (recompute/escapes.py), which launch no kernel; under
+# autocast, the casts' views and autocast's own ops.
 BOUNDS = {"adds": 4, "fills": 1, "copies": 0, "cats": 4, "total": 111}
+BOUNDS_BF16 = {**BOUNDS, "total": 129}
 
 
 def bench_step_ops():
@@ -27,11 +30,13 @@ def bench_step_ops():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
-def test_a_steps_ops_stay_within_todays_counts(channels_last):
-    counts = bench_step_ops().step_counts(8, 2, 4, 1, channels_last=channels_last)
+def test_a_steps_ops_stay_within_todays_counts(channels_last, autocast_dtype):
+    counts = bench_step_ops().step_counts(8, 2, 4, 1, channels_last=channels_last, autocast_dtype=autocast_dtype)
     assert counts["linear_in_steps"]  # exact counts a step
-    over = {kind: (counts["issued"][kind], bound) for kind, bound in BOUNDS.items() if counts["issued"][kind] > bound}
+    bounds = BOUNDS if autocast_dtype is None else BOUNDS_BF16
+    over = {kind: (counts["issued"][kind], bound) for kind, bound in bounds.items() if counts["issued"][kind] > bound}
     assert not over, f"a step issues more ops than today's (count, bound): {over}"
 
 
@@ -54,5 +59,6 @@ def test_the_result_file_states_the_bounds():
     report = json.loads((ROOT / "benchmarks" / "results" / "step_ops_cpu.json").read_text())
     assert report["kind"] == "step_ops" and report["config"]["checkpoint"] == "step"
     for layout in ("nchw", "channels_last"):
-        assert report["per_step"][layout]["linear_in_steps"]
-        assert report["per_step"][layout]["issued"] == BOUNDS
+        for precision, bounds in (("", BOUNDS), ("_bf16", BOUNDS_BF16)):
+            assert report["per_step"][layout + precision]["linear_in_steps"]
+            assert report["per_step"][layout + precision]["issued"] == bounds

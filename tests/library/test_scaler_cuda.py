@@ -197,3 +197,31 @@ def test_cuda_no_host_sync_outside_step():
         scaler.update()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@cuda_only
+def test_cuda_accumulate_adds_as_add_():
+    """Every pair of dtypes, more pairs than one launch holds, a pair cut across launches, and a
+    channels_last accumulator with a contiguous gradient: CUDA's add_ bit for bit; captured in a
+    CUDA graph, a replay adds again."""
+    reals = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+    pairs = [(a, g) for a in reals for g in reals] * 5
+    sizes = [int(s) for s in torch.randint(0, 5000, (len(pairs),))]
+    sizes[3] = 400 * CHUNK + 3
+    accumulators = [torch.randn(n, device="cuda").to(a) for n, (a, _) in zip(sizes, pairs)]
+    grads = [torch.randn(n, device="cuda").to(g) for n, (_, g) in zip(sizes, pairs)]
+    accumulators.append(torch.randn(8, 6, 3, 3, device="cuda").to(memory_format=torch.channels_last))
+    grads.append(torch.randn(8, 6, 3, 3, device="cuda", dtype=torch.bfloat16))
+    want = [a.clone().add_(g) for a, g in zip(accumulators, grads)]
+    ops.accumulate_(accumulators, grads)
+    assert all(bits_equal(a, w) for a, w in zip(accumulators, want))
+
+    static = [a.clone() for a in accumulators[:20]]
+    start = [a.clone() for a in static]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.accumulate_(static, grads[:20])
+    for a, s in zip(static, start):
+        a.copy_(s)
+    graph.replay()
+    assert all(bits_equal(a, s.clone().add_(g)) for a, s, g in zip(static, start, grads))

@@ -17,6 +17,7 @@ from fixtures.replayed_graphs import ReplayedGraphs, replays
 from helpers import (
     CARRY_STEPS,
     MemoryCell,
+    RecordingMode,
     batchnorm_step,
     carried_grads,
     episode_grads,
@@ -288,14 +289,18 @@ def test_no_host_wait_in_a_captured_step_of_the_default_episode(replayed_graphs,
 
 def test_the_captured_backward_adds_half_gradients_without_casting_them(replayed_graphs, monkeypatch):
     """What the backward graph records (outside the reverse pass, whose eager steps add to sums
-    of their own): each bf16 weight gradient added to its fp32 accumulator directly (one pass on
-    CUDA, whose add reads the half operand), no cast first; the episodes the same bits as eager."""
-    recorded = []
+    of their own): the bf16 weight gradients and the fp32 ones added to their fp32 accumulators by
+    one accumulate_ (one launch on CUDA, reading the half operands), no cast first and no add of
+    its own; the episodes the same bits as eager."""
+    recorded, accumulations = [], []
 
     class CountedGraphs(ReplayedGraphs):
         def capture(self, body):
             captured = []
-            recorded.append(gradient_casts_in(lambda: captured.append(super(CountedGraphs, self).capture(body))))
+            with RecordingMode() as mode:
+                recorded.append(gradient_casts_in(lambda: captured.append(super(CountedGraphs, self).capture(body))))
+            accumulations.append(sum(name.startswith(("aten.add_", "aten._foreach_add", "qca_lowmem.accumulate_"))
+                                     for name in mode.seen))
             return captured[0]
 
     monkeypatch.setattr(step_graph, "_graphs", CountedGraphs)
@@ -304,6 +309,9 @@ def test_the_captured_backward_adds_half_gradients_without_casting_them(replayed
     eager = _bf16_grads(fused_step_of(unet), unet)
     assert max_relative_error(_bf16_grads(graph, unet), eager) == 0  # the capture's episode
     assert recorded == [0, 0]  # the forward graph, the backward graph
+    assert accumulations == [0, 1]
+    accumulators = graph.capture.accumulators
+    assert {a.dtype for a in accumulators} == {torch.float32} and all(graph.capture.reached)
     assert max_relative_error(_bf16_grads(graph, unet), eager) == 0
     assert replays(replayed_graphs) > 0
 

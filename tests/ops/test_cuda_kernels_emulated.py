@@ -735,6 +735,49 @@ def test_unscale_of_a_tensor_longer_than_one_launch(emu):
     assert_sums_close(c_sums, cuda_sums, c_tensors)
 
 
+def accumulate(emu, backend, accumulators, grads):
+    n = len(accumulators)
+    codes = [torch.tensor([QCA_DTYPE[t.dtype] for t in ts], dtype=torch.int64) for ts in (accumulators, grads)]
+    numel = torch.tensor([t.numel() for t in accumulators], dtype=torch.int64)
+    emu.run("emu_accumulate", backend, n, (ctypes.c_void_p * n)(*[t.data_ptr() for t in accumulators]),
+            ptr(codes[0]), (ctypes.c_void_p * n)(*[t.data_ptr() for t in grads]), ptr(codes[1]),
+            ptr(numel)).check()
+
+
+def test_accumulate(emu):
+    """Every pair of element types in one list (more pairs than a launch's 64 slots, a pair of
+    two chunks, empty pairs), on C and emulated CUDA: the same bits, and torch's add_'s."""
+    g = torch.Generator().manual_seed(11)
+    pairs = [(a, b) for a in REALS for b in REALS]
+    sizes = [70000, 0, 1] + torch.randint(1, 300, (len(pairs) * 4 - 3,), generator=g).tolist()
+    accumulators, grads = [], []
+    for i, n in enumerate(sizes):
+        acc_dtype, grad_dtype = pairs[i % len(pairs)]
+        accumulators.append((torch.randn(n, generator=g) * 3).to(acc_dtype))
+        grads.append(torch.randn(n, generator=g).to(grad_dtype))
+    for i in (5, 12):  # float64 += float64, bfloat16 += float32
+        grads[i][:1] = float("nan")
+    expected = [a.clone().add_(b) for a, b in zip(accumulators, grads)]
+    for backend in (C, CUDA):
+        ours = [a.clone() for a in accumulators]
+        accumulate(emu, backend, ours, grads)
+        for i, (a, e) in enumerate(zip(ours, expected)):
+            what = f"{'C' if backend == C else 'CUDA'} pair {i} ({a.dtype} += {grads[i].dtype}, {a.numel()})"
+            if a.dtype == torch.bfloat16 and bool(e.isnan().any()):  # torch's NaN bits differ from CUDA's
+                assert torch.equal(a.isnan(), e.isnan()), what
+                a, e = a.nan_to_num(), e.nan_to_num()
+            assert_same_bits(e, a, what)
+
+
+def test_accumulate_into_itself(emu):
+    """A gradient that is its accumulator (full overlap): each element read before its write."""
+    for backend in (C, CUDA):
+        t = torch.randn(1000)
+        expected = t * 2
+        accumulate(emu, backend, [t], [t])
+        assert_same_bits(expected, t, "t += t")
+
+
 def test_scale_update(emu):
     cases = [(65536.0, 0, 0.0, 2000), (65536.0, 1998, 0.0, 2000), (65536.0, 1999, 0.0, 2000),
              (3.0e38, 1999, 0.0, 2000), (1024.0, 5, 1.0, 2000), (1024.0, 5, float("nan"), 2000),

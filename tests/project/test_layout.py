@@ -275,6 +275,7 @@ WATCHED = {
     ("ops/scaler.py", "unscale_"): "writes its arguments in place",
     ("ops/scaler.py", "mul_"): "writes its arguments in place",
     ("ops/scaler.py", "update_scale_"): "writes its arguments in place",
+    ("ops/scaler.py", "accumulate_"): "writes its arguments in place",
 }
 HIDING = {"call_unwatched", "call_layer_unwatched", "run_hidden"}
 

@@ -1,12 +1,14 @@
 """The loss-scaler ops (C family `scaler`): typed wrappers and fake kernels of
-torch.ops.qca_lowmem.amp_unscale_, amp_mul_ and amp_update_scale_. The GradScaler built on them
-is in amp.py. They mutate their arguments in place and have no autograd."""
+torch.ops.qca_lowmem.amp_unscale_, amp_mul_ and amp_update_scale_, and of accumulate_, the
+gradient accumulation on the same multi-tensor engine. The GradScaler built on them is in amp.py;
+the recomputing rollouts accumulate their parameters' gradients with accumulate_
+(recompute/param_grads.py). They mutate their arguments in place and have no autograd."""
 
 from __future__ import annotations
 
 import torch
 
-from ._checks import check_one_device, check_same_device
+from ._checks import check_one_device, check_same_device, describe
 
 _lib = torch.ops.qca_lowmem
 
@@ -36,6 +38,29 @@ def _update_scale_fake(scale, growth_tracker, found_inf, growth_factor, backoff_
     for name, t in (("growth_tracker", growth_tracker), ("found_inf", found_inf)):
         check_same_device(scale, "scale", t, name, "amp_update_scale_")
     return None
+
+
+@torch.library.register_fake("qca_lowmem::accumulate_")
+def _accumulate_fake(accumulators, grads):
+    torch._check(len(accumulators) == len(grads), lambda: "accumulate_: accumulators and grads must be lists of "
+                 f"one length, got {len(accumulators)} and {len(grads)}")
+    for i, (acc, grad) in enumerate(zip(accumulators, grads)):
+        for name, t in ((f"accumulators[{i}]", acc), (f"grads[{i}]", grad)):
+            check_same_device(accumulators[0], "accumulators[0]", t, name, "accumulate_")
+        torch._check(acc.shape == grad.shape, lambda: f"accumulate_: grads[{i}] must have the shape of "
+                     f"accumulators[{i}] ({list(acc.shape)}), got {describe(grad)}")
+    return None
+
+
+def accumulate_(accumulators: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """`accumulators[i].add_(grads[i])` for every i, bit for bit (a NaN's payload aside), in one
+    pass over the lists (one CUDA launch for up to 64 pairs): each pair of its own floating dtypes
+    (a half-precision gradient into a float32 accumulator, say, with no cast before the add), one
+    shape, one device for all. The sum is taken in float, or in double where either dtype is
+    float64, and rounded once into the accumulator. No accumulator may share memory with another
+    accumulator or with another pair's gradient."""
+    if accumulators or grads:  # torch dispatches on the tensors: with none, it finds no kernel
+        _lib.accumulate_(accumulators, grads)
 
 
 def unscale_(

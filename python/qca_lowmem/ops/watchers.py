@@ -16,8 +16,8 @@ and model layer of this package decides, in its code:
   QCA and noise ops, the fused block, and the fused U-Net's `cat` and torch layers. A mode that is
   not a watcher (a FakeTensorMode, the user's) still sees each of them as its op;
 - else it stays watched, listed with its reason in tests/project/test_layout.py (`WATCHED`): the
-  scaler's ops write their arguments in place; `groupnorm_elu` runs inside the library only within
-  a fused block, hidden with it.
+  scaler's ops (the gradient accumulation among them) write their arguments in place;
+  `groupnorm_elu` runs inside the library only within a fused block, hidden with it.
 """
 
 import functools

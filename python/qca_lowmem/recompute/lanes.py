@@ -110,19 +110,20 @@ class Lane:
         differentiated = [(out, self.static_grad_out)] + [
             (c, g) for c, g in zip(carry_out, self.static_grad_carry_out) if g is not None]
         inputs = self.inputs()
-        params, accumulators = capture.params, capture.accumulators
-        # A half-precision weight copy's gradient is added to its fp32 accumulator in the graph
-        # (deposit()): one pass over the weight, not a cast and then an add.
-        with deposited_into(Accumulators(params, accumulators), params) as deposits:
+        params = capture.params
+        # A half-precision weight copy's gradient is taken as it is (deposit()), and added to its
+        # fp32 accumulator with the other parameters' gradients in one accumulate_ at the end:
+        # one launch a step, with no cast before it.
+        with deposited_into(Accumulators(params, capture.accumulators), params) as deposits:
             grads = torch.autograd.grad([o for o, _ in differentiated], inputs + params,
                                         [g for _, g in differentiated], allow_unused=True)
         by_input = iter(grads[1:len(inputs)])
         grad_carry_in = tuple(next(by_input) if _requires_grad(c) else None for c in self.static_carry_in)
-        param_grads = grads[len(inputs):]
-        capture.reached = [g is not None or d for g, d in zip(param_grads, deposits.reached)]
-        reached = [(a, g) for a, g in zip(accumulators, param_grads) if g is not None]
-        if reached:
-            torch._foreach_add_([a for a, _ in reached], [g for _, g in reached])
+        for i, g in enumerate(grads[len(inputs):]):
+            if g is not None:
+                deposits.add(i, g)
+        deposits.flush()
+        capture.reached = deposits.reached
         return grads[0], grad_carry_in
 
     def load(self, psi: torch.Tensor, carry: tuple) -> None:

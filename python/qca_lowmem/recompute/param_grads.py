@@ -8,6 +8,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from .. import _torch_private as torch_private
+from ..ops.scaler import accumulate_
 
 # id(parameter) -> (the sink collecting its gradient, its index there). Global, not per thread:
 # autograd runs a CUDA backward on its own device threads.
@@ -15,8 +16,8 @@ _collecting: Dict[int, Tuple["ParamGradSink", int]] = {}
 
 
 def deposit(param: torch.Tensor, grad: torch.Tensor) -> bool:
-    """Add grad (of any floating dtype) straight into the buffer of the sink collecting param's
-    gradient, in param's dtype, and return True; False when no sink collects it. Spares a
+    """Hand grad (of any floating dtype) to the sink collecting param's gradient, which adds it
+    to its buffer in param's dtype, and return True; False when no sink collects it. Spares a
     half-precision gradient its cast to param's dtype before the add: one pass instead of two."""
     entry = _collecting.get(id(param))
     if entry is None or entry[0].params[entry[1]] is not param:
@@ -41,20 +42,50 @@ def deposited_into(sink, params):
                 _collecting[id(p)] = entry
 
 
-class Accumulators:
+class _PendingAdds:
+    """Gradients taken during a backward, added to their buffers together by flush(): one
+    accumulate_ for all of them (one launch on CUDA), not one add a parameter. A parameter's
+    second gradient before the flush flushes first, so each buffer gets its adds in order."""
+
+    def __init__(self):
+        self._pending: Dict[int, torch.Tensor] = {}  # parameter index -> its gradient, in arrival order
+
+    def _buffer(self, i: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _add_later(self, i: int, grad: torch.Tensor) -> None:
+        if i in self._pending:
+            self.flush()
+        self._pending[i] = grad
+
+    def flush(self) -> None:
+        """Add the gradients taken since the last flush to their buffers; call it after each
+        backward that reaches the parameters."""
+        if self._pending:
+            indices = list(self._pending)
+            accumulate_([self._buffer(i) for i in indices], [self._pending[i] for i in indices])
+            self._pending.clear()
+
+
+class Accumulators(_PendingAdds):
     """deposit()'s target while a StepGraph's backward is captured (step_graph.py): its per-parameter
-    accumulators, noting which it reached."""
+    accumulators, noting which it reached. The backward's other parameter gradients are added with
+    its deposits, in the graph's one accumulate_ (`add`, then `flush`)."""
 
     def __init__(self, params, accumulators):
+        super().__init__()
         self.params, self.accumulators = params, accumulators
         self.reached = [False] * len(params)
 
+    def _buffer(self, i: int) -> torch.Tensor:
+        return self.accumulators[i]
+
     def add(self, i: int, grad: torch.Tensor) -> None:
-        self.accumulators[i].add_(grad)
+        self._add_later(i, grad)
         self.reached[i] = True
 
 
-class ParamGradSink:
+class ParamGradSink(_PendingAdds):
     """Collects the per-step gradients of the parameters into buffers during the backward.
 
     While active, each parameter's tensor hooks are set aside and replaced by one that adds the
@@ -65,13 +96,11 @@ class ParamGradSink:
     """
 
     def __init__(self, params):
+        super().__init__()
         self.params = list(params)
         self.buffers: List[Optional[torch.Tensor]] = [None] * len(params)
         self._set_aside = []
         self._zeros: List[Optional[torch.Tensor]] = [None] * len(self.params)  # a scalar zero broadcast to each
-        # Parameter index -> this backward's gradient, added to its buffer by flush() with the
-        # others in one foreach op rather than one add a parameter.
-        self._pending: Dict[int, torch.Tensor] = {}
 
     def __enter__(self):
         for i, p in enumerate(self.params):
@@ -98,35 +127,23 @@ class ParamGradSink:
         self._set_aside = []
         return False
 
-    def add(self, i: int, grad: torch.Tensor) -> None:
-        """Add grad, of any floating dtype, to parameter i's buffer (made on the first add)."""
-        if i in self._pending:  # the gradients added in the order they came
-            self.flush()
-        buffer = self.buffers[i]
-        if buffer is None:
-            buffer = torch.empty_like(self.params[i])
-            buffer.copy_(grad)
-            self.buffers[i] = buffer
-        else:
-            buffer.add_(grad)
+    def _buffer(self, i: int) -> torch.Tensor:
+        return self.buffers[i]
 
-    def flush(self) -> None:
-        """Add the gradients the hooks took since the last flush to their buffers; call it after
-        each backward that reaches the parameters."""
-        if self._pending:
-            indices = list(self._pending)
-            torch._foreach_add_([self.buffers[i] for i in indices], [self._pending[i] for i in indices])
-            self._pending.clear()
+    def add(self, i: int, grad: torch.Tensor) -> None:
+        """Add grad, of any floating dtype, to parameter i's buffer: the first one becomes the
+        buffer (cast to the parameter's dtype), later ones are added at the next flush()."""
+        if self.buffers[i] is not None:
+            self._add_later(i, grad)
+            return
+        buffer = torch.empty_like(self.params[i])
+        buffer.copy_(grad)
+        self.buffers[i] = buffer
 
     def _accumulate(self, i: int, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if grad is None:  # all of this step's gradient went in through deposit()
             return None
-        if self.buffers[i] is None:
-            self.add(i, grad)
-        else:
-            if i in self._pending:  # a second gradient before the flush: added in the order given
-                self.flush()
-            self._pending[i] = grad
+        self.add(i, grad)
         # Per parameter: autograd hands a leaf's hook a gradient of the leaf's dtype and shape.
         zero = self._zeros[i]
         if zero is None:
