@@ -749,7 +749,7 @@ def test_accumulate(emu):
     two chunks, empty pairs), on C and emulated CUDA: the same bits, and torch's add_'s."""
     g = torch.Generator().manual_seed(11)
     pairs = [(a, b) for a in REALS for b in REALS]
-    sizes = [70000, 0, 1] + torch.randint(1, 300, (len(pairs) * 4 - 3,), generator=g).tolist()
+    sizes = [70000, 0, 1] + torch.randint(1, 300, (len(pairs) * 5 - 3,), generator=g).tolist()
     accumulators, grads = [], []
     for i, n in enumerate(sizes):
         acc_dtype, grad_dtype = pairs[i % len(pairs)]
@@ -760,7 +760,10 @@ def test_accumulate(emu):
     expected = [a.clone().add_(b) for a, b in zip(accumulators, grads)]
     for backend in (C, CUDA):
         ours = [a.clone() for a in accumulators]
+        launches = emu.counters()["launches"]
         accumulate(emu, backend, ours, grads)
+        if backend == CUDA:
+            assert emu.counters()["launches"] - launches == 2  # 79 pairs with reals: 64 slots, then 15
         for i, (a, e) in enumerate(zip(ours, expected)):
             what = f"{'C' if backend == C else 'CUDA'} pair {i} ({a.dtype} += {grads[i].dtype}, {a.numel()})"
             if a.dtype == torch.bfloat16 and bool(e.isnan().any()):  # torch's NaN bits differ from CUDA's
