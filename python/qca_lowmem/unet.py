@@ -18,6 +18,7 @@ from .ops import (
     plain_torch_layer,
     refuse_func_transforms,
     stock_block_call,
+    stock_forward_call,
     torch_layers_unchanged,
 )
 from .ops.watchers import call_layer_unwatched, call_unwatched
@@ -138,6 +139,28 @@ def _unfused_run(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.conv_transpose2d(x, weight, bias, layer.stride, layer.padding, layer.output_padding, layer.groups,
                                   layer.dilation)
     return layer._conv_forward(x, weight, bias)
+
+
+def input_dtype(operator: nn.Module, psi: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype the pack can write `operator`'s input in for a step of `psi`: autocast's, where
+    calling operator(x) first casts x to it and reads it nowhere else, so that the pack's one
+    rounding is the cast's, bit for bit, and the cast's copy and its gradient's are spared. Proved
+    for qca_lowmem's UNetUnitary running fused and for a module whose forward is stock
+    UNetUnitary's by its code, each with `inc` a FusedConvBlock running fused (its first act is
+    the cast) and no hook that could see x. None elsewhere: the pack writes its own float32."""
+    if psi.dtype != torch.complex64 or torch.compiler.is_compiling():
+        return None  # a float64 input is not cast (autocast leaves it), and compiled code is not proved
+    compute = autocast_dtype(psi.device.type)
+    if compute is None:
+        return None
+    cls = type(operator)
+    if cls is UNetUnitary:
+        proved = operator.runs_fused()
+    else:
+        proved = stock_forward_call(cls, stock.UNetUnitary.forward, ("inc",), "stock UNetUnitary's") is None \
+            and type(getattr(operator, "inc", None)) is FusedConvBlock and operator.inc.runs_fused() \
+            and calls_are_forwards((operator,), with_submodules=True)
+    return compute if proved else None
 
 
 @dataclasses.dataclass

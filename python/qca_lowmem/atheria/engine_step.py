@@ -30,6 +30,7 @@ import torch
 from .. import _torch_private as torch_private
 from .. import stock
 from ..ops.qca_step import fused_step_once, qca_pack, qca_update
+from ..unet import input_dtype
 from .code_identity import followed, not_recorded, resolved
 from .discontinuity import discontinuity
 from .engine_probe import check_engine_state, check_engine_step, probe_shape
@@ -191,7 +192,8 @@ class FusedEngineStep(_LiveStep):
         operator, multiplicative = current_operator(self.motor)
         gamma = self.gamma()
         recorded = (lambda delta: self.record(psi, delta, gamma, multiplicative)) if self.side_state else None
-        return fused_step_once(operator, psi, gamma, multiplicative, self.channels_last, recorded)
+        return fused_step_once(operator, psi, gamma, multiplicative, self.channels_last, recorded,
+                               pack_dtype=input_dtype(operator, psi))
 
 
 class EngineMemoryStep:

@@ -37,6 +37,7 @@ from ._forwards import (  # noqa: E402
     plain_torch_layer,
     same_code,
     stock_block_call,
+    stock_forward_call,
     torch_layers_unchanged,
 )
 
@@ -54,5 +55,6 @@ __all__ = [
     "same_code",
     "second_order_requested",
     "stock_block_call",
+    "stock_forward_call",
     "torch_layers_unchanged",
 ]

@@ -6,7 +6,7 @@ import contextlib
 import inspect
 import threading
 import types
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Tuple
 
 import torch.nn.functional as F
 from torch import nn
@@ -105,19 +105,27 @@ def same_code(function, reference) -> bool:
 _CALL_PATH = ("__call__", "_call_impl", "__getattr__", "__getattribute__")
 
 
-def stock_block_call(cls: type) -> Optional[str]:
-    """None when calling an instance of `cls` runs just `self.conv_block(x)`, as stock's ConvBlock:
-    the forward its class resolves to has that code (checked against `stock.ConvBlock.forward` on the
-    running Python, not by its name), torch's call path is not overridden and no class defines
-    `conv_block` (its forward then reaches the submodule); else why not. What else the class defines
-    never runs in a call. A fused block stands in for such a module only."""
+def stock_forward_call(cls: type, reference, attributes: Tuple[str, ...], what: str) -> Optional[str]:
+    """None when calling an instance of `cls` runs the code of `reference` (a stock forward): the
+    forward its class resolves to has that code (checked on the running Python, not by its name),
+    torch's call path is not overridden and no class defines any of `attributes` (the forward then
+    reaches the submodules of those names); else why not, `what` saying what the forward should
+    be. What else the class defines never runs in a call."""
     forward = inspect.getattr_static(cls, "forward", None)
-    if not same_code(forward, stock.ConvBlock.forward):
-        return f"its forward ({cls.__qualname__}.forward) is not `return self.conv_block(x)`, which a fused block computes"
+    if not same_code(forward, reference):
+        return f"its forward ({cls.__qualname__}.forward) is not {what}"
     for name in _CALL_PATH:
         if inspect.getattr_static(cls, name) is not inspect.getattr_static(nn.Module, name):
             return f"{cls.__qualname__} defines its own {name}"
-    owner = next((owner for owner in cls.__mro__ if "conv_block" in vars(owner)), None)
-    if owner is not None:
-        return f"{owner.__qualname__} defines conv_block on its class"
+    for attribute in attributes:
+        owner = next((owner for owner in cls.__mro__ if attribute in vars(owner)), None)
+        if owner is not None:
+            return f"{owner.__qualname__} defines {attribute} on its class"
     return None
+
+
+def stock_block_call(cls: type) -> Optional[str]:
+    """None when calling an instance of `cls` runs just `self.conv_block(x)`, as stock's ConvBlock
+    (`stock_forward_call`), else why not. A fused block stands in for such a module only."""
+    return stock_forward_call(cls, stock.ConvBlock.forward, ("conv_block",),
+                              "`return self.conv_block(x)`, which a fused block computes")

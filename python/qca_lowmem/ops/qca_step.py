@@ -46,21 +46,29 @@ class fused_step:  # noqa: N801  (a function to its callers; a class so that it 
     """The stock engine step (`stock.step`: pack, operator, update) on the fused ops, as a
     callable `step(psi)`. With `channels_last` the pack writes NHWC, which the fused blocks and
     torch's convs keep and the update reads as it is: no layout conversions in between (the
-    operator's conv weights should be channels_last too)."""
+    operator's conv weights should be channels_last too). `input_dtype(operator, psi)`, where
+    given, names a dtype the pack may write the operator's input in (`unet.input_dtype`: where
+    the operator's first act is to cast it so), None for the pack's own."""
 
-    def __init__(self, operator, gamma: float, multiplicative: bool, *, channels_last: bool = False):
+    def __init__(self, operator, gamma: float, multiplicative: bool, *, channels_last: bool = False,
+                 input_dtype: Optional[Callable] = None):
         self.operator, self.gamma, self.multiplicative = operator, gamma, multiplicative
         self.channels_last = channels_last
+        self.input_dtype = input_dtype
 
     def __call__(self, psi: torch.Tensor) -> torch.Tensor:
-        return fused_step_once(self.operator, psi, self.gamma, self.multiplicative, self.channels_last)
+        pack_dtype = None if self.input_dtype is None else self.input_dtype(self.operator, psi)
+        return fused_step_once(self.operator, psi, self.gamma, self.multiplicative, self.channels_last,
+                               pack_dtype=pack_dtype)
 
 
 def fused_step_once(operator, psi: torch.Tensor, gamma: float, multiplicative: bool,
-                    channels_last: bool = False, recorded: Optional[Callable] = None) -> torch.Tensor:
+                    channels_last: bool = False, recorded: Optional[Callable] = None,
+                    pack_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """One stock step of `operator` on psi over the fused pack and update; `recorded(delta)`, where
-    given, sees the operator's output (an engine's side state)."""
-    delta = operator(qca_pack(psi, channels_last=channels_last))
+    given, sees the operator's output (an engine's side state); `pack_dtype`, where given, the
+    dtype the pack writes (its own, float32 or float64, by default)."""
+    delta = operator(qca_pack(psi, pack_dtype, channels_last=channels_last))
     if not isinstance(delta, torch.Tensor):
         raise TypeError(f"{type(operator).__name__} returned {type(delta).__name__}, the engine step takes an "
                         "operator returning delta; a model with memory returning (delta, h, c) needs an engine "

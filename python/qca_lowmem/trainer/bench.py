@@ -20,12 +20,11 @@ from typing import List, Optional
 import torch
 
 from .. import stock
-from ..ops.qca_step import fused_step
 from ..precision import autocast, parse_amp_dtype
 from ..recompute import Policy, StepGraph, rollout
 from ..recompute.memory import saved_bytes
 from ..units import format_bytes
-from .config import TrainConfig, build_model, channels_last_for
+from .config import TrainConfig, build_model, channels_last_for, model_step
 from .distributed import resolve_device
 
 
@@ -85,7 +84,7 @@ class EpisodeRunner:
         self.model = model if model is not None else build_model(config, device, channels_last)
         self.stock_model = stock.StockForward(self.model)
         # lowmem's step, as the trainer runs it: captured (once, reused) where cuda_graph resolves on
-        self.lowmem_step = fused_step(self.model, config.gamma, multiplicative=True, channels_last=channels_last)
+        self.lowmem_step = model_step(self.model, config, channels_last)
         if StepGraph.resolve(config.cuda_graph, config.policy(), device)[0]:
             self.lowmem_step = StepGraph(self.lowmem_step)
 

@@ -13,10 +13,11 @@ import torch
 
 from .. import configs as bundled
 from ..atheria import config_section
+from ..ops.qca_step import fused_step
 from ..precision import nhwc_faster, parse_amp_dtype
 from ..recompute import Policy
 from ..recompute.policy import STEP
-from ..unet import UNetUnitary
+from ..unet import UNetUnitary, input_dtype
 from .errors import UsageError, error_text
 
 
@@ -299,6 +300,11 @@ def build_model(config: TrainConfig, device, channels_last: bool = False) -> tor
     model = UNetUnitary(config.d_state, config.hidden, recompute="unet" if config.fused_blocks else "none").to(device)
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
+
+def model_step(model: torch.nn.Module, config: TrainConfig, channels_last: bool = False) -> fused_step:
+    """The stock engine step of `model` on the fused ops, its pack writing autocast's dtype where the
+    model is proved to cast its input to it first (`unet.input_dtype`)."""
+    return fused_step(model, config.gamma, multiplicative=True, channels_last=channels_last, input_dtype=input_dtype)
 
 
 def parameter_count(config: TrainConfig) -> int:

@@ -30,14 +30,13 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .. import stock
-from ..ops.qca_step import fused_step
 from ..precision import autocast, native_amp_dtype, parse_amp_dtype
 from ..recompute import Policy, keep_block_intermediates
 from ..recompute.memory import SAFETY, saved_storage_sizes
 from ..recompute.schedule import budget_split
 from ..units import format_bytes, parse_bytes
 from .allocator import expandable_in_environment, reserved_bytes
-from .config import TrainConfig, build_model
+from .config import TrainConfig, build_model, model_step
 from .errors import UsageError
 from .footprint import LOSS_STATES, MODEL_STATE_BYTES_PER_PARAMETER, model_state_bytes, psi_bytes
 
@@ -116,7 +115,7 @@ def _measure_one(model, config: TrainConfig, variant: str, amp_dtype, grid: int)
         step = functools.partial(stock.step, operator=stock.StockForward(model), gamma=config.gamma,
                                  multiplicative=True)
     else:
-        step = fused_step(model, config.gamma, multiplicative=True)
+        step = model_step(model, config)
 
     def run_step():
         # The lowmem step as the rollout recomputes it: blocks keep their intermediates.

@@ -24,11 +24,10 @@ import torch
 
 from .. import amp, precision, stock
 from ..ops.noise import episode_noise
-from ..ops.qca_step import fused_step
 from ..precision import amp_name, autocast, parse_amp_dtype
 from ..recompute import StepGraph, rollout, saved_bytes, shared_weight_casts
 from . import checkpoint, divergence, oom
-from .config import TrainConfig, build_model, channels_last_for
+from .config import TrainConfig, build_model, channels_last_for, model_step
 from .distributed import Distributed, resolve_device
 from .errors import Interrupted, TrainingStopped, UsageError, error_text
 from .metrics import METRIC_KEYS, EpisodeLog, duration_text, record_of
@@ -73,7 +72,7 @@ class Trainer:
             message(note, self.dist.rank)
         self.channels_last = channels_last_for(config, self.device, self.amp_dtype)
         self.model = build_model(config, self.device, self.channels_last)
-        self.step_fn = fused_step(self.model, config.gamma, multiplicative=True, channels_last=self.channels_last)
+        self.step_fn = model_step(self.model, config, self.channels_last)
         captured, why_not = StepGraph.resolve(config.cuda_graph, config.policy(), self.device)
         if captured:
             self.step_fn = StepGraph(self.step_fn)
