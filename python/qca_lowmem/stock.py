@@ -61,13 +61,20 @@ class UNetUnitary(nn.Module):
         nn.init.normal_(self.outc.weight, 0.0, 1e-5)
 
     def forward(self, x):
+        # Statement for statement as the users' UNetUnitary.forward, so that the bytecode of theirs
+        # equals this one's (unet.input_dtype proves their forward by it).
         x1 = self.inc(x)
         x2 = self.down1(x1)
         x3 = self.down2(x2)
         b = self.bot(x3)
-        c1 = self.conv_up1(torch.cat([self.up1(b), x2], dim=1))
-        c2 = self.conv_up2(torch.cat([self.up2(c1), x1], dim=1))
-        return self.outc(c2)
+        u1 = self.up1(b)
+        s1 = torch.cat([u1, x2], dim=1)
+        c1 = self.conv_up1(s1)
+        u2 = self.up2(c1)
+        s2 = torch.cat([u2, x1], dim=1)
+        c2 = self.conv_up2(s2)
+        delta = self.outc(c2)
+        return delta
 
 
 class StockForward(nn.Module):

@@ -23,7 +23,7 @@ from qca_lowmem.atheria import code_identity
 from qca_lowmem.atheria.operator_code import class_unfollowed, operator_unfollowed, state_drift
 from qca_lowmem.examples import QC_Trainer_v4, make_config
 from qca_lowmem.ops import stock_block_call
-from qca_lowmem.unet import convert
+from qca_lowmem.unet import convert, input_dtype
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -274,7 +274,8 @@ ATHERIA = os.environ.get("ATHERIA_CHECKOUT")
 @pytest.mark.skipif(not ATHERIA, reason="their checkout is not at hand (set ATHERIA_CHECKOUT)")
 def test_their_model_families_are_followed_on_this_python():
     """Their families of plain torch layers, as their files at the commit define them, are recorded
-    for this Python (scripts/record_digests.py), before and after their blocks are fused."""
+    for this Python (scripts/record_digests.py), before and after their blocks are fused; the two
+    with stock UNetUnitary's forward and GroupNorm blocks get their input packed in autocast's dtype."""
     spec = importlib.util.spec_from_file_location("record_digests", SCRIPTS / "record_digests.py")
     record_digests = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(record_digests)
@@ -290,6 +291,9 @@ def test_their_model_families_are_followed_on_this_python():
                 assert operator_unfollowed(operator) is None, name
                 convert(operator)
                 assert operator_unfollowed(operator) is None, name
+                with torch.autocast("cpu", dtype=torch.bfloat16):  # their forward proved by its code
+                    packs = input_dtype(operator, stock.initial_state(1, 8, 2))
+                assert (packs == torch.bfloat16) == (name in ("UNet", "UNetUnitary")), name
     finally:
         for name in set(sys.modules) - before:  # their src and src.models, as the script made them
             del sys.modules[name]

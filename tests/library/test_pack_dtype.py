@@ -25,6 +25,24 @@ def converted_stock_unet():
     return qca_lowmem.convert(stock.UNetUnitary(2, 8))[0]
 
 
+class TheirUNetUnitary(stock.UNetUnitary):
+    """The users' UNetUnitary.forward as their file writes it (its own local names)."""
+
+    def forward(self, x_cat):
+        x1 = self.inc(x_cat)
+        x2 = self.down1(x1)
+        x3 = self.down2(x2)
+        b = self.bot(x3)
+        u1 = self.up1(b)
+        s1 = torch.cat([u1, x2], dim=1)
+        c1 = self.conv_up1(s1)
+        u2 = self.up2(c1)
+        s2 = torch.cat([u2, x1], dim=1)
+        c2 = self.conv_up2(s2)
+        delta_psi = self.outc(c2)
+        return delta_psi
+
+
 class EditedForward(stock.UNetUnitary):
     def forward(self, x_cat):
         return super().forward(x_cat) + 0 * x_cat.sum()  # reads x outside inc
@@ -46,6 +64,7 @@ def test_autocast_s_dtype_only_where_proved():
         assert input_dtype(ours, PSI) == torch.float16
     assert input_dtype(ours, PSI) is None  # no autocast
     assert dtype_under_bf16(ours, PSI.to(torch.complex128)) is None  # a float64 input is not cast
+    assert dtype_under_bf16(qca_lowmem.convert(TheirUNetUnitary(2, 8))[0]) == torch.bfloat16
     assert dtype_under_bf16(stock.UNetUnitary(2, 8)) is None  # inc not fused
     assert dtype_under_bf16(qca_lowmem.convert(EditedForward(2, 8))[0]) is None
     assert dtype_under_bf16(qca_lowmem.convert(IncOnTheClass(2, 8))[0]) is None
