@@ -12,8 +12,10 @@
 # sanitize: compute-sanitizer memcheck (caching allocator off, so a write into a neighbouring
 #           tensor is seen) and initcheck over the CUDA op tests, racecheck over GN+ELU's kernels,
 #           both the one-block and the split-group paths
-# bench:    kernels (QCA step, blocks, scaler), episode and plan (plan vs measured peaks); each
-#           also a phase of its own; results in benchmarks/results/
+# bench:    kernels (QCA step, blocks, scaler, gradient accumulation), episode and plan (plan vs
+#           measured peaks); each also a phase of its own; results in benchmarks/results/
+# accumulate: benchmarks/bench_accumulate.py, a step's gradient accumulation against torch's adds
+#           (about 10 s)
 # users:    the episode rows issue 41 asks for, profiled (kernels and host waits per step, GPU
 #           busy): the users' trainer stock and through enable()'s defaults, the captured step
 #           NCHW and channels_last (benchmarks/results/episode_users_<device>.json, about 3 minutes)
@@ -111,7 +113,9 @@ phase() {
       run bench_qca_step "$PYTHON" benchmarks/bench_qca_step.py
       run bench_block "$PYTHON" benchmarks/bench_block.py
       run bench_scaler "$PYTHON" benchmarks/bench_scaler.py
+      phase accumulate
       ;;
+    accumulate) run bench_accumulate "$PYTHON" benchmarks/bench_accumulate.py ;;
     # shellcheck disable=SC2086
     episode) run bench_episode "$PYTHON" benchmarks/bench_episode.py ${EPISODE_ARGS:-} ;;
     plan) run bench_plan "$PYTHON" benchmarks/bench_plan.py ;;
@@ -149,7 +153,7 @@ phase() {
       [ -d atheria/deps ] && deps=(--pythonpath "$PWD/atheria/deps")
       run pipeline "$PYTHON" benchmarks/users_pipeline.py "${deps[@]}" ${PIPELINE_ARGS:-}
       ;;
-    *) echo "unknown phase: $1 (build, probe, test, sanitize, bench, kernels, episode, plan, users, peer, grids, overlap, pipeline, cap, cap128)"; exit 2 ;;
+    *) echo "unknown phase: $1 (build, probe, test, sanitize, bench, kernels, accumulate, episode, plan, users, peer, grids, overlap, pipeline, cap, cap128)"; exit 2 ;;
   esac
 }
 echo "=== $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -n 1); $("$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1); $(nproc) CPUs; $(git rev-parse --short HEAD 2>/dev/null)"

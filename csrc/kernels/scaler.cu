@@ -11,6 +11,8 @@
 // of every dtype into their accumulators.
 #include <math.h>
 
+#include <type_traits>
+
 #include "qca_cuda_common.cuh"
 #include "qca_lowmem/scaler.h"
 #include "scaler_batches.h"
@@ -212,17 +214,64 @@ __global__ void __launch_bounds__(1) scale_update_kernel(const qca_scale_update_
                         p.growth_interval);
 }
 
-// One part of a pair: the sum in math_t, rounded once into the accumulator's type. The element
-// types are the same for the whole block; the accumulated lists are a few MB, so the launch, not
-// the loads, is what a step pays for.
-template <typename math_t>
-__device__ __forceinline__ void accumulate_part(void* acc, qca_dtype acc_dtype, const void* grad,
-                                                qca_dtype grad_dtype, int64_t begin, int64_t end) {
-  using qca_lowmem_cuda::load_as;
-  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x)
-    qca_lowmem_cuda::store_as<math_t>(
-        acc, acc_dtype, i,
-        load_as<math_t>(acc, acc_dtype, i) + load_as<math_t>(grad, grad_dtype, i));
+// Gradient accumulation. A step's list is one gradient a parameter (28M reals at the default
+// U-Net), so the pass is bound by memory: four reals a thread per iteration, in 8- to 32-byte loads
+// and stores where both tensors are aligned to them (a part starts at a multiple of four reals).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Reals {
+  T v[N];
+};
+
+// x of type T as math_t (exact), and a math_t rounded once into T (a narrow T through float, as
+// torch's double -> half cast).
+template <typename math_t, typename T>
+__device__ __forceinline__ math_t widen(T x) {
+  return (math_t)Real<T>::load(x);
+}
+template <typename T, typename math_t>
+__device__ __forceinline__ T narrow(math_t x) {
+  return Real<T>::store((typename Real<T>::math)x);
+}
+
+template <typename A, typename G>
+__device__ __forceinline__ void accumulate_typed(void* acc_data, const void* grad_data,
+                                                 int64_t begin, int64_t end) {
+  using math_t =
+      typename std::conditional<std::is_same<A, double>::value || std::is_same<G, double>::value,
+                                double, float>::type;
+  constexpr int kVec = 4;
+  A* acc = static_cast<A*>(acc_data);
+  const G* grad = static_cast<const G*>(grad_data);
+  int64_t i = begin;
+  if (reinterpret_cast<uintptr_t>(acc) % sizeof(Reals<A, kVec>) == 0 &&
+      reinterpret_cast<uintptr_t>(grad) % sizeof(Reals<G, kVec>) == 0) {
+    const int64_t vec_end = begin + (end - begin) / kVec * kVec;
+    Reals<A, kVec>* acc_vec = reinterpret_cast<Reals<A, kVec>*>(acc);
+    const Reals<G, kVec>* grad_vec = reinterpret_cast<const Reals<G, kVec>*>(grad);
+    for (int64_t j = begin / kVec + threadIdx.x; j < vec_end / kVec; j += blockDim.x) {
+      Reals<A, kVec> a = acc_vec[j];
+      const Reals<G, kVec> g =
+          grad_vec[j];  // read before the write: a gradient may be its accumulator
+#pragma unroll
+      for (int k = 0; k < kVec; ++k)
+        a.v[k] = narrow<A, math_t>(widen<math_t>(a.v[k]) + widen<math_t>(g.v[k]));
+      acc_vec[j] = a;
+    }
+    i = vec_end;
+  }
+  for (int64_t j = i + threadIdx.x; j < end; j += blockDim.x)
+    acc[j] = narrow<A, math_t>(widen<math_t>(acc[j]) + widen<math_t>(grad[j]));
+}
+
+template <typename A>
+__device__ __forceinline__ void accumulate_from(void* acc, const void* grad, qca_dtype grad_dtype,
+                                                int64_t begin, int64_t end) {
+  switch (grad_dtype) {
+    case QCA_F32: accumulate_typed<A, float>(acc, grad, begin, end); return;
+    case QCA_F64: accumulate_typed<A, double>(acc, grad, begin, end); return;
+    case QCA_F16: accumulate_typed<A, __half>(acc, grad, begin, end); return;
+    case QCA_BF16: accumulate_typed<A, __nv_bfloat16>(acc, grad, begin, end); return;
+  }
 }
 
 __global__ void __launch_bounds__(kThreads) accumulate_chunks_kernel(const AccumulateBatch batch) {
@@ -231,14 +280,15 @@ __global__ void __launch_bounds__(kThreads) accumulate_chunks_kernel(const Accum
   const int64_t part = (int64_t)batch.entry_chunk[entry] * kSplit + blockIdx.x % kSplit;
   const int64_t begin = part * kPart;
   const int64_t end = min(batch.numel[slot], begin + kPart);
-  const qca_dtype acc_dtype = (qca_dtype)batch.accumulator_dtype[slot];
+  void* acc = batch.accumulator[slot];
+  const void* grad = batch.grad[slot];
   const qca_dtype grad_dtype = (qca_dtype)batch.grad_dtype[slot];
-  if (acc_dtype == QCA_F64 || grad_dtype == QCA_F64)
-    accumulate_part<double>(batch.accumulator[slot], acc_dtype, batch.grad[slot], grad_dtype, begin,
-                            end);
-  else
-    accumulate_part<float>(batch.accumulator[slot], acc_dtype, batch.grad[slot], grad_dtype, begin,
-                           end);
+  switch ((qca_dtype)batch.accumulator_dtype[slot]) {
+    case QCA_F32: accumulate_from<float>(acc, grad, grad_dtype, begin, end); return;
+    case QCA_F64: accumulate_from<double>(acc, grad, grad_dtype, begin, end); return;
+    case QCA_F16: accumulate_from<__half>(acc, grad, grad_dtype, begin, end); return;
+    case QCA_BF16: accumulate_from<__nv_bfloat16>(acc, grad, grad_dtype, begin, end); return;
+  }
 }
 
 bool valid_dtype(qca_dtype d) {
