@@ -23,7 +23,9 @@ trainer's own psi0 draw; the switch's step captured (on the CPU stand-in of CUDA
 replays the ops its capture recorded, as a GPU does, on one lane or two); ConvBlocks of a class
 whose forward is edited, before the switch or between episodes; an operator keeping state between
 calls (a call counter on the module, in a closure or a global; calls logged in a list). Every
-checkpoint policy.
+checkpoint policy. Any of these in float32 under bf16 autocast (`amp`): stock's episode as its own
+use_amp runs it (V3 inside one autocast region), the switch with amp_dtype="bf16", judged at bf16's
+rounding (switch_oracle.BF16).
 
 CI runs QCA_FUZZ_EXAMPLES examples (default 100, about 20 s on two shared cores once they pass); a long search:
     QCA_FUZZ_EXAMPLES=3000 python -m pytest -q tests/atheria/test_switch_fuzz.py   # about 10 min
@@ -38,7 +40,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fixtures.switch_oracle import first_difference, is_clear, verdict
+from fixtures.switch_oracle import BF16, bitwise_equal, first_difference, is_clear, verdict
 from fixtures.switch_variants import OPS, POLICIES, Variant, outcome
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,6 +68,7 @@ EDITS = {
     "state_object": st.just({"state_object": False}),
     "graph": st.fixed_dictionaries({"graph": st.sampled_from(["one lane", "two lanes queued", "two lanes joined"])}),
     "block": st.fixed_dictionaries({"block": st.sampled_from(["edited", "edited_after"])}),
+    "amp": st.just({"amp": True}),
     "op_state": st.fixed_dictionaries({"op_state": st.sampled_from(["module_counter", "closure_counter",
                                                                     "global_counter", "dict_counter", "logged"])}),
 }
@@ -98,6 +101,23 @@ def test_the_fuzzers_oracle_tells_a_dropped_edit_from_rounding():
     assert first_difference(warmed, plain) is not None and first_difference(plain, plain) is None
     for policy in POLICIES:
         assert verdict(Variant(policy=policy)) is None
+
+
+@pytest.mark.parametrize("version", ["v4", "v3"])
+def test_the_oracle_under_bf16_tells_a_dropped_edit_and_follows_stock_s_autocast(version):
+    """Under bf16 the property can fail too (a dropped LR warm-up shows in the updates' norms), the
+    edit-free variant passes under every policy, and stock's bf16 run is the one autocast region
+    the switch's episode runs: where the switch runs the users' own step without recomputing
+    (an operator whose output jumps, checkpoint="none"), its episodes are stock's to the bit."""
+    plain, warmed = (outcome(Variant(version=version, amp=True, trainer="instance_function", warmup=warmup), False)
+                     for warmup in (False, True))
+    assert first_difference(warmed, plain, BF16) is not None and first_difference(plain, plain, BF16) is None
+    for policy in POLICIES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert verdict(Variant(version=version, policy=policy, amp=True)) is None
+    own_step = Variant(version=version, policy="none", op="remainder", amp=True)
+    assert bitwise_equal(outcome(own_step, True), outcome(own_step, False))
 
 
 def test_a_clear_refusal_names_who_refused():
