@@ -320,6 +320,39 @@ def test_fp16_on_cuda_without_a_scaler_gets_one_and_disable_removes_it():
     assert trainer.scaler is None
 
 
+def test_use_amp_changed_after_enable_is_refused_at_the_episode_naming_it():
+    """Their episode reads use_amp at every episode; enable() read it once for the precision, so an
+    episode after a change refuses, naming it and the fixes, before anything trains (set back, it
+    trains on); with amp_dtype given, use_amp is not read."""
+    trainer = make_trainer(qca_steps=2)
+    qca_lowmem.enable(trainer)
+    run_episodes(trainer, [0])
+    trainer.use_amp = True
+    weights = [p.detach().clone() for p in trainer.motor.operator.parameters()]
+    with pytest.raises(RuntimeError, match=r"^qca_lowmem: trainer\.use_amp is True now, but enable\(\) read it as False "
+                                           r"and runs every episode fp32: .*disable\(trainer\), then enable\(trainer\)"):
+        trainer.train_episode(1)
+    assert all(torch.equal(p, w) for p, w in zip(trainer.motor.operator.parameters(), weights))
+    trainer.use_amp = 0  # their `if self.use_amp` reads it as False
+    assert math.isfinite(trainer.train_episode(1)[0])
+
+    given = make_trainer(qca_steps=2)
+    qca_lowmem.enable(given, amp_dtype="bf16")
+    given.use_amp = True
+    assert math.isfinite(given.train_episode(0)[0])
+
+
+@cuda_only
+def test_use_amp_turned_off_after_enable_on_cuda_is_refused():
+    trainer = make_trainer(scaler=torch.amp.GradScaler("cuda"), device="cuda", use_amp=True)
+    qca_lowmem.enable(trainer)
+    run_episodes(trainer, [0])
+    trainer.use_amp = False
+    with pytest.raises(RuntimeError, match=r"^qca_lowmem: trainer\.use_amp is False now, but enable\(\) read it as "
+                                           r"True and runs every episode fp16"):
+        trainer.train_episode(1)
+
+
 DEFAULT_ON_CUDA = """
 import warnings
 import torch

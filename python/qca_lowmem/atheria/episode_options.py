@@ -25,6 +25,9 @@ class EpisodeOptions:
     given: Options  # as enable() was given them; what needs resolving is resolved below
     policy: Policy
     amp_dtype: torch.dtype  # the compute dtype the episode's autocast runs
+    # trainer.use_amp as enable() read it for amp_dtype (None where amp_dtype was given, or there is
+    # none): their episode reads it at every episode, so an episode refuses another value
+    use_amp: Optional[bool]
     grid: Optional[Tuple[int, int]]  # psi0's grid, where the stock draw makes psi0
     batch_size: Optional[int]
     d_state: int
@@ -184,10 +187,8 @@ def resolve_options(trainer, version: TrainerVersion, given: Options) -> Episode
     device = next(trainer.motor.operator.parameters()).device
     _check_placement(trainer, device)
     policy.check_device(device, "enable()")
-    if given.amp_dtype is None and getattr(trainer, "use_amp", False):
-        compute_dtype = torch.float16
-    else:
-        compute_dtype = parse_amp_dtype(given.amp_dtype)
+    use_amp = bool(trainer.use_amp) if given.amp_dtype is None and hasattr(trainer, "use_amp") else None
+    compute_dtype = torch.float16 if use_amp else parse_amp_dtype(given.amp_dtype)
     try:
         precision.refuse_fp16_on_cpu(compute_dtype, device, "amp_dtype='fp16', or the trainer's use_amp",
                                      "amp_dtype='bf16' (the CPU's half precision) or 'fp32'")
@@ -209,8 +210,8 @@ def resolve_options(trainer, version: TrainerVersion, given: Options) -> Episode
     noise_said = "" if given.noise != "fused" else "fused noise" if version.has_noise else (
         f"no noise ({version.name}'s episode has none; noise='fused' unread)")
     return EpisodeOptions(
-        given=given, policy=policy, amp_dtype=compute_dtype, grid=grid, batch_size=batch_size, d_state=d_state,
-        initial_state=initial_state, fused_step_ops=given.fused_step_ops and own_step is None, own_step=own_step,
+        given=given, policy=policy, amp_dtype=compute_dtype, use_amp=use_amp, grid=grid, batch_size=batch_size,
+        d_state=d_state, initial_state=initial_state, fused_step_ops=given.fused_step_ops and own_step is None, own_step=own_step,
         fused_blocks=given.fused_blocks and own_step is None,  # the fused blocks round differently too
         channels_last=channels_last, cuda_graph=cuda_graph, cuda_graph_said=cuda_graph_said, noise_said=noise_said)
 

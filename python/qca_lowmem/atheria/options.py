@@ -53,7 +53,8 @@ class Options:
         f"one of {MODES} or a Policy", lambda v: isinstance(v, Policy) or isinstance(v, str) and v in MODES,
         lowmem_key=True, positional=True)
     amp_dtype: Optional[Union[str, torch.dtype]] = option(
-        None, 'None follows the trainer (fp16 autocast when `trainer.use_amp`), else "fp32", "bf16" or "fp16"; '
+        None, 'None follows the trainer (fp16 autocast when `trainer.use_amp`, read at enable(): an episode after '
+        'it changes refuses), else "fp32", "bf16" or "fp16"; '
         "the state and its normalisation stay complex64 either way. bf16 on a GPU below compute capability 8.0 "
         "(emulated there) becomes fp16 with the loss scaler, with a warning.",
         "one of None, 'fp32', 'bf16', 'fp16' (or a torch dtype)", _is_amp_dtype, lowmem_key=True, positional=True)

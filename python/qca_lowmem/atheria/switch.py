@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..precision import autocast
+from ..precision import amp_name, autocast
 from ..recompute import rollout
 from ..recompute.policy import NONE
 from .captures import StepCaptures
@@ -160,6 +160,7 @@ def _lowmem_train_episode(trainer, episode_num):
     running the episode through qca_lowmem.rollout."""
     state: _Saved = getattr(trainer, _STATE_ATTR)
     _check_engine(trainer, state)
+    _check_precision(trainer, state.options)
     state.undo.blocks = still_stock(state.undo.blocks)
     opts, version = state.options, state.version
     operator = trainer.motor.operator
@@ -224,6 +225,16 @@ def _check_engine(trainer, state: _Saved):
         raise RuntimeError(f"qca_lowmem: trainer.motor ({type(trainer.motor).__name__}) is not the engine enable() "
                            "changed (set after enable(), or after copying the trainer): qca_lowmem.disable(trainer), "
                            "then enable(trainer) again")
+
+
+def _check_precision(trainer, opts):
+    """The precision enable() read off trainer.use_amp is the one their episode would read now."""
+    if opts.use_amp is None or bool(getattr(trainer, "use_amp", False)) == opts.use_amp:
+        return
+    raise RuntimeError(f"qca_lowmem: trainer.use_amp is {getattr(trainer, 'use_amp', None)!r} now, but enable() read "
+                       f"it as {opts.use_amp!r} and runs every episode {amp_name(opts.amp_dtype)}: set it back, "
+                       "or qca_lowmem.disable(trainer), then enable(trainer) again, which reads it anew (amp_dtype= "
+                       "given to enable() fixes the precision whatever use_amp says)")
 
 
 def _max_norm(trainer, opts, version):
