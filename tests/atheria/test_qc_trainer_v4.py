@@ -342,6 +342,26 @@ def test_use_amp_changed_after_enable_is_refused_at_the_episode_naming_it():
     assert math.isfinite(given.train_episode(0)[0])
 
 
+def test_a_grid_changed_between_episodes_is_refused_where_enable_read_it():
+    """A grid curriculum: stock's own draw reads trainer.grid_size at every episode; enable() read it
+    once (and proved the step there), so the next episode refuses, naming old and new, before
+    anything trains; the engine's state reset reads its config itself, and follows it."""
+    trainer = QC_Trainer_v4(make_config(grid=8, qca_steps=2), state_object=False)
+    qca_lowmem.enable(trainer)
+    trainer.train_episode(0)
+    trainer.grid_size = 16
+    with pytest.raises(RuntimeError, match=r"^qca_lowmem: the trainer's grid is 16x16 now \(8x8 at enable\(\)\), where "
+                                           r"enable\(\) read it .*disable\(trainer\), then enable\(trainer\) again"):
+        trainer.train_episode(1)
+    trainer.grid_size = (8, 8)
+    assert trainer.train_episode(1)[2].shape == (1, 8, 8, 4)
+
+    with_state = QC_Trainer_v4(make_config(grid=8, qca_steps=2), state_object=True)
+    qca_lowmem.enable(with_state)
+    with_state.motor.cfg.GRID_SIZE_TRAINING = 16
+    assert with_state.train_episode(0)[2].shape == (1, 16, 16, 4)
+
+
 @cuda_only
 def test_use_amp_turned_off_after_enable_on_cuda_is_refused():
     trainer = make_trainer(scaler=torch.amp.GradScaler("cuda"), device="cuda", use_amp=True)

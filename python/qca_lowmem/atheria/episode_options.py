@@ -129,6 +129,27 @@ def _infer_grid(trainer) -> Tuple[int, int]:
     )
 
 
+def check_psi0_read(trainer, opts: EpisodeOptions) -> None:
+    """The grid and d_state enable() read off the trainer (not given) are the ones the stock draw
+    would read now: a grid changed between episodes (a curriculum) is refused, since the engine's
+    probe and the fused step were proved at the grid read."""
+    read = [(name, value, now(trainer)) for name, value, given, now in (
+        ("grid", opts.grid, opts.given.grid_size, _infer_grid),
+        ("d_state", opts.d_state, opts.given.d_state, lambda t: _infer_d_state(t, t.motor.operator)))
+        if value is not None and given is None]
+    changed = [f"{name} is {_shape_said(value_now)} now ({_shape_said(value)} at enable())"
+               for name, value, value_now in read if value_now != value]
+    if changed:
+        it = "it" if len(changed) == 1 else "them"
+        raise RuntimeError(f"qca_lowmem: the trainer's {' and '.join(changed)}, where enable() read {it} for every "
+                           f"episode's psi0 and proved the step: qca_lowmem.disable(trainer), then enable(trainer) "
+                           f"again, which reads {it} anew")
+
+
+def _shape_said(value) -> str:
+    return "x".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
 _STATE_RESETS = ("_reset_state_random", "reset_state_random", "reset_state")
 
 

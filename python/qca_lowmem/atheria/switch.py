@@ -29,7 +29,7 @@ from .engine_step import (
     put_side_state,
     side_state_of,
 )
-from .episode_options import EpisodeOptions, resolve_options
+from .episode_options import EpisodeOptions, check_psi0_read, resolve_options
 from .fused_blocks import Swapped, put_back, still_stock, swap_in
 from .operator_code import state_drift
 from .options import Options, enable_signature, options_doc
@@ -161,6 +161,7 @@ def _lowmem_train_episode(trainer, episode_num):
     state: _Saved = getattr(trainer, _STATE_ATTR)
     _check_engine(trainer, state)
     _check_precision(trainer, state.options)
+    check_psi0_read(trainer, state.options)
     state.undo.blocks = still_stock(state.undo.blocks)
     opts, version = state.options, state.version
     operator = trainer.motor.operator
