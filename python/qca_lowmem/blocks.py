@@ -103,6 +103,8 @@ def _norm_mismatch(layer: nn.Module, index: int, channels: int) -> Optional[str]
         return f"layer {index} is {type(layer).__name__}, expected GroupNorm"
     if not layer.affine:
         return f"layer {index} is a GroupNorm without affine parameters, expected affine=True"
+    if layer.weight is None or layer.bias is None:  # set to None after it was made
+        return f"layer {index} is a GroupNorm whose {'weight' if layer.weight is None else 'bias'} is None"
     if layer.num_channels != channels:
         return f"layer {index} is GroupNorm over {layer.num_channels} channels after a conv with {channels}"
     return None

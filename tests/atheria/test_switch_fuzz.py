@@ -18,15 +18,15 @@ sign); global forward and forward-pre hooks, a hook on an inner Conv2d (kept or 
 episodes), a forward set on its instance, a hook recording an activity penalty added to the loss,
 each registered before or after the switch; the LOWMEM section as a dict or an object, with a
 misspelt key; grid_size spelt several ways; copy.copy / deepcopy of the enabled trainer, trained;
-qca_steps, the learning rate, max_noise, a GroupNorm's eps or the grid (the trainer's, or its config's)
-changed between episodes; noisy episodes; the V4 trainer's own psi0 draw; the switch's step captured
-(on the CPU stand-in of CUDA graphs, which replays the ops its capture recorded, as a GPU does, on
-one lane or two); ConvBlocks of a class
-whose forward is edited, before the switch or between episodes; an operator keeping state between
-calls (a call counter on the module, in a closure or a global; calls logged in a list). Every
-checkpoint policy. Any of these in float32 under bf16 autocast (`amp`): stock's episode as its own
-use_amp runs it (V3 inside one autocast region), the switch with amp_dtype="bf16", judged at bf16's
-rounding (switch_oracle.BF16).
+qca_steps, the learning rate, max_noise, a GroupNorm's eps or affine (set to None), frozen layers or
+the grid (the trainer's, or its config's) changed between episodes; noisy episodes; the V4 trainer's own psi0
+draw; the switch's step captured (on the CPU stand-in of CUDA graphs, which replays the ops its
+capture recorded, as a GPU does, on one lane or two); ConvBlocks of a class whose forward is edited,
+before the switch or between episodes; an operator keeping state between calls (a call counter on
+the module, in a closure or a global; calls logged in a list). Every checkpoint policy. Any of
+these in float32 under bf16 autocast (`amp`): stock's episode as its own use_amp runs it (V3 inside
+one autocast region), the switch with amp_dtype="bf16", judged at bf16's rounding
+(switch_oracle.BF16).
 
 CI runs QCA_FUZZ_EXAMPLES examples (default 100, about 20 s on two shared cores once they pass); a long search:
     QCA_FUZZ_EXAMPLES=3000 python -m pytest -q tests/atheria/test_switch_fuzz.py   # about 10 min
@@ -65,7 +65,7 @@ EDITS = {
     "grid_size": st.fixed_dictionaries({"grid_size": st.sampled_from([8, (8, 8), [8, 8], "8", "128", True, 8.0, (8,)])}),
     "copy": st.fixed_dictionaries({"copy": st.sampled_from(["copy", "deepcopy"])}),
     "attribute": st.fixed_dictionaries({"attribute": st.sampled_from(["qca_steps", "lr", "max_noise", "norm_eps",
-                                                                      "grid_size", "cfg_grid"])}),
+                                                                      "norm_affine", "frozen", "grid_size", "cfg_grid"])}),
     "noise": st.just({"noise": True}),
     "state_object": st.just({"state_object": False}),
     "graph": st.fixed_dictionaries({"graph": st.sampled_from(["one lane", "two lanes queued", "two lanes joined"])}),

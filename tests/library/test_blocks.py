@@ -637,6 +637,22 @@ def test_convert_leaves_other_blocks_alone_and_reports_them():
     assert "left 5 alone" in str(report)
 
 
+@pytest.mark.parametrize("affine", ["weight", "bias"])
+def test_a_groupnorm_affine_set_to_none_runs_the_stock_layers_and_is_not_converted(affine):
+    """A GroupNorm keeps affine=True when a researcher sets its weight or bias to None (torch's
+    group_norm then skips it): the fused block, asking at each call, runs the stock layers, and
+    convert() leaves such a block alone, naming it."""
+    stock_block = randomize_affine(R.ConvBlock(4, 8))
+    fused, _ = qca_lowmem.convert(copy.deepcopy(stock_block))
+    for block in (stock_block, fused):
+        setattr(block.conv_block[4], affine, None)
+    x = torch.randn(2, 4, 8, 8)
+    assert not fused.runs_fused()
+    assert torch.equal(fused(x), stock_block(x))
+    _, report = qca_lowmem.convert(nn.ModuleDict({"edited": stock_block}))
+    assert report.converted == [] and f"GroupNorm whose {affine} is None" in dict(report.skipped)["edited"]
+
+
 def test_convert_root_block_and_shared_block():
     block = randomize_affine(R.ConvBlock(4, 8))
     fused, report = qca_lowmem.convert(block)

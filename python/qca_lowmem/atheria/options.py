@@ -89,8 +89,8 @@ class Options:
         "trainer's own state reset when its engine has one (`motor.state._reset_state_random()`, then "
         "`motor.state.psi`; grid_size and batch_size, which would replace it, are refused), else the stock draw "
         "(batch_size, default 1) on the global torch RNG with the grid from trainer.grid_size or "
-        "motor.cfg.GRID_SIZE_TRAINING, read at enable(): an episode after it changes refuses. A V3 trainer draws its own, `motor.get_initial_state(trainer.batch_size)`, "
-        "and refuses grid_size and batch_size.",
+        "motor.cfg.GRID_SIZE_TRAINING, read at enable(): an episode after it changes refuses. A V3 trainer "
+        "draws its own, `motor.get_initial_state(trainer.batch_size)`, and refuses grid_size and batch_size.",
         "an int >= 1, a pair of ints >= 1 or None", lambda v: v is None or _positive_int(v) or isinstance(
             v, (tuple, list)) and len(v) == 2 and all(_positive_int(side) for side in v))
     batch_size: Optional[int] = option(
