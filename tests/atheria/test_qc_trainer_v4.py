@@ -13,7 +13,7 @@ import torch
 
 import qca_lowmem
 from helpers import cuda_only, randomize_affine
-from qca_lowmem.examples import QC_Trainer_v4, make_config
+from qca_lowmem.examples import QC_Trainer_v3, QC_Trainer_v4, make_config
 from qca_lowmem.stock import ConvBlock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -360,6 +360,31 @@ def test_a_grid_changed_between_episodes_is_refused_where_enable_read_it():
     qca_lowmem.enable(with_state)
     with_state.motor.cfg.GRID_SIZE_TRAINING = 16
     assert with_state.train_episode(0)[2].shape == (1, 16, 16, 4)
+
+
+@pytest.mark.parametrize("version", ["v4", "v3"])
+def test_an_autocast_around_train_episode_is_refused_unless_amp_dtype_was_given(version):
+    """A loop wrapped in torch.autocast: V3's stock episode (and Atheria's V4 off CUDA, which sets
+    CUDA's autocast only) runs its forward in it, where the lowmem episode would run enable()'s
+    precision, silently another answer. Refused before anything trains, naming both; with amp_dtype
+    given, that decides and the episode trains (bf16 both ways here)."""
+    cfg = make_config(grid=8, d_state=2, hidden=4, qca_steps=2)
+    make = (lambda: QC_Trainer_v4(cfg)) if version == "v4" else (lambda: QC_Trainer_v3(cfg, batch_size=2))
+    trainer = make()
+    qca_lowmem.enable(trainer)
+    weights = [p.detach().clone() for p in trainer.optimizer.param_groups[0]["params"]]
+    name = type(trainer).__name__
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            RuntimeError, match=rf"^qca_lowmem: train_episode was called inside torch\.autocast\('cpu', "
+                                rf"dtype=torch\.bfloat16\): {name}'s episode sets .* where enable\(\) runs fp32; give "
+                                r"enable\(\) amp_dtype"):
+        trainer.train_episode(0)
+    assert all(torch.equal(p, w) for p, w in zip(trainer.optimizer.param_groups[0]["params"], weights))
+    assert math.isfinite(trainer.train_episode(0)[0])  # outside it, as before
+    given = make()
+    qca_lowmem.enable(given, amp_dtype="bf16")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert math.isfinite(given.train_episode(0)[0])
 
 
 @cuda_only

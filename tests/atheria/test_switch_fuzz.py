@@ -26,7 +26,7 @@ before the switch or between episodes; an operator keeping state between calls (
 the module, in a closure or a global; calls logged in a list). Every checkpoint policy. Any of
 these in float32 under bf16 autocast (`amp`): stock's episode as its own use_amp runs it (V3 inside
 one autocast region), the switch with amp_dtype="bf16", judged at bf16's rounding
-(switch_oracle.BF16).
+(switch_oracle.BF16). Each train_episode called inside the caller's own bf16 autocast.
 
 CI runs QCA_FUZZ_EXAMPLES examples (default 100, about 20 s on two shared cores once they pass); a long search:
     QCA_FUZZ_EXAMPLES=3000 python -m pytest -q tests/atheria/test_switch_fuzz.py   # about 10 min
@@ -71,6 +71,7 @@ EDITS = {
     "graph": st.fixed_dictionaries({"graph": st.sampled_from(["one lane", "two lanes queued", "two lanes joined"])}),
     "block": st.fixed_dictionaries({"block": st.sampled_from(["edited", "edited_after"])}),
     "amp": st.just({"amp": True}),
+    "caller_autocast": st.just({"caller_autocast": True}),
     "op_state": st.fixed_dictionaries({"op_state": st.sampled_from(["module_counter", "closure_counter",
                                                                     "global_counter", "dict_counter", "logged"])}),
 }

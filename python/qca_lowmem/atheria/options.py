@@ -54,7 +54,8 @@ class Options:
         lowmem_key=True, positional=True)
     amp_dtype: Optional[Union[str, torch.dtype]] = option(
         None, 'None follows the trainer (fp16 autocast when `trainer.use_amp`, read at enable(): an episode after '
-        'it changes refuses), else "fp32", "bf16" or "fp16"; '
+        'it changes refuses; a train_episode called inside an autocast of the caller\'s, which the trainer\'s '
+        'episode would run in, refuses), else "fp32", "bf16" or "fp16", whatever the caller\'s autocast; '
         "the state and its normalisation stay complex64 either way. bf16 on a GPU below compute capability 8.0 "
         "(emulated there) becomes fp16 with the loss scaler, with a warning.",
         "one of None, 'fp32', 'bf16', 'fp16' (or a torch dtype)", _is_amp_dtype, lowmem_key=True, positional=True)

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..precision import amp_name, autocast
+from ..precision import amp_name, autocast, autocast_dtype
 from ..recompute import rollout
 from ..recompute.policy import NONE
 from .captures import StepCaptures
@@ -166,6 +166,7 @@ def _lowmem_train_episode(trainer, episode_num):
     opts, version = state.options, state.version
     operator = trainer.motor.operator
     device = next(operator.parameters()).device
+    _check_caller_autocast(trainer, opts, version, device)
 
     if opts.fused_step_ops and not state.said.compiled and compiled_module(operator) is not operator:
         state.said.compiled = True
@@ -236,6 +237,21 @@ def _check_precision(trainer, opts):
                        f"it as {opts.use_amp!r} and runs every episode {amp_name(opts.amp_dtype)}: set it back, "
                        "or qca_lowmem.disable(trainer), then enable(trainer) again, which reads it anew (amp_dtype= "
                        "given to enable() fixes the precision whatever use_amp says)")
+
+
+def _check_caller_autocast(trainer, opts, version, device):
+    """An autocast the caller entered around train_episode: their episode runs its forward under it
+    where it sets none of its own (V3; V4 off CUDA), the lowmem episode in the precision enable()
+    resolved. Refused unless enable() was given amp_dtype, which then decides."""
+    caller = autocast_dtype(device.type)
+    if caller is None or opts.given.amp_dtype is not None or device.type in version.own_autocast:
+        return
+    own = (f"{version.name}'s episode sets only {' and '.join(version.own_autocast).upper()}'s autocast, so its forward "
+           "may run in it" if version.own_autocast else f"{version.name}'s episode sets none, so its forward runs in it")
+    raise RuntimeError(f"qca_lowmem: train_episode was called inside torch.autocast({device.type!r}, dtype={caller}): "
+                       f"{own}, where enable() runs {amp_name(opts.amp_dtype)}; give enable() amp_dtype (the LOWMEM "
+                       "section's amp_dtype) to train in the precision you choose, or call train_episode outside the "
+                       "autocast")
 
 
 def _max_norm(trainer, opts, version):

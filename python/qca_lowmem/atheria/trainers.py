@@ -49,6 +49,8 @@ class TrainerVersion(Protocol):
 
     name: str  # the users' class name of that version
     draws_own_psi0: bool  # psi0 from the trainer's own draw: enable()'s grid_size / batch_size refused
+    # the device types whose autocast the stock episode sets itself; on others it runs under the caller's
+    own_autocast: Tuple[str, ...]
     has_noise: bool  # its episodes inject noise (enable()'s `noise` is read)
     named_on_enable: bool  # enable()'s line names this version's episode
     required: Tuple[str, ...]  # the attribute paths a trainer of this version has
@@ -84,6 +86,7 @@ class TrainerVersion(Protocol):
 class TrainerV4:
     name = "QC_Trainer_v4"
     draws_own_psi0 = False  # enable()'s grid_size / batch_size / the engine's state reset size psi0
+    own_autocast = ("cuda",)  # torch.cuda.amp.autocast(enabled=use_amp) around its forward
     has_noise = True  # its noise_injector, or enable(noise="fused")
     named_on_enable = False  # the default: enable()'s line names only another version's episode
     required = ("motor", "motor.operator", "motor.evolve_step", "optimizer", "qca_steps", "max_noise", "loss_fn",
@@ -146,6 +149,7 @@ class TrainerV4:
 class TrainerV3:
     name = "QC_Trainer_v3"
     draws_own_psi0 = True  # motor.get_initial_state(batch_size)
+    own_autocast = ()
     has_noise = False
     named_on_enable = True
     required = ("motor", "motor.operator", "motor.evolve_step", "motor.get_initial_state",
