@@ -12,9 +12,9 @@ The edits: train_episode wrapped with functools.wraps on the class, in a subclas
 or on the instance (with or without an LR warm-up), a subclass override; GAMMA_DECAY changed
 between episodes or by a hook mid-episode, an evolve_step override that differs every third call
 or by an epsilon below the engine probe's tolerance, a wrapped evolve_step; an op of torch's
-namespace on the operator's output or inside it (smooth: tanh, sin, softplus, elu; jumping: where,
-masked_fill, round, floor_divide, remainder, an integer cast, argmax/one_hot, fake_quantize,
-sign); global forward and forward-pre hooks, a hook on an inner Conv2d (kept or removed between
+namespace on the operator's output or inside it (smooth: tanh, sin, softplus, elu; random: dropout,
+added randn noise; jumping: where, masked_fill, round, floor_divide, remainder, an integer cast,
+argmax/one_hot, fake_quantize, sign); global forward and forward-pre hooks, a hook on an inner Conv2d (kept or removed between
 episodes), a forward set on its instance, a hook recording an activity penalty added to the loss,
 each registered before or after the switch; the LOWMEM section as a dict or an object, with a
 misspelt key; grid_size spelt several ways; copy.copy / deepcopy of the enabled trainer, trained;
