@@ -160,13 +160,14 @@ def _lowmem_train_episode(trainer, episode_num):
     running the episode through qca_lowmem.rollout."""
     state: _Saved = getattr(trainer, _STATE_ATTR)
     _check_engine(trainer, state)
-    _check_precision(trainer, state.options)
-    check_psi0_read(trainer, state.options)
-    state.undo.blocks = still_stock(state.undo.blocks)
     opts, version = state.options, state.version
     operator = trainer.motor.operator
     device = next(operator.parameters()).device
+    # What enable() read once, read again as their episode would read it now.
+    _check_precision(trainer, opts)
     _check_caller_autocast(trainer, opts, version, device)
+    check_psi0_read(trainer, opts)
+    state.undo.blocks = still_stock(state.undo.blocks)
 
     if opts.fused_step_ops and not state.said.compiled and compiled_module(operator) is not operator:
         state.said.compiled = True
