@@ -12,21 +12,22 @@ The edits: train_episode wrapped with functools.wraps on the class, in a subclas
 or on the instance (with or without an LR warm-up), a subclass override; GAMMA_DECAY changed
 between episodes or by a hook mid-episode, an evolve_step override that differs every third call
 or by an epsilon below the engine probe's tolerance, a wrapped evolve_step; an op of torch's
-namespace on the operator's output or inside it (smooth: tanh, sin, softplus, elu; random: dropout,
-added randn noise; jumping: where, masked_fill, round, floor_divide, remainder, an integer cast,
-argmax/one_hot, fake_quantize, sign); global forward and forward-pre hooks, a hook on an inner Conv2d (kept or removed between
-episodes), a forward set on its instance, a hook recording an activity penalty added to the loss,
-each registered before or after the switch; the LOWMEM section as a dict or an object, with a
-misspelt key; grid_size spelt several ways; copy.copy / deepcopy of the enabled trainer, trained;
-qca_steps, the learning rate, max_noise, a GroupNorm's eps or affine (set to None), frozen layers or
-the grid (the trainer's, or its config's) changed between episodes; noisy episodes; the V4 trainer's own psi0
-draw; the switch's step captured (on the CPU stand-in of CUDA graphs, which replays the ops its
-capture recorded, as a GPU does, on one lane or two); ConvBlocks of a class whose forward is edited,
-before the switch or between episodes; an operator keeping state between calls (a call counter on
-the module, in a closure or a global; calls logged in a list). Every checkpoint policy. Any of
-these in float32 under bf16 autocast (`amp`): stock's episode as its own use_amp runs it (V3 inside
-one autocast region), the switch with amp_dtype="bf16", judged at bf16's rounding
-(switch_oracle.BF16). Each train_episode called inside the caller's own bf16 autocast.
+namespace on the operator's output or inside it (smooth: tanh, sin, softplus, elu; random:
+dropout, added randn noise; jumping: where, masked_fill, round, floor_divide, remainder, an
+integer cast, argmax/one_hot, fake_quantize, sign); global forward and forward-pre hooks, a hook
+on an inner Conv2d (kept or removed between episodes), a forward set on its instance, a hook
+recording an activity penalty added to the loss, each registered before or after the switch; the
+LOWMEM section as a dict or an object, with a misspelt key; grid_size spelt several ways;
+copy.copy / deepcopy of the enabled trainer, trained; qca_steps, the learning rate, max_noise, a
+GroupNorm's eps or affine (set to None), frozen layers or the grid (the trainer's, or its
+config's) changed between episodes; noisy episodes; the V4 trainer's own psi0 draw; the switch's
+step captured (on the CPU stand-in of CUDA graphs, which replays the ops its capture recorded, as
+a GPU does, on one lane or two); ConvBlocks of a class whose forward is edited, before the switch
+or between episodes; an operator keeping state between calls (a call counter on the module, in a
+closure or a global; calls logged in a list). Every checkpoint policy. Any of these in float32
+under bf16 autocast (`amp`): stock's episode as its own use_amp runs it (V3 inside one autocast
+region), the switch with amp_dtype="bf16", judged at bf16's rounding (switch_oracle.BF16). Each
+train_episode called inside the caller's own bf16 autocast.
 
 CI runs QCA_FUZZ_EXAMPLES examples (default 100, about 20 s on two shared cores once they pass); a long search:
     QCA_FUZZ_EXAMPLES=3000 python -m pytest -q tests/atheria/test_switch_fuzz.py   # about 10 min
