@@ -14,7 +14,7 @@ import torch
 import qca_lowmem
 from helpers import cuda_only, randomize_affine
 from qca_lowmem.examples import QC_Trainer_v3, QC_Trainer_v4, make_config
-from qca_lowmem.stock import ConvBlock
+from qca_lowmem.stock import ConvBlock, UNetUnitary
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -76,6 +76,47 @@ def test_three_episodes_match_stock(checkpoint, slots, tmp_path):
     assert list(saved["model_state_dict"]) == list(stock.motor.operator.state_dict())
 
 
+@pytest.mark.parametrize("use_amp,amp_dtype", [(False, None), (True, "fp32")])
+def test_the_scaler_scales_where_their_episode_does(use_amp, amp_dtype):
+    """Their episode scales the loss only `if self.use_amp and self.scaler`. A scaler set with
+    use_amp False is left as stock leaves it (its scale and growth tracker; no step skipped on it).
+    With use_amp True it steps, here in the fp32 that amp_dtype asked for, and the results are
+    stock's unscaled ones within rounding (a power-of-two scale is exact)."""
+    def scaler():
+        return torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    stock, lowmem = make_trainer(scaler=scaler()), make_trainer(scaler=scaler(), use_amp=use_amp)
+    untouched = stock.scaler.state_dict()
+    qca_lowmem.enable(lowmem, amp_dtype=amp_dtype)
+    assert_same_runs(lowmem, stock, run_episodes(lowmem, range(3)), run_episodes(stock, range(3)))
+    assert stock.scaler.state_dict() == untouched
+    # Three steps at growth_interval 2: the scale doubled once, one step counted towards the next.
+    stepped = dict(untouched, scale=2048.0, _growth_tracker=1)
+    assert lowmem.scaler.state_dict() == (stepped if use_amp else untouched)
+
+
+def test_an_operator_set_on_the_engine_is_clipped_only_where_their_episode_clips_it():
+    """Their episode puts `model_operator` (the operator it was built with) in train mode and clips
+    its parameters: a model loaded into motor.operator later, with an optimizer of its own, trains
+    unclipped, under the switch too (its gradient norm is far above the clipping's 1.0)."""
+    runs = []
+    for lowmem in (False, True):
+        torch.manual_seed(4)  # float64: Adam's steps on unclipped gradients amplify float32's rounding
+        trainer = QC_Trainer_v4(make_config(dtype=torch.complex128), operator=UNetUnitary(4, 8).double())
+        loaded = UNetUnitary(4, 8).double()
+        randomize_affine(loaded)
+        with torch.no_grad():
+            loaded.outc.weight.normal_(0.0, 0.5)
+        trainer.motor.operator = loaded
+        trainer.optimizer = torch.optim.AdamW(loaded.parameters(), lr=1e-4)
+        if lowmem:
+            qca_lowmem.enable(trainer)
+        out = run_episodes(trainer, range(2))
+        runs.append((trainer, out, torch.nn.utils.get_total_norm([p.grad for p in loaded.parameters()]).item()))
+    (stock, stock_out, stock_norm), (lowmem, lowmem_out, lowmem_norm) = runs
+    assert stock_norm > 5.0 and lowmem_norm == pytest.approx(stock_norm, rel=1e-9)  # unclipped on both
+    assert_same_runs(lowmem, stock, lowmem_out, stock_out)
+
+
 def test_additive_operator_and_gamma_match_stock():
     """A non-UNetUnitary operator runs additively (stock rule), gamma decay included."""
 
@@ -102,10 +143,10 @@ def test_additive_operator_and_gamma_match_stock():
 
 def test_disable_restores_stock_behaviour():
     stock = make_trainer()
-    trainer = make_trainer(scaler=torch.amp.GradScaler("cpu", init_scale=512.0))
+    trainer = make_trainer(scaler=torch.amp.GradScaler("cpu", init_scale=512.0), use_amp=True)
     original_scaler = trainer.scaler
     blocks_before = [type(m) for m in trainer.motor.operator.modules()]
-    qca_lowmem.enable(trainer)
+    qca_lowmem.enable(trainer, amp_dtype="fp32")  # scaled (use_amp), in fp32
     run_episodes(trainer, range(1))
     trainer.scaler.update(256.0)
     qca_lowmem.disable(trainer)
@@ -117,7 +158,7 @@ def test_disable_restores_stock_behaviour():
     with pytest.raises(RuntimeError, match="not enabled"):
         qca_lowmem.disable(trainer)
     # Stock again: continuing equals a stock trainer that ran the same episodes.
-    trainer.scaler = None
+    trainer.scaler, trainer.use_amp = None, False
     run_episodes(stock, range(1))
     stock_out = run_episodes(stock, range(1, 3), seed=7)
     out = run_episodes(trainer, range(1, 3), seed=7)
@@ -318,6 +359,17 @@ def test_fp16_on_cuda_without_a_scaler_gets_one_and_disable_removes_it():
         assert loss == loss
     qca_lowmem.disable(trainer)
     assert trainer.scaler is None
+
+
+@cuda_only
+def test_fp16_from_use_amp_without_a_scaler_runs_unscaled_as_their_episode():
+    """use_amp with the scaler set to None: their episode runs fp16 autocast unscaled, and so does
+    the lowmem one (enable() adds a scaler only for an fp16 it was asked for)."""
+    trainer = make_trainer(scaler=None, device="cuda", use_amp=True)
+    qca_lowmem.enable(trainer)
+    assert trainer.scaler is None
+    for loss, _, _ in run_episodes(trainer, range(2)):
+        assert loss == loss
 
 
 def test_use_amp_changed_after_enable_is_refused_at_the_episode_naming_it():

@@ -2,7 +2,7 @@
 and config edited as researchers edit them (tests/fixtures/switch_variants.py), each variant run
 on stock and through enable() / enable_from_config for two episodes from the same seeds, in
 float64. Property: the switch gives stock's loss, psi_T, every parameter's gradient and update
-within rounding, or refuses clearly (a TypeError, ValueError or RuntimeError naming enable(),
+within rounding and the scaler's state exactly, or refuses clearly (a TypeError, ValueError or RuntimeError naming enable(),
 enable_from_config, LOWMEM or the rollout; never torch's own unpack TypeError, an IndexError or
 an AttributeError), or runs the users' own code (its line says so, or the result is stock's to the
 bit). A variant that must be refused (a misspelt LOWMEM key, a grid_size that is not an int or a
@@ -19,15 +19,17 @@ on an inner Conv2d (kept or removed between episodes), a forward set on its inst
 recording an activity penalty added to the loss, each registered before or after the switch; the
 LOWMEM section as a dict or an object, with a misspelt key; grid_size spelt several ways;
 copy.copy / deepcopy of the enabled trainer, trained; qca_steps, the learning rate, max_noise, a
-GroupNorm's eps or affine (set to None), frozen layers or the grid (the trainer's, or its
-config's) changed between episodes; noisy episodes; the V4 trainer's own psi0 draw; the switch's
+GroupNorm's eps or affine (set to None), frozen layers, the grid (the trainer's, or its
+config's) or the engine's model changed between episodes; noisy episodes; the V4 trainer's own psi0 draw; the switch's
 step captured (on the CPU stand-in of CUDA graphs, which replays the ops its capture recorded, as
 a GPU does, on one lane or two); ConvBlocks of a class whose forward is edited, before the switch
 or between episodes; an operator keeping state between calls (a call counter on the module, in a
 closure or a global; calls logged in a list). Every checkpoint policy. Any of these in float32
 under bf16 autocast (`amp`): stock's episode as its own use_amp runs it (V3 inside one autocast
 region), the switch with amp_dtype="bf16", judged at bf16's rounding (switch_oracle.BF16). Each
-train_episode called inside the caller's own bf16 autocast.
+train_episode called inside the caller's own bf16 autocast. A GradScaler set on the trainer,
+before the switch or between episodes: stock's V4 scales with it only under its use_amp (the amp
+variants), V3 never; the scaler's state after each episode is compared too.
 
 CI runs QCA_FUZZ_EXAMPLES examples (default 100, about 20 s on two shared cores once they pass); a long search:
     QCA_FUZZ_EXAMPLES=3000 python -m pytest -q tests/atheria/test_switch_fuzz.py   # about 10 min
@@ -66,13 +68,15 @@ EDITS = {
     "grid_size": st.fixed_dictionaries({"grid_size": st.sampled_from([8, (8, 8), [8, 8], "8", "128", True, 8.0, (8,)])}),
     "copy": st.fixed_dictionaries({"copy": st.sampled_from(["copy", "deepcopy"])}),
     "attribute": st.fixed_dictionaries({"attribute": st.sampled_from(["qca_steps", "lr", "max_noise", "norm_eps",
-                                                                      "norm_affine", "frozen", "grid_size", "cfg_grid"])}),
+                                                                      "norm_affine", "frozen", "grid_size", "cfg_grid",
+                                                                      "operator"])}),
     "noise": st.just({"noise": True}),
     "state_object": st.just({"state_object": False}),
     "graph": st.fixed_dictionaries({"graph": st.sampled_from(["one lane", "two lanes queued", "two lanes joined"])}),
     "block": st.fixed_dictionaries({"block": st.sampled_from(["edited", "edited_after"])}),
     "amp": st.just({"amp": True}),
     "caller_autocast": st.just({"caller_autocast": True}),
+    "scaler": st.fixed_dictionaries({"scaler": st.sampled_from(["built", "between"])}),
     "op_state": st.fixed_dictionaries({"op_state": st.sampled_from(["module_counter", "closure_counter",
                                                                     "global_counter", "dict_counter", "logged"])}),
 }

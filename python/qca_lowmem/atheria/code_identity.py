@@ -41,7 +41,7 @@ FOLLOWED: Dict[str, Dict[str, Dict[str, str]]] = {
     "3.11": {
         "QC_Trainer_v4.train_episode": {
             "cf6b56ed82e2fa931b36790d40a8c32fed4f59a9fbca7cfd9a9016de096dd82a": ATHERIA + "src/trainers/qc_trainer_v4.py",
-            "3554d9e57fbdcd6bfbd64d505012cb96e6dc8d2566af22a2d228120e38ca6af0": STAND_IN + "qc_trainer_v4.py",
+            "85031a43c8a2e699beca417fc223cc31a4662c8b189ef74ae95a3ffc9561b4f8": STAND_IN + "qc_trainer_v4.py",
         },
         "QC_Trainer_v3.train_episode": {
             "4cedca95799d0d6c6b15768f22e09eb1c2b1bf4bfb2c6fade88f8181e8403dab": ATHERIA + "src/trainers/qc_trainer_v3.py",
@@ -83,7 +83,7 @@ FOLLOWED: Dict[str, Dict[str, Dict[str, str]]] = {
     "3.12": {
         "QC_Trainer_v4.train_episode": {
             "6225ca7741782292169806582df31d7fa317ef4a7bfa5304d2e49da5f6c6a9cf": ATHERIA + "src/trainers/qc_trainer_v4.py",
-            "101243e84934fb524cfbd7fbe67e4cd0858296104d59bddd261473b7c4e1290f": STAND_IN + "qc_trainer_v4.py",
+            "3afe69a00072e8cacd313d8777b9b05bf2a66327c73c30363c5cb86320ea5983": STAND_IN + "qc_trainer_v4.py",
         },
         "QC_Trainer_v3.train_episode": {
             "b461bcce04cccb00f64c4a4230a1686e97dc8dd03d29c9074a2e142f40e31d39": ATHERIA + "src/trainers/qc_trainer_v3.py",
@@ -125,7 +125,7 @@ FOLLOWED: Dict[str, Dict[str, Dict[str, str]]] = {
     "3.13": {
         "QC_Trainer_v4.train_episode": {
             "074f4e5c1eb86e58fb49a11bc8b6f0fbf1e3c556c64b4ef1f6d3b30aecf521d4": ATHERIA + "src/trainers/qc_trainer_v4.py",
-            "5a0c5752be82c191d3abd4effee1bb49219ab0b2a3f7014ea924b08bad18364f": STAND_IN + "qc_trainer_v4.py",
+            "7c24a7529d2150d8e9c0515706310a13965a772c0b1257a4d40523d1e48b4657": STAND_IN + "qc_trainer_v4.py",
         },
         "QC_Trainer_v3.train_episode": {
             "73265b533372875b1b6a0cf38f8826ed423f4ffac0d7a3165850de915d88d6ba": ATHERIA + "src/trainers/qc_trainer_v3.py",

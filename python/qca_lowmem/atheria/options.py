@@ -84,7 +84,8 @@ class Options:
         "rolls out the engine's own step, which needs only the complex tensor state (and, for a compiled operator, "
         'checkpoint="none": a recompute would run another compiled graph than its forward).')
     lowmem_scaler: bool = option(
-        True, "replace `trainer.scaler` by qca_lowmem.amp.GradScaler carrying its state.")
+        True, "replace `trainer.scaler` by qca_lowmem.amp.GradScaler carrying its state. The loss is scaled "
+        "where their episode would scale it (V4: `use_amp` and a scaler; V3: never), or for an fp16 amp_dtype.")
     grid_size: Optional[Union[int, Tuple[int, int]]] = option(
         None, "how a V4 trainer's psi0 is drawn, with batch_size, d_state and initial_state. By default the "
         "trainer's own state reset when its engine has one (`motor.state._reset_state_random()`, then "

@@ -22,13 +22,21 @@ def lowmem_scaler_from(scaler):
     return new
 
 
-def lowmem_scaler_for(trainer, compute_dtype):
+def scales_for_fp16(opts) -> bool:
+    """Whether the episode scales its loss for a precision enable() was asked for: fp16 where
+    `amp_dtype` was given (or bf16 became it). Otherwise it scales where their episode would
+    (TrainerVersion.scales), fp16 from their use_amp included."""
+    return opts.given.amp_dtype is not None and opts.amp_dtype == torch.float16
+
+
+def lowmem_scaler_for(trainer, for_fp16: bool):
     """The trainer's scaler as a qca_lowmem.amp.GradScaler with its state; a new one when the
-    trainer has none but fp16 on CUDA needs one; else None (nothing to swap)."""
+    trainer has none but fp16 on CUDA asked of enable() needs one (`for_fp16`, scales_for_fp16);
+    else None (nothing to swap)."""
     scaler = getattr(trainer, "scaler", None)
     if scaler is not None:
         return lowmem_scaler_from(scaler)
-    if compute_dtype == torch.float16 and next(trainer.motor.operator.parameters()).device.type == "cuda":
+    if for_fp16 and next(trainer.motor.operator.parameters()).device.type == "cuda":
         return amp.GradScaler("cuda")
     return None
 

@@ -34,7 +34,7 @@ from .fused_blocks import Swapped, put_back, still_stock, swap_in
 from .operator_code import state_drift
 from .options import Options, enable_signature, options_doc
 from .say import say
-from .scaler_swap import clip_scaled, lowmem_scaler_for
+from .scaler_swap import clip_scaled, lowmem_scaler_for, scales_for_fp16
 from .stock_guard import EpisodeIdentity, check_stock_episode
 from .trainers import TrainerVersion, adapter_for
 from .user_modules import buffer_bindings, compiled_module, rebind
@@ -174,7 +174,8 @@ def _lowmem_train_episode(trainer, episode_num):
         say(logging.WARNING, f"motor.operator is compiled ({type(operator).__name__}); the fused step runs the "
                              "module it wraps, uncompiled")
     model = version.model(trainer)
-    model.train()  # as the stock episode: a model left in eval mode (by a visualisation) trains in train mode
+    if model is not None:  # as the stock episode: a model left in eval mode (by a visualisation) trains in train mode
+        model.train()
     trainer.optimizer.zero_grad()
     psi0 = version.initial_state(trainer, opts, device)
     noise = version.noise(trainer, episode_num, opts.given.noise)
@@ -193,13 +194,13 @@ def _lowmem_train_episode(trainer, episode_num):
     # The operator's state as the forward left it, where it runs code qca_lowmem does not follow.
     drift = state_drift(compiled_module(operator)) if opts.policy.checkpoint != NONE else None
 
-    parameters = [p for p in model.parameters() if p.requires_grad]
+    parameters = [] if model is None else [p for p in model.parameters() if p.requires_grad]
     scaler = getattr(trainer, "scaler", None)
-    scaled = scaler is not None and scaler.is_enabled()
+    scaled = scaler is not None and scaler.is_enabled() and (version.scales(trainer) or scales_for_fp16(opts))
     (scaler.scale(loss) if scaled else loss).backward()
     if drift is not None:
         drift.check()  # the recomputes called the operator again: its state as the forward left it, or refused
-    max_norm = _max_norm(trainer, opts, version)
+    max_norm = _max_norm(trainer, opts, version) if model is not None else None
     if scaled:
         scaler.unscale_(trainer.optimizer)
         if max_norm is not None:
@@ -293,7 +294,7 @@ def enable(trainer, *args, **kwargs):
     edited_episode = None if unrecorded else check_stock_episode(trainer, version.name, given.assume_stock_episode)
     options = resolve_options(trainer, version, given)
     # Everything that can fail is decided before the trainer changes.
-    new_scaler = lowmem_scaler_for(trainer, options.amp_dtype) if given.lowmem_scaler else None
+    new_scaler = lowmem_scaler_for(trainer, scales_for_fp16(options)) if given.lowmem_scaler else None
     evolve_step, memory_step = lowmem_steps(trainer.motor, options.fused_step_ops, options.grid, options.d_state,
                                             options.channels_last)
     undo = _Undo(motor=trainer.motor)

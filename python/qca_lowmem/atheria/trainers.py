@@ -1,13 +1,15 @@
 """What differs between the users' trainer versions around the one lowmem episode that
 enable() runs (switch.py): where psi0 comes from, the noise, the loss, which model trains,
-the clipping norm, what happens to the engine's memory afterwards and what train_episode returns.
+the clipping norm, whether the loss is scaled, what happens to the engine's memory afterwards and
+what train_episode returns.
 
 `QC_Trainer_v4`: psi0 from the engine's state reset or the stock draw, the noise curriculum, the
-history loss `loss_fn(history, psi0)`, clipping at 1.0, the ConvLSTM memory kept on the engine,
-returns (loss, metrics, psi_T). `QC_Trainer_v3`: psi0 = `motor.get_initial_state(batch_size)`,
-no noise, the reward `compute_reward(psi0, psi_T)` (loss = -reward), clipping at its
-`gradient_clip` when positive, the memory reset to None after the episode, returns
-(loss, reward, quietness reward, complexity reward). A trainer is told apart by its attributes.
+history loss `loss_fn(history, psi0)`, `model_operator` clipped at 1.0, the loss scaled by
+`scaler` where `use_amp`, the ConvLSTM memory kept on the engine, returns (loss, metrics, psi_T).
+`QC_Trainer_v3`: psi0 = `motor.get_initial_state(batch_size)`, no noise, the reward
+`compute_reward(psi0, psi_T)` (loss = -reward), clipping at its `gradient_clip` when positive, no
+loss scaling, the memory reset to None after the episode, returns (loss, reward, quietness
+reward, complexity reward). A trainer is told apart by its attributes.
 """
 
 from typing import Callable, Optional, Protocol, Tuple, runtime_checkable
@@ -58,8 +60,8 @@ class TrainerVersion(Protocol):
     def check(self, trainer) -> None:
         """Refuse a trainer of this version that has nothing to train."""
 
-    def model(self, trainer) -> torch.nn.Module:
-        """The module whose parameters train."""
+    def model(self, trainer) -> Optional[torch.nn.Module]:
+        """The module their episode puts in train mode and whose parameters it clips (None: neither)."""
 
     def initial_state(self, trainer, opts, device) -> torch.Tensor:
         """The episode's psi0."""
@@ -75,6 +77,9 @@ class TrainerVersion(Protocol):
 
     def max_grad_norm(self, trainer) -> Optional[float]:
         """The clipping norm where enable() was given none, None for no clipping."""
+
+    def scales(self, trainer) -> bool:
+        """Whether its episode scales the loss with `trainer.scaler`, read at each episode."""
 
     def after_backward(self, trainer, memory_T) -> None:
         """What the version does with the engine's memory after the episode."""
@@ -97,8 +102,11 @@ class TrainerV4:
         pass
 
     @staticmethod
-    def model(trainer) -> torch.nn.Module:
-        return trainer.motor.operator
+    def model(trainer) -> Optional[torch.nn.Module]:
+        # `if self.model_operator:`, the operator their constructor read: one set on motor since is
+        # neither put in train mode nor clipped by their episode
+        model = getattr(trainer, "model_operator", trainer.motor.operator)
+        return model if model else None
 
     @staticmethod
     def initial_state(trainer, opts, device):
@@ -132,6 +140,10 @@ class TrainerV4:
     @staticmethod
     def max_grad_norm(trainer) -> float:
         return 1.0
+
+    @staticmethod
+    def scales(trainer) -> bool:
+        return bool(getattr(trainer, "use_amp", False) and trainer.scaler)  # `if self.use_amp and self.scaler:`
 
     @staticmethod
     def after_backward(trainer, memory_T) -> None:
@@ -194,6 +206,10 @@ class TrainerV3:
     @staticmethod
     def max_grad_norm(trainer) -> Optional[float]:
         return trainer.gradient_clip if trainer.gradient_clip > 0 else None
+
+    @staticmethod
+    def scales(trainer) -> bool:
+        return False  # a scaler set on it is never read
 
     @staticmethod
     def after_backward(trainer, memory_T) -> None:
