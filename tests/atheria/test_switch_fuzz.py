@@ -1,42 +1,43 @@
 """A differential fuzzer of the switch (not only the rollout): the users' trainer, engine, operator
-and config edited as researchers edit them (tests/fixtures/switch_variants.py), each variant run
-on stock and through enable() / enable_from_config for two episodes from the same seeds, in
-float64. Property: the switch gives stock's loss, psi_T, every parameter's gradient and update
-within rounding and the scaler's state exactly, or refuses clearly (a TypeError, ValueError or RuntimeError naming enable(),
-enable_from_config, LOWMEM or the rollout; never torch's own unpack TypeError, an IndexError or
-an AttributeError), or runs the users' own code (its line says so, or the result is stock's to the
-bit). A variant that must be refused (a misspelt LOWMEM key, a grid_size that is not an int or a
-pair of ints) must be; an operator whose output jumps must not get the fused step.
+and config edited as researchers edit them (tests/fixtures/switch_variants.py), each variant run on
+stock and through enable() / enable_from_config for two episodes from the same seeds, in float64.
+Property: the switch gives stock's loss, psi_T, every parameter's gradient and update within
+rounding and the scaler's state exactly, or refuses clearly (a TypeError, ValueError or RuntimeError
+naming enable(), enable_from_config, LOWMEM or the rollout; never torch's own unpack TypeError, an
+IndexError or an AttributeError), or runs the users' own code (its line says so, or the result is
+stock's to the bit). A variant that must be refused (a misspelt LOWMEM key, a grid_size that is not
+an int or a pair of ints) must be; an operator whose output jumps must not get the fused step.
 
-The edits: train_episode wrapped with functools.wraps on the class, in a subclass calling super()
-or on the instance (with or without an LR warm-up), a subclass override; GAMMA_DECAY changed
-between episodes or by a hook mid-episode, an evolve_step override that differs every third call
-or by an epsilon below the engine probe's tolerance, a wrapped evolve_step; an op of torch's
-namespace on the operator's output or inside it (smooth: tanh, sin, softplus, elu; random:
-dropout, added randn noise; jumping: where, masked_fill, round, floor_divide, remainder, an
-integer cast, argmax/one_hot, fake_quantize, sign); global forward and forward-pre hooks, a hook
-on an inner Conv2d (kept or removed between episodes), a forward set on its instance, a hook
-recording an activity penalty added to the loss, each registered before or after the switch; the
-LOWMEM section as a dict or an object, with a misspelt key; grid_size spelt several ways;
-copy.copy / deepcopy of the enabled trainer, trained; qca_steps, the learning rate, max_noise, a
-GroupNorm's eps or affine (set to None), frozen layers, the grid (the trainer's, or its
-config's) or the engine's model changed between episodes; noisy episodes; the V4 trainer's own psi0 draw; the switch's
-step captured (on the CPU stand-in of CUDA graphs, which replays the ops its capture recorded, as
-a GPU does, on one lane or two); ConvBlocks of a class whose forward is edited, before the switch
-or between episodes; an operator keeping state between calls (a call counter on the module, in a
-closure or a global; calls logged in a list). Every checkpoint policy. Any of these in float32
-under bf16 autocast (`amp`): stock's episode as its own use_amp runs it (V3 inside one autocast
-region), the switch with amp_dtype="bf16", judged at bf16's rounding (switch_oracle.BF16). Each
-train_episode called inside the caller's own bf16 autocast. A GradScaler set on the trainer,
-before the switch or between episodes: stock's V4 scales with it only under its use_amp (the amp
-variants), V3 never; the scaler's state after each episode is compared too.
+The edits: train_episode wrapped with functools.wraps on the class, in a subclass calling super() or
+on the instance (with or without an LR warm-up), a subclass override; GAMMA_DECAY changed between
+episodes or by a hook mid-episode, an evolve_step override that differs every third call or by an
+epsilon below the engine probe's tolerance, a wrapped evolve_step; an op of torch's namespace on the
+operator's output or inside it (smooth: tanh, sin, softplus, elu; random: dropout, added randn
+noise; jumping: where, masked_fill, round, floor_divide, remainder, an integer cast, argmax/one_hot,
+fake_quantize, sign); global forward and forward-pre hooks, a hook on an inner Conv2d (kept or
+removed between episodes), a forward set on its instance, a hook recording an activity penalty added
+to the loss, each registered before or after the switch; the LOWMEM section as a dict or an object,
+with a misspelt key; grid_size spelt several ways; copy.copy / deepcopy of the enabled trainer,
+trained; qca_steps, the learning rate, max_noise, a GroupNorm's eps or affine (set to None), frozen
+layers, the grid (the trainer's, or its config's) or the engine's model changed between episodes;
+noisy episodes; the V4 trainer's own psi0 draw; the switch's step captured (on the CPU stand-in of
+CUDA graphs, which replays the ops its capture recorded, as a GPU does, on one lane or two);
+ConvBlocks of a class whose forward is edited, before the switch or between episodes; an operator
+keeping state between calls (a call counter on the module, in a closure or a global; calls logged in
+a list). Every checkpoint policy. Any of these in float32 under bf16 autocast (`amp`): stock's
+episode as its own use_amp runs it (V3 inside one autocast region), the switch with
+amp_dtype="bf16", judged at bf16's rounding (switch_oracle.BF16). Each train_episode called inside
+the caller's own bf16 autocast. A GradScaler set on the trainer, before the switch or between
+episodes: stock's V4 scales with it only under its use_amp (the amp variants), V3 never; the
+scaler's state after each episode is compared too.
 
 CI runs QCA_FUZZ_EXAMPLES examples (default 100, about 20 s on two shared cores once they pass); a long search:
-    QCA_FUZZ_EXAMPLES=3000 python -m pytest -q tests/atheria/test_switch_fuzz.py   # about 10 min
+    QCA_FUZZ_EXAMPLES=3000 python -m pytest -q tests/atheria/test_switch_fuzz.py   # about 8 min
 The generation is derandomized: the same budget draws the same variants on every run. A failure
 prints the variant; `verdict(Variant(...))` (tests/fixtures/switch_oracle.py) replays it.
 """
 
+import dataclasses
 import os
 import warnings
 
@@ -126,6 +127,16 @@ def test_the_oracle_under_bf16_tells_a_dropped_edit_and_follows_stock_s_autocast
             assert verdict(Variant(version=version, policy=policy, amp=True)) is None
     own_step = Variant(version=version, policy="none", op="remainder", amp=True)
     assert bitwise_equal(outcome(own_step, True), outcome(own_step, False))
+
+
+def test_the_oracle_compares_the_scalers_state():
+    """A step scaled (or skipped) where stock's was not shows in the scaler's state alone."""
+    plain = outcome(Variant(scaler="built", amp=True), False)
+    stepped = dataclasses.replace(plain, episodes=[
+        (*episode[:4], dict(episode[4], _growth_tracker=episode[4]["_growth_tracker"] + 1))
+        for episode in plain.episodes])
+    assert first_difference(plain, plain, BF16) is None
+    assert first_difference(stepped, plain, BF16).startswith("episode 0: the scaler's state")
 
 
 def test_a_clear_refusal_names_who_refused():
