@@ -117,6 +117,30 @@ def test_an_operator_set_on_the_engine_is_clipped_only_where_their_episode_clips
     assert_same_runs(lowmem, stock, lowmem_out, stock_out)
 
 
+def test_a_frozen_layer_s_old_gradients_count_in_the_clipping_as_in_their_episode():
+    """Fine-tuning: the first block frozen and the optimizer rebuilt on what still trains, so the
+    frozen parameters keep the gradients they had. Their clipping reads every parameter's, so
+    those count in the norm and are scaled by it at each episode, under the switch too."""
+    runs = []
+    for lowmem in (False, True):
+        torch.manual_seed(4)  # float64: a different clipping shows far above the rounding
+        trainer = QC_Trainer_v4(make_config(dtype=torch.complex128), operator=UNetUnitary(4, 8).double())
+        operator = trainer.motor.operator
+        with torch.no_grad():
+            operator.outc.weight.normal_(0.0, 0.5)  # a gradient norm above the clipping's 1.0
+        if lowmem:
+            qca_lowmem.enable(trainer)
+        out = run_episodes(trainer, range(1))
+        operator.inc.requires_grad_(False)
+        trainer.optimizer = torch.optim.AdamW([p for p in operator.parameters() if p.requires_grad], lr=1e-4)
+        out += run_episodes(trainer, range(1, 3))
+        runs.append((trainer, out, [p.grad.clone() for p in operator.inc.parameters()]))
+    (stock, stock_out, stock_old), (lowmem, lowmem_out, lowmem_old) = runs
+    assert_same_runs(lowmem, stock, lowmem_out, stock_out)
+    for grad, stock_grad in zip(lowmem_old, stock_old):
+        assert_close(grad, stock_grad, rel=1e-9, what="a frozen parameter's gradient, scaled by the clipping")
+
+
 def test_additive_operator_and_gamma_match_stock():
     """A non-UNetUnitary operator runs additively (stock rule), gamma decay included."""
 

@@ -19,7 +19,8 @@ removed between episodes), a forward set on its instance, a hook recording an ac
 to the loss, each registered before or after the switch; the LOWMEM section as a dict or an object,
 with a misspelt key; grid_size spelt several ways; copy.copy / deepcopy of the enabled trainer,
 trained; qca_steps, the learning rate, max_noise, a GroupNorm's eps or affine (set to None), frozen
-layers, the grid (the trainer's, or its config's) or the engine's model changed between episodes;
+layers (the optimizer rebuilt or not), the grid (the trainer's, or its config's) or the engine's
+model changed between episodes;
 noisy episodes; the V4 trainer's own psi0 draw; the switch's step captured (on the CPU stand-in of
 CUDA graphs, which replays the ops its capture recorded, as a GPU does, on one lane or two);
 ConvBlocks of a class whose forward is edited, before the switch or between episodes; an operator
@@ -69,8 +70,8 @@ EDITS = {
     "grid_size": st.fixed_dictionaries({"grid_size": st.sampled_from([8, (8, 8), [8, 8], "8", "128", True, 8.0, (8,)])}),
     "copy": st.fixed_dictionaries({"copy": st.sampled_from(["copy", "deepcopy"])}),
     "attribute": st.fixed_dictionaries({"attribute": st.sampled_from(["qca_steps", "lr", "max_noise", "norm_eps",
-                                                                      "norm_affine", "frozen", "grid_size", "cfg_grid",
-                                                                      "operator"])}),
+                                                                      "norm_affine", "frozen", "frozen_refit", "grid_size",
+                                                                      "cfg_grid", "operator"])}),
     "noise": st.just({"noise": True}),
     "state_object": st.just({"state_object": False}),
     "graph": st.fixed_dictionaries({"graph": st.sampled_from(["one lane", "two lanes queued", "two lanes joined"])}),

@@ -194,7 +194,8 @@ def _lowmem_train_episode(trainer, episode_num):
     # The operator's state as the forward left it, where it runs code qca_lowmem does not follow.
     drift = state_drift(compiled_module(operator)) if opts.policy.checkpoint != NONE else None
 
-    parameters = [] if model is None else [p for p in model.parameters() if p.requires_grad]
+    # All of them, as their clipping reads them: a frozen one's gradient left from before counts in the norm.
+    parameters = [] if model is None else list(model.parameters())
     scaler = getattr(trainer, "scaler", None)
     scaled = scaler is not None and scaler.is_enabled() and (version.scales(trainer) or scales_for_fp16(opts))
     (scaler.scale(loss) if scaled else loss).backward()
