@@ -1,6 +1,7 @@
 """What enable() decided (`EpisodeOptions`, one frozen value): its options (options.py) resolved
 against the trainer once, the engine's verdict (its own step or the fused one) included, then read
-by attribute by the episode and the trainer versions and said in enable()'s one line."""
+by attribute by the episode and the trainer versions and said in enable()'s one line; and what
+each episode reads again of the trainer (`check_reads`)."""
 
 import numbers
 import warnings
@@ -10,7 +11,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from .. import precision
-from ..precision import parse_amp_dtype
+from ..precision import amp_name, autocast_dtype, parse_amp_dtype
 from ..recompute import Policy, StepGraph, step_graph
 from ..recompute.policy import NONE
 from .engine_step import engine_kind, has_memory, own_step_verdict, unknown_engine
@@ -129,7 +130,41 @@ def _infer_grid(trainer) -> Tuple[int, int]:
     )
 
 
-def check_psi0_read(trainer, opts: EpisodeOptions) -> None:
+def check_reads(trainer, opts: EpisodeOptions, version: TrainerVersion, device: torch.device) -> None:
+    """What enable() read once, read again at each episode as their episode would read it now:
+    the precision (use_amp, the caller's autocast) and psi0's grid and d_state; refused where it
+    changed."""
+    _check_precision(trainer, opts)
+    _check_caller_autocast(trainer, opts, version, device)
+    _check_psi0_read(trainer, opts)
+
+
+def _check_precision(trainer, opts):
+    """The precision enable() read off trainer.use_amp is the one their episode would read now."""
+    if opts.use_amp is None or bool(getattr(trainer, "use_amp", False)) == opts.use_amp:
+        return
+    raise RuntimeError(f"qca_lowmem: trainer.use_amp is {getattr(trainer, 'use_amp', None)!r} now, but enable() read "
+                       f"it as {opts.use_amp!r} and runs every episode {amp_name(opts.amp_dtype)}: set it back, "
+                       "or qca_lowmem.disable(trainer), then enable(trainer) again, which reads it anew (amp_dtype= "
+                       "given to enable() fixes the precision whatever use_amp says)")
+
+
+def _check_caller_autocast(trainer, opts, version, device):
+    """An autocast the caller entered around train_episode: their episode runs its forward under it
+    where it sets none of its own (V3; V4 off CUDA), the lowmem episode in the precision enable()
+    resolved. Refused unless enable() was given amp_dtype, which then decides."""
+    caller = autocast_dtype(device.type)
+    if caller is None or opts.given.amp_dtype is not None or device.type in version.own_autocast:
+        return
+    own = (f"{version.name}'s episode sets only {' and '.join(version.own_autocast).upper()}'s autocast, so its forward "
+           "may run in it" if version.own_autocast else f"{version.name}'s episode sets none, so its forward runs in it")
+    raise RuntimeError(f"qca_lowmem: train_episode was called inside torch.autocast({device.type!r}, dtype={caller}): "
+                       f"{own}, where enable() runs {amp_name(opts.amp_dtype)}; give enable() amp_dtype (the LOWMEM "
+                       "section's amp_dtype) to train in the precision you choose, or call train_episode outside the "
+                       "autocast")
+
+
+def _check_psi0_read(trainer, opts: EpisodeOptions) -> None:
     """The grid and d_state enable() read off the trainer (not given) are the ones the stock draw
     would read now: a grid changed between episodes (a curriculum) is refused, since the engine's
     probe and the fused step were proved at the grid read."""
@@ -150,30 +185,56 @@ def _shape_said(value) -> str:
     return "x".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
-_STATE_RESETS = ("_reset_state_random", "reset_state_random", "reset_state")
-
-
 class OwnStateReset:
-    """initial_state(trainer) -> psi0: `trainer.motor.state.<name>()`, then its psi. It reads the
-    trainer it is handed, so a copy of an enabled trainer resets its own engine."""
+    """initial_state(trainer) -> psi0 as the stand-in's V4 episode draws it where its engine keeps a
+    state object: `trainer.motor.state._reset_state_random()`, then its psi. It reads the trainer
+    it is handed, so a copy of an enabled trainer resets its own engine."""
 
-    def __init__(self, name: str):
-        self.name = name
+    name = "motor.state._reset_state_random()"
 
     def __call__(self, trainer):
         state = trainer.motor.state
-        getattr(state, self.name)()
+        state._reset_state_random()
         return state.psi
 
 
-def own_state_reset(trainer) -> Optional[Callable]:
-    """The trainer's own psi0 draw, when its engine keeps a state object that resets itself
-    (`motor.state.<reset>()` then `motor.state.psi`): psi0 then comes from exactly the code, and
-    the RNG use, stock runs."""
-    state = getattr(trainer.motor, "state", None)
-    if state is None or not hasattr(state, "psi"):
+class TheirPsi0:
+    """initial_state(trainer) -> psi0 as their V4 episode (Atheria at 4df21e7) draws it, read at each
+    episode: `motor.state._reset_state_random()` where the state has one (else
+    `motor._initialize_links()` where the engine has that), then `motor.state.psi`, or, where the
+    engine keeps none, `motor.get_initial_state(trainer.batch_size)`."""
+
+    name = "motor.state._reset_state_random() (or motor.get_initial_state(batch_size))"
+
+    def __call__(self, trainer):
+        motor = trainer.motor
+        if hasattr(motor, "state") and hasattr(motor.state, "_reset_state_random"):
+            motor.state._reset_state_random()
+        elif hasattr(motor, "_initialize_links"):
+            motor.links = motor._initialize_links()
+        if hasattr(motor, "state") and hasattr(motor.state, "psi"):
+            return motor.state.psi
+        return motor.get_initial_state(trainer.batch_size)
+
+
+def _their_draw(trainer, theirs: bool) -> Optional[Callable]:
+    """The trainer's own psi0 draw, read off its engine: their V4's always (`theirs`: the running
+    episode is Atheria's), the stand-in's where its engine keeps a state object; None where the
+    stand-in draws psi0 itself (the stock draw). Refused where that episode would fail on stock."""
+    motor = trainer.motor
+    if theirs:
+        if not (hasattr(motor, "state") and hasattr(motor.state, "psi")) and not hasattr(motor, "get_initial_state"):
+            raise TypeError(f"enable(): {type(trainer).__name__}'s episode draws psi0 from motor.state.psi or "
+                            f"motor.get_initial_state(batch_size), and {type(motor).__name__} has neither: it fails "
+                            "on stock too; give the engine one, or pass initial_state=callable")
+        return TheirPsi0()
+    if not hasattr(motor, "state"):
         return None
-    return next((OwnStateReset(name) for name in _STATE_RESETS if callable(getattr(state, name, None))), None)
+    if not callable(getattr(motor.state, "_reset_state_random", None)):
+        raise TypeError(f"enable(): {type(trainer).__name__}'s episode starts with motor.state._reset_state_random(), "
+                        f"which {type(motor.state).__name__} lacks: it fails on stock too; give the state one, or "
+                        "pass initial_state=callable")
+    return OwnStateReset()
 
 
 def _check_noise(trainer, version, noise) -> None:
@@ -200,9 +261,10 @@ def _check_placement(trainer, device):
                          f"trainer.motor.operator.to({str(wanted)!r})")
 
 
-def resolve_options(trainer, version: TrainerVersion, given: Options) -> EpisodeOptions:
+def resolve_options(trainer, version: TrainerVersion, given: Options, theirs: bool) -> EpisodeOptions:
     """enable()'s options resolved against the trainer, once, the engine's verdict included: what
-    each lowmem episode reads. Everything here refuses before the trainer changes."""
+    each lowmem episode reads. `theirs`: the episode enable() replaces is their own V4 (Atheria's),
+    not the stand-in's. Everything here refuses before the trainer changes."""
     policy = given.checkpoint if isinstance(given.checkpoint, Policy) else Policy.of(
         given.checkpoint, given.slots, given.budget, "enable()")
     device = next(trainer.motor.operator.parameters()).device
@@ -219,7 +281,7 @@ def resolve_options(trainer, version: TrainerVersion, given: Options) -> Episode
     if note:
         warnings.warn(f"enable(): {note}", stacklevel=4)
     grid, batch_size, initial_state = _psi0_options(trainer, version, given.grid_size, given.batch_size,
-                                                    given.initial_state)
+                                                    given.initial_state, theirs)
     d_state = given.d_state or _infer_d_state(trainer, trainer.motor.operator)
     own_step = own_step_verdict(trainer.motor, given.fused_step_ops, grid, d_state, policy.checkpoint != NONE)
     unfollowed = unknown_engine(trainer.motor) if engine_kind(trainer.motor) is None else \
@@ -237,19 +299,20 @@ def resolve_options(trainer, version: TrainerVersion, given: Options) -> Episode
         channels_last=channels_last, cuda_graph=cuda_graph, cuda_graph_said=cuda_graph_said, noise_said=noise_said)
 
 
-def _psi0_options(trainer, version, grid_size, batch_size, initial_state):
-    """(grid, batch_size, initial_state) of the episodes' psi0 draw (TrainerV4/V3.initial_state)."""
+def _psi0_options(trainer, version, grid_size, batch_size, initial_state, theirs: bool):
+    """(grid, batch_size, initial_state) of the episodes' psi0 draw (TrainerV4/V3.initial_state);
+    `theirs`: the episode running is their V4's (_their_draw)."""
     if version.draws_own_psi0:
         if grid_size is not None or batch_size is not None:
             raise ValueError(f"enable(): {type(trainer).__name__} ({version.name}) draws psi0 as "
                              "motor.get_initial_state(trainer.batch_size), so grid_size and batch_size are not read; "
                              "set trainer.batch_size, or pass initial_state=callable")
         return None, None, initial_state
-    reset = own_state_reset(trainer) if initial_state is None else None
+    reset = _their_draw(trainer, theirs) if initial_state is None else None
     if reset is not None and (grid_size is not None or batch_size is not None):
-        # their episode draws psi0 by the engine's state reset: another draw would train on other states
+        # their episode draws psi0 from the engine: another draw would train on other states
         raise ValueError(f"enable(): {type(trainer).__name__}'s episode draws psi0 by its engine's "
-                         f"motor.state.{reset.name}(), so grid_size and batch_size would replace the users' draw; "
+                         f"{reset.name}, so grid_size and batch_size would replace the users' draw; "
                          "leave them unset, or pass initial_state=callable to draw psi0 otherwise")
     if isinstance(grid_size, numbers.Integral):
         grid = (int(grid_size), int(grid_size))

@@ -88,10 +88,11 @@ class Options:
         "where their episode would scale it (V4: `use_amp` and a scaler; V3: never), or for an fp16 amp_dtype.")
     grid_size: Optional[Union[int, Tuple[int, int]]] = option(
         None, "how a V4 trainer's psi0 is drawn, with batch_size, d_state and initial_state. By default the "
-        "trainer's own state reset when its engine has one (`motor.state._reset_state_random()`, then "
-        "`motor.state.psi`; grid_size and batch_size, which would replace it, are refused), else the stock draw "
-        "(batch_size, default 1) on the global torch RNG with the grid from trainer.grid_size or "
-        "motor.cfg.GRID_SIZE_TRAINING, read at enable(): an episode after it changes refuses. A V3 trainer "
+        "trainer's own draw from its engine as its episode makes it (`motor.state._reset_state_random()`, then "
+        "`motor.state.psi`; their V4 also takes a state's psi unreset, or `motor.get_initial_state(batch_size)` "
+        "from an engine without one; grid_size and batch_size, which would replace it, are refused), else the "
+        "stand-in's stock draw (batch_size, default 1) on the global torch RNG with the grid from trainer.grid_size "
+        "or motor.cfg.GRID_SIZE_TRAINING, read at enable(): an episode after it changes refuses. A V3 trainer "
         "draws its own, `motor.get_initial_state(trainer.batch_size)`, and refuses grid_size and batch_size.",
         "an int >= 1, a pair of ints >= 1 or None", lambda v: v is None or _positive_int(v) or isinstance(
             v, (tuple, list)) and len(v) == 2 and all(_positive_int(side) for side in v))

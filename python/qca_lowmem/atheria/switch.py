@@ -14,11 +14,11 @@ from typing import Any, Optional
 
 import torch
 
-from ..precision import amp_name, autocast, autocast_dtype
+from ..precision import autocast
 from ..recompute import rollout
 from ..recompute.policy import NONE
 from .captures import StepCaptures
-from .code_identity import not_recorded
+from .code_identity import ATHERIA, not_recorded
 from .engine_step import (
     EngineIdentity,
     EngineMemoryStep,
@@ -29,13 +29,13 @@ from .engine_step import (
     put_side_state,
     side_state_of,
 )
-from .episode_options import EpisodeOptions, check_psi0_read, resolve_options
+from .episode_options import EpisodeOptions, check_reads, resolve_options
 from .fused_blocks import Swapped, put_back, still_stock, swap_in
 from .operator_code import state_drift
 from .options import Options, enable_signature, options_doc
 from .say import say
 from .scaler_swap import clip_scaled, lowmem_scaler_for, scales_for_fp16
-from .stock_guard import EpisodeIdentity, check_stock_episode
+from .stock_guard import EpisodeIdentity, check_stock_episode, stock_origin
 from .trainers import TrainerVersion, adapter_for
 from .user_modules import buffer_bindings, compiled_module, rebind
 
@@ -163,10 +163,7 @@ def _lowmem_train_episode(trainer, episode_num):
     opts, version = state.options, state.version
     operator = trainer.motor.operator
     device = next(operator.parameters()).device
-    # What enable() read once, read again as their episode would read it now.
-    _check_precision(trainer, opts)
-    _check_caller_autocast(trainer, opts, version, device)
-    check_psi0_read(trainer, opts)
+    check_reads(trainer, opts, version, device)  # what enable() read once, as their episode would read it now
     state.undo.blocks = still_stock(state.undo.blocks)
 
     if opts.fused_step_ops and not state.said.compiled and compiled_module(operator) is not operator:
@@ -232,31 +229,6 @@ def _check_engine(trainer, state: _Saved):
                            "then enable(trainer) again")
 
 
-def _check_precision(trainer, opts):
-    """The precision enable() read off trainer.use_amp is the one their episode would read now."""
-    if opts.use_amp is None or bool(getattr(trainer, "use_amp", False)) == opts.use_amp:
-        return
-    raise RuntimeError(f"qca_lowmem: trainer.use_amp is {getattr(trainer, 'use_amp', None)!r} now, but enable() read "
-                       f"it as {opts.use_amp!r} and runs every episode {amp_name(opts.amp_dtype)}: set it back, "
-                       "or qca_lowmem.disable(trainer), then enable(trainer) again, which reads it anew (amp_dtype= "
-                       "given to enable() fixes the precision whatever use_amp says)")
-
-
-def _check_caller_autocast(trainer, opts, version, device):
-    """An autocast the caller entered around train_episode: their episode runs its forward under it
-    where it sets none of its own (V3; V4 off CUDA), the lowmem episode in the precision enable()
-    resolved. Refused unless enable() was given amp_dtype, which then decides."""
-    caller = autocast_dtype(device.type)
-    if caller is None or opts.given.amp_dtype is not None or device.type in version.own_autocast:
-        return
-    own = (f"{version.name}'s episode sets only {' and '.join(version.own_autocast).upper()}'s autocast, so its forward "
-           "may run in it" if version.own_autocast else f"{version.name}'s episode sets none, so its forward runs in it")
-    raise RuntimeError(f"qca_lowmem: train_episode was called inside torch.autocast({device.type!r}, dtype={caller}): "
-                       f"{own}, where enable() runs {amp_name(opts.amp_dtype)}; give enable() amp_dtype (the LOWMEM "
-                       "section's amp_dtype) to train in the precision you choose, or call train_episode outside the "
-                       "autocast")
-
-
 def _max_norm(trainer, opts, version):
     """The clipping norm, read after the backward as their episodes read it (V3's gradient_clip)."""
     return opts.given.max_grad_norm if opts.given.max_grad_norm is not None else version.max_grad_norm(trainer)
@@ -293,7 +265,8 @@ def enable(trainer, *args, **kwargs):
                         "binds the trainer's copies to themselves; remove it first")
     unrecorded = not_recorded()  # no digests for this Python: their own episode runs, said in the line
     edited_episode = None if unrecorded else check_stock_episode(trainer, version.name, given.assume_stock_episode)
-    options = resolve_options(trainer, version, given)
+    origin = stock_origin(trainer, version.name)
+    options = resolve_options(trainer, version, given, theirs=origin is not None and origin.startswith(ATHERIA))
     # Everything that can fail is decided before the trainer changes.
     new_scaler = lowmem_scaler_for(trainer, scales_for_fp16(options)) if given.lowmem_scaler else None
     evolve_step, memory_step = lowmem_steps(trainer.motor, options.fused_step_ops, options.grid, options.d_state,
