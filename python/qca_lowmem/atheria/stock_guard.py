@@ -36,10 +36,11 @@ def stock_origin(trainer, version: str, installed=None) -> Optional[str]:
     return followed(f"{version}.train_episode", function) if function is not None else None
 
 
-def check_stock_episode(trainer, version: str, assume_stock_episode: bool = False) -> Optional[str]:
-    """Refuse, naming it, a train_episode that is not the stock one; with `assume_stock_episode`
-    return the reason it would have been refused instead (the user's risk, said by enable())."""
-    if stock_origin(trainer, version) is not None:
+def check_stock_episode(trainer, origin: Optional[str], assume_stock_episode: bool = False) -> Optional[str]:
+    """Refuse, naming it, a train_episode that is not the stock one (`origin`, stock_origin's answer,
+    None); with `assume_stock_episode` return the reason it would have been refused instead (the
+    user's risk, said by enable())."""
+    if origin is not None:
         return None
     found = getattr(trainer, "train_episode")
     found = getattr(found, "__func__", found)

@@ -264,8 +264,8 @@ def enable(trainer, *args, **kwargs):
         raise TypeError(f"enable(): the trainer has its own {_COPY_HOOK} ({vars(trainer)[_COPY_HOOK]!r}), where enable() "
                         "binds the trainer's copies to themselves; remove it first")
     unrecorded = not_recorded()  # no digests for this Python: their own episode runs, said in the line
-    edited_episode = None if unrecorded else check_stock_episode(trainer, version.name, given.assume_stock_episode)
     origin = stock_origin(trainer, version.name)
+    edited_episode = None if unrecorded else check_stock_episode(trainer, origin, given.assume_stock_episode)
     options = resolve_options(trainer, version, given, theirs=origin is not None and origin.startswith(ATHERIA))
     # Everything that can fail is decided before the trainer changes.
     new_scaler = lowmem_scaler_for(trainer, scales_for_fp16(options)) if given.lowmem_scaler else None
