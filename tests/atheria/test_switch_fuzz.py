@@ -34,7 +34,8 @@ scaler's state after each episode is compared too.
 
 CI runs QCA_FUZZ_EXAMPLES examples (default 100, about 20 s on two shared cores once they pass); a long search:
     QCA_FUZZ_EXAMPLES=3000 python -m pytest -q tests/atheria/test_switch_fuzz.py   # about 8 min
-The generation is derandomized: the same budget draws the same variants on every run. A failure
+The generation is derandomized: the same budget draws the same variants on every run.
+QCA_FUZZ_SEED=<int> draws others (the same ones for the same seed), to search beyond CI's. A failure
 prints the variant; `verdict(Variant(...))` (tests/fixtures/switch_oracle.py) replays it.
 """
 
@@ -43,7 +44,7 @@ import os
 import warnings
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from fixtures.switch_oracle import BF16, bitwise_equal, first_difference, is_clear, verdict
@@ -52,6 +53,13 @@ from fixtures.switch_variants import OPS, POLICIES, Variant, outcome
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 EXAMPLES = int(os.environ.get("QCA_FUZZ_EXAMPLES", "100"))
+SEED = os.environ.get("QCA_FUZZ_SEED")
+
+
+def seed_if_given(test):
+    """Hypothesis's @seed (which overrides derandomize) where QCA_FUZZ_SEED is set."""
+    return seed(int(SEED))(test) if SEED else test
+
 
 # Each field's edits (its default, no edit, left out); a variant takes one to three of them, so a
 # failure shrinks to the one edit that causes it.
@@ -95,6 +103,7 @@ def variants(draw):
 @pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
+@seed_if_given
 @given(variant=variants())
 def test_the_switch_gives_stocks_result_or_refuses_clearly(variant):
     with warnings.catch_warnings():
