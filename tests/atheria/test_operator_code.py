@@ -20,7 +20,8 @@ import qca_lowmem
 from helpers import follow
 from qca_lowmem import stock
 from qca_lowmem.atheria import code_identity
-from qca_lowmem.atheria.operator_code import class_unfollowed, operator_unfollowed, state_drift
+from qca_lowmem.atheria.operator_code import class_unfollowed, operator_unfollowed, unfollowed_code
+from qca_lowmem.atheria.state_drift import episode_drift
 from qca_lowmem.examples import QC_Trainer_v4, make_config
 from qca_lowmem.ops import stock_block_call
 from qca_lowmem.unet import convert, input_dtype
@@ -223,6 +224,10 @@ def test_recomputes_that_move_the_operators_state_refuse_the_episode(where, name
         trainer.train_episode(0)
     stock_run = losses(trainer_with(lambda: counting(where)))
     assert_same(losses(qca_lowmem.enable(trainer_with(lambda: counting(where)), checkpoint="none")), stock_run)
+
+
+def state_drift(operator):
+    return episode_drift([("the operator", type(operator).__name__, operator, unfollowed_code(operator))])
 
 
 def test_followed_code_is_not_read_for_drift():

@@ -11,7 +11,10 @@ an int or a pair of ints) must be; an operator whose output jumps must not get t
 The edits: train_episode wrapped with functools.wraps on the class, in a subclass calling super() or
 on the instance (with or without an LR warm-up), a subclass override; GAMMA_DECAY changed between
 episodes or by a hook mid-episode, an evolve_step override that differs every third call or by an
-epsilon below the engine probe's tolerance, a wrapped evolve_step; an op of torch's namespace on the
+epsilon below the engine probe's tolerance, or from its 9th call on (past stock's two episodes, where
+a recomputing episode's extra calls would reach first), a wrapped evolve_step, a wrapper set on it
+after the switch (other from its 9th call on); the noise injector replaced by one whose rate doubles
+from its 9th call on, or drawing from a generator of its own; an op of torch's namespace on the
 operator's output or inside it (smooth: tanh, sin, softplus, elu; random: dropout, added randn
 noise; jumping: where, masked_fill, round, floor_divide, remainder, an integer cast, argmax/one_hot,
 fake_quantize, sign); global forward and forward-pre hooks, a hook on an inner Conv2d (kept or
@@ -68,7 +71,10 @@ EDITS = {
                                                                   "instance_function"]),
                                       "warmup": st.booleans()}),
     "engine": st.fixed_dictionaries({"engine": st.sampled_from(["gamma_between", "gamma_hook", "every_k", "epsilon",
-                                                                "wrapped_step", "wrapped_phase"])}),
+                                                                "wrapped_step", "wrapped_phase", "threshold",
+                                                                "wrapped_after"])}),
+    "injector": st.fixed_dictionaries({"injector": st.sampled_from(["threshold", "own_generator"]),
+                                       "noise": st.just(True)}),
     "op": st.fixed_dictionaries({"op": st.sampled_from(sorted(OPS)), "op_place": st.sampled_from(["output", "inner"])}),
     "hook": st.fixed_dictionaries({"hook": st.sampled_from(["global_forward", "global_pre", "inner_conv",
                                                             "inner_conv_removed", "instance_forward", "penalty"]),

@@ -14,6 +14,7 @@ Its modules, one concern each:
 - `user_modules`: helpers on their torch modules (a compiled operator's module, buffer bindings).
 - `fused_blocks`: their ConvBlocks swapped for fused blocks, proved again at each episode, and put back.
 - `operator_code`: whether a call of their operator runs only code qca_lowmem follows, with no hook.
+- `state_drift`: the state the steps' unfollowed code keeps, checked across the backward.
 - `discontinuity`: whether every op of their operator is allowlisted continuous.
 - `code_identity`: the digests of the code that runs (functions, and their model classes), per Python version.
 - `stock_guard`: which `train_episode` enable() may replace (their stock one).

@@ -36,6 +36,7 @@ from .discontinuity import discontinuity
 from .engine_probe import check_engine_state, check_engine_step, probe_shape
 from .operator_code import first_hook, operator_unfollowed
 from .say import say
+from .state_drift import code_of
 from .user_modules import compiled_module
 
 SIDE_STATE = ("last_psi_input", "last_delta_psi", "last_delta_psi_decay")  # their CartesianEngine's, for their plots
@@ -92,7 +93,7 @@ class _LiveStep:
     def engine_changed(self) -> Optional[Callable]:
         """Outside an episode (which checks once), at every call: the engine's own step where its
         code is no longer the one recognised, else None."""
-        return None if self.in_episode or self.identity is None else self.identity.own_step(self.motor)
+        return None if self.in_episode or self.identity is None else self.identity.own_step(self.motor, True)
 
     def gamma(self) -> float:
         gamma = live_gamma(self.motor)
@@ -252,6 +253,15 @@ def engine_kind(motor, installed=None) -> Optional[str]:
     return "Motor" if followed("Motor.evolve_step", evolve) is not None else None
 
 
+def engine_code(motor, installed=None) -> Optional[list]:
+    """The functions of the engine's step that qca_lowmem does not follow (those of its classes
+    and held on it), or None where the step it runs is the fused one or a Cartesian step followed.
+    `installed`: the step enable() set on the engine, looked through."""
+    if engine_kind(motor, installed) is not None:
+        return None
+    return code_of([motor], [owner for owner in type(motor).__mro__ if owner is not object])
+
+
 def unknown_engine(motor) -> str:
     why = not_recorded()
     return (f"{type(motor).__name__}.evolve_step is not, by its code, a Cartesian engine step qca_lowmem follows"
@@ -333,15 +343,18 @@ class EngineIdentity:
         self.kind = engine_kind(motor, installed) if installed is not None else None
         self.operator = compiled_module(motor.operator)  # the module the fused step was proved on
 
-    def own_step(self, motor) -> Optional[Callable]:
+    def own_step(self, motor, called: bool = False) -> Optional[Callable]:
         """None while the installed step still stands for the engine's; else the step the engine
-        would run now, bound (said once)."""
+        would run now, bound (said once). `called`: asked by the installed step, called by whatever
+        holds it (a wrapper set on the engine after enable()), for which it stands for the class's
+        step: the class's is then read, and run where it changed."""
         if self.kind is None:
             return None
         if has_memory(motor) != self.memory:
             raise RuntimeError(f"{type(motor).__name__}.has_memory is now {not self.memory}, {self.memory} at enable(): "
                                "the episode carries the memory as enable() decided; disable() and enable() again")
-        if engine_kind(motor, self.installed) != self.kind:
+        held = vars(motor).get("evolve_step")
+        if engine_kind(motor, held if called else self.installed) != self.kind:
             if not self.said:
                 self.said = True
                 say(logging.WARNING, f"{type(motor).__name__}'s step changed since enable() ({unknown_engine(motor)}): "
@@ -354,9 +367,8 @@ class EngineIdentity:
             if why != self.why_said:
                 self.why_said = why
                 say(logging.WARNING, f"{why}: the episodes run the engine's own step while it is there")
-        own = vars(motor).get("evolve_step")
-        if own is not None and own is not self.installed:
-            return own
+        if held is not None and held is not self.installed and not called:
+            return held
         return getattr(type(motor), "evolve_step").__get__(motor, type(motor))
 
     def operator_differs(self, operator) -> Optional[str]:

@@ -14,9 +14,12 @@ Only an injector whose flips are, by the identity of their code (code_identity.p
 this module follows is replayed, checked at each episode; any other runs as written.
 """
 
+from typing import Optional
+
 import torch
 
 from .code_identity import followed, resolved
+from .state_drift import code_of
 
 FLIPS = ("apply_phase_flip", "apply_bit_flip")
 
@@ -48,6 +51,14 @@ def follows(injector) -> bool:
     (none set on the instance, no wrapper) whose code is followed, and a `device` to draw on."""
     return hasattr(injector, "device") and all(
         followed(f"QuantumNoiseInjector.{name}", resolved(injector, name)) is not None for name in FLIPS)
+
+
+def injector_code(injector) -> Optional[list]:
+    """The functions of the injector that qca_lowmem does not follow (those of its classes and
+    held on it), or None where its flips are followed."""
+    if follows(injector):
+        return None
+    return code_of([injector], [owner for owner in type(injector).__mro__ if owner is not object])
 
 
 def without_host_waits(injector):

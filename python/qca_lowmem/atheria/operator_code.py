@@ -13,22 +13,21 @@ recomputes left the state it reads as the forward left it). Checked at enable() 
 episode: a class edited or a module swapped since then is seen.
 """
 
-import itertools
 import os
 import types
 import weakref
 from operator import is_
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
 from .. import _torch_private as torch_private
 from ..ops import stock_block_call
-from .code_identity import NOT_CALLED, followed_class, functions_of, not_recorded, reads
+from .code_identity import NOT_CALLED, followed_class, functions_of, not_recorded
+from .state_drift import code_of, held_callables
 
 _TORCH_FILES = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_MODULE_OWN = frozenset(vars(nn.Module()))  # what torch keeps on every module (its dicts of parameters, hooks...)
 _OWN_FILES = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the qca_lowmem package
 
 
@@ -101,13 +100,6 @@ def _modules(operator: nn.Module) -> list:
     return pending
 
 
-def _held_callables(module: nn.Module) -> list:
-    """(name, value) of each callable the module holds on the instance (not a submodule: a function
-    set on it), which followed code may call in place of what it was followed with."""
-    return [(name, value) for name, value in vars(module).items()
-            if name not in _MODULE_OWN and callable(value) and not isinstance(value, (nn.Module, torch.Tensor, type))]
-
-
 def operator_unfollowed(operator: nn.Module) -> Optional[str]:
     """None when calling `operator` runs only code qca_lowmem follows, else the first module that
     does not, named by its path, with why: about 60 us a walk of the default U-Net on a CPU."""
@@ -116,7 +108,7 @@ def operator_unfollowed(operator: nn.Module) -> Optional[str]:
     verdicts = {cls: class_unfollowed(cls, judged) for cls in {type(module) for module in modules}}
     if not any(verdicts.values()):
         held = next((f"{type(module).__name__}.{name} ({type(value).__name__})" for module in modules
-                     for name, value in _held_callables(module)), None)
+                     for name, value in held_callables(module)), None)
         return None if held is None else f"{type(operator).__name__} ({held} is set on the instance)"
     name, module = next((name, module) for name, module in operator.named_modules() if verdicts[type(module)])
     return f"{type(operator).__name__}{'.' + name if name else ''} ({verdicts[type(module)]})"
@@ -130,80 +122,12 @@ def first_hook(operator: nn.Module) -> Optional[str]:
                  for name, module in operator.named_modules() if torch_private.module_has_hooks(module)), None)
 
 
-_SIMPLE = (type(None), bool, int, float, complex, str, bytes)
-
-
-def _fingerprint(value):
-    """What of a value a call could change, in simple values (compared with !=), or None where
-    nothing is read: a simple value itself; a container's type, length and simple entries; a
-    counter's repr; an object's simple attributes. Tensors (their writes are ops the rollout sees),
-    modules, functions and classes not."""
-    if isinstance(value, _SIMPLE):
-        return value
-    if isinstance(value, dict):
-        return "dict", len(value), tuple((k, v) for k, v in value.items() if isinstance(k, _SIMPLE) and isinstance(v, _SIMPLE))
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return type(value).__name__, len(value), tuple(v for v in value if isinstance(v, _SIMPLE))
-    if isinstance(value, itertools.count):
-        return repr(value)
-    if isinstance(value, (torch.Tensor, nn.Module, type, types.FunctionType, types.ModuleType, types.MethodType)) \
-            or not hasattr(value, "__dict__"):
-        return None
-    return tuple(sorted((k, v) for k, v in vars(value).items() if isinstance(v, _SIMPLE))) or None
-
-
-def _shown(fingerprint) -> str:
-    """A fingerprint in a few words: a container as its type, length and simple entries."""
-    if isinstance(fingerprint, tuple) and len(fingerprint) == 3 and isinstance(fingerprint[1], int) \
-            and fingerprint[0] in ("dict", "list", "tuple", "set", "frozenset"):
-        text = f"a {fingerprint[0]} of {fingerprint[1]}" + (f": {fingerprint[2]!r}" if fingerprint[2] else "")
-    else:
-        text = repr(fingerprint)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-class StateDrift:
-    """The Python state that a call of an operator running code qca_lowmem does not follow may keep
-    (operator_unfollowed): its modules' attributes, and what that code reads besides its arguments
-    (closure cells, module globals: code_identity.reads), fingerprinted. Read after the episode's
-    forward and again after its backward, whose recomputes call the operator (and its hooks) again
-    where stock's episode does not: a change in between would start later episodes from another
-    state than stock's, so the episode is refused, naming it."""
-
-    def __init__(self, operator: nn.Module, functions: list):
-        self.operator, self.functions = operator, functions
-        self.after_forward = self.read()
-
-    def read(self) -> Dict[str, object]:
-        found = {}
-        for name, module in self.operator.named_modules():
-            for attr, value in vars(module).items():
-                if attr not in _MODULE_OWN:
-                    found[f"{type(self.operator).__name__}{'.' + name if name else ''}.{attr}"] = _fingerprint(value)
-        for function in self.functions:
-            found.update((name, _fingerprint(value)) for name, value in reads(function))
-        return {name: value for name, value in found.items() if value is not None}
-
-    def check(self) -> None:
-        after = self.read()
-        changed = next((name for name in self.after_forward.keys() | after.keys()
-                        if self.after_forward.get(name) != after.get(name)), None)
-        if changed is not None:
-            raise RuntimeError(
-                f"qca_lowmem: {changed} changed during the backward ({_shown(self.after_forward.get(changed))} -> "
-                f"{_shown(after.get(changed))}): the rollout's recomputes call the operator (and its hooks) again, where "
-                "stock's episode does not, so later episodes would start from another state than stock's. Keep "
-                "that state in the operator's tensors, or enable(trainer, checkpoint='none'), which calls it as "
-                "stock does")
-
-
-def state_drift(operator: nn.Module) -> Optional[StateDrift]:
-    """A StateDrift of `operator` read now, where it runs code qca_lowmem does not follow, else None."""
+def unfollowed_code(operator: nn.Module) -> Optional[list]:
+    """The functions a call of `operator` runs that qca_lowmem does not follow (its unfollowed
+    classes', and callables held on its modules), or None where it runs only followed code."""
     modules = _modules(operator)
     owners = {owner for cls in {type(m) for m in modules} if stock_block_call(cls) is not None
               for owner in cls.__mro__ if owner is not object and _owner_verdict(owner) is not None}
-    held = [getattr(value, "__func__", value) for module in modules for _, value in _held_callables(module)]
-    if not owners and not held:
+    if not owners and not any(held_callables(module) for module in modules):
         return None
-    functions = [f for owner in owners for value in vars(owner).values() for f in functions_of(value) or ()]
-    return StateDrift(operator, functions + [f for f in held if isinstance(f, types.FunctionType)])
+    return code_of(modules, owners)

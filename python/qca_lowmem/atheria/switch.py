@@ -22,6 +22,7 @@ from .code_identity import ATHERIA, not_recorded
 from .engine_step import (
     EngineIdentity,
     EngineMemoryStep,
+    engine_code,
     fused_of,
     live_gamma,
     lowmem_steps,
@@ -31,10 +32,12 @@ from .engine_step import (
 )
 from .episode_options import EpisodeOptions, check_reads, resolve_options
 from .fused_blocks import Swapped, put_back, still_stock, swap_in
-from .operator_code import state_drift
+from .mask_free_noise import injector_code
+from .operator_code import unfollowed_code
 from .options import Options, enable_signature, options_doc
 from .say import say
 from .scaler_swap import clip_scaled, lowmem_scaler_for, scales_for_fp16
+from .state_drift import episode_drift
 from .stock_guard import EpisodeIdentity, check_stock_episode, stock_origin
 from .trainers import TrainerVersion, adapter_for
 from .user_modules import buffer_bindings, compiled_module, rebind
@@ -188,8 +191,8 @@ def _lowmem_train_episode(trainer, episode_num):
         state.fused.flush()
     side_state = side_state_of(trainer.motor, copy=opts.cuda_graph)  # the forward's last step's, as stock leaves it
 
-    # The operator's state as the forward left it, where it runs code qca_lowmem does not follow.
-    drift = state_drift(compiled_module(operator)) if opts.policy.checkpoint != NONE else None
+    # The state the steps' unfollowed code keeps, as the forward left it (the recomputes run it again).
+    drift = _step_drift(trainer, state, noise) if opts.policy.checkpoint != NONE else None
 
     # All of them, as their clipping reads them: a frozen one's gradient left from before counts in the norm.
     parameters = [] if model is None else list(model.parameters())
@@ -197,7 +200,7 @@ def _lowmem_train_episode(trainer, episode_num):
     scaled = scaler is not None and scaler.is_enabled() and (version.scales(trainer) or scales_for_fp16(opts))
     (scaler.scale(loss) if scaled else loss).backward()
     if drift is not None:
-        drift.check()  # the recomputes called the operator again: its state as the forward left it, or refused
+        drift.check()  # the recomputes ran the steps again: their state as the forward left it, or refused
     max_norm = _max_norm(trainer, opts, version) if model is not None else None
     if scaled:
         scaler.unscale_(trainer.optimizer)
@@ -214,6 +217,19 @@ def _lowmem_train_episode(trainer, episode_num):
     put_side_state(trainer.motor, side_state)
     version.after_backward(trainer, memory_T[0] if memory_T else None)
     return version.result(trainer, episode_num, loss, details, psi)
+
+
+def _step_drift(trainer, state: _Saved, noise):
+    """A StateDrift of what the episode's steps run that qca_lowmem does not follow: the operator,
+    the engine's own step, the trainer's noise injector (episode noise from it), or None."""
+    module, motor = compiled_module(trainer.motor.operator), trainer.motor
+    installed = state.engine_identity.installed if state.engine_identity is not None else None
+    injector = trainer.noise_injector if noise is not None and state.options.given.noise == "trainer" else None
+    return episode_drift([
+        ("the operator (and its hooks)", type(module).__name__, module, unfollowed_code(module)),
+        ("the engine's step", type(motor).__name__, motor, engine_code(motor, installed)),
+        ("the noise injector", f"{type(trainer).__name__}.noise_injector", injector,
+         injector_code(injector) if injector is not None else None)])
 
 
 def _check_engine(trainer, state: _Saved):

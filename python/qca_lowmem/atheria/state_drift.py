@@ -1,0 +1,136 @@
+"""State that code qca_lowmem does not follow keeps outside its tensors, checked across the backward.
+
+A recomputing episode runs each step again in its backward, where stock's episode runs it once:
+the operator (and its hooks), the engine's own step and the trainer's noise injector. Where their
+code is followed (code_identity.py: torch's, qca_lowmem's, the users' recorded versions) a call
+keeps nothing outside its tensors; any other code may (a call counter on the engine, a list a
+noise injector logs to, a generator of its own, a global). The recompute check sees a step that
+computes otherwise; it cannot see state the extra calls move for later episodes (a counter stock
+leaves at T calls an episode stands at 2T, and a threshold on it is crossed an episode early). So
+the episode reads that state after its forward and again after its backward, and refuses the
+episode on a change, naming it; checkpoint="none" calls everything as stock does.
+"""
+
+import itertools
+import pickle
+import random
+import types
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .code_identity import functions_of, reads
+
+_MODULE_OWN = frozenset(vars(nn.Module()))  # what torch keeps on every module (its dicts of parameters, hooks...)
+_SIMPLE = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _generator_state(value):
+    """A random generator's state as bytes, or None for anything else."""
+    if isinstance(value, torch.Generator):
+        return bytes(value.get_state().numpy())
+    if isinstance(value, random.Random):
+        return pickle.dumps(value.getstate())
+    if type(value).__module__.startswith("numpy.random"):  # a RandomState or Generator (numpy not imported here)
+        if hasattr(value, "bit_generator"):
+            return pickle.dumps(value.bit_generator.state)
+        if hasattr(value, "get_state"):
+            return pickle.dumps(value.get_state())
+    return None
+
+
+def _fingerprint(value):
+    """What of a value a call could change, in simple values (compared with !=), or None where
+    nothing is read: a simple value itself; a random generator's state; a container's type, length
+    and simple entries; a counter's repr; an object's simple attributes. Tensors (their writes are
+    ops the rollout sees), modules, functions and classes not."""
+    if isinstance(value, _SIMPLE):
+        return value
+    generator = _generator_state(value)
+    if generator is not None:
+        return "generator", generator
+    if isinstance(value, dict):
+        return "dict", len(value), tuple((k, v) for k, v in value.items() if isinstance(k, _SIMPLE) and isinstance(v, _SIMPLE))
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return type(value).__name__, len(value), tuple(v for v in value if isinstance(v, _SIMPLE))
+    if isinstance(value, itertools.count):
+        return repr(value)
+    if isinstance(value, (torch.Tensor, nn.Module, type, types.FunctionType, types.ModuleType, types.MethodType)) \
+            or not hasattr(value, "__dict__"):
+        return None
+    return tuple(sorted((k, v) for k, v in vars(value).items() if isinstance(v, _SIMPLE))) or None
+
+
+def _shown(fingerprint) -> str:
+    """A fingerprint in a few words: a container as its type, length and simple entries."""
+    if isinstance(fingerprint, tuple) and len(fingerprint) == 2 and fingerprint[0] == "generator":
+        return "a random generator's state"
+    if isinstance(fingerprint, tuple) and len(fingerprint) == 3 and isinstance(fingerprint[1], int) \
+            and fingerprint[0] in ("dict", "list", "tuple", "set", "frozenset"):
+        text = f"a {fingerprint[0]} of {fingerprint[1]}" + (f": {fingerprint[2]!r}" if fingerprint[2] else "")
+    else:
+        text = repr(fingerprint)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def held_callables(holder) -> list:
+    """(name, value) of each callable an object holds on the instance (on a module: not a
+    submodule), which its followed code may call in place of what it was followed with."""
+    own = _MODULE_OWN if isinstance(holder, nn.Module) else ()
+    return [(name, value) for name, value in vars(holder).items()
+            if name not in own and callable(value) and not isinstance(value, (nn.Module, torch.Tensor, type))]
+
+
+def code_of(holders, classes) -> list:
+    """The plain functions a call on `holders` may run: those `classes` define (their methods,
+    static and class methods, properties' accessors) and the functions the holders hold on the instance."""
+    functions = [f for owner in classes for value in vars(owner).values() for f in functions_of(value) or ()]
+    held = [getattr(value, "__func__", value) for holder in holders for _, value in held_callables(holder)]
+    return functions + [f for f in held if isinstance(f, types.FunctionType)]
+
+
+class StateDrift:
+    """The Python state the steps' unfollowed code may keep: the attributes of what holds it (an
+    operator's every module; the engine; the noise injector), and what that code reads besides its
+    arguments (closure cells, module globals: code_identity.reads), fingerprinted when made (after
+    the episode's forward) and compared by check() (after its backward)."""
+
+    def __init__(self, holders: List[Tuple[str, object]], functions: list, runs: str):
+        """`holders`: (the name to say, the object); `runs`: what the recomputes run again, in words."""
+        self.holders, self.functions, self.runs = holders, functions, runs
+        self.after_forward = self.read()
+
+    def read(self) -> Dict[str, object]:
+        found = {}
+        for label, holder in self.holders:
+            owners = holder.named_modules() if isinstance(holder, nn.Module) else [("", holder)]
+            for name, owner in owners:
+                for attr, value in vars(owner).items():
+                    if attr not in _MODULE_OWN:
+                        found[f"{label}{'.' + name if name else ''}.{attr}"] = _fingerprint(value)
+        for function in self.functions:
+            found.update((name, _fingerprint(value)) for name, value in reads(function))
+        return {name: value for name, value in found.items() if value is not None}
+
+    def check(self) -> None:
+        after = self.read()
+        changed = next((name for name in self.after_forward.keys() | after.keys()
+                        if self.after_forward.get(name) != after.get(name)), None)
+        if changed is not None:
+            raise RuntimeError(
+                f"qca_lowmem: {changed} changed during the backward ({_shown(self.after_forward.get(changed))} -> "
+                f"{_shown(after.get(changed))}): the rollout's recomputes run {self.runs} again, where stock's "
+                "episode does not, so later episodes would start from another state than stock's. Keep that "
+                "state in tensors, or enable(trainer, checkpoint='none'), which runs each step once as stock does")
+
+
+def episode_drift(parts: List[Tuple[str, str, object, Optional[list]]]) -> Optional[StateDrift]:
+    """A StateDrift read now over `parts`, (what runs, in words; the name to say; the holder; the
+    unfollowed functions it runs, None where its code is followed), or None where every part's is."""
+    unfollowed = [(runs, label, holder, functions) for runs, label, holder, functions in parts if functions is not None]
+    if not unfollowed:
+        return None
+    return StateDrift([(label, holder) for _, label, holder, _ in unfollowed],
+                      [f for *_, functions in unfollowed for f in functions],
+                      " and ".join(runs for runs, *_ in unfollowed))

@@ -1,0 +1,146 @@
+"""State that the steps' unfollowed code keeps outside its tensors, moved by the recomputes: an
+engine whose step counts its calls, a wrapper set on the engine's step that logs them, a noise
+injector that logs its rates or draws from a generator of its own. Stock's episode runs each step
+once; a recomputing one runs them again, so such state would leave the episode elsewhere than
+stock's, silently. Each is refused, naming the state, where the episode recomputes, and trains as
+stock does (float64, the same bits' worth) under checkpoint='none'. Followed code is not read."""
+
+import numpy
+import pytest
+import torch
+
+import qca_lowmem
+from qca_lowmem import stock
+from qca_lowmem.atheria.engine_step import engine_code
+from qca_lowmem.atheria.mask_free_noise import injector_code
+from qca_lowmem.examples.qc_trainer_v4 import QC_Trainer_v4, make_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+EPISODES = (2000, 2001)  # the noise curriculum's full rate: noise every step
+
+
+def make_trainer():
+    torch.manual_seed(0)
+    cfg = make_config(grid=8, d_state=2, hidden=4, qca_steps=4, gamma=0.05, dtype=torch.complex128)
+    trainer = QC_Trainer_v4(cfg, state_object=True, max_noise=0.3, operator=stock.UNetUnitary(2, 4).double())
+    with torch.no_grad():
+        trainer.motor.operator.outc.weight.normal_(0.0, 0.1)
+    return trainer
+
+
+def counting_engine(trainer):
+    """The engine's class with a step that counts its calls, its output unchanged."""
+    base = type(trainer.motor)
+
+    class Counting(base):
+        def evolve_step(self, psi):
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().evolve_step(psi)
+
+    trainer.motor.__class__ = Counting
+    return lambda t: t.motor.calls
+
+
+def logged_step(trainer):
+    """A wrapper set on the engine's step (after enable(), it wraps the installed one) logging its calls."""
+    own, log = trainer.motor.evolve_step, []
+
+    def evolve_step(psi):
+        log.append(None)
+        return own(psi)
+
+    trainer.motor.evolve_step = evolve_step
+    return lambda t: len(log)
+
+
+class LoggingInjector(stock.NoiseInjector):
+    def __init__(self):
+        super().__init__()
+        self.rates = []
+
+    def apply_phase_flip(self, psi, rate=0.01):
+        self.rates.append(rate)
+        return super().apply_phase_flip(psi, rate)
+
+
+class OwnGeneratorInjector(stock.NoiseInjector):
+    """Draws from a generator of its own a value it does not use: psi unchanged, the generator moved."""
+
+    def __init__(self):
+        super().__init__()
+        self.draw = torch.Generator().manual_seed(7)
+
+    def apply_phase_flip(self, psi, rate=0.01):
+        torch.rand(1, generator=self.draw)
+        return super().apply_phase_flip(psi, rate)
+
+
+def injector(cls):
+    def edit(trainer):
+        trainer.noise_injector = cls()
+        return lambda t: t.noise_injector.rates if cls is LoggingInjector else t.noise_injector.draw.get_state()
+    return edit
+
+
+EDITS = {"engine counting its calls": (counting_engine, r"Counting\.calls"),
+         "a wrapper logging the engine's steps": (logged_step, r"logged_step\.<locals>\.evolve_step's log"),
+         "an injector logging its rates": (injector(LoggingInjector), r"QC_Trainer_v4\.noise_injector\.rates"),
+         "an injector drawing from its own generator": (injector(OwnGeneratorInjector),
+                                                        r"QC_Trainer_v4\.noise_injector\.draw")}
+
+
+def run(edit, enable=None):
+    """The edit made (after enable() where it is given), two episodes; (losses, weights, the state read)."""
+    trainer = make_trainer()
+    if enable is not None:
+        qca_lowmem.enable(trainer, **enable)
+    read = edit(trainer)
+    torch.manual_seed(5)
+    numpy.random.seed(5)  # the bit flips' coin
+    losses = [trainer.train_episode(e)[0] for e in EPISODES]
+    return losses, [p.detach().clone() for p in trainer.motor.operator.parameters()], read(trainer)
+
+
+@pytest.mark.parametrize("name", EDITS)
+@pytest.mark.parametrize("policy", [dict(checkpoint="step"), dict(checkpoint="revolve", slots=2),
+                                    dict(checkpoint="auto", budget=2**14)])
+def test_state_the_recomputes_move_refuses_the_episode_naming_it(name, policy):
+    edit, named = EDITS[name]
+    trainer = make_trainer()
+    qca_lowmem.enable(trainer, **policy)
+    edit(trainer)
+    torch.manual_seed(5)
+    with pytest.raises(RuntimeError, match=f"qca_lowmem: {named}.* changed during the backward"):
+        trainer.train_episode(EPISODES[0])
+
+
+@pytest.mark.parametrize("name", EDITS)
+def test_without_recomputes_the_edited_code_trains_as_stock(name):
+    edit, _ = EDITS[name]
+    expected, got = run(edit), run(edit, dict(checkpoint="none"))
+    assert got[0] == pytest.approx(expected[0], rel=1e-12, abs=0)
+    for w, s in zip(got[1], expected[1], strict=True):
+        assert torch.allclose(w, s, rtol=1e-11, atol=1e-15)
+    state, stock_state = got[2], expected[2]
+    assert torch.equal(state, stock_state) if isinstance(state, torch.Tensor) else state == stock_state
+
+
+def test_a_wrapper_set_after_enable_runs_around_the_installed_step_once():
+    """The wrapper holds the installed fused step; called by it, that step stands for the class's
+    (it used to hand the call back to the wrapper, without end)."""
+    trainer = qca_lowmem.enable(make_trainer(), checkpoint="none")
+    read = logged_step(trainer)
+    psi = torch.randn(1, 8, 8, 2, dtype=torch.complex128)
+    out = trainer.motor.evolve_step(psi)
+    assert read(trainer) == 1 and out.shape == psi.shape
+
+
+def test_followed_engine_and_injector_are_not_read():
+    trainer = qca_lowmem.enable(make_trainer())
+    installed = vars(trainer.motor)["evolve_step"]
+    assert engine_code(trainer.motor, installed) is None
+    assert injector_code(trainer.noise_injector) is None
+    counting_engine(trainer)
+    assert engine_code(trainer.motor, installed)
+    assert injector_code(LoggingInjector())
