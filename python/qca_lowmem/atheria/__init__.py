@@ -9,6 +9,7 @@ Its modules, one concern each:
 - `config_section`: the `LOWMEM` section of their config and the `QCA_LOWMEM` variable.
 - `trainers`: one adapter per trainer version, what differs between their episodes.
 - `engine_step`: the engine's verdict and the steps installed on their engine.
+- `engine_state`: what the engine keeps across steps and episodes (its memory, their side state).
 - `captures`: the episode's captured step (a StepGraph), kept between episodes.
 - `engine_probe`: the one-time probe that their engine steps as the fused step does.
 - `user_modules`: helpers on their torch modules (a compiled operator's module, buffer bindings).

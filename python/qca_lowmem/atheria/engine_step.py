@@ -39,8 +39,6 @@ from .say import say
 from .state_drift import code_of
 from .user_modules import compiled_module
 
-SIDE_STATE = ("last_psi_input", "last_delta_psi", "last_delta_psi_decay")  # their CartesianEngine's, for their plots
-
 
 def has_memory(motor) -> bool:
     """Whether the engine runs its operator with memory; refuses what cannot be read."""
@@ -386,24 +384,3 @@ def _probe_input(operator, shape, dtype):
     draw = torch.Generator().manual_seed(0)
     psi = torch.randn(shape, dtype=dtype, generator=draw).to(parameter.device)
     return qca_pack(psi, parameter.dtype)
-
-
-def memory_of(motor) -> Optional[tuple]:
-    return motor.state.h_state, motor.state.c_state
-
-
-def store_memory(motor, memory) -> None:
-    motor.state.h_state, motor.state.c_state = (m.detach() if m is not None else None for m in memory)
-
-
-def side_state_of(motor, copy: bool = False) -> dict:
-    """The side state their engine's step leaves on the engine (SIDE_STATE), as it stands; `copy`:
-    its tensors cloned (a captured step rewrites its buffers in each replay)."""
-    held = vars(motor) if hasattr(motor, "__dict__") else {}
-    return {name: held[name].clone() if copy and isinstance(held[name], torch.Tensor) else held[name]
-            for name in SIDE_STATE if name in held}
-
-
-def put_side_state(motor, saved: dict) -> None:
-    for name, value in saved.items():
-        setattr(motor, name, value)

@@ -19,6 +19,7 @@ from ..recompute import rollout
 from ..recompute.policy import NONE
 from .captures import StepCaptures
 from .code_identity import ATHERIA, not_recorded
+from .engine_state import memory_of, put_side_state, side_state_of
 from .engine_step import (
     EngineIdentity,
     EngineMemoryStep,
@@ -26,9 +27,6 @@ from .engine_step import (
     fused_of,
     live_gamma,
     lowmem_steps,
-    memory_of,
-    put_side_state,
-    side_state_of,
 )
 from .episode_options import EpisodeOptions, check_reads, resolve_options
 from .fused_blocks import Swapped, put_back, still_stock, swap_in

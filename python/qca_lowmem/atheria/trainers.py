@@ -18,7 +18,7 @@ import torch
 
 from .. import stock
 from ..ops.noise import NoiseSchedule
-from .engine_step import store_memory
+from .engine_state import store_memory
 from .mask_free_noise import without_host_waits
 
 
