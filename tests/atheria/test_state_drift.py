@@ -3,7 +3,8 @@ engine whose step counts its calls, a wrapper set on the engine's step that logs
 injector that logs its rates or draws from a generator of its own. Stock's episode runs each step
 once; a recomputing one runs them again, so such state would leave the episode elsewhere than
 stock's, silently. Each is refused, naming the state, where the episode recomputes, and trains as
-stock does (float64, the same bits' worth) under checkpoint='none'. Followed code is not read."""
+stock does (float64, the same bits' worth) under checkpoint='none'. A tensor bound anew at each
+call (a running total) is bound to the forward's again, as stock leaves it. Followed code is not read."""
 
 import numpy
 import pytest
@@ -124,6 +125,46 @@ def test_without_recomputes_the_edited_code_trains_as_stock(name):
         assert torch.allclose(w, s, rtol=1e-11, atol=1e-15)
     state, stock_state = got[2], expected[2]
     assert torch.equal(state, stock_state) if isinstance(state, torch.Tensor) else state == stock_state
+
+
+def totalling_engine(trainer):
+    """The engine's class with a step binding a new running total of |psi| at each call."""
+    base = type(trainer.motor)
+
+    class Totalling(base):
+        def evolve_step(self, psi):
+            self.total = getattr(self, "total", 0) + psi.detach().abs().sum()
+            return super().evolve_step(psi)
+
+    trainer.motor.__class__ = Totalling
+    return lambda t: t.motor.total
+
+
+class TotallingInjector(stock.NoiseInjector):
+    def __init__(self):
+        super().__init__()
+        self.total = torch.zeros((), dtype=torch.float64)
+
+    def apply_phase_flip(self, psi, rate=0.01):
+        self.total = self.total + psi.detach().abs().sum()
+        return super().apply_phase_flip(psi, rate)
+
+
+def totalling_injector(trainer):
+    trainer.noise_injector = TotallingInjector()
+    return lambda t: t.noise_injector.total
+
+
+@pytest.mark.parametrize("edit", [totalling_engine, totalling_injector])
+@pytest.mark.parametrize("policy", [dict(checkpoint="step"), dict(checkpoint="revolve", slots=2)])
+def test_a_tensor_the_recomputes_bind_anew_ends_as_the_forward_left_it(edit, policy):
+    """A new tensor bound on the engine or the injector at each call: the recomputes bind later
+    ones; the episode binds the forward's again, so the total is stock's, and trains as stock."""
+    expected, got = run(edit), run(edit, policy)
+    assert got[0] == pytest.approx(expected[0], rel=1e-12, abs=0)
+    for w, s in zip(got[1], expected[1], strict=True):
+        assert torch.allclose(w, s, rtol=1e-11, atol=1e-15)
+    assert torch.equal(got[2], expected[2])
 
 
 def test_a_wrapper_set_after_enable_runs_around_the_installed_step_once():

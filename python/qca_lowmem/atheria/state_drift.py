@@ -40,13 +40,32 @@ def _generator_state(value):
     return None
 
 
+class _Bound:
+    """A tensor as the attribute holding it: the same only while it holds the same tensor (its
+    writes in place are ops the rollout sees; a new tensor bound there is not)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def __eq__(self, other):
+        return isinstance(other, _Bound) and other.tensor is self.tensor
+
+    def __hash__(self):
+        return id(self.tensor)
+
+    def __repr__(self):
+        return f"a tensor of shape {tuple(self.tensor.shape)}"
+
+
 def _fingerprint(value):
     """What of a value a call could change, in simple values (compared with !=), or None where
-    nothing is read: a simple value itself; a random generator's state; a container's type, length
-    and simple entries; a counter's repr; an object's simple attributes. Tensors (their writes are
-    ops the rollout sees), modules, functions and classes not."""
+    nothing is read: a simple value itself; a tensor by identity (another bound in its place); a
+    random generator's state; a container's type, length and simple entries; a counter's repr; an
+    object's simple attributes. Modules, functions and classes not."""
     if isinstance(value, _SIMPLE):
         return value
+    if isinstance(value, torch.Tensor):
+        return _Bound(value)
     generator = _generator_state(value)
     if generator is not None:
         return "generator", generator
@@ -56,7 +75,7 @@ def _fingerprint(value):
         return type(value).__name__, len(value), tuple(v for v in value if isinstance(v, _SIMPLE))
     if isinstance(value, itertools.count):
         return repr(value)
-    if isinstance(value, (torch.Tensor, nn.Module, type, types.FunctionType, types.ModuleType, types.MethodType)) \
+    if isinstance(value, (nn.Module, type, types.FunctionType, types.ModuleType, types.MethodType)) \
             or not hasattr(value, "__dict__"):
         return None
     return tuple(sorted((k, v) for k, v in vars(value).items() if isinstance(v, _SIMPLE))) or None
@@ -94,26 +113,40 @@ class StateDrift:
     """The Python state the steps' unfollowed code may keep: the attributes of what holds it (an
     operator's every module; the engine; the noise injector), and what that code reads besides its
     arguments (closure cells, module globals: code_identity.reads), fingerprinted when made (after
-    the episode's forward) and compared by check() (after its backward)."""
+    the episode's forward) and compared by check() (after its backward). A tensor attribute the
+    recomputes bound anew (snntorch's `reset`, a running total `self.x = self.x + ...`) is bound
+    again to the forward's, as stock's episode leaves it; any other change refuses the episode."""
 
     def __init__(self, holders: List[Tuple[str, object]], functions: list, runs: str):
         """`holders`: (the name to say, the object); `runs`: what the recomputes run again, in words."""
         self.holders, self.functions, self.runs = holders, functions, runs
-        self.after_forward = self.read()
+        self.bound: List[Tuple[object, str, torch.Tensor]] = []  # (owner, attribute, the forward's tensor)
+        self.after_forward = self.read(self.bound)
 
-    def read(self) -> Dict[str, object]:
-        found = {}
+    def _attributes(self):
+        """(the name to say, the owner, its attribute, the value) of every holder's attribute."""
         for label, holder in self.holders:
             owners = holder.named_modules() if isinstance(holder, nn.Module) else [("", holder)]
             for name, owner in owners:
                 for attr, value in vars(owner).items():
                     if attr not in _MODULE_OWN:
-                        found[f"{label}{'.' + name if name else ''}.{attr}"] = _fingerprint(value)
+                        yield f"{label}{'.' + name if name else ''}.{attr}", owner, attr, value
+
+    def read(self, bound: Optional[list] = None) -> Dict[str, object]:
+        """The fingerprints; `bound` collects the tensor attributes."""
+        found = {}
+        for name, owner, attr, value in self._attributes():
+            found[name] = _fingerprint(value)
+            if bound is not None and isinstance(value, torch.Tensor):
+                bound.append((owner, attr, value))
         for function in self.functions:
             found.update((name, _fingerprint(value)) for name, value in reads(function))
         return {name: value for name, value in found.items() if value is not None}
 
     def check(self) -> None:
+        for owner, attr, tensor in self.bound:
+            if attr in vars(owner) and vars(owner)[attr] is not tensor:
+                setattr(owner, attr, tensor)
         after = self.read()
         changed = next((name for name in self.after_forward.keys() | after.keys()
                         if self.after_forward.get(name) != after.get(name)), None)

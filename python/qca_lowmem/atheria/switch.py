@@ -197,8 +197,11 @@ def _lowmem_train_episode(trainer, episode_num):
     scaler = getattr(trainer, "scaler", None)
     scaled = scaler is not None and scaler.is_enabled() and (version.scales(trainer) or scales_for_fp16(opts))
     (scaler.scale(loss) if scaled else loss).backward()
+    # After the backward, whose recomputes ran the steps again.
+    rebind(bound)  # a buffer each recompute bound again (snntorch's membrane): as the forward left it
+    put_side_state(trainer.motor, side_state)
     if drift is not None:
-        drift.check()  # the recomputes ran the steps again: their state as the forward left it, or refused
+        drift.check()  # the rest of the steps' state as the forward left it, or the episode refused
     max_norm = _max_norm(trainer, opts, version) if model is not None else None
     if scaled:
         scaler.unscale_(trainer.optimizer)
@@ -210,9 +213,6 @@ def _lowmem_train_episode(trainer, episode_num):
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         trainer.optimizer.step()
-    # After the backward, whose recomputes ran the steps again.
-    rebind(bound)  # a buffer each recompute bound again (snntorch's membrane): as the forward left it
-    put_side_state(trainer.motor, side_state)
     version.after_backward(trainer, memory_T[0] if memory_T else None)
     return version.result(trainer, episode_num, loss, details, psi)
 
