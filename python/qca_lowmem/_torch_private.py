@@ -24,6 +24,8 @@ REQUIRED = [
     ("torch._C", "_get_dispatch_stack_at"),
     ("torch._C", "_DisableTorchDispatch"),
     ("torch.nn.modules.module", "_has_any_global_hook"),
+    ("torch.nn.modules.module", "_global_forward_hooks"),
+    ("torch.nn.modules.module", "_global_forward_pre_hooks"),
     ("torch._C", "_are_functorch_transforms_active"),
     ("torch._C", "_dispatch_has_kernel_for_dispatch_key"),
     ("torch._C._functorch", "is_functorch_wrapped_tensor"),
@@ -64,6 +66,16 @@ _CALL_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_a
                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_CALL_HOOKS = ("_global_forward_hooks", "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called",
                       "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
+
+
+def forward_hooks(modules) -> list:
+    """The forward and forward-pre hooks calls of `modules` run: the global ones and each module's
+    own (the `_with_kwargs` and `_always_called` dicts hold flags for the same hooks)."""
+    module_globals = vars(torch.nn.modules.module)
+    found = [hook for name in ("_global_forward_hooks", "_global_forward_pre_hooks")
+             for hook in module_globals[name].values()]
+    return found + [hook for module in modules for name in ("_forward_hooks", "_forward_pre_hooks")
+                    for hook in getattr(module, name, {}).values()]
 
 
 @contextlib.contextmanager

@@ -74,10 +74,12 @@ def test_every_copy_runs_its_own_settings(kind, how):
     assert duplicate.train_episode.trainer is duplicate and trainer.train_episode.trainer is trainer
     assert vars(duplicate)["__reduce_ex__"].trainer is duplicate
     steps = []
-    duplicate.motor.operator.register_forward_pre_hook(lambda module, args: steps.append(1))
+    # A spy that records the forward's calls only, as stock's backward makes none.
+    duplicate.motor.operator.register_forward_pre_hook(
+        lambda module, args: None if qca_lowmem.recomputing() else steps.append(1))
     duplicate.qca_steps = 2
     episode(duplicate)
-    assert len(steps) in (2, 4)  # its 2 steps (and their recomputes), not the original's 3
+    assert len(steps) == 2  # its 2 steps, not the original's 3
     assert copy.copy(copy.deepcopy(duplicate)).train_episode.trainer is not trainer
 
 

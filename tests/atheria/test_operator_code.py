@@ -227,7 +227,7 @@ def test_recomputes_that_move_the_operators_state_refuse_the_episode(where, name
 
 
 def state_drift(operator):
-    return episode_drift([("the operator", type(operator).__name__, operator, unfollowed_code(operator))])
+    return episode_drift([("the operator", *unfollowed_code(operator))])
 
 
 def test_followed_code_is_not_read_for_drift():

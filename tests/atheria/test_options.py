@@ -85,7 +85,8 @@ def test_a_grid_given_as_a_pair_or_a_numpy_int_trains_on_that_grid():
         trainer = qca_lowmem.enable(trainer_of(), grid_size=grid_size)
         assert trainer._qca_lowmem_state.options.grid == (12, 12)
         assert all(type(side) is int for side in trainer._qca_lowmem_state.options.grid)
-        trainer.motor.operator.register_forward_pre_hook(lambda module, args: shapes.append(args[0].shape[-2:]))
+        trainer.motor.operator.register_forward_pre_hook(
+            lambda module, args: None if qca_lowmem.recomputing() else shapes.append(args[0].shape[-2:]))
         trainer.train_episode(0)
     assert shapes and set(shapes) == {(12, 12)}
 

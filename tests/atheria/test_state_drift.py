@@ -1,6 +1,7 @@
 """State that the steps' unfollowed code keeps outside its tensors, moved by the recomputes: an
 engine whose step counts its calls, a wrapper set on the engine's step that logs them, a noise
-injector that logs its rates or draws from a generator of its own. Stock's episode runs each step
+injector that logs its rates or draws from a generator of its own, forward hooks recording
+activations or counting calls. Stock's episode runs each step
 once; a recomputing one runs them again, so such state would leave the episode elsewhere than
 stock's, silently. Each is refused, naming the state, where the episode recomputes, and trains as
 stock does (float64, the same bits' worth) under checkpoint='none'. A tensor bound anew at each
@@ -84,11 +85,45 @@ def injector(cls):
     return edit
 
 
+class ActivationRecorder:
+    """A forward hook's object keeping the norms of what the operator returned."""
+
+    def __init__(self):
+        self.norms = []
+
+    def hook(self, module, args, output):
+        self.norms.append(float(output.detach().norm()))
+
+
+def recorder_hook(trainer):
+    recorder = ActivationRecorder()
+    trainer.motor.operator.register_forward_hook(recorder.hook)
+    return lambda t: recorder.norms
+
+
+def lambda_recorder_hook(trainer):
+    """The recorder called from a closure: its list is read through the closure's cell."""
+    recorder = ActivationRecorder()
+    trainer.motor.operator.register_forward_hook(lambda module, args, output: recorder.hook(module, args, output))
+    return lambda t: recorder.norms
+
+
+def counting_pre_hook(trainer):
+    calls = []
+    trainer.motor.operator.inc.register_forward_pre_hook(lambda module, args: calls.append(None))
+    return lambda t: len(calls)
+
+
 EDITS = {"engine counting its calls": (counting_engine, r"Counting\.calls"),
          "a wrapper logging the engine's steps": (logged_step, r"logged_step\.<locals>\.evolve_step's log"),
          "an injector logging its rates": (injector(LoggingInjector), r"QC_Trainer_v4\.noise_injector\.rates"),
          "an injector drawing from its own generator": (injector(OwnGeneratorInjector),
-                                                        r"QC_Trainer_v4\.noise_injector\.draw")}
+                                                        r"QC_Trainer_v4\.noise_injector\.draw"),
+         "a forward hook's object recording activations": (recorder_hook, r"the hook ActivationRecorder\.hook's "
+                                                                           r"ActivationRecorder\.norms"),
+         "a closure's recorder": (lambda_recorder_hook, r"lambda_recorder_hook\.<locals>\.<lambda>'s recorder"),
+         "a forward-pre hook counting calls in a closure": (counting_pre_hook, r"counting_pre_hook\.<locals>\."
+                                                                              r"<lambda>'s calls")}
 
 
 def run(edit, enable=None):
@@ -124,7 +159,10 @@ def test_without_recomputes_the_edited_code_trains_as_stock(name):
     for w, s in zip(got[1], expected[1], strict=True):
         assert torch.allclose(w, s, rtol=1e-11, atol=1e-15)
     state, stock_state = got[2], expected[2]
-    assert torch.equal(state, stock_state) if isinstance(state, torch.Tensor) else state == stock_state
+    if isinstance(state, torch.Tensor):
+        assert torch.equal(state, stock_state)
+    else:  # a count, or the norms the fused blocks compute to rounding
+        assert state == pytest.approx(stock_state, rel=1e-12, abs=0)
 
 
 def totalling_engine(trainer):
@@ -165,6 +203,21 @@ def test_a_tensor_the_recomputes_bind_anew_ends_as_the_forward_left_it(edit, pol
     for w, s in zip(got[1], expected[1], strict=True):
         assert torch.allclose(w, s, rtol=1e-11, atol=1e-15)
     assert torch.equal(got[2], expected[2])
+
+
+def guarded_recorder_hook(trainer):
+    """The recorder, skipping the recomputes' calls as the refusal advises."""
+    recorder = ActivationRecorder()
+    trainer.motor.operator.register_forward_hook(
+        lambda module, args, output: None if qca_lowmem.recomputing() else recorder.hook(module, args, output))
+    return lambda t: recorder.norms
+
+
+@pytest.mark.parametrize("policy", [dict(checkpoint="step"), dict(checkpoint="revolve", slots=2)])
+def test_a_hook_that_skips_the_recomputes_keeps_stocks_record(policy):
+    expected, got = run(guarded_recorder_hook), run(guarded_recorder_hook, policy)
+    assert got[0] == pytest.approx(expected[0], rel=1e-12, abs=0)
+    assert len(got[2]) == 2 * 4 and got[2] == pytest.approx(expected[2], rel=1e-12, abs=0)
 
 
 def test_a_wrapper_set_after_enable_runs_around_the_installed_step_once():

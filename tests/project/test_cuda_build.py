@@ -1,7 +1,7 @@
 """A build with the CUDA kernels (QCA_LOWMEM_CUDA=1 against a CUDA build of torch) links, loads
 on a machine without a GPU, and registers a CUDA kernel for every op that has a CPU one. CI builds
-it in its own environment and runs the CPU suite against it (.ci/cuda_build); in a CPU-only
-build these tests skip."""
+it in its own environment and runs the ops, library and switch tests against it
+(.ci/cuda_build); in a CPU-only build these tests skip."""
 
 import subprocess
 import sys

@@ -17,7 +17,7 @@ import os
 import types
 import weakref
 from operator import is_
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from torch import nn
 from .. import _torch_private as torch_private
 from ..ops import stock_block_call
 from .code_identity import NOT_CALLED, followed_class, functions_of, not_recorded
-from .state_drift import code_of, held_callables
+from .state_drift import code_of, held_callables, hooks_code
 
 _TORCH_FILES = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OWN_FILES = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the qca_lowmem package
@@ -122,12 +122,16 @@ def first_hook(operator: nn.Module) -> Optional[str]:
                  for name, module in operator.named_modules() if torch_private.module_has_hooks(module)), None)
 
 
-def unfollowed_code(operator: nn.Module) -> Optional[list]:
-    """The functions a call of `operator` runs that qca_lowmem does not follow (its unfollowed
-    classes', and callables held on its modules), or None where it runs only followed code."""
+def unfollowed_code(operator: nn.Module) -> Tuple[List[Tuple[str, object]], Optional[list]]:
+    """(the holders of the state a call of `operator` may keep, with the names to say; the functions
+    it runs that qca_lowmem does not follow: its unfollowed classes', callables held on its modules,
+    its forward hooks (theirs and the global ones), or None where it runs only followed code and no
+    hook)."""
     modules = _modules(operator)
     owners = {owner for cls in {type(m) for m in modules} if stock_block_call(cls) is not None
               for owner in cls.__mro__ if owner is not object and _owner_verdict(owner) is not None}
-    if not owners and not any(held_callables(module) for module in modules):
-        return None
-    return code_of(modules, owners)
+    hook_holders, hook_functions = hooks_code(torch_private.forward_hooks(modules))
+    holders = [(type(operator).__name__, operator)] + hook_holders
+    if owners or hook_holders or hook_functions or any(held_callables(module) for module in modules):
+        return holders, code_of(modules, owners) + hook_functions
+    return holders, None

@@ -24,6 +24,7 @@ from .code_identity import functions_of, reads
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what torch keeps on every module (its dicts of parameters, hooks...)
 _SIMPLE = (type(None), bool, int, float, complex, str, bytes)
+_CONTAINERS = (list, tuple, dict, set, frozenset)
 
 
 def _generator_state(value):
@@ -61,7 +62,7 @@ def _fingerprint(value):
     """What of a value a call could change, in simple values (compared with !=), or None where
     nothing is read: a simple value itself; a tensor by identity (another bound in its place); a
     random generator's state; a container's type, length and simple entries; a counter's repr; an
-    object's simple attributes. Modules, functions and classes not."""
+    object's simple attributes and its containers' lengths. Modules, functions and classes not."""
     if isinstance(value, _SIMPLE):
         return value
     if isinstance(value, torch.Tensor):
@@ -71,14 +72,15 @@ def _fingerprint(value):
         return "generator", generator
     if isinstance(value, dict):
         return "dict", len(value), tuple((k, v) for k, v in value.items() if isinstance(k, _SIMPLE) and isinstance(v, _SIMPLE))
-    if isinstance(value, (list, tuple, set, frozenset)):
+    if isinstance(value, _CONTAINERS):
         return type(value).__name__, len(value), tuple(v for v in value if isinstance(v, _SIMPLE))
     if isinstance(value, itertools.count):
         return repr(value)
     if isinstance(value, (nn.Module, type, types.FunctionType, types.ModuleType, types.MethodType)) \
             or not hasattr(value, "__dict__"):
         return None
-    return tuple(sorted((k, v) for k, v in vars(value).items() if isinstance(v, _SIMPLE))) or None
+    return tuple(sorted((k, v if isinstance(v, _SIMPLE) else (type(v).__name__, len(v)))
+                        for k, v in vars(value).items() if isinstance(v, _SIMPLE + _CONTAINERS))) or None
 
 
 def _shown(fingerprint) -> str:
@@ -99,6 +101,22 @@ def held_callables(holder) -> list:
     own = _MODULE_OWN if isinstance(holder, nn.Module) else ()
     return [(name, value) for name, value in vars(holder).items()
             if name not in own and callable(value) and not isinstance(value, (nn.Module, torch.Tensor, type))]
+
+
+def hooks_code(hooks) -> Tuple[List[Tuple[str, object]], list]:
+    """(holders, functions) of `hooks`: a plain function; a bound method's function, and its object
+    as a holder; a callable object as a holder, with its class's functions."""
+    holders, functions = [], []
+    for hook in hooks:
+        if isinstance(hook, types.FunctionType):
+            functions.append(hook)
+        elif isinstance(hook, types.MethodType):
+            functions.append(hook.__func__)
+            holders.append((f"the hook {hook.__qualname__}'s {type(hook.__self__).__name__}", hook.__self__))
+        elif hasattr(hook, "__dict__"):
+            holders.append((f"the hook {type(hook).__name__}", hook))
+            functions += code_of([], [owner for owner in type(hook).__mro__ if owner is not object])
+    return holders, [f for f in functions if isinstance(f, types.FunctionType)]
 
 
 def code_of(holders, classes) -> list:
@@ -155,15 +173,17 @@ class StateDrift:
                 f"qca_lowmem: {changed} changed during the backward ({_shown(self.after_forward.get(changed))} -> "
                 f"{_shown(after.get(changed))}): the rollout's recomputes run {self.runs} again, where stock's "
                 "episode does not, so later episodes would start from another state than stock's. Keep that "
-                "state in tensors, or enable(trainer, checkpoint='none'), which runs each step once as stock does")
+                "state in tensors, skip what records it while qca_lowmem.recomputing() (a hook that records what "
+                "the steps saw), or enable(trainer, checkpoint='none'), which runs each step once as stock does")
 
 
-def episode_drift(parts: List[Tuple[str, str, object, Optional[list]]]) -> Optional[StateDrift]:
-    """A StateDrift read now over `parts`, (what runs, in words; the name to say; the holder; the
-    unfollowed functions it runs, None where its code is followed), or None where every part's is."""
-    unfollowed = [(runs, label, holder, functions) for runs, label, holder, functions in parts if functions is not None]
+def episode_drift(parts: List[Tuple[str, List[Tuple[str, object]], Optional[list]]]) -> Optional[StateDrift]:
+    """A StateDrift read now over `parts`, (what runs, in words; the holders of its state, with the
+    names to say; the unfollowed functions it runs, None where its code is followed), or None
+    where every part's is."""
+    unfollowed = [(runs, holders, functions) for runs, holders, functions in parts if functions is not None]
     if not unfollowed:
         return None
-    return StateDrift([(label, holder) for _, label, holder, _ in unfollowed],
+    return StateDrift([holder for _, holders, _ in unfollowed for holder in holders],
                       [f for *_, functions in unfollowed for f in functions],
                       " and ".join(runs for runs, *_ in unfollowed))

@@ -224,9 +224,9 @@ def _step_drift(trainer, state: _Saved, noise):
     installed = state.engine_identity.installed if state.engine_identity is not None else None
     injector = trainer.noise_injector if noise is not None and state.options.given.noise == "trainer" else None
     return episode_drift([
-        ("the operator (and its hooks)", type(module).__name__, module, unfollowed_code(module)),
-        ("the engine's step", type(motor).__name__, motor, engine_code(motor, installed)),
-        ("the noise injector", f"{type(trainer).__name__}.noise_injector", injector,
+        ("the operator (and its hooks)", *unfollowed_code(module)),
+        ("the engine's step", [(type(motor).__name__, motor)], engine_code(motor, installed)),
+        ("the noise injector", [(f"{type(trainer).__name__}.noise_injector", injector)],
          injector_code(injector) if injector is not None else None)])
 
 

@@ -16,7 +16,8 @@ modules, one concern each:
 - `lanes`: one copy of a capture's graphs and static tensors, warmed up, checked and captured.
 - `cuda_graphs`: the captures' graphs, pool and side stream; a failed capture undone and explained.
 - `state`: psi and the carry as the rollout holds them.
-- `replay`: what a recompute replays from its forward (autocast, the generators' states).
+- `replay`: what a recompute replays from its forward (autocast, the generators' states), and
+  `recomputing()`, true in a backward that recomputes.
 - `generators`: the random generators' states, saved and put back in one place.
 - `buffers`: the tensors a step writes that outlive it (running statistics, registered buffers).
 - `leaves`: which leaves (parameters) a step reaches.
@@ -37,8 +38,9 @@ from .cuda_graphs import CaptureFallbackWarning
 from .intermediates import block_keeps_intermediates, keep_block_intermediates
 from .memory import saved_bytes
 from .policy import Policy
+from .replay import recomputing
 from .step_graph import StepGraph
 from .weight_casts import shared_weight_casts
 
 __all__ = ["CaptureFallbackWarning", "Policy", "RecomputeMismatchError", "StepGraph", "block_keeps_intermediates",
-           "keep_block_intermediates", "rollout", "saved_bytes", "shared_weight_casts"]
+           "keep_block_intermediates", "recomputing", "rollout", "saved_bytes", "shared_weight_casts"]

@@ -27,6 +27,7 @@ from .intermediates import keep_block_intermediates
 from .leaves import next_sequence_nr
 from .param_grads import ParamGradSink
 from .policy import Policy
+from .replay import backward_recomputes
 from .reverse import Rerun, StepReverser
 from .schedule import Recomputing
 from .state import State, check_like_psi, checked_carry
@@ -335,7 +336,7 @@ class EpisodeFunction(torch.autograd.Function):
         reverser = StepReverser(plan.rerun, plan.policy, plan.layout.incoming(grad_psi_T, grads), sink,
                                 plan.layout.input_needs_grad, check, final)
         try:
-            with sink, plan.rerun.rng.untouched():
+            with sink, plan.rerun.rng.untouched(), backward_recomputes():
                 plan.schedule.reverse(kept, reverser)
         finally:
             plan.rerun.buffers.restore()

@@ -1,7 +1,8 @@
 """What a recomputed step replays from its forward: the autocast state and the random
-generators' states."""
+generators' states; and whether the calling thread runs a backward that recomputes."""
 
 import contextlib
+import threading
 from typing import Optional
 
 import torch
@@ -69,3 +70,24 @@ class RngStates:
         with generators.left_as_found(self.cuda, host=False):
             self.states[t].restore()
             yield
+
+
+_IN_BACKWARD = threading.local()  # autograd runs a CUDA backward on a thread of its own
+
+
+def recomputing() -> bool:
+    """True while the calling thread runs the backward of a `rollout` that recomputes
+    (checkpoint "step", "revolve" or "auto"), whose recomputes call the step again where plain
+    autograd's backward calls nothing: a forward hook that records what the steps saw skips those
+    calls (`if qca_lowmem.recomputing(): return`), and keeps stock's record."""
+    return getattr(_IN_BACKWARD, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def backward_recomputes():
+    """Around a recomputing rollout's backward: recomputing() is True inside."""
+    _IN_BACKWARD.depth = getattr(_IN_BACKWARD, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _IN_BACKWARD.depth -= 1
