@@ -378,7 +378,7 @@ def test_enable_runs_the_steps_eagerly_while_the_operator_has_a_hook(replayed_gr
     qca_lowmem.enable(trainer, fused_step_ops=False)
     conv = next(m for m in trainer.motor.operator.modules() if isinstance(m, torch.nn.Conv2d))
     calls = []
-    handle = conv.register_forward_hook(lambda module, args, output: calls.append(1))
+    handle = conv.register_forward_hook(lambda module, args, output: None if qca_lowmem.recomputing() else calls.append(1))
     for episode in range(2):
         trainer.train_episode(episode)
     assert replays(replayed_graphs) == 0 and len(calls) > 0
