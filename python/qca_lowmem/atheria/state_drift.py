@@ -61,8 +61,8 @@ class _Bound:
 def _fingerprint(value):
     """What of a value a call could change, in simple values (compared with !=), or None where
     nothing is read: a simple value itself; a tensor by identity (another bound in its place); a
-    random generator's state; a container's type, length and simple entries; a counter's repr; an
-    object's simple attributes and its containers' lengths. Modules, functions and classes not."""
+    random generator's state; a container's type, length and simple entries; a counter's repr.
+    Objects are read attribute by attribute (_entries)."""
     if isinstance(value, _SIMPLE):
         return value
     if isinstance(value, torch.Tensor):
@@ -76,11 +76,22 @@ def _fingerprint(value):
         return type(value).__name__, len(value), tuple(v for v in value if isinstance(v, _SIMPLE))
     if isinstance(value, itertools.count):
         return repr(value)
+    return None
+
+
+def _entries(name: str, value):
+    """(name, fingerprint) of what of a value a call could change: the value's own; for a plain
+    object (not a module, function, class or module of code), one per attribute holding a simple
+    value (itself) or a container (its type and length)."""
     if isinstance(value, (nn.Module, type, types.FunctionType, types.ModuleType, types.MethodType)) \
-            or not hasattr(value, "__dict__"):
-        return None
-    return tuple(sorted((k, v if isinstance(v, _SIMPLE) else (type(v).__name__, len(v)))
-                        for k, v in vars(value).items() if isinstance(v, _SIMPLE + _CONTAINERS))) or None
+            or not hasattr(value, "__dict__") or _fingerprint(value) is not None:
+        yield name, _fingerprint(value)
+        return
+    for attr, held in vars(value).items():
+        if isinstance(held, _SIMPLE):
+            yield f"{name}.{attr}", held
+        elif isinstance(held, _CONTAINERS):
+            yield f"{name}.{attr}", (type(held).__name__, len(held), ())
 
 
 def _shown(fingerprint) -> str:
@@ -154,11 +165,12 @@ class StateDrift:
         """The fingerprints; `bound` collects the tensor attributes."""
         found = {}
         for name, owner, attr, value in self._attributes():
-            found[name] = _fingerprint(value)
+            found.update(_entries(name, value))
             if bound is not None and isinstance(value, torch.Tensor):
                 bound.append((owner, attr, value))
         for function in self.functions:
-            found.update((name, _fingerprint(value)) for name, value in reads(function))
+            for name, value in reads(function):
+                found.update(_entries(name, value))
         return {name: value for name, value in found.items() if value is not None}
 
     def check(self) -> None:
