@@ -178,8 +178,8 @@ class StateDrift:
             if attr in vars(owner) and vars(owner)[attr] is not tensor:
                 setattr(owner, attr, tensor)
         after = self.read()
-        changed = next((name for name in self.after_forward.keys() | after.keys()
-                        if self.after_forward.get(name) != after.get(name)), None)
+        names = [*self.after_forward, *(name for name in after if name not in self.after_forward)]  # in read order
+        changed = next((name for name in names if self.after_forward.get(name) != after.get(name)), None)
         if changed is not None:
             raise RuntimeError(
                 f"qca_lowmem: {changed} changed during the backward ({_shown(self.after_forward.get(changed))} -> "
