@@ -36,7 +36,7 @@ from .discontinuity import discontinuity
 from .engine_probe import check_engine_state, check_engine_step, probe_shape
 from .operator_code import first_hook, operator_unfollowed
 from .say import say
-from .state_drift import code_of
+from .state_drift import code_of, own_classes
 from .user_modules import compiled_module
 
 
@@ -257,7 +257,7 @@ def engine_code(motor, installed=None) -> Optional[list]:
     `installed`: the step enable() set on the engine, looked through."""
     if engine_kind(motor, installed) is not None:
         return None
-    return code_of([motor], [owner for owner in type(motor).__mro__ if owner is not object])
+    return code_of([motor], own_classes(motor))
 
 
 def unknown_engine(motor) -> str:

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from .code_identity import followed, resolved
-from .state_drift import code_of
+from .state_drift import code_of, own_classes
 
 FLIPS = ("apply_phase_flip", "apply_bit_flip")
 
@@ -58,7 +58,7 @@ def injector_code(injector) -> Optional[list]:
     held on it), or None where its flips are followed."""
     if follows(injector):
         return None
-    return code_of([injector], [owner for owner in type(injector).__mro__ if owner is not object])
+    return code_of([injector], own_classes(injector))
 
 
 def without_host_waits(injector):

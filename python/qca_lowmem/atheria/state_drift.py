@@ -126,8 +126,13 @@ def hooks_code(hooks) -> Tuple[List[Tuple[str, object]], list]:
             holders.append((f"the hook {hook.__qualname__}'s {type(hook.__self__).__name__}", hook.__self__))
         elif hasattr(hook, "__dict__"):
             holders.append((f"the hook {type(hook).__name__}", hook))
-            functions += code_of([], [owner for owner in type(hook).__mro__ if owner is not object])
+            functions += code_of([], own_classes(hook))
     return holders, [f for f in functions if isinstance(f, types.FunctionType)]
+
+
+def own_classes(value) -> list:
+    """The classes of `value`'s MRO that can define what a call runs (all but `object`)."""
+    return [owner for owner in type(value).__mro__ if owner is not object]
 
 
 def code_of(holders, classes) -> list:
