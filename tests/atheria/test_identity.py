@@ -16,6 +16,7 @@ import torch
 
 import qca_lowmem
 import qca_lowmem.atheria.code_identity
+from fixtures.model_families import make_operator
 from helpers import follow
 from qca_lowmem.atheria.discontinuity import discontinuity
 from qca_lowmem.atheria.engine_step import FusedEngineStep
@@ -378,6 +379,60 @@ def test_an_episode_on_the_fused_step_leaves_their_engines_side_state(monkeypatc
     for name in ("last_psi_input", "last_delta_psi", "last_delta_psi_decay"):
         mine, theirs = getattr(trainer.motor, name), getattr(stock.motor, name).detach()
         assert torch.allclose(mine, theirs, rtol=1e-10, atol=1e-12), name
+
+
+def loss_reading(motor, name, detached):
+    """Their loss with a term read off the engine after the episode's steps, as a researcher adds one."""
+    def loss_fn(history, psi0):
+        loss, metrics = stand_in.evolutionary_loss(history, psi0)
+        value = getattr(motor, name)
+        return loss + 0.5 * (value.detach() if detached else value).real.mean(), metrics
+    return loss_fn
+
+
+@pytest.mark.parametrize("checkpoint", ["step", "none"])
+@pytest.mark.parametrize("name", ["last_psi_input", "last_delta_psi", "last_delta_psi_decay"])
+def test_a_loss_reading_the_side_state_reads_the_forwards_last_step(monkeypatch, checkpoint, name):
+    """Read detached, the values stock's loss reads (the fused step writes them before the loss,
+    not the previous episode's, or none at the first)."""
+    monkeypatch.setattr(qca_lowmem.atheria.engine_step, "engine_kind", lambda motor, installed=None: "CartesianEngine")
+    trainer, stock = trainer_of(), trainer_of(engine=CartesianLike)
+    for t in (trainer, stock):
+        t.loss_fn = loss_reading(t.motor, name, detached=True)
+    enabled(trainer, checkpoint=checkpoint)
+    assert_same(run(trainer), run(stock))
+
+
+@pytest.mark.parametrize("checkpoint", ["step", "none"])
+@pytest.mark.parametrize("name", ["last_psi_input", "last_delta_psi", "last_delta_psi_decay"])
+def test_a_loss_differentiating_through_the_side_state_is_refused(monkeypatch, checkpoint, name):
+    """Stock's side state is in the last step's graph; the fused step keeps none: the episode is
+    refused, naming the attribute, before the optimizer steps."""
+    monkeypatch.setattr(qca_lowmem.atheria.engine_step, "engine_kind", lambda motor, installed=None: "CartesianEngine")
+    trainer = trainer_of()
+    trainer.loss_fn = loss_reading(trainer.motor, name, detached=False)
+    enabled(trainer, checkpoint=checkpoint)
+    before = [p.detach().clone() for p in trainer.motor.operator.parameters()]
+    with pytest.raises(RuntimeError, match=rf"the loss differentiates through Motor\.{name}, .*\.detach\(\)"):
+        trainer.train_episode(0)
+    assert all(torch.equal(p, b) for p, b in zip(trainer.motor.operator.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize("checkpoint", ["step", "none"])
+def test_a_loss_reading_the_memory_reads_the_last_steps(checkpoint):
+    """An engine with memory: stock's steps leave the last step's h and c on motor.state before the
+    loss, not the memory the episode started from."""
+    def memory_trainer():
+        trainer = trainer_of()
+        trainer.motor = stand_in.MemoryMotor(make_operator("convlstm", 2, 4).double(), trainer.cfg, trainer.motor.state)
+        trainer.model_operator = trainer.motor.operator
+        trainer.optimizer = torch.optim.AdamW(trainer.motor.operator.parameters(), lr=1e-4, weight_decay=1e-5)
+        trainer.motor.state._reset_state_random()
+        trainer.loss_fn = loss_reading(trainer.motor.state, "h_state", detached=True)
+        return trainer
+    trainer, stock = memory_trainer(), memory_trainer()
+    enabled(trainer, checkpoint=checkpoint)
+    assert_same(run(trainer), run(stock))
 
 
 def test_the_installed_step_called_outside_an_episode_runs_a_changed_engines_own():

@@ -2,6 +2,7 @@
 it: the memory of an engine with memory (motor.state.h_state / c_state) and the side state their
 CartesianEngine writes for their plots."""
 
+import functools
 from typing import Optional
 
 import torch
@@ -28,3 +29,34 @@ def side_state_of(motor, copy: bool = False) -> dict:
 def put_side_state(motor, saved: dict) -> None:
     for name, value in saved.items():
         setattr(motor, name, value)
+
+
+class SideStateRead:
+    """The side state the fused step wrote for the forward's last step, put on the engine for the
+    loss as stock's loss finds it: the same values, requiring grad (stock's are in the last step's
+    graph). A loss differentiating through one would, under plain autograd, send that gradient into
+    the last step, of which the fused step keeps no graph: `check()` refuses it, naming it, after
+    the backward and before the optimizer steps."""
+
+    def __init__(self, motor):
+        self.engine, self.reached = type(motor).__name__, None
+        with torch.enable_grad():
+            for name in SIDE_STATE:
+                value = getattr(motor, name, None)
+                if isinstance(value, torch.Tensor):
+                    read = value.detach().requires_grad_().clone()  # not a leaf: written in place as stock's may be
+                    read.register_hook(functools.partial(self._reach, name))
+                    setattr(motor, name, read)
+
+    def _reach(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        self.reached = self.reached or name
+        return grad
+
+    def check(self) -> None:
+        if self.reached is not None:
+            raise RuntimeError(
+                f"qca_lowmem: the loss differentiates through {self.engine}.{self.reached}, the side state the "
+                "engine's last step leaves for plots: under plain autograd that gradient flows into the last step, "
+                "whose graph the fused step does not keep, so the episode is refused before the optimizer steps. "
+                f"Read it detached in the loss ({self.reached}.detach()), or compute the term from the history the "
+                "loss is given; else qca_lowmem.disable(trainer) to train on stock")

@@ -18,7 +18,8 @@ second check. The fused step reads what the engine reads at every step, at every
 operator, its class (the multiplicative rule), GAMMA_DECAY; an episode that recomputes refuses a
 GAMMA_DECAY changed during it (the recompute would step with another one than its forward). On
 their CartesianEngine it writes `last_psi_input`, `last_delta_psi` and `last_delta_psi_decay` as
-that engine's step does (detached); the episode leaves them as the forward's last step left them.
+that engine's step does; the episode writes the forward's last step's before the loss (which may
+read them: engine_state.SideStateRead) and leaves them so.
 """
 
 import inspect
@@ -34,6 +35,7 @@ from ..unet import input_dtype
 from .code_identity import followed, not_recorded, resolved
 from .discontinuity import discontinuity
 from .engine_probe import check_engine_state, check_engine_step, probe_shape
+from .engine_state import SideStateRead
 from .operator_code import first_hook, operator_unfollowed
 from .say import say
 from .state_drift import code_of, own_classes
@@ -126,13 +128,16 @@ class _LiveStep:
     def end_episode(self) -> None:
         self.fixed_gamma, self.deferred, self.pending, self.in_episode = None, False, None, False
 
-    def flush(self) -> None:
-        """Write the side state of the last step called (the forward's last, before any recompute)."""
+    def flush(self) -> Optional[SideStateRead]:
+        """Write the side state of the last step called (the forward's last, before any recompute)
+        for the loss to read, as stock's loss finds it (SideStateRead); None where no step recorded."""
         pending, self.pending, deferred = self.pending, None, self.deferred
-        if pending is not None:
-            self.deferred = False
-            self.record(_tensor_of(pending[0]), _tensor_of(pending[1]), *pending[2:])
-            self.deferred = deferred
+        if pending is None:
+            return None
+        self.deferred = False
+        self.record(_tensor_of(pending[0]), _tensor_of(pending[1]), *pending[2:])
+        self.deferred = deferred
+        return SideStateRead(self.motor)
 
 
 def _values_of(tensor: torch.Tensor) -> tuple:

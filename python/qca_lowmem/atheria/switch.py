@@ -19,7 +19,7 @@ from ..recompute import rollout
 from ..recompute.policy import NONE
 from .captures import StepCaptures
 from .code_identity import ATHERIA, not_recorded
-from .engine_state import memory_of, put_side_state, side_state_of
+from .engine_state import memory_of, put_side_state, side_state_of, store_memory
 from .engine_step import (
     EngineIdentity,
     EngineMemoryStep,
@@ -183,10 +183,12 @@ def _lowmem_train_episode(trainer, episode_num):
     with autocast(device.type, opts.amp_dtype):
         psi, history, *memory_T = rollout(step, psi0, trainer.qca_steps, checkpoint=opts.policy, noise=noise,
                                           record_every=version.record_every(trainer), **memory)
+        # The engine as the forward's steps leave it, for the loss to read: the memory, the side state.
+        if memory_T:
+            store_memory(trainer.motor, memory_T[0])
+        side_state_read = state.fused.flush() if state.fused is not None else None
         loss, details = version.loss(trainer, psi0, psi, history)
     bound = buffer_bindings(compiled_module(operator))  # as the forward left them
-    if state.fused is not None:
-        state.fused.flush()
     side_state = side_state_of(trainer.motor, copy=opts.cuda_graph)  # the forward's last step's, as stock leaves it
 
     # The state the steps' unfollowed code keeps, as the forward left it (the recomputes run it again).
@@ -200,6 +202,8 @@ def _lowmem_train_episode(trainer, episode_num):
     # After the backward, whose recomputes ran the steps again.
     rebind(bound)  # a buffer each recompute bound again (snntorch's membrane): as the forward left it
     put_side_state(trainer.motor, side_state)
+    if side_state_read is not None:
+        side_state_read.check()
     if drift is not None:
         drift.check()  # the rest of the steps' state as the forward left it, or the episode refused
     max_norm = _max_norm(trainer, opts, version) if model is not None else None
