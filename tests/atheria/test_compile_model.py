@@ -10,7 +10,7 @@ import torch
 import qca_lowmem
 from qca_lowmem.examples.qc_trainer_v4 import Motor, QC_Trainer_v4, make_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("inductor")]  # torch.compile runs
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # torch.compile runs
 
 EPISODES = range(2)
 compiled_calls = []

@@ -152,7 +152,6 @@ def test_convlstm_step_episode_keeps_psi_and_memory_per_step():
     assert kept(6) <= (6 + 1) * (psi_bytes + memory_bytes)  # and psi_T with the final memory, for the check
 
 
-@pytest.mark.xdist_group("inductor")
 @pytest.mark.slow
 def test_compiled_operator_runs_its_module(family="convlstm"):
     """As their compile_model() leaves it: motor.operator a torch.compile of the model. The fused

@@ -70,7 +70,6 @@ def run(trainer, episodes=range(2)):
     return returned, [p.detach().clone() for p in model.parameters()], [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.xdist_group("inductor")
 @pytest.mark.slow  # torch.compile runs
 @pytest.mark.parametrize("family", ["mlp", "unet_groupnorm"])
 def test_a_compiled_operator_on_the_engines_own_step_trains_as_stock_without_recompute(family):

@@ -82,7 +82,6 @@ def test_v3_matches_stock(family, policy, fused_step_ops):
     assert_same_run(run(trainer), stock_run(family))
 
 
-@pytest.mark.xdist_group("inductor")
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["step", "revolve", "auto-32KiB"])
 @pytest.mark.parametrize("family", ["mlp", "convlstm"])

@@ -49,7 +49,6 @@ def test_tiny_episode_writes_the_report(tmp_path):
         assert key in report
 
 
-@pytest.mark.xdist_group("inductor")
 @pytest.mark.slow
 def test_every_run_kind_runs_on_a_tiny_config(tmp_path):
     """Each run the script knows, the ones asked for by name included (checkpoint="auto" among
@@ -445,7 +444,6 @@ def _stock_episode_gradients(bench_episode, stock_model, args, autocast_dtype=No
     return loss.item(), [p.grad for p in model.parameters()]
 
 
-@pytest.mark.xdist_group("inductor")
 @pytest.mark.slow
 def test_the_compiled_peer_computes_the_stock_episode():
     """stock_compiled_checkpoint's step (torch.compile, a checkpoint per step, channels_last) in

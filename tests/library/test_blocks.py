@@ -492,7 +492,6 @@ def test_unet_in_a_qca_step_matches_stock():
         assert rel_err(a, b) < 1e-10
 
 
-@pytest.mark.xdist_group("inductor")
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_unet_equals_eager(device):
@@ -508,7 +507,6 @@ def test_compiled_unet_equals_eager(device):
         assert rel_err(a, b) < 1e-4
 
 
-@pytest.mark.xdist_group("inductor")
 @pytest.mark.slow
 def test_compiled_block_follows_the_switch():
     """Reading the switch compiles (fullgraph) and is guarded: the compiled block keeps its
@@ -667,7 +665,6 @@ def test_convert_root_block_and_shared_block():
     assert qca_lowmem.convert(model)[1].converted == []  # converting twice changes nothing
 
 
-@pytest.mark.xdist_group("inductor")
 @pytest.mark.slow
 def test_compiled_block_under_autocast_equals_eager():
     _, fused = stock_and_fused_block(torch.float32)

@@ -209,7 +209,6 @@ def test_opcheck_coin():
     opcheck(torch.ops.qca_lowmem.noise_coin, (3, 9))
 
 
-@pytest.mark.xdist_group("inductor")
 @pytest.mark.slow
 def test_compile_fullgraph():
     psi = random_psi((1, 4, 4, 2), torch.complex64)

@@ -178,7 +178,6 @@ def test_fused_step_equals_stock_step_with_gradients():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.xdist_group("inductor")
 @pytest.mark.slow
 def test_compile_fullgraph_matches_eager():
     torch._dynamo.reset()
