@@ -423,9 +423,11 @@ def test_a_loss_reading_the_memory_reads_the_last_steps(checkpoint):
     """An engine with memory: stock's steps leave the last step's h and c on motor.state before the
     loss, not the memory the episode started from."""
     def memory_trainer():
-        torch.manual_seed(0)
-        cfg = make_config(grid=8, d_state=2, hidden=4, qca_steps=4, gamma=0.05, dtype=torch.complex128)
-        trainer = QC_Trainer_v4(cfg, operator=make_operator("convlstm", 2, 4).double(), memory=True)
+        trainer = trainer_of()
+        trainer.motor = stand_in.MemoryMotor(make_operator("convlstm", 2, 4).double(), trainer.cfg, trainer.motor.state)
+        trainer.model_operator = trainer.motor.operator
+        trainer.optimizer = torch.optim.AdamW(trainer.motor.operator.parameters(), lr=1e-4, weight_decay=1e-5)
+        trainer.motor.state._reset_state_random()
         trainer.loss_fn = loss_reading(trainer.motor.state, "h_state", detached=True)
         return trainer
     trainer, stock = memory_trainer(), memory_trainer()
