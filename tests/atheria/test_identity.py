@@ -418,10 +418,12 @@ def test_a_loss_differentiating_through_the_side_state_is_refused(monkeypatch, c
     assert all(torch.equal(p, b) for p, b in zip(trainer.motor.operator.parameters(), before, strict=True))
 
 
+@pytest.mark.parametrize("fused_step_ops", [True, False])
 @pytest.mark.parametrize("checkpoint", ["step", "none"])
-def test_a_loss_reading_the_memory_reads_the_last_steps(checkpoint):
+def test_a_loss_reading_the_memory_reads_the_last_steps(checkpoint, fused_step_ops):
     """An engine with memory: stock's steps leave the last step's h and c on motor.state before the
-    loss, not the memory the episode started from."""
+    loss, not the memory the episode started from; on the fused memory step, which carries the
+    memory off motor.state, and on the engine's own."""
     def memory_trainer():
         trainer = trainer_of()
         trainer.motor = stand_in.MemoryMotor(make_operator("convlstm", 2, 4).double(), trainer.cfg, trainer.motor.state)
@@ -431,7 +433,8 @@ def test_a_loss_reading_the_memory_reads_the_last_steps(checkpoint):
         trainer.loss_fn = loss_reading(trainer.motor.state, "h_state", detached=True)
         return trainer
     trainer, stock = memory_trainer(), memory_trainer()
-    enabled(trainer, checkpoint=checkpoint)
+    enabled(trainer, checkpoint=checkpoint, fused_step_ops=fused_step_ops)
+    assert (trainer._qca_lowmem_state.fused is not None) == fused_step_ops
     assert_same(run(trainer), run(stock))
 
 
