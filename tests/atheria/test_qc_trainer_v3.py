@@ -22,9 +22,9 @@ POLICIES = {"none": {}, "step": {}, "revolve": {"slots": 2}, "auto-0": {"budget"
 FAMILIES = ["unet_groupnorm", "unet_rmsnorm", "mlp", "convlstm"]
 
 
-def make_trainer(family, compiled=False, steps=STEPS, **kw):
+def make_trainer(family, compiled=False, steps=STEPS, cls=QC_Trainer_v3, **kw):
     cfg = make_config(grid=8, d_state=D_STATE, hidden=HIDDEN, qca_steps=steps, gamma=0.05, dtype=torch.complex128)
-    return QC_Trainer_v3(cfg, operator=make_operator(family, D_STATE, HIDDEN), memory=family in MEMORY_FAMILIES,
+    return cls(cfg, operator=make_operator(family, D_STATE, HIDDEN), memory=family in MEMORY_FAMILIES,
                          compile_operator=compiled, lr=1e-2, **kw)
 
 
@@ -112,6 +112,26 @@ def test_v3_memory_found_on_the_engine_is_read_by_the_first_episode():
     trainer = make_trainer("convlstm")
     enable(trainer, "step")
     assert_same_run(run(trainer, memory0=memory0), stock)
+
+
+class MemoryReward(QC_Trainer_v3):
+    """A reward with a term on the engine's memory where it holds one, as a researcher adds one."""
+
+    def compute_reward(self, psi_initial, psi_final):
+        total, quietness, complexity = super().compute_reward(psi_initial, psi_final)
+        if self.motor.state.h_state is not None:
+            total = total + self.motor.state.h_state.abs().mean()
+        return total, quietness, complexity
+
+
+@pytest.mark.parametrize("fused_step_ops", [True, False], ids=["fused-step", "engine-step"])
+@pytest.mark.parametrize("policy", ["none", "step"])
+def test_v3_reward_finds_the_memory_dropped(policy, fused_step_ops):
+    """V3 drops the memory after its steps, before compute_reward: a reward reading it finds none."""
+    stock = run(make_trainer("convlstm", cls=MemoryReward))
+    trainer = make_trainer("convlstm", cls=MemoryReward)
+    enable(trainer, policy, fused_step_ops=fused_step_ops)
+    assert_same_run(run(trainer), stock)
 
 
 @pytest.mark.parametrize("gradient_clip", [0.0, 0.05])

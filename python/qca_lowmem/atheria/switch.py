@@ -19,7 +19,7 @@ from ..recompute import rollout
 from ..recompute.policy import NONE
 from .captures import StepCaptures
 from .code_identity import ATHERIA, not_recorded
-from .engine_state import memory_of, put_side_state, side_state_of, store_memory
+from .engine_state import memory_of, put_side_state, side_state_of
 from .engine_step import (
     EngineIdentity,
     EngineMemoryStep,
@@ -184,8 +184,8 @@ def _lowmem_train_episode(trainer, episode_num):
         psi, history, *memory_T = rollout(step, psi0, trainer.qca_steps, checkpoint=opts.policy, noise=noise,
                                           record_every=version.record_every(trainer), **memory)
         # The engine as the forward's steps leave it, for the loss to read: the memory, the side state.
-        if memory_T:
-            store_memory(trainer.motor, memory_T[0])
+        memory_T = memory_T[0] if memory_T else None
+        version.leave_memory(trainer, memory_T)
         side_state_read = state.fused.flush() if state.fused is not None else None
         loss, details = version.loss(trainer, psi0, psi, history)
     bound = buffer_bindings(compiled_module(operator))  # as the forward left them
@@ -217,7 +217,7 @@ def _lowmem_train_episode(trainer, episode_num):
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         trainer.optimizer.step()
-    version.after_backward(trainer, memory_T[0] if memory_T else None)
+    version.leave_memory(trainer, memory_T)
     return version.result(trainer, episode_num, loss, details, psi)
 
 

@@ -81,8 +81,9 @@ class TrainerVersion(Protocol):
     def scales(self, trainer) -> bool:
         """Whether its episode scales the loss with `trainer.scaler`, read at each episode."""
 
-    def after_backward(self, trainer, memory_T) -> None:
-        """What the version does with the engine's memory after the episode."""
+    def leave_memory(self, trainer, memory_T) -> None:
+        """The engine's memory as the version's episode leaves it once its steps are done, before
+        the loss reads the engine (and again after the backward, whose recomputes may rewrite it)."""
 
     def result(self, trainer, episode, loss, details, psi_T):
         """What train_episode returns."""
@@ -146,7 +147,7 @@ class TrainerV4:
         return bool(getattr(trainer, "use_amp", False) and trainer.scaler)  # `if self.use_amp and self.scaler:`
 
     @staticmethod
-    def after_backward(trainer, memory_T) -> None:
+    def leave_memory(trainer, memory_T) -> None:
         if memory_T is not None:  # the memory the last step left, as the engine's own step keeps it
             store_memory(trainer.motor, memory_T)
 
@@ -212,8 +213,8 @@ class TrainerV3:
         return False  # a scaler set on it is never read
 
     @staticmethod
-    def after_backward(trainer, memory_T) -> None:
-        # V3 drops the memory after every episode, so the next one starts from none.
+    def leave_memory(trainer, memory_T) -> None:
+        # V3 drops the memory after its steps, before compute_reward: the next episode starts from none.
         state = getattr(trainer.motor, "state", None)
         for name in ("h_state", "c_state"):
             if getattr(state, name, None) is not None:
