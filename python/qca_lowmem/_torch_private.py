@@ -29,6 +29,7 @@ REQUIRED = [
     ("torch._C", "_are_functorch_transforms_active"),
     ("torch._C", "_dispatch_has_kernel_for_dispatch_key"),
     ("torch._C._functorch", "is_functorch_wrapped_tensor"),
+    ("torch._C._autograd", "_get_current_graph_task_keep_graph"),
 ]
 REQUIRED_WITH_CUDA = [("torch._C", "_cuda_endAllocateToPool")]
 # The autograd node of a dtype cast (`tensor.to(dtype)`), by its class name.
@@ -169,6 +170,11 @@ def functorch_transforms_active() -> bool:
 
 def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
     return torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+
+
+def backward_keeps_graph() -> bool:
+    """Inside a backward: whether it was asked to keep the graph (retain_graph=True)."""
+    return torch._C._autograd._get_current_graph_task_keep_graph()
 
 
 def has_kernel_for(op: str, dispatch_key: str) -> bool:

@@ -134,6 +134,40 @@ def test_v3_reward_finds_the_memory_dropped(policy, fused_step_ops):
     assert_same_run(run(trainer), stock)
 
 
+def sensitivity_reward(create_graph):
+    """A trainer class whose reward adds a term on d(psi_T)/d(psi_initial): their episode's psi_initial
+    requires grad, so a researcher's reward may differentiate with respect to it."""
+    class SensitivityReward(QC_Trainer_v3):
+        def compute_reward(self, psi_initial, psi_final):
+            total, quietness, complexity = super().compute_reward(psi_initial, psi_final)
+            grad, = torch.autograd.grad((psi_final.abs() ** 3).sum(), psi_initial, retain_graph=True,
+                                        create_graph=create_graph)
+            return total - grad.abs().pow(2).mean(), quietness, complexity
+    return SensitivityReward
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_v3_reward_differentiating_with_respect_to_psi_initial(policy):
+    stock = run(make_trainer("unet_groupnorm", cls=sensitivity_reward(create_graph=False)))
+    trainer = make_trainer("unet_groupnorm", cls=sensitivity_reward(create_graph=False))
+    enable(trainer, policy)
+    assert_same_run(run(trainer), stock)
+
+
+@pytest.mark.parametrize("policy", ["none", "step"])
+def test_v3_reward_with_a_second_order_term_in_psi_initial(policy):
+    """Trains as stock's with plain autograd; a recomputing policy refuses, naming create_graph."""
+    trainer = make_trainer("unet_groupnorm", cls=sensitivity_reward(create_graph=True))
+    enable(trainer, policy)
+    if policy == "none":
+        assert_same_run(run(trainer), run(make_trainer("unet_groupnorm", cls=sensitivity_reward(create_graph=True))))
+        return
+    before = [p.detach().clone() for p in trainer.motor.get_model_for_params().parameters()]
+    with pytest.raises(RuntimeError, match=r"checkpoint='step'\): no second-order gradients \(create_graph=True\)"):
+        trainer.train_episode(0)
+    assert all(torch.equal(p, b) for p, b in zip(trainer.motor.get_model_for_params().parameters(), before))
+
+
 @pytest.mark.parametrize("gradient_clip", [0.0, 0.05])
 def test_v3_clips_at_its_own_gradient_clip(gradient_clip):
     stock = run(make_trainer("unet_groupnorm", gradient_clip=gradient_clip))

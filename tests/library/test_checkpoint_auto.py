@@ -176,13 +176,27 @@ def test_an_error_in_the_full_graph_tail_names_the_episodes_step():
         rollout(step, initial_state().requires_grad_(), STEPS, checkpoint="auto", budget=budget, noise=noise)
 
 
-def test_a_second_backward_through_kept_full_graphs_is_refused():
+@pytest.mark.parametrize("case", ["3 full", "all full"])
+def test_a_backward_retaining_the_graph_keeps_the_full_graphs(case):
+    """A first backward with retain_graph=True (a gradient the loss itself takes) leaves the kept
+    full graphs to the next, as plain autograd leaves its graph; one without it frees them."""
     params, step = fused_unet_step()
-    psi_T, _ = rollout(step, initial_state().requires_grad_(), STEPS, checkpoint="auto",
-                       budget=budgets(step)["3 full"])
-    loss = psi_T.abs().sum()
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="full graphs kept for the episode's last steps were freed"):
+    psi0 = initial_state()
+
+    def twice(checkpoint, **options):
+        for p in params:
+            p.grad = None
+        psi_T, _ = rollout(step, psi0.clone().requires_grad_(), STEPS, checkpoint=checkpoint, **options)
+        loss = psi_T.abs().sum()
+        first = torch.autograd.grad(loss, params, retain_graph=True)
+        loss.backward()
+        return first, [p.grad for p in params], loss
+
+    expected_first, expected = twice("none")[:2]
+    first, got, loss = twice("auto", budget=budgets(step)[case])
+    for g, e in zip([*first, *got], [*expected_first, *expected]):
+        assert ((g - e).abs().max() / e.abs().max()).item() < 1e-12
+    with pytest.raises(RuntimeError, match="backward through the graph a second time|full graphs kept .* were freed"):
         loss.backward()
 
 

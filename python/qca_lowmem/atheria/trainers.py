@@ -184,9 +184,10 @@ class TrainerV3:
 
     @staticmethod
     def initial_state(trainer, opts, device):
-        if opts.initial_state is not None:
-            return opts.initial_state(trainer)
-        return trainer.motor.get_initial_state(trainer.batch_size)
+        psi0 = opts.initial_state(trainer) if opts.initial_state is not None else \
+            trainer.motor.get_initial_state(trainer.batch_size)
+        # As their episode: a reward may differentiate with respect to psi_initial.
+        return psi0.requires_grad_(True)
 
     @staticmethod
     def noise(trainer, episode, source: str) -> None:

@@ -19,6 +19,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from .. import _torch_private as torch_private
 from ..ops import second_order_requested
 from . import weight_casts
 from .check import RecomputeCheck
@@ -275,15 +276,19 @@ class Episode:
                 )
 
     def take_graphs(self) -> Optional["KeptGraph"]:
-        """The chain of full graphs the forward kept, for one backward (reversing frees their
-        buffers: a later backward finds an empty chain)."""
+        """The chain of full graphs the forward kept, for one backward: reversing it frees its
+        buffers unless that backward retains the graph (retain_graph=True), as plain autograd's."""
         graphs = self.graphs
         if graphs is None:
             return None
         if not graphs.outputs:
             raise RuntimeError(f"rollout(checkpoint={self.policy.checkpoint!r}): the full graphs kept for the "
-                               "episode's last steps were freed by its first backward; retain_graph=True does not keep "
-                               "them: run the episode again, or use checkpoint='step' to backpropagate through it twice")
+                               "episode's last steps were freed by its first backward: pass retain_graph=True to "
+                               "every backward through the episode but its last")
+        if torch_private.backward_keeps_graph():
+            kept = KeptGraph(graphs.start, graphs.inputs, graphs.trap)
+            kept.outputs, kept.marker = list(graphs.outputs), graphs.marker
+            return kept
         self.graphs = KeptGraph(graphs.start, graphs.inputs, graphs.trap)
         return graphs
 
