@@ -438,6 +438,52 @@ def test_a_loss_reading_the_memory_reads_the_last_steps(checkpoint, fused_step_o
     assert_same(run(trainer), run(stock))
 
 
+RECOMPUTING = {"step": {}, "revolve": {"slots": 1}, "auto": {"budget": 0}}
+PLAIN = {"none": {}, "auto-1GiB": {"budget": 2**30}}  # auto with every step's graph kept: plain autograd
+
+
+def loss_asking_history_grads(ask, seen):
+    """Their loss with a term on the gradient of history[0] (`ask`: "sensitivity", taking in the steps
+    after it; "direct", of history[0] alone) or hooks recording each entry's gradient ("hooks"),
+    as a researcher diagnoses gradients through time; what the term or hooks saw goes to `seen`."""
+    def loss_fn(history, psi0):
+        loss, metrics = stand_in.evolutionary_loss(history, psi0)
+        if ask == "hooks":
+            for h in history[:-1]:
+                h.register_hook(lambda g: seen.append(g.abs().sum().item()))
+            return loss, metrics
+        of = history[-1] if ask == "sensitivity" else history[0]
+        grad, = torch.autograd.grad(of.abs().pow(2).sum(), history[0], retain_graph=True, allow_unused=True)
+        if grad is not None:
+            seen.append(grad.abs().sum().item())
+            loss = loss + 0.1 * grad.abs().pow(2).mean()
+        return loss, metrics
+    return loss_fn
+
+
+@pytest.mark.parametrize("ask", ["sensitivity", "direct", "hooks"])
+@pytest.mark.parametrize("checkpoint", [*PLAIN, *RECOMPUTING])
+def test_a_loss_asking_the_gradient_of_a_history_entry(checkpoint, ask):
+    """A recomputing episode keeps no graph between its outputs: a gradient of history[0] that
+    takes in the later steps (or a hook waiting for one) is refused, naming it, before the
+    optimizer steps (plain autograd's answer else: torch's own error, or none with allow_unused);
+    one of history[0] alone is plain autograd's, as under checkpoint='none' and an auto keeping
+    every step's graph."""
+    trainer, stock = trainer_of(), trainer_of()
+    seen, stock_seen = [], []
+    trainer.loss_fn = loss_asking_history_grads(ask, seen)
+    stock.loss_fn = loss_asking_history_grads(ask, stock_seen)
+    enabled(trainer, checkpoint=checkpoint.split("-")[0], **{**PLAIN, **RECOMPUTING}[checkpoint])
+    if checkpoint in RECOMPUTING and ask != "direct":
+        before = [p.detach().clone() for p in trainer.motor.operator.parameters()]
+        with pytest.raises(RuntimeError, match=rf"the loss asks the gradient of history\[0\] .*checkpoint={checkpoint!r}"):
+            trainer.train_episode(0)
+        assert all(torch.equal(p, b) for p, b in zip(trainer.motor.operator.parameters(), before, strict=True))
+        return
+    assert_same(run(trainer), run(stock))
+    assert stock_seen and seen == pytest.approx(stock_seen, rel=1e-10)
+
+
 def test_the_installed_step_called_outside_an_episode_runs_a_changed_engines_own():
     """Their inference or their own train_episode call motor.evolve_step: checked at each call."""
     engine = type("Edited", (Motor,), {})

@@ -23,6 +23,8 @@ modules, one concern each:
 - `leaves`: which leaves (parameters) a step reaches.
 - `watch`: what the forward's unprobed steps read and write besides their state (`StepWatch`).
 - `escapes`: tensors that leave a step other than through its state.
+- `history_grads`: a loss's requests for gradients of the history that a recomputing episode
+  cannot answer (`HistoryGradGuard`).
 - `param_grads`: parameter gradients summed over the steps into one buffer each.
 - `weight_casts`: half-precision weight copies, once per episode or per optimizer step.
 - `intermediates`: whether fused blocks keep their intermediates or recompute them.
