@@ -68,8 +68,14 @@ def patched_copy(checkout: Path, into: Path) -> Path:
 
 
 def checkout_commit(checkout: Path):
-    done = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else None
+    """The commit of the checkout's own repository; None for an archive of their src/ (git would
+    answer for the tree it sits in, this one)."""
+    done = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--show-toplevel", "HEAD"],
+                          capture_output=True, text=True)
+    found = done.stdout.split()
+    if done.returncode != 0 or len(found) != 2 or Path(found[0]).resolve() != checkout.resolve():
+        return None
+    return found[1]
 
 
 def their_arguments(args, experiment):

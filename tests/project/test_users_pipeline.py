@@ -134,6 +134,28 @@ def test_a_missing_checkout_is_named_with_where_to_put_it(tmp_path):
         script.patched_copy(tmp_path / "missing", tmp_path)
 
 
+@needs_git
+def test_the_checkout_commit_is_its_own_repositorys_or_none(tmp_path):
+    """Their src/ archived into a folder of another repository (this one's atheria/) records no
+    commit, not that repository's; a clone of theirs records its own."""
+    script = benchmark_module("users_pipeline")
+
+    def committed(root: Path) -> str:
+        git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
+        subprocess.run([*git, "init", "-q"], check=True)
+        subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "x"], check=True)
+        return subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+
+    committed(tmp_path)
+    archive = tmp_path / "atheria"
+    (archive / "src").mkdir(parents=True)
+    assert script.checkout_commit(archive) is None
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    head = committed(clone)
+    assert script.checkout_commit(clone) == head
+
+
 def test_episodes_are_read_from_their_loops_lines():
     episodes_trained = benchmark_module("users_pipeline").episodes_trained
     finished = "Episodio 0/3 | Loss: 1\n\u2705 Entrenamiento completado.\n"
