@@ -16,7 +16,7 @@ import torch
 
 from ..precision import autocast
 from ..recompute import rollout
-from ..recompute.history_grads import HistoryGradGuard
+from ..recompute.history_grads import history_grads_guarded
 from ..recompute.policy import NONE
 from .captures import StepCaptures
 from .code_identity import ATHERIA, not_recorded
@@ -188,7 +188,7 @@ def _lowmem_train_episode(trainer, episode_num):
         memory_T = memory_T[0] if memory_T else None
         version.leave_memory(trainer, memory_T)
         side_state_read = state.fused.flush() if state.fused is not None else None
-        with HistoryGradGuard(history, "qca_lowmem", opts.policy.checkpoint):
+        with history_grads_guarded(history, "qca_lowmem", opts.policy.checkpoint):
             loss, details = version.loss(trainer, psi0, psi, history)
     bound = buffer_bindings(compiled_module(operator))  # as the forward left them
     side_state = side_state_of(trainer.motor, copy=opts.cuda_graph)  # the forward's last step's, as stock leaves it

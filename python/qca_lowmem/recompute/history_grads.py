@@ -5,15 +5,16 @@ psi_T, each history entry, carry_T. No graph runs between them, so the gradient 
 entry before the last step (`torch.autograd.grad(..., history[k])`, `backward(inputs=...)`, a hook
 on it, its `retain_grad()`) would hold only what reaches it directly from the loss, where plain
 autograd adds what comes back through the steps after it. `HistoryGradGuard`, a torch function
-mode around the loss, refuses such a request, naming the entry: a gradient asked with respect to
+mode around the loss (`history_grads_guarded`), refuses such a request, naming the entry: a gradient asked with respect to
 an entry is refused only where the differentiated outputs reach a later output of the episode
 (psi_T, a later entry, carry_T), so one that reaches the entry alone, as exact as plain
 autograd's, is allowed; a hook or retain_grad is refused at once, the backward it waits for
 reaching psi_T.
 """
 
+import contextlib
 import inspect
-from typing import Dict, Iterable, List, NoReturn
+from typing import ContextManager, Dict, Iterable, List, NoReturn
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -53,27 +54,31 @@ def reached_outputs(roots: Iterable[torch.Tensor], node) -> set:
     return found
 
 
-class HistoryGradGuard(TorchFunctionMode):
-    """`with HistoryGradGuard(history, caller, checkpoint):` around a loss on a rollout's history
-    (its last entry psi_T). Nothing is guarded where the entries are not the outputs of one
-    recomputing node (checkpoint='none', or "auto" keeping every step's graph)."""
+def history_grads_guarded(history: List[torch.Tensor], caller: str, checkpoint: str) -> ContextManager:
+    """Around a loss on a rollout's history (its last entry psi_T): a HistoryGradGuard where the
+    entries before psi_T are outputs of psi_T's node (a recomputing episode), else nothing to guard
+    (checkpoint='none', "auto" keeping every step's graph, a history of psi_T alone)."""
+    node, earlier = history[-1].grad_fn, history[:-1]
+    if node is None or not earlier or any(h.grad_fn is not node for h in earlier):
+        return contextlib.nullcontext()
+    return HistoryGradGuard(node, earlier, caller, checkpoint)
 
-    def __init__(self, history: List[torch.Tensor], caller: str, checkpoint: str):
+
+class HistoryGradGuard(TorchFunctionMode):
+    """The torch function mode refusing a gradient of `earlier` (history[k] is output 1 + k of the
+    episode's `node`, episode.Layout) that would take in a later output."""
+
+    def __init__(self, node, earlier: List[torch.Tensor], caller: str, checkpoint: str):
         super().__init__()
-        self.caller, self.checkpoint = caller, checkpoint
-        node = history[-1].grad_fn
-        # history[k] for k before the last: output 1 + k of the episode's node (episode.Layout).
-        earlier = history[:-1]
-        self.node = node if node is not None and earlier and all(h.grad_fn is node for h in earlier) else None
-        self.entries: Dict[int, int] = {id(h): k for k, h in enumerate(earlier)} if self.node is not None else {}
+        self.node, self.caller, self.checkpoint = node, caller, checkpoint
+        self.entries: Dict[int, int] = {id(h): k for k, h in enumerate(earlier)}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.entries:
-            if func in _WAITS and args and id(args[0]) in self.entries:
-                self._refuse(self.entries[id(args[0])], _WAITS[func])
-            elif func in _ASKS_INPUTS:
-                self._check_inputs(func, args, kwargs)
+        if func in _WAITS and args and id(args[0]) in self.entries:
+            self._refuse(self.entries[id(args[0])], _WAITS[func])
+        elif func in _ASKS_INPUTS:
+            self._check_inputs(func, args, kwargs)
         return func(*args, **kwargs)
 
     def _check_inputs(self, func, args, kwargs) -> None:
