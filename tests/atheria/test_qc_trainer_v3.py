@@ -25,7 +25,7 @@ FAMILIES = ["unet_groupnorm", "unet_rmsnorm", "mlp", "convlstm"]
 def make_trainer(family, compiled=False, steps=STEPS, cls=QC_Trainer_v3, **kw):
     cfg = make_config(grid=8, d_state=D_STATE, hidden=HIDDEN, qca_steps=steps, gamma=0.05, dtype=torch.complex128)
     return cls(cfg, operator=make_operator(family, D_STATE, HIDDEN), memory=family in MEMORY_FAMILIES,
-                         compile_operator=compiled, lr=1e-2, **kw)
+               compile_operator=compiled, lr=1e-2, **kw)
 
 
 def enable(trainer, policy, **options):
