@@ -182,10 +182,10 @@ def _lowmem_train_episode(trainer, episode_num):
     # The memory the episode starts from: what the engine holds (zeroed by V4's state reset, None after V3's episodes).
     memory = {} if state.memory_step is None else dict(carry=memory_of(trainer.motor))
     with autocast(device.type, opts.amp_dtype):
-        psi, history, *memory_T = rollout(step, psi0, trainer.qca_steps, checkpoint=opts.policy, noise=noise,
-                                          record_every=version.record_every(trainer), **memory)
+        psi, history, *carry_T = rollout(step, psi0, trainer.qca_steps, checkpoint=opts.policy, noise=noise,
+                                         record_every=version.record_every(trainer), **memory)
         # The engine as the forward's steps leave it, for the loss to read: the memory, the side state.
-        memory_T = memory_T[0] if memory_T else None
+        memory_T = carry_T[0] if carry_T else None
         version.leave_memory(trainer, memory_T)
         side_state_read = state.fused.flush() if state.fused is not None else None
         with history_grads_guarded(history, "qca_lowmem", opts.policy.checkpoint):

@@ -15,6 +15,7 @@ untouched, as plain autograd does.
 """
 
 import contextlib
+import copy
 from typing import Callable, List, Optional
 
 import torch
@@ -286,8 +287,8 @@ class Episode:
                                "episode's last steps were freed by its first backward: pass retain_graph=True to "
                                "every backward through the episode but its last")
         if torch_private.backward_keeps_graph():
-            kept = KeptGraph(graphs.start, graphs.inputs, graphs.trap)
-            kept.outputs, kept.marker = list(graphs.outputs), graphs.marker
+            kept = copy.copy(graphs)  # reversing empties its outputs; the episode's stay for the next backward
+            kept.outputs = list(graphs.outputs)
             return kept
         self.graphs = KeptGraph(graphs.start, graphs.inputs, graphs.trap)
         return graphs

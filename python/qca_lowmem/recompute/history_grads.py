@@ -5,11 +5,11 @@ psi_T, each history entry, carry_T. No graph runs between them, so the gradient 
 entry before the last step (`torch.autograd.grad(..., history[k])`, `backward(inputs=...)`, a hook
 on it, its `retain_grad()`) would hold only what reaches it directly from the loss, where plain
 autograd adds what comes back through the steps after it. `HistoryGradGuard`, a torch function
-mode around the loss (`history_grads_guarded`), refuses such a request, naming the entry: a gradient asked with respect to
-an entry is refused only where the differentiated outputs reach a later output of the episode
-(psi_T, a later entry, carry_T), so one that reaches the entry alone, as exact as plain
-autograd's, is allowed; a hook or retain_grad is refused at once, the backward it waits for
-reaching psi_T.
+mode around the loss (`history_grads_guarded`), refuses such a request, naming the entry: a
+gradient asked with respect to an entry is refused only where the differentiated outputs reach a
+later output of the episode (psi_T, a later entry, carry_T), so one that reaches the entry alone,
+as exact as plain autograd's, is allowed; a hook or retain_grad is refused at once, the backward
+it waits for reaching psi_T.
 """
 
 import contextlib
