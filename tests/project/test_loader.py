@@ -38,7 +38,10 @@ def _import_copy_with(tmp_path, replace_c):
     copy = tmp_path / "qca_lowmem"
     shutil.copytree(package, copy, ignore=shutil.ignore_patterns("_C.*", "__pycache__"))
     replace_c(copy)
-    return subprocess.run([sys.executable, "-c", "import qca_lowmem"], cwd=tmp_path, capture_output=True, text=True,
+    # An editable install's finder would supply the source tree's _C to the copy: only the copy is imported.
+    only_the_copy = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in f.__module__]; "
+                     "import qca_lowmem")
+    return subprocess.run([sys.executable, "-c", only_the_copy], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(tmp_path)})
 
 
