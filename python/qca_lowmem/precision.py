@@ -34,6 +34,14 @@ def amp_name(amp_dtype: Optional[torch.dtype]) -> str:
     return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp_dtype]
 
 
+def compute_name(amp_dtype: Optional[torch.dtype], weights_dtype: torch.dtype) -> str:
+    """What an episode computes in, for a line: the autocast's dtype, else the weights' own (fp64
+    for a float64 model, which "fp32", the option's name for no autocast, would misstate)."""
+    if amp_dtype is not None:
+        return amp_name(amp_dtype)
+    return {torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(weights_dtype, "fp32")
+
+
 def autocast(device_type: str, amp_dtype: Optional[torch.dtype]):
     """Autocast to `amp_dtype` (a torch dtype from parse_amp_dtype), or off when it is None."""
     return torch.autocast(device_type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)

@@ -262,7 +262,7 @@ def test_v3_disable_and_config(caplog):
         assert qca_lowmem.enable_from_config(trainer, SimpleNamespace(LOWMEM={"enabled": True, "checkpoint": "revolve",
                                                                               "slots": 2}))
     assert [r.getMessage() for r in caplog.records] == [
-        "on, checkpoint=revolve slots=2, fp32, fused blocks, fused step, QC_Trainer_v3 episode"]
+        "on, checkpoint=revolve slots=2, fp64, fused blocks, fused step, QC_Trainer_v3 episode"]
     first = run(trainer, range(2))
     qca_lowmem.disable(trainer)
     assert "train_episode" not in vars(trainer) and trainer.motor.evolve_step == evolve_step

@@ -11,7 +11,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from .. import precision
-from ..precision import amp_name, autocast_dtype, parse_amp_dtype
+from ..precision import autocast_dtype, parse_amp_dtype
 from ..recompute import Policy, StepGraph, step_graph
 from ..recompute.policy import NONE
 from .engine_step import engine_kind, has_memory, own_step_verdict, unknown_engine
@@ -26,6 +26,7 @@ class EpisodeOptions:
     given: Options  # as enable() was given them; what needs resolving is resolved below
     policy: Policy
     amp_dtype: torch.dtype  # the compute dtype the episode's autocast runs
+    weights_dtype: torch.dtype  # the operator's parameters' dtype when enable() read them
     # trainer.use_amp as enable() read it for amp_dtype (None where amp_dtype was given, or there is
     # none): their episode reads it at every episode, so an episode refuses another value
     use_amp: Optional[bool]
@@ -41,9 +42,14 @@ class EpisodeOptions:
     cuda_graph_said: str  # what enable()'s line says of it: "cuda_graph", "cuda_graph off", or "" off CUDA
     noise_said: str  # what enable()'s line says of noise="fused" ("" for the trainer's own noise)
 
+    @property
+    def computes_in(self) -> str:
+        """What the episodes compute in, in words: fp32, fp64, bf16 or fp16."""
+        return precision.compute_name(self.amp_dtype, self.weights_dtype)
+
     def describe(self) -> str:
         """The policy, the precision and the switches that are on, for enable()'s line."""
-        parts = [self.policy.describe(), precision.amp_name(self.amp_dtype)]
+        parts = [self.policy.describe(), self.computes_in]
         return ", ".join(parts + [name for name, on in (
             ("fused blocks", self.fused_blocks), ("fused step", self.fused_step_ops),
             ("channels_last", self.channels_last),
@@ -144,7 +150,7 @@ def _check_precision(trainer, opts):
     if opts.use_amp is None or bool(getattr(trainer, "use_amp", False)) == opts.use_amp:
         return
     raise RuntimeError(f"qca_lowmem: trainer.use_amp is {getattr(trainer, 'use_amp', None)!r} now, but enable() read "
-                       f"it as {opts.use_amp!r} and runs every episode {amp_name(opts.amp_dtype)}: set it back, "
+                       f"it as {opts.use_amp!r} and runs every episode {opts.computes_in}: set it back, "
                        "or qca_lowmem.disable(trainer), then enable(trainer) again, which reads it anew (amp_dtype= "
                        "given to enable() fixes the precision whatever use_amp says)")
 
@@ -159,7 +165,7 @@ def _check_caller_autocast(trainer, opts, version, device):
     own = (f"{version.name}'s episode sets only {' and '.join(version.own_autocast).upper()}'s autocast, so its forward "
            "may run in it" if version.own_autocast else f"{version.name}'s episode sets none, so its forward runs in it")
     raise RuntimeError(f"qca_lowmem: train_episode was called inside torch.autocast({device.type!r}, dtype={caller}): "
-                       f"{own}, where enable() runs {amp_name(opts.amp_dtype)}; give enable() amp_dtype (the LOWMEM "
+                       f"{own}, where enable() runs {opts.computes_in}; give enable() amp_dtype (the LOWMEM "
                        "section's amp_dtype) to train in the precision you choose, or call train_episode outside the "
                        "autocast")
 
@@ -267,7 +273,8 @@ def resolve_options(trainer, version: TrainerVersion, given: Options, theirs: bo
     not the stand-in's. Everything here refuses before the trainer changes."""
     policy = given.checkpoint if isinstance(given.checkpoint, Policy) else Policy.of(
         given.checkpoint, given.slots, given.budget, "enable()")
-    device = next(trainer.motor.operator.parameters()).device
+    weights = next(trainer.motor.operator.parameters())
+    device = weights.device
     _check_placement(trainer, device)
     policy.check_device(device, "enable()")
     use_amp = bool(trainer.use_amp) if given.amp_dtype is None and hasattr(trainer, "use_amp") else None
@@ -293,8 +300,9 @@ def resolve_options(trainer, version: TrainerVersion, given: Options, theirs: bo
     noise_said = "" if given.noise != "fused" else "fused noise" if version.has_noise else (
         f"no noise ({version.name}'s episode has none; noise='fused' unread)")
     return EpisodeOptions(
-        given=given, policy=policy, amp_dtype=compute_dtype, use_amp=use_amp, grid=grid, batch_size=batch_size,
-        d_state=d_state, initial_state=initial_state, fused_step_ops=given.fused_step_ops and own_step is None, own_step=own_step,
+        given=given, policy=policy, amp_dtype=compute_dtype, weights_dtype=weights.dtype, use_amp=use_amp, grid=grid,
+        batch_size=batch_size, d_state=d_state, initial_state=initial_state,
+        fused_step_ops=given.fused_step_ops and own_step is None, own_step=own_step,
         fused_blocks=given.fused_blocks and own_step is None,  # the fused blocks round differently too
         channels_last=channels_last, cuda_graph=cuda_graph, cuda_graph_said=cuda_graph_said, noise_said=noise_said)
 
