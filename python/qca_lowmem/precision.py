@@ -83,13 +83,14 @@ def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
 
 
 def gpu_prefers_nhwc(capability: Tuple[int, int], name: str, amp_dtype: Optional[torch.dtype], tf32: bool) -> bool:
-    """Whether cuDNN's convolutions in `amp_dtype` (None: fp32) run faster NHWC on a GPU of this
-    compute capability and name: where they run on Tensor Cores, whose preferred layout cuDNN
-    documents as NHWC (fp16 from Volta, 7.0; bf16 and fp32 as TF32 from Ampere, 8.0, when
+    """Whether cuDNN's convolutions in `amp_dtype` (None or float32: fp32) run faster NHWC on a GPU
+    of this compute capability and name: where they run on Tensor Cores, whose preferred layout
+    cuDNN documents as NHWC (fp16 from Volta, 7.0; bf16 and fp32 as TF32 from Ampere, 8.0, when
     torch.backends.cudnn.allow_tf32). Measured faster on Hopper in fp32 (TF32), bf16 and fp16;
     inferred elsewhere (docs/benchmarks.md, "channels_last on a GPU"). No Tensor Cores (below 7.0,
-    Turing's GTX 16 series) or fp32 without TF32: NCHW, where cuDNN documents no gain."""
-    if capability[0] < 7 or "GTX 16" in name:
+    Turing's GTX 16 series), fp32 without TF32, or fp64 (never TF32, never measured): NCHW, where
+    cuDNN documents no gain."""
+    if capability[0] < 7 or "GTX 16" in name or amp_dtype == torch.float64:
         return False
     if amp_dtype == torch.float16:
         return True

@@ -98,6 +98,8 @@ def test_the_config_section_reads_channels_last(monkeypatch):
     ((7, 5), "NVIDIA GeForce GTX 1650", torch.float16, True, False),  # Turing without Tensor Cores
     ((7, 0), "Tesla V100-SXM2-16GB", torch.float16, True, True),
     ((6, 1), "NVIDIA GeForce GTX 1050 Ti", torch.float16, True, False),
+    ((9, 0), "NVIDIA H200", torch.float32, True, True),  # a float32 model without autocast
+    ((9, 0), "NVIDIA H200", torch.float64, True, False),  # a float64 model: no TF32, never measured
 ])
 def test_the_gpu_rule_is_tensor_core_convolutions(capability, name, amp_dtype, tf32, expected):
     assert precision.gpu_prefers_nhwc(capability, name, amp_dtype, tf32) is expected
@@ -151,7 +153,7 @@ def test_enable_unset_follows_the_rule_and_the_engines_verdict(monkeypatch, capl
     asked = []
     monkeypatch.setattr(precision, "nhwc_faster", lambda device, amp_dtype: asked.append(amp_dtype) or True)
     trainer = qca_lowmem.enable(small_trainer(state_object=True))
-    assert asked == [None] and trainer._qca_lowmem_state.options.channels_last
+    assert asked == [torch.float32] and trainer._qca_lowmem_state.options.channels_last
     assert caplog.records[-1].getMessage().endswith(", fused step, channels_last")
     assert any(not p.is_contiguous() for p in trainer.motor.operator.parameters())
     trainer.train_episode(0)

@@ -295,7 +295,7 @@ def resolve_options(trainer, version: TrainerVersion, given: Options, theirs: bo
         operator_unfollowed(compiled_module(trainer.motor.operator))
     cuda_graph, cuda_graph_said = _resolved_cuda_graph(given.cuda_graph, policy, device, unfollowed)
     channels_last = _resolved_channels_last(given.channels_last, given.fused_step_ops, has_memory(trainer.motor),
-                                            own_step, device, compute_dtype)
+                                            own_step, device, compute_dtype or weights.dtype)
     _check_noise(trainer, version, given.noise)
     noise_said = "" if given.noise != "fused" else "fused noise" if version.has_noise else (
         f"no noise ({version.name}'s episode has none; noise='fused' unread)")
