@@ -316,3 +316,39 @@ def test_blocks_trust_the_unets_check_only_inside_its_call():
     finally:
         handle.remove()
         stock_handle.remove()
+
+
+@pytest.mark.parametrize("options", [dict(checkpoint="step"), dict(checkpoint="revolve", slots=2),
+                                     dict(checkpoint="auto", budget=0)], ids=["step", "revolve", "auto"])
+def test_a_module_backward_hook_steps_as_under_grad_in_the_forward_too(options):
+    """torch wraps a module's tensors for its full backward hook only with grad on, and the conv's
+    wrapped output (its input NHWC, as the stock pack makes it) comes out NCHW, so the step rounds
+    otherwise than without grad. The forward runs such steps with grad, as plain autograd does, and
+    so do revolve's advances: the recomputes reproduce it (they were refused) and the gradients
+    are plain autograd's."""
+    torch.manual_seed(0)
+    model = randomize_affine(R.UNetUnitary(2, 8)).double()
+    with torch.no_grad():
+        model.outc.weight.normal_(0, 0.3)
+    called = []
+    model.outc.register_full_backward_hook(lambda module, grad_input, grad_output: called.append(None))
+    psi0 = R.initial_state(1, 8, 2, dtype=torch.complex128)
+    x = R.pack(psi0)
+    assert not x.is_contiguous() and model.outc(model.inc(x)).is_contiguous()  # the layout the hook brings
+
+    def step(psi):
+        return R.step(psi, model, 0.05)
+
+    def loss_and_grads(final):
+        loss = (final.real ** 3).sum() + final.imag.abs().sum()
+        return loss.detach(), torch.autograd.grad(loss, list(model.parameters()))
+
+    psi = psi0
+    for _ in range(6):
+        psi = step(psi)
+    plain_loss, plain_grads = loss_and_grads(psi)
+    plain_calls, called[:] = len(called), []
+    loss, grads = loss_and_grads(qca_lowmem.rollout(step, psi0, 6, **options)[0])
+    assert loss == plain_loss and len(called) == plain_calls == 6
+    for g, expected in zip(grads, plain_grads, strict=True):
+        torch.testing.assert_close(g, expected, rtol=1e-12, atol=0)

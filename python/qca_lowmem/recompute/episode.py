@@ -178,7 +178,7 @@ class Episode:
         # again as the forward ran needs, whether the forward's steps run with grad (escapes.py).
         self.policy = policy
         self.schedule = schedule
-        self.rerun = Rerun(start.unit, start.rng, start.autocast, start.probed.buffers)
+        self.rerun = Rerun(start.unit, start.rng, start.autocast, start.probed.buffers, start.grad_forward)
         self.grad_forward = start.grad_forward
         self.layout = Layout(schedule.steps, recorded, start.state0)
         # The leaves: the probe's, then those the forward's other steps read (run); their versions

@@ -1,7 +1,7 @@
 """Which leaves (parameters) a step reaches: its graph walked from its outputs to the leaves,
 refusing a tensor that requires grad but was computed before the step."""
 
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -15,9 +15,9 @@ def next_sequence_nr() -> int:
     return torch_private.sequence_nr(node) + 1
 
 
-def leaves_reached(outputs, inputs: set, marker: int) -> List[torch.Tensor]:
+def leaves_reached(outputs, inputs: set, marker: int, node_names: Optional[set] = None) -> List[torch.Tensor]:
     """The leaf tensors requiring grad that the graphs of `outputs` reach, other than the
-    tensors whose ids are in `inputs`."""
+    tensors whose ids are in `inputs`; `node_names` collects the names of the nodes walked."""
     leaves, seen_leaves, visited = [], set(), set()
     stack = [out.grad_fn for out in outputs]
     while stack:
@@ -25,6 +25,8 @@ def leaves_reached(outputs, inputs: set, marker: int) -> List[torch.Tensor]:
         if node is None or node in visited:
             continue
         visited.add(node)
+        if node_names is not None:
+            node_names.add(node.name())
         variable = getattr(node, "variable", None)  # AccumulateGrad: the edge into a leaf
         if variable is not None:
             if id(variable) not in inputs and id(variable) not in seen_leaves:

@@ -33,6 +33,9 @@ class Probe:
     buffers: StepBuffers  # the tensors they write that outlive them
     graphs: Optional[List[State]]  # kept: their output states with their graphs; else None
     leftovers: Optional[Leftovers]  # the tensors they made, until the forward is prepared
+    # a module's backward hook in their graphs: torch's module call wraps its tensors for those
+    # only with grad on, and the wrapped ones may come out in another layout, rounding otherwise after
+    backward_hooked: bool
 
 
 class EpisodeStart:
@@ -70,7 +73,7 @@ class EpisodeStart:
         that it sees the memory the capture's pool took)."""
         probed, unit = self.probed, self.unit
         probed.graphs = None
-        self.grad_forward = probed.leftovers.any(unit.weight_casts.copies())
+        self.grad_forward = probed.leftovers.any(unit.weight_casts.copies()) or probed.backward_hooked
         probed.leftovers = None
         self.autocast = AutocastState(sorted({"cpu", self.state0.psi.device.type}))
         if isinstance(unit.step_fn, StepGraph):
@@ -80,7 +83,7 @@ class EpisodeStart:
 
 
 def _probe(unit, state0: State, steps: int, rng: RngStates, measure: bool, keep_graphs: bool) -> Probe:
-    probed, params, step_bytes, writes, leftovers = [], [], 0, [], Leftovers()
+    probed, params, step_bytes, writes, leftovers, node_names = [], [], 0, [], Leftovers(), set()
     graphs = [] if keep_graphs else None
     state = state0
     for t in range(steps):
@@ -96,7 +99,7 @@ def _probe(unit, state0: State, steps: int, rng: RngStates, measure: bool, keep_
         leftovers.add(finder.made.values(), outputs, finder.before, frame.kept)
         found = {id(p) for p in params}
         params += [leaf for leaf in leaves_reached([x for x in outputs.tensors() if x is not None],
-                                                    {id(x) for x in inputs.tensors()}, marker)
+                                                    {id(x) for x in inputs.tensors()}, marker, node_names)
                    if id(leaf) not in found]
         state = outputs.detached()
         probed.append(state)
@@ -105,4 +108,5 @@ def _probe(unit, state0: State, steps: int, rng: RngStates, measure: bool, keep_
         step_bytes = max(step_bytes, sum(saved) + state.nbytes())
         if all(c is not None for c in inputs.carry):
             break
-    return Probe(probed, params, step_bytes, StepBuffers.of_probes(writes), graphs, leftovers)
+    return Probe(probed, params, step_bytes, StepBuffers.of_probes(writes), graphs, leftovers,
+                 "BackwardHookFunctionBackward" in node_names)

@@ -62,20 +62,22 @@ class Rerun:
     needs: the generators' states before each step, the forward's autocast state and the tensors
     the steps write that outlive them (buffers.py)."""
 
-    def __init__(self, unit, rng, autocast, buffers):
+    def __init__(self, unit, rng, autocast, buffers, grad: bool):
         self.unit = unit
         self.rng = rng
         self.autocast = autocast
         self.buffers = buffers
+        self.grad = grad  # whether the forward's steps ran with grad (probe.EpisodeStart.grad_forward)
 
     def advance(self, state: State, start: int, stop: int) -> State:
-        """The state at step `stop` from the one at step `start`, without a graph (as the forward
-        ran)."""
-        with torch.no_grad(), self.autocast():
+        """The state at step `stop` from the one at step `start`, as the forward ran: without a
+        graph, or with one per step, dropped at its end, where the forward's steps ran with grad."""
+        with torch.set_grad_enabled(self.grad), self.autocast():
             for t in range(start, stop):
                 self.buffers.load(t)
                 with self.rng.replay(t):
-                    state = self.unit(state, t)
+                    state = self.unit(state.as_inputs(True) if self.grad else state, t)
+                state = state.detached() if self.grad else state
         return state
 
     def with_grad(self, t: int, inputs: State) -> State:
