@@ -79,6 +79,20 @@ def forward_hooks(modules) -> list:
                     for hook in getattr(module, name, {}).values()]
 
 
+def backward_run_hooks(modules) -> list:
+    """The hooks a backward through calls of `modules` runs: the global and each module's own
+    backward and backward-pre hooks, and the hooks on its parameters (`register_hook`,
+    `register_post_accumulate_grad_hook`)."""
+    module_globals = vars(torch.nn.modules.module)
+    found = [hook for name in ("_global_backward_hooks", "_global_backward_pre_hooks")
+             for hook in module_globals.get(name, {}).values()]
+    found += [hook for module in modules for name in ("_backward_hooks", "_backward_pre_hooks")
+              for hook in (getattr(module, name, None) or {}).values()]
+    return found + [hook for module in modules for p in module.__dict__["_parameters"].values() if p is not None
+                    for hooks in (p._backward_hooks, getattr(p, "_post_accumulate_grad_hooks", None)) if hooks
+                    for hook in hooks.values()]
+
+
 @contextlib.contextmanager
 def module_hooks_set_aside(root: torch.nn.Module):
     """Calls of root and its layers run no module hook (theirs or global ones), each put back

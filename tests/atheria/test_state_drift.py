@@ -220,6 +220,69 @@ def test_a_hook_that_skips_the_recomputes_keeps_stocks_record(policy):
     assert len(got[2]) == 2 * 4 and got[2] == pytest.approx(expected[2], rel=1e-12, abs=0)
 
 
+class Monitor:
+    """A researcher's monitor: activation norms from a forward hook (skipping the recomputes, as
+    the refusal advises) and gradient norms from a backward hook, on one object or on two."""
+
+    def __init__(self):
+        self.activations, self.gradients = [], []
+
+    def forward_hook(self, module, args, output):
+        if not qca_lowmem.recomputing():
+            self.activations.append(float(output.detach().norm()))
+
+    def backward_hook(self, module, grad_input, grad_output):
+        self.gradients.append(float(grad_output[0].norm()))
+
+    def parameter_hook(self, grad):
+        self.gradients.append(float(grad.norm()))
+
+
+def monitored(split: bool, backward: str):
+    """The monitor's forward hook on the operator's output conv, its backward hook there (`backward`
+    "module") or on that conv's weight ("parameter"), on the same Monitor unless `split`."""
+
+    def edit(trainer):
+        forward = Monitor()
+        backward_monitor = Monitor() if split else forward
+        conv = trainer.motor.operator.outc
+        conv.register_forward_hook(forward.forward_hook)
+        if backward == "module":
+            conv.register_full_backward_hook(backward_monitor.backward_hook)
+        else:
+            conv.weight.register_hook(backward_monitor.parameter_hook)
+        return lambda t: (forward.activations, backward_monitor.gradients)
+
+    return edit
+
+
+@pytest.mark.parametrize("backward", ["module", "parameter"])
+@pytest.mark.parametrize("policy", [dict(checkpoint="step"), dict(checkpoint="revolve", slots=2)])
+def test_one_object_as_forward_and_backward_hook_is_refused_as_such(policy, backward):
+    """The backward hook writes the monitor before the recomputes call its forward hook: stock's
+    backward writes it too, but the recomputes might read it; the refusal says so and what to do."""
+    trainer = make_trainer()
+    qca_lowmem.enable(trainer, **policy)
+    monitored(split=False, backward=backward)(trainer)
+    torch.manual_seed(5)
+    with pytest.raises(RuntimeError, match=r"Monitor\.gradients changed during the backward .*both a forward hook.*"
+                                           r"Keep the backward hook's state on another object"):
+        trainer.train_episode(EPISODES[0])
+
+
+@pytest.mark.parametrize("backward", ["module", "parameter"])
+@pytest.mark.parametrize("policy", [dict(checkpoint="step"), dict(checkpoint="revolve", slots=2)])
+def test_a_monitor_split_as_the_refusal_advises_trains_as_stock(policy, backward):
+    expected, got = run(monitored(True, backward)), run(monitored(True, backward), policy)
+    assert got[0] == pytest.approx(expected[0], rel=1e-12, abs=0)
+    for w, s in zip(got[1], expected[1], strict=True):
+        assert torch.allclose(w, s, rtol=1e-11, atol=1e-15)
+    (activations, gradients), (stock_activations, stock_gradients) = got[2], expected[2]
+    assert len(activations) == 2 * 4 and activations == pytest.approx(stock_activations, rel=1e-12, abs=0)
+    assert len(gradients) == len(stock_gradients) > 0
+    assert gradients == pytest.approx(stock_gradients, rel=1e-10, abs=0)
+
+
 def test_a_wrapper_set_after_enable_runs_around_the_installed_step_once():
     """The wrapper holds the installed fused step; called by it, that step stands for the class's
     (it used to hand the call back to the wrapper, without end)."""

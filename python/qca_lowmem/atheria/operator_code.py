@@ -135,3 +135,10 @@ def unfollowed_code(operator: nn.Module) -> Tuple[List[Tuple[str, object]], Opti
     if owners or hook_holders or hook_functions or any(held_callables(module) for module in modules):
         return holders, code_of(modules, owners) + hook_functions
     return holders, None
+
+
+def backward_hook_code(operator: nn.Module) -> list:
+    """The objects and functions a backward through calls of `operator` runs as hooks (module,
+    global and parameter hooks): stock's backward runs them too."""
+    holders, functions = hooks_code(torch_private.backward_run_hooks(_modules(operator)))
+    return [holder for _, holder in holders] + functions

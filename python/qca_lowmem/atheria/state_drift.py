@@ -151,32 +151,40 @@ class StateDrift:
     recomputes bound anew (snntorch's `reset`, a running total `self.x = self.x + ...`) is bound
     again to the forward's, as stock's episode leaves it; any other change refuses the episode."""
 
-    def __init__(self, holders: List[Tuple[str, object]], functions: list, runs: str):
-        """`holders`: (the name to say, the object); `runs`: what the recomputes run again, in words."""
+    def __init__(self, holders: List[Tuple[str, object]], functions: list, runs: str, backward_hooks: list = ()):
+        """`holders`: (the name to say, the object); `runs`: what the recomputes run again, in words;
+        `backward_hooks`: the objects and functions the backward runs as hooks, as stock's does."""
         self.holders, self.functions, self.runs = holders, functions, runs
+        self.backward_hooks = {id(hook) for hook in backward_hooks}
+        self.source: Dict[str, object] = {}  # a fingerprint's name -> the holder or function it was read from
         self.bound: List[Tuple[object, str, torch.Tensor]] = []  # (owner, attribute, the forward's tensor)
         self.after_forward = self.read(self.bound)
 
     def _attributes(self):
-        """(the name to say, the owner, its attribute, the value) of every holder's attribute."""
+        """(the holder, the name to say, the owner, its attribute, the value) of every holder's attribute."""
         for label, holder in self.holders:
             owners = holder.named_modules() if isinstance(holder, nn.Module) else [("", holder)]
             for name, owner in owners:
                 for attr, value in vars(owner).items():
                     if attr not in _MODULE_OWN:
-                        yield f"{label}{'.' + name if name else ''}.{attr}", owner, attr, value
+                        yield holder, f"{label}{'.' + name if name else ''}.{attr}", owner, attr, value
 
     def read(self, bound: Optional[list] = None) -> Dict[str, object]:
         """The fingerprints; `bound` collects the tensor attributes."""
         found = {}
-        for name, owner, attr, value in self._attributes():
-            found.update(_entries(name, value))
+        for holder, name, owner, attr, value in self._attributes():
+            self._add(found, _entries(name, value), holder)
             if bound is not None and isinstance(value, torch.Tensor):
                 bound.append((owner, attr, value))
         for function in self.functions:
             for name, value in reads(function):
-                found.update(_entries(name, value))
+                self._add(found, _entries(name, value), function)
         return {name: value for name, value in found.items() if value is not None}
+
+    def _add(self, found: dict, entries, source) -> None:
+        for name, fingerprint in entries:
+            found[name] = fingerprint
+            self.source[name] = source
 
     def check(self) -> None:
         for owner, attr, tensor in self.bound:
@@ -185,22 +193,34 @@ class StateDrift:
         after = self.read()
         names = [*self.after_forward, *(name for name in after if name not in self.after_forward)]  # in read order
         changed = next((name for name in names if self.after_forward.get(name) != after.get(name)), None)
-        if changed is not None:
+        if changed is None:
+            return
+        moved = f"qca_lowmem: {changed} changed during the backward ({_shown(self.after_forward.get(changed))} -> " \
+                f"{_shown(after.get(changed))})"
+        if id(self.source.get(changed)) in self.backward_hooks:
             raise RuntimeError(
-                f"qca_lowmem: {changed} changed during the backward ({_shown(self.after_forward.get(changed))} -> "
-                f"{_shown(after.get(changed))}): the rollout's recomputes run {self.runs} again, where stock's "
-                "episode does not, so later episodes would start from another state than stock's. Keep that "
-                "state in tensors, skip what records it while qca_lowmem.recomputing() (a hook that records what "
-                "the steps saw), or enable(trainer, checkpoint='none'), which runs each step once as stock does")
+                f"{moved}: what holds it is both a forward hook, which the rollout's recomputes run again where "
+                "stock's episode does not, and a backward hook, which stock's backward runs too but which here "
+                "writes before the recomputes read, so qca_lowmem cannot tell which wrote it, nor that the "
+                "recomputes compute the forward's values. Keep the backward hook's state on another object than "
+                "the forward hook's (a forward hook that records can then skip the recomputes: "
+                "qca_lowmem.recomputing()), or enable(trainer, checkpoint='none'), which runs each step once as "
+                "stock does")
+        raise RuntimeError(
+            f"{moved}: the rollout's recomputes run {self.runs} again, where stock's "
+            "episode does not, so later episodes would start from another state than stock's. Keep that "
+            "state in tensors, skip what records it while qca_lowmem.recomputing() (a hook that records what "
+            "the steps saw), or enable(trainer, checkpoint='none'), which runs each step once as stock does")
 
 
-def episode_drift(parts: List[Tuple[str, List[Tuple[str, object]], Optional[list]]]) -> Optional[StateDrift]:
+def episode_drift(parts: List[Tuple[str, List[Tuple[str, object]], Optional[list]]],
+                  backward_hooks: list = ()) -> Optional[StateDrift]:
     """A StateDrift read now over `parts`, (what runs, in words; the holders of its state, with the
     names to say; the unfollowed functions it runs, None where its code is followed), or None
-    where every part's is."""
+    where every part's is; `backward_hooks` as StateDrift's."""
     unfollowed = [(runs, holders, functions) for runs, holders, functions in parts if functions is not None]
     if not unfollowed:
         return None
     return StateDrift([holder for _, holders, _ in unfollowed for holder in holders],
                       [f for *_, functions in unfollowed for f in functions],
-                      " and ".join(runs for runs, *_ in unfollowed))
+                      " and ".join(runs for runs, *_ in unfollowed), backward_hooks)

@@ -32,7 +32,7 @@ from .engine_step import (
 from .episode_options import EpisodeOptions, check_reads, resolve_options
 from .fused_blocks import Swapped, put_back, still_stock, swap_in
 from .mask_free_noise import injector_code
-from .operator_code import unfollowed_code
+from .operator_code import backward_hook_code, unfollowed_code
 from .options import Options, enable_signature, options_doc
 from .say import say
 from .scaler_swap import clip_scaled, lowmem_scaler_for, scales_for_fp16
@@ -233,7 +233,7 @@ def _step_drift(trainer, state: _Saved, noise):
         ("the operator (and its hooks)", *unfollowed_code(module)),
         ("the engine's step", [(type(motor).__name__, motor)], engine_code(motor, installed)),
         ("the noise injector", [(f"{type(trainer).__name__}.noise_injector", injector)],
-         injector_code(injector) if injector is not None else None)])
+         injector_code(injector) if injector is not None else None)], backward_hook_code(module))
 
 
 def _check_engine(trainer, state: _Saved):
