@@ -135,6 +135,24 @@ def test_a_block_class_edited_after_enable_runs_as_written(caplog):
     assert sum(type(m) is blocks for m in trainer.motor.operator.modules()) == 6
 
 
+def test_a_block_class_edited_after_an_episode_is_called_as_written_outside_episodes_too():
+    """Their inference between episodes (a call of the operator, or of the engine's step) after a
+    notebook edit of the block's class runs the edited blocks, as their model does once disable()
+    puts the blocks back; before, the fused blocks, proved only at an episode's start, ran unedited."""
+    blocks = type("ConvBlock", (stock.ConvBlock,), {})
+    trainer = qca_lowmem.enable(trainer_with(lambda: with_blocks(blocks)))
+    trainer.train_episode(0)
+    blocks.forward = ScaledBlock.forward
+    x = torch.randn(1, 4, 8, 8, dtype=torch.float64)
+    psi = stock.initial_state(1, 8, 2, dtype=torch.complex128)
+    with torch.no_grad():
+        called, stepped = trainer.motor.operator(x), trainer.motor.evolve_step(psi)
+        qca_lowmem.disable(trainer)
+        assert sum(type(m) is blocks for m in trainer.motor.operator.modules()) == 6
+        assert torch.equal(called, trainer.motor.operator(x))
+        torch.testing.assert_close(stepped, trainer.motor.evolve_step(psi), rtol=1e-14, atol=1e-15)
+
+
 # ---------------------------------------------------------------- the operator's classes
 
 class Counted(stock.UNetUnitary):

@@ -175,3 +175,12 @@ def test_what_the_fuzzer_found_with_captures(variant):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert verdict(variant) is None
+
+
+def test_what_the_fuzzer_found_a_copys_wrapper_reaching_the_original_engine():
+    """A deep copy of the enabled trainer whose engine step is a wrapper set after enable(): the
+    wrapper (a function, shared by the copy) calls the original engine's installed step, whose
+    fused blocks the copy's episode did not prove again once the block's class was edited."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert verdict(Variant(policy="auto_all", engine="wrapped_after", copy="deepcopy", block="edited_after")) is None

@@ -36,6 +36,7 @@ from .code_identity import followed, not_recorded, resolved
 from .discontinuity import discontinuity
 from .engine_probe import check_engine_state, check_engine_step, probe_shape
 from .engine_state import SideStateRead
+from .fused_blocks import still_stock
 from .operator_code import first_hook, operator_unfollowed
 from .say import say
 from .state_drift import code_of, own_classes
@@ -89,11 +90,18 @@ class _LiveStep:
         # each step then only keeps references, where a call outside one (their inference) writes it.
         self.deferred, self.pending = False, None
         self.in_episode, self.identity = False, None  # identity: the EngineIdentity enable() recognised
+        self.undo = None  # the switch's undo record, holding the users' blocks fused blocks stand in for
 
     def engine_changed(self) -> Optional[Callable]:
-        """Outside an episode (which checks once), at every call: the engine's own step where its
-        code is no longer the one recognised, else None."""
-        return None if self.in_episode or self.identity is None else self.identity.own_step(self.motor, True)
+        """Outside an episode (which checks once), at every call: the fused blocks proved again (a
+        block whose class changed is put back), then the engine's own step where its code is no
+        longer the one recognised, else None. Outside an episode: their inference, or an episode of
+        another trainer reaching this engine (a copy of the trainer whose wrapper holds this step)."""
+        if self.in_episode or self.identity is None:
+            return None
+        if self.undo is not None:
+            self.undo.blocks = still_stock(self.undo.blocks)
+        return self.identity.own_step(self.motor, True)
 
     def gamma(self) -> float:
         gamma = live_gamma(self.motor)

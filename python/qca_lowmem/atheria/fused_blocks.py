@@ -6,11 +6,13 @@ class can change after enable() (a forward edited in a notebook, a method set on
 block whose call is no longer stock's is put back in place, said once, and runs as written.
 """
 
+import contextlib
 import logging
 from typing import List, Tuple
 
 import torch
 
+from ..blocks import FusedConvBlock, stand_in_for, stand_ins_proved
 from ..ops import stock_block_call
 from ..unet import convert
 from .say import say
@@ -34,18 +36,34 @@ def swap_in(operator: torch.nn.Module) -> Swapped:
     if [id(p) for p in operator.parameters()] != params_before:
         put_back(swapped)
         raise RuntimeError("enable(): convert() did not keep the operator's Parameter objects; nothing was changed")
+    for parent, name, block in swapped:  # outside episodes (their inference) each call proves the block
+        stand_in_for(getattr(parent, name), block)
     return swapped
+
+
+@contextlib.contextmanager
+def proved_for_the_episode(undo):
+    """`undo.blocks` proved again (still_stock), and the fused blocks of those still stock's
+    spared the check of their block's class at each call while the episode runs."""
+    undo.blocks = still_stock(undo.blocks)
+    fused = [f for parent, name, _ in undo.blocks if isinstance(f := getattr(parent, name), FusedConvBlock)]
+    with stand_ins_proved(fused):
+        yield
 
 
 def put_back(swapped: Swapped) -> None:
     for parent, name, module in swapped:
+        fused = getattr(parent, name)
+        if isinstance(fused, FusedConvBlock):
+            stand_in_for(fused, None)
         setattr(parent, name, module)
 
 
 def still_stock(swapped: Swapped) -> Swapped:
     """The blocks of `swapped` whose call is still stock's; the others are put back in place, said
     once: their class changed since they were swapped, so their own forward runs."""
-    changed = [(entry, why) for entry in swapped for why in (stock_block_call(type(entry[2])),) if why is not None]
+    verdicts = {cls: stock_block_call(cls) for cls in {type(entry[2]) for entry in swapped}}  # a few classes, many blocks
+    changed = [(entry, verdicts[type(entry[2])]) for entry in swapped if verdicts[type(entry[2])] is not None]
     if not changed:
         return swapped
     put_back([entry for entry, _ in changed])

@@ -30,7 +30,7 @@ from .engine_step import (
     lowmem_steps,
 )
 from .episode_options import EpisodeOptions, check_reads, resolve_options
-from .fused_blocks import Swapped, put_back, still_stock, swap_in
+from .fused_blocks import Swapped, proved_for_the_episode, put_back, swap_in
 from .mask_free_noise import injector_code
 from .operator_code import backward_hook_code, unfollowed_code
 from .options import Options, enable_signature, options_doc
@@ -100,7 +100,8 @@ class LowmemEpisode:
         if theirs is not None:  # their train_episode is no longer the one recognised: it runs as written
             return theirs(episode_num)
         try:
-            return _lowmem_train_episode(self.trainer, episode_num)
+            with proved_for_the_episode(state.undo):
+                return _lowmem_train_episode(self.trainer, episode_num)
         except NotImplementedError as error:
             said = state.options.no_kernel_said(self.trainer.motor.operator, error)
             if said is None:
@@ -166,7 +167,6 @@ def _lowmem_train_episode(trainer, episode_num):
     operator = trainer.motor.operator
     device = next(operator.parameters()).device
     check_reads(trainer, opts, version, device)  # what enable() read once, as their episode would read it now
-    state.undo.blocks = still_stock(state.undo.blocks)
 
     if opts.fused_step_ops and not state.said.compiled and compiled_module(operator) is not operator:
         state.said.compiled = True
@@ -301,7 +301,7 @@ def enable(trainer, *args, **kwargs):
                    engine_identity=EngineIdentity(trainer.motor, evolve_step, memory_step is not None),
                    edited_episode=edited_episode)
     if state.fused is not None:  # outside episodes (their code, inference) the step checks at each call
-        state.fused.identity = state.engine_identity
+        state.fused.identity, state.fused.undo = state.engine_identity, undo
     state.episode_identity = EpisodeIdentity(trainer, unrecorded) if edited_episode is None else None
     _swap_episode(trainer, undo)
     _swap_scaler(trainer, undo, new_scaler)
