@@ -7,7 +7,9 @@ backward only the block input and the per-group statistics; backward recomputes 
 (`qca_lowmem.keep_block_intermediates()`) or with `recompute=False` it keeps its intermediates
 instead, so the convolutions never run a third time. At every call it checks that its layers are
 still the stock block's, each called as just its forward (no hook, global or its own, and no
-`forward` set on the instance); otherwise it calls its `conv_block` as the stock block does.
+`forward` set on the instance); otherwise it calls its `conv_block` as the stock block does. Put in
+place of a users' block (`stand_in_for`: the switch), it also checks that block's class at each
+call, unless its caller proved it (`stand_ins_proved`), and calls the block where the class changed.
 """
 
 import contextlib
@@ -49,7 +51,8 @@ def stand_ins_proved(fused_blocks):
         yield
     finally:
         for fused in fused_blocks:
-            vars(fused)[_PROVED] -= 1
+            if _PROVED in vars(fused):  # gone where the block was put back meanwhile (stand_in_for)
+                vars(fused)[_PROVED] -= 1
 
 
 class FusedConvBlock(nn.Module):
