@@ -291,6 +291,7 @@ def gradient_casts_in(episode) -> int:
                and e.input_dtypes[0] == "c10::BFloat16")
 
 
+@qca_lowmem.keeps_values  # so the fused paths run under it, as without it
 class RecordingMode(torch.utils._python_dispatch.TorchDispatchMode):
     """A dispatch mode that is not a watcher: it sees each op (its name in `seen`) and runs it."""
 

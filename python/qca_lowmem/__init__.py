@@ -12,6 +12,7 @@ from . import amp
 from ._version import __version__  # noqa: F401  (re-exported: qca_lowmem.__version__)
 from .atheria import disable, enable, enable_from_config
 from .blocks import FusedConvBlock
+from .ops import keeps_values
 from .ops.groupnorm_elu import groupnorm_elu
 from .ops.noise import NoiseSchedule, bit_flip, noise_coin, phase_flip
 from .ops.qca_step import qca_pack, qca_update
@@ -21,6 +22,7 @@ from .recompute import (
     StepGraph,
     block_keeps_intermediates,
     keep_block_intermediates,
+    peak_saved_bytes,
     recomputing,
     rollout,
     saved_bytes,
@@ -45,7 +47,9 @@ __all__ = [
     "enable_from_config",
     "groupnorm_elu",
     "keep_block_intermediates",
+    "keeps_values",
     "noise_coin",
+    "peak_saved_bytes",
     "phase_flip",
     "qca_pack",
     "qca_update",

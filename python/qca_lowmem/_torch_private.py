@@ -23,6 +23,8 @@ REQUIRED = [
     ("torch._C", "_len_torch_dispatch_stack"),
     ("torch._C", "_get_dispatch_stack_at"),
     ("torch._C", "_DisableTorchDispatch"),
+    ("torch._C", "_len_torch_function_stack"),
+    ("torch._C", "_get_function_stack_at"),
     ("torch.nn.modules.module", "_has_any_global_hook"),
     ("torch.nn.modules.module", "_global_forward_hooks"),
     ("torch.nn.modules.module", "_global_forward_pre_hooks"),
@@ -30,6 +32,8 @@ REQUIRED = [
     ("torch._C", "_dispatch_has_kernel_for_dispatch_key"),
     ("torch._C._functorch", "is_functorch_wrapped_tensor"),
     ("torch._C._autograd", "_get_current_graph_task_keep_graph"),
+    ("torch._C", "_current_graph_task_id"),
+    ("torch._C._autograd", "_top_saved_tensors_default_hooks"),
 ]
 REQUIRED_WITH_CUDA = [("torch._C", "_cuda_endAllocateToPool")]
 # The autograd node of a dtype cast (`tensor.to(dtype)`), by its class name.
@@ -173,6 +177,12 @@ def dispatch_modes() -> list:
     return [torch._C._get_dispatch_stack_at(i) for i in range(count)] if count else []
 
 
+def function_modes() -> list:
+    """The torch function modes active in this thread, outermost first ([] without any)."""
+    count = torch._C._len_torch_function_stack()
+    return [torch._C._get_function_stack_at(i) for i in range(count)] if count else []
+
+
 def dispatch_disabled():
     """A context in which no dispatch mode or tensor subclass sees the ops run."""
     return torch._C._DisableTorchDispatch()
@@ -189,6 +199,18 @@ def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
 def backward_keeps_graph() -> bool:
     """Inside a backward: whether it was asked to keep the graph (retain_graph=True)."""
     return torch._C._autograd._get_current_graph_task_keep_graph()
+
+
+def saved_tensors_pack_hook():
+    """The pack hook of the innermost `torch.autograd.graph.saved_tensors_hooks` active in this
+    thread (the one autograd applies to what it saves), or None."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return None if hooks is None else hooks[0]
+
+
+def in_backward() -> bool:
+    """Whether this thread is running a backward (its graph task)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def has_kernel_for(op: str, dispatch_key: str) -> bool:

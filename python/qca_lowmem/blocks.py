@@ -7,9 +7,11 @@ backward only the block input and the per-group statistics; backward recomputes 
 (`qca_lowmem.keep_block_intermediates()`) or with `recompute=False` it keeps its intermediates
 instead, so the convolutions never run a third time. At every call it checks that its layers are
 still the stock block's, each called as just its forward (no hook, global or its own, and no
-`forward` set on the instance); otherwise it calls its `conv_block` as the stock block does. Put in
-place of a users' block (`stand_in_for`: the switch), it also checks that block's class at each
-call, unless its caller proved it (`stand_ins_proved`), and calls the block where the class changed.
+`forward` set on the instance) and that no mode or saved-tensors hook of the caller's would see
+other ops or tensors saved (ops.foreign_context); otherwise it calls its `conv_block` as the stock
+block does. Put in place of a users' block (`stand_in_for`: the switch), it also checks that block's
+class at each call, unless its caller proved it (`stand_ins_proved`), and calls the block where the
+class changed.
 """
 
 import contextlib
@@ -19,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from . import stock
-from .ops import calls_plain, refuse_func_transforms, stock_block_call
+from .ops import calls_plain, refuse_func_transforms, stands_for_stock, stock_block_call
 from .ops.conv_block import conv_block_forward
 from .precision import autocast_dtype
 from .recompute.intermediates import block_keeps_intermediates
@@ -114,10 +116,12 @@ class FusedConvBlock(nn.Module):
 
     def runs_fused(self) -> bool:
         """Whether the fused path computes what calling `conv_block` computes now: the stock
-        layers, each call just its class's forward. Asked at every call (about 5 us on a CPU; 3 us
+        layers, each call just its class's forward, and no mode or saved-tensors hook of the
+        caller's (ops.foreign_context). Asked at every call (about 5 us on a CPU; 3 us
         inside the fused U-Net's call, which has checked the calls already)."""
         seq = self._modules.get("conv_block")
-        return type(seq) is nn.Sequential and layers_mismatch(seq) is None and calls_plain((self, seq, *seq._modules.values()))
+        return (type(seq) is nn.Sequential and layers_mismatch(seq) is None
+                and calls_plain((self, seq, *seq._modules.values())) and stands_for_stock())
 
 
 def _conv_mismatch(layer: nn.Module, index: int) -> Optional[str]:

@@ -17,6 +17,7 @@ from .ops import (
     calls_checked_by_caller,
     plain_torch_layer,
     refuse_func_transforms,
+    stands_for_stock,
     stock_block_call,
     stock_forward_call,
     torch_layers_unchanged,
@@ -86,14 +87,15 @@ class UNetUnitary(nn.Module):
         """Whether the fused wiring (forward_with, the checkpoint) computes what the stock forward
         computes now, calling each module the same number of times: the stock layer types, torch's
         own layer methods, and no module whose call is more than its forward (a hook, global or
-        its own; a forward set on the instance). Asked at every call (about 12 us on a CPU)."""
+        its own; a forward set on the instance); and no mode or saved-tensors hook of the
+        caller's, which would see other ops or tensors saved (ops.foreign_context). Asked at every call (about 12 us on a CPU)."""
         children = self._modules
         if not (torch_layers_unchanged() and all(type(children.get(name)) is FusedConvBlock for name in _BLOCKS)
                 and all(_is_pool_then_block(children.get(name)) for name in ("down1", "down2"))
                 and type(children.get("up1")) is nn.ConvTranspose2d and type(children.get("up2")) is nn.ConvTranspose2d
                 and type(children.get("outc")) is nn.Conv2d):
             return False
-        return calls_are_forwards((self,), with_submodules=True)
+        return calls_are_forwards((self,), with_submodules=True) and stands_for_stock()
 
     def _forward(self, x: torch.Tensor, keep_intermediates: bool) -> torch.Tensor:
         return self.forward_with(x, lambda block, h: block(h, keep_intermediates=keep_intermediates))

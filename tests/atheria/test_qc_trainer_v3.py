@@ -4,7 +4,6 @@ dropped after each episode, the operator compiled or not. In float64 against the
 without the library: every value train_episode returns, the weights after each episode, the
 last gradients and the memory, under every policy; what cannot be reproduced is refused."""
 
-import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -177,52 +176,12 @@ def test_v3_clips_at_its_own_gradient_clip(gradient_clip):
     assert relative(stock[0][-1][1][0], stock_run("unet_groupnorm")[0][-1][1][0]) > 1e-6  # the clip mattered
 
 
-class Saved:
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-
-class PeakSaved:
-    """The most bytes held for backward at once (each storage once) while inside: a saved tensor
-    counts from when autograd packs it until its graph lets it go."""
-
-    def __init__(self):
-        self.live, self.peak = {}, 0
-
-    def pack(self, tensor):
-        holder = Saved(tensor)
-        if not isinstance(tensor, torch.nn.Parameter):
-            key = tensor.untyped_storage().data_ptr()
-            count, size = self.live.get(key, (0, tensor.untyped_storage().nbytes()))
-            self.live[key] = (count + 1, size)
-            self.peak = max(self.peak, sum(s for _, s in self.live.values()))
-            weakref.finalize(holder, self.release, key)
-        return holder
-
-    def release(self, key):
-        count, size = self.live[key]
-        if count == 1:
-            del self.live[key]
-        else:
-            self.live[key] = (count - 1, size)
-
-    def __enter__(self):
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda holder: holder.tensor)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-
-
 def peak_bytes(steps, policy):
     trainer = make_trainer("convlstm", steps=steps)
     if policy is not None:
         enable(trainer, policy)
     torch.manual_seed(0)
-    with PeakSaved() as peak:
-        trainer.train_episode(0)
-    return peak.peak
+    return qca_lowmem.peak_saved_bytes(trainer.train_episode, 0)
 
 
 def test_v3_episode_memory_is_flat_in_qca_steps():

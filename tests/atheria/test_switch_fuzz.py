@@ -33,7 +33,9 @@ episode as its own use_amp runs it (V3 inside one autocast region), the switch w
 amp_dtype="bf16", judged at bf16's rounding (switch_oracle.BF16). Each train_episode called inside
 the caller's own bf16 autocast. A GradScaler set on the trainer, before the switch or between
 episodes: stock's V4 scales with it only under its use_amp (the amp variants), V3 never; the
-scaler's state after each episode is compared too.
+scaler's state after each episode is compared too. Each train_episode called under a context
+of the caller's: torch's save_on_cpu or default device, a saved-tensors hook rounding what autograd
+saves through bfloat16, a dispatch or function mode bending every convolution's output.
 
 CI runs QCA_FUZZ_EXAMPLES examples (default 100, about 20 s on two shared cores once they pass); a long search:
     QCA_FUZZ_EXAMPLES=3000 python -m pytest -q tests/atheria/test_switch_fuzz.py   # about 8 min
@@ -51,7 +53,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from fixtures.switch_oracle import BF16, bitwise_equal, first_difference, is_clear, verdict
-from fixtures.switch_variants import OPS, POLICIES, Variant, outcome
+from fixtures.switch_variants import CALLER_CONTEXTS, OPS, POLICIES, Variant, outcome
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -93,6 +95,7 @@ EDITS = {
     "amp": st.just({"amp": True}),
     "caller_autocast": st.just({"caller_autocast": True}),
     "scaler": st.fixed_dictionaries({"scaler": st.sampled_from(["built", "between"])}),
+    "caller_context": st.fixed_dictionaries({"caller_context": st.sampled_from(sorted(CALLER_CONTEXTS))}),
     "op_state": st.fixed_dictionaries({"op_state": st.sampled_from(["module_counter", "closure_counter",
                                                                     "global_counter", "dict_counter", "logged"])}),
 }

@@ -361,3 +361,25 @@ def test_saved_bytes_counts_storages_once_and_skips_parameters():
     assert qca_lowmem.saved_bytes(fn, x) == x.numel() * 4 + 8 * 64 * 4
     with torch.no_grad():
         assert qca_lowmem.saved_bytes(fn, x) == 0
+
+
+def test_peak_saved_bytes_counts_what_is_held_at_once():
+    """Where a graph's saved tensors are let go (its backward) before the next graph saves, the
+    peak is the larger graph's, where saved_bytes sums both; a graph kept alive counts on."""
+    weight = nn.Parameter(torch.randn(64, 64))
+    x = torch.randn(8, 64, requires_grad=True)
+    one_graph = x.numel() * 4 + 8 * 64 * 4  # inp and y, as above (the Parameter skipped)
+
+    def fn(inp):
+        y = inp @ weight
+        return (y * y).sum()
+
+    def two_trained_in_turn(inp):
+        fn(inp).backward()
+        fn(inp * 2).backward()
+
+    kept = []
+    assert qca_lowmem.peak_saved_bytes(fn, x) == one_graph
+    assert qca_lowmem.peak_saved_bytes(two_trained_in_turn, x) == one_graph
+    assert qca_lowmem.saved_bytes(two_trained_in_turn, x) == 2 * one_graph
+    assert qca_lowmem.peak_saved_bytes(lambda inp: kept.extend([fn(inp), fn(inp * 2)]), x) == 2 * one_graph

@@ -8,18 +8,17 @@ no gradient flows through the memory, but each step's output depends on it. The 
 the memory as `carry=(h, c)`, so a recompute sees the memory its forward step saw; the episode
 writes the final memory back to `motor.state`, where the engine's other code reads it.
 
-The fused step is only installed where it is exact: enable() refuses an engine whose state is
-not a complex tensor; it keeps the engine's own step where the engine's `evolve_step` (and the
-`_evolve_logic` it calls) is not, by the identity of its code (code_identity.py), a Cartesian
-engine step qca_lowmem follows, checked again at every episode, and for an operator whose output
-jumps with its input (a spiking model: discontinuity.py), which would turn the fused step's other
-rounding into other jumps. The probe (engine_probe.py) runs the recognised step once more as a
-second check. The fused step reads what the engine reads at every step, at every step: the
-operator, its class (the multiplicative rule), GAMMA_DECAY; an episode that recomputes refuses a
-GAMMA_DECAY changed during it (the recompute would step with another one than its forward). On
-their CartesianEngine it writes `last_psi_input`, `last_delta_psi` and `last_delta_psi_decay` as
-that engine's step does; the episode writes the forward's last step's before the loss (which may
-read them: engine_state.SideStateRead) and leaves them so.
+The fused step is only installed where it is exact: enable() refuses an engine whose state is not a
+complex tensor, and keeps the engine's own step where its `evolve_step` (and the `_evolve_logic` it
+calls) is not, by its code's identity (code_identity.py), a Cartesian engine step qca_lowmem follows
+(checked again at every episode), and for an operator whose output jumps with its input (a spiking
+model: discontinuity.py), which would turn the fused step's other rounding into other jumps. The
+probe (engine_probe.py) runs the recognised step once more. The fused step reads what the engine
+reads, at every step: the operator, its class (the multiplicative rule), GAMMA_DECAY; an episode
+that recomputes refuses a GAMMA_DECAY changed during it. On their CartesianEngine it writes
+`last_psi_input`, `last_delta_psi` and `last_delta_psi_decay` as that engine's step does; the
+episode writes the forward's last step's before the loss (which may read them:
+engine_state.SideStateRead) and leaves them so.
 """
 
 import inspect
@@ -30,6 +29,7 @@ import torch
 
 from .. import _torch_private as torch_private
 from .. import stock
+from ..ops import stands_for_stock
 from ..ops.qca_step import fused_step_once, qca_pack, qca_update
 from ..unet import input_dtype
 from .code_identity import followed, not_recorded, resolved
@@ -93,15 +93,16 @@ class _LiveStep:
         self.undo = None  # the switch's undo record, holding the users' blocks fused blocks stand in for
 
     def engine_changed(self) -> Optional[Callable]:
-        """Outside an episode (which checks once), at every call: the fused blocks proved again (a
-        block whose class changed is put back), then the engine's own step where its code is no
-        longer the one recognised, else None. Outside an episode: their inference, or an episode of
-        another trainer reaching this engine (a copy of the trainer whose wrapper holds this step)."""
+        """Outside an episode (their inference; another trainer's episode: a copy's wrapper holding
+        this step), at every call: the fused blocks proved again (a block whose class changed is put
+        back), then the engine's own step where its code is no longer the one recognised or under a
+        mode or saved-tensors hook of the caller's (ops.foreign_context), else None."""
         if self.in_episode or self.identity is None:
             return None
         if self.undo is not None:
             self.undo.blocks = still_stock(self.undo.blocks)
-        return self.identity.own_step(self.motor, True)
+        own = self.identity.own_step(self.motor, True)
+        return own if own is not None or stands_for_stock() else type(self.motor).evolve_step.__get__(self.motor)
 
     def gamma(self) -> float:
         gamma = live_gamma(self.motor)

@@ -11,6 +11,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from .. import precision
+from ..ops import foreign_context
 from ..precision import autocast_dtype, parse_amp_dtype
 from ..recompute import Policy, StepGraph, step_graph
 from ..recompute.policy import NONE
@@ -138,10 +139,11 @@ def _infer_grid(trainer) -> Tuple[int, int]:
 
 def check_reads(trainer, opts: EpisodeOptions, version: TrainerVersion, device: torch.device) -> None:
     """What enable() read once, read again at each episode as their episode would read it now:
-    the precision (use_amp, the caller's autocast) and psi0's grid and d_state; refused where it
-    changed."""
+    the precision (use_amp, the caller's autocast), the caller's modes and saved-tensors hooks, and
+    psi0's grid and d_state; refused where it changed."""
     _check_precision(trainer, opts)
     _check_caller_autocast(trainer, opts, version, device)
+    _check_caller_context()
     _check_psi0_read(trainer, opts)
 
 
@@ -168,6 +170,21 @@ def _check_caller_autocast(trainer, opts, version, device):
                        f"{own}, where enable() runs {opts.computes_in}; give enable() amp_dtype (the LOWMEM "
                        "section's amp_dtype) to train in the precision you choose, or call train_episode outside the "
                        "autocast")
+
+
+def _check_caller_context():
+    """A mode or saved-tensors hook the caller entered around train_episode: their episode runs its
+    ops and saves its tensors under it, the lowmem episode others (its fused ops, its recomputes,
+    one psi a step), so one that changes values would give another result than theirs."""
+    what = foreign_context()
+    if what is not None:
+        raise RuntimeError(f"qca_lowmem: train_episode was called under the {what}, which may change values (a "
+                           "perturbation, a cast, a compression): your episode would run its ops and save its "
+                           "tensors under it, qca_lowmem's runs and saves others, so the result would differ. Call "
+                           "train_episode outside it (qca_lowmem keeps about one psi a step already), or "
+                           "qca_lowmem.disable(trainer) to train under it on your own code; torch's own modes and "
+                           "hooks (a default device, save_on_cpu, checkpoint) are kept. To measure what autograd "
+                           "keeps: qca_lowmem.saved_bytes or qca_lowmem.peak_saved_bytes")
 
 
 def _check_psi0_read(trainer, opts: EpisodeOptions) -> None:

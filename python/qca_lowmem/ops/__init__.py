@@ -18,7 +18,8 @@ library's watch (recompute/watch.py) builds on:
 - `_checks`: argument checks shared with the C glue.
 - `_double_backward`: second-order gradients of the fused ops.
 - `_forwards`: whether a module call is just its class's forward, now (no hook, no replaced method),
-  and whether a block's call is stock's ConvBlock's, by its code.
+  whether a block's call is stock's ConvBlock's, by its code, and whether the caller's context lets
+  a fused path stand for stock's ops (no mode or saved-tensors hook of theirs).
 - `_loader`: the native library, loaded after checking its build.
 """
 
@@ -34,8 +35,11 @@ from ._forwards import (  # noqa: E402
     calls_are_forwards,
     calls_checked_by_caller,
     calls_plain,
+    foreign_context,
+    keeps_values,
     plain_torch_layer,
     same_code,
+    stands_for_stock,
     stock_block_call,
     stock_forward_call,
     torch_layers_unchanged,
@@ -47,13 +51,16 @@ __all__ = [
     "calls_checked_by_caller",
     "calls_plain",
     "check_same_device",
+    "foreign_context",
     "has_cuda_kernels",
+    "keeps_values",
     "load_native",
     "plain_torch_layer",
     "reference_backward",
     "refuse_func_transforms",
     "same_code",
     "second_order_requested",
+    "stands_for_stock",
     "stock_block_call",
     "stock_forward_call",
     "torch_layers_unchanged",

@@ -1,6 +1,7 @@
 """Whether a module call is just its class's forward, on which every shortcut past a stock layer
 rests: a fused block standing in for a ConvBlock, the fused U-Net's wiring, a torch layer run
-hidden from an episode's watch (watchers.py)."""
+hidden from an episode's watch (watchers.py); and whether the caller's context (a mode of theirs, a
+saved-tensors hook) lets a fused path stand for the stock ops (`foreign_context`)."""
 
 import contextlib
 import inspect
@@ -8,6 +9,7 @@ import threading
 import types
 from typing import Iterable, Optional, Tuple
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,6 +43,61 @@ def calls_are_forwards(modules: Iterable[nn.Module], *, with_submodules: bool = 
     the instance. A shortcut past such calls (a fused block, a layer run hidden) holds only while
     this does, so it is asked at every call: about 0.2 us a module on a CPU."""
     return not (torch_private.global_module_hooks() or torch_private.any_call_hooked(modules, with_submodules))
+
+
+def foreign_context() -> Optional[str]:
+    """What of the caller's would see other ops or saved tensors under a fused path than under the
+    stock ops it stands for, named: a torch function or dispatch mode of theirs (which sees each op
+    run and may change its values: a perturbation, a simulated quantization), or, with grad on, a
+    saved-tensors pack hook of theirs (`torch.autograd.graph.saved_tensors_hooks`, which may change
+    what autograd saves: a cast, a compression); else None. torch's own modes and hooks keep values
+    (a default device, FLOP counting, fake tensors, save_on_cpu, checkpoint), as qca_lowmem's do
+    and those marked by keeps_values."""
+    if torch.compiler.is_compiling():  # the compiled graph's ops and saved tensors are the compiler's
+        return None
+    for kind, modes in (("function", torch_private.function_modes()), ("dispatch", torch_private.dispatch_modes())):
+        for mode in modes:
+            if not _keeps_values(type(mode)):
+                return f"torch {kind} mode {_name(type(mode))}"
+    if torch.is_grad_enabled():
+        pack = torch_private.saved_tensors_pack_hook()
+        if pack is not None and not _keeps_values(pack):
+            return f"saved-tensors hook {_name(pack)} (torch.autograd.graph.saved_tensors_hooks)"
+    return None
+
+
+_KEEPS_VALUES = "qca_lowmem_keeps_values"
+
+
+def keeps_values(obj):
+    """Mark a mode class or saved-tensors hook of yours (a counter, a profiler, a memory measure)
+    as one that hands every value on unchanged: qca_lowmem's fused paths and recomputing episodes
+    then run under it as under torch's own. Your word: under one that changes values their results
+    would differ from stock's. Returns `obj` (a decorator)."""
+    setattr(obj, _KEEPS_VALUES, True)
+    return obj
+
+
+def _keeps_values(obj) -> bool:
+    """Marked by keeps_values, or defined by torch or by qca_lowmem (a class: or deriving from one
+    of qca_lowmem's, as a watcher does)."""
+    if getattr(obj, _KEEPS_VALUES, False) is True:
+        return True
+    owners = obj.__mro__ if isinstance(obj, type) else (obj,)
+    return (getattr(obj, "__module__", None) or "").partition(".")[0] == "torch" or any(
+        (getattr(owner, "__module__", None) or "").partition(".")[0] == "qca_lowmem" for owner in owners)
+
+
+def _name(obj) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def stands_for_stock() -> bool:
+    """Whether the caller's context lets a fused path stand for the stock ops: foreign_context()
+    finds nothing (one read of each mode stack and of the innermost pack hook); or this is a
+    backward, recomputing what its forward ran (a checkpoint's, a rollout's), which takes the path
+    its forward took whatever the backward runs under. True under torch.compile, as foreign_context."""
+    return torch.compiler.is_compiling() or torch_private.in_backward() or foreign_context() is None
 
 
 class _Checked(threading.local):

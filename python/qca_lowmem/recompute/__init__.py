@@ -28,7 +28,7 @@ modules, one concern each:
 - `param_grads`: parameter gradients summed over the steps into one buffer each.
 - `weight_casts`: half-precision weight copies, once per episode or per optimizer step.
 - `intermediates`: whether fused blocks keep their intermediates or recompute them.
-- `memory`: what the rollout measures in bytes (`saved_bytes`, the free memory of a device).
+- `memory`: what the rollout measures in bytes (`saved_bytes`, `peak_saved_bytes`, the free memory of a device).
 
 The public function is `qca_lowmem.rollout` (this package's `api.rollout`); every module here
 imports by its dotted name, `import qca_lowmem.recompute.step_graph`.
@@ -38,11 +38,12 @@ from .api import rollout
 from .check import RecomputeMismatchError
 from .cuda_graphs import CaptureFallbackWarning
 from .intermediates import block_keeps_intermediates, keep_block_intermediates
-from .memory import saved_bytes
+from .memory import peak_saved_bytes, saved_bytes
 from .policy import Policy
 from .replay import recomputing
 from .step_graph import StepGraph
 from .weight_casts import shared_weight_casts
 
 __all__ = ["CaptureFallbackWarning", "Policy", "RecomputeMismatchError", "StepGraph", "block_keeps_intermediates",
-           "keep_block_intermediates", "recomputing", "rollout", "saved_bytes", "shared_weight_casts"]
+           "keep_block_intermediates", "peak_saved_bytes", "recomputing", "rollout", "saved_bytes",
+           "shared_weight_casts"]

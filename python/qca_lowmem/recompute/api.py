@@ -87,7 +87,10 @@ def rollout(
       The differences stay on the device and are read once at the end of the backward. With
       "revolve" the check holds one state (psi and carry) more while reversing. False skips it.
 
-    Under torch.no_grad() (or when nothing requires grad) no state is kept at all.
+    Under torch.no_grad() (or when nothing requires grad) no state is kept at all. Under a mode or
+    saved-tensors hook of the caller's that may change values (a perturbation, a compression;
+    torch's own, such as save_on_cpu, are kept) a checkpoint other than "none" refuses: the
+    episode runs and saves other ops than plain autograd, so its result would differ.
     """
     if not callable(step_fn):
         raise TypeError(f"rollout: step_fn must be callable, got {type(step_fn).__name__}")

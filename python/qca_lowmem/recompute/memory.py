@@ -4,6 +4,7 @@ CUDA device can still give. Byte sizes written for people and read from them are
 the trainer's own planning figures (model state, a state's size, the loss's states) are in
 trainer/footprint.py."""
 
+import weakref
 from typing import List
 
 import torch
@@ -21,6 +22,53 @@ def saved_bytes(fn, *args, **kwargs) -> int:
     since they live whether or not a graph exists.
     """
     return sum(saved_storage_sizes(fn, *args, **kwargs))
+
+
+def peak_saved_bytes(fn, *args, **kwargs) -> int:
+    """Run `fn(*args, **kwargs)` and return the most bytes autograd held for backward at once
+    while it ran: each saved storage counted once (as `saved_bytes` counts them, parameters
+    excluded) from when a graph saves it until the graph lets it go. For a training step that runs
+    its backward (`train_episode`), the peak of its episode: the forward's graphs and, in the
+    backward, what recomputes hold."""
+    live = {}  # (device, address) -> [references held, bytes]
+    held, peak = [0], [0]
+
+    def release(key):
+        entry = live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del live[key]
+            held[0] -= entry[1]
+
+    def pack(tensor):
+        holder = _Held(tensor)  # holds the storage alive, so its address stays its key
+        if not isinstance(tensor, torch.nn.Parameter) and tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            key = (tensor.device, storage.data_ptr())
+            entry = live.get(key)
+            if entry is None:
+                live[key] = entry = [0, storage.nbytes()]
+                held[0] += entry[1]
+                peak[0] = max(peak[0], held[0])
+            entry[0] += 1
+            weakref.finalize(holder, release, key)
+        return holder
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _Held.unpack):
+        fn(*args, **kwargs)
+    return peak[0]
+
+
+class _Held:
+    """A saved tensor as peak_saved_bytes packs it: gone when its graph lets it go."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def unpack(self):
+        return self.tensor
 
 
 def saved_storage_sizes(fn, *args, **kwargs) -> List[int]:

@@ -26,6 +26,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from ..ops import foreign_context
 from . import revolve
 from .memory import free_budget
 from .policy import AUTO, NONE, REVOLVE, STEP, Policy
@@ -182,6 +183,7 @@ def choose(policy: Policy, start, check_recompute: bool) -> Schedule:
     kind = Schedule._by_mode[policy.checkpoint]
     if kind is PlainAutograd or not torch.is_grad_enabled():
         return PlainAutograd()
+    _refuse_foreign_context(policy)
     probed = start.probe(policy, kind.measures_step)
     if start.differentiates_nothing():
         return PlainAutograd(probed.states)
@@ -189,6 +191,21 @@ def choose(policy: Policy, start, check_recompute: bool) -> Schedule:
         return PlainAutograd(probed.graphs, keep_intermediates=True)
     start.prepare_forward()
     return kind.for_episode(policy, start, check_recompute)
+
+
+def _refuse_foreign_context(policy: Policy) -> None:
+    """The episode runs other ops than plain autograd (its steps again in backward, under hooks of
+    its own) and saves other tensors, so a mode or pack hook of the caller's that changes values
+    would change the result."""
+    what = foreign_context()
+    if what is not None:
+        raise RuntimeError(
+            f"rollout(checkpoint={policy.checkpoint!r}): called under the {what}, which may change values (a "
+            "perturbation, a cast, a compression): the episode runs its steps again in backward and saves other "
+            "tensors than plain autograd, so its result would differ from plain autograd's under it. Run it "
+            "outside it (the episode keeps about one state a step already) or with checkpoint='none'; torch's own "
+            "modes and hooks (a default device, save_on_cpu, checkpoint) are kept. To measure what autograd keeps: "
+            "qca_lowmem.saved_bytes or qca_lowmem.peak_saved_bytes")
 
 
 def budget_split(steps: int, state_bytes: int, step_bytes: int, budget: int, most_graphs: Optional[int] = None):
