@@ -94,6 +94,9 @@ class LowmemEpisode:
     def __init__(self, trainer):
         self.trainer = trainer
 
+    # Eager inside torch.compile(trainer.train_episode): the rollout, its checks and its reverse
+    # pass keep Python state (hooks set aside, generators, buffers) that a trace would lose.
+    @torch.compiler.disable
     def __call__(self, episode_num):
         state: _Saved = getattr(self.trainer, _STATE_ATTR)
         theirs = state.episode_identity.changed(self.trainer, self) if state.episode_identity else None
