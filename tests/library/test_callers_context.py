@@ -162,3 +162,19 @@ def test_a_mode_entered_around_the_backward_alone_leaves_the_recompute_on_the_fo
             grads.append(torch.autograd.grad(loss, list(fused.parameters())))
         assert counter is None or counter.ops > 0
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_keeps_values_marks_a_bound_method_by_its_function_and_refuses_what_it_cannot_mark():
+    class Measure:
+        def pack(self, tensor):
+            return tensor
+
+    measure = Measure()
+    with torch.autograd.graph.saved_tensors_hooks(measure.pack, lambda tensor: tensor):
+        assert qca_lowmem.ops.foreign_context() == \
+            f"saved-tensors hook {__name__}.{Measure.pack.__qualname__} (torch.autograd.graph.saved_tensors_hooks)"
+    assert qca_lowmem.keeps_values(measure.pack) == measure.pack
+    with torch.autograd.graph.saved_tensors_hooks(Measure().pack, lambda tensor: tensor):
+        assert qca_lowmem.ops.foreign_context() is None
+    with pytest.raises(TypeError, match=r"keeps_values: cannot mark <built-in function len> \(a builtin_function"):
+        qca_lowmem.keeps_values(len)

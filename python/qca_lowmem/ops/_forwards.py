@@ -73,8 +73,12 @@ def keeps_values(obj):
     """Mark a mode class or saved-tensors hook of yours (a counter, a profiler, a memory measure)
     as one that hands every value on unchanged: qca_lowmem's fused paths and recomputing episodes
     then run under it as under torch's own. Your word: under one that changes values their results
-    would differ from stock's. Returns `obj` (a decorator)."""
-    setattr(obj, _KEEPS_VALUES, True)
+    would differ from stock's. Returns `obj` (a decorator); a bound method marks its function."""
+    try:
+        setattr(getattr(obj, "__func__", obj), _KEEPS_VALUES, True)
+    except (AttributeError, TypeError):
+        raise TypeError(f"qca_lowmem.keeps_values: cannot mark {obj!r} (a {type(obj).__name__}): give the mode's "
+                        "class or the hook's function") from None
     return obj
 
 
