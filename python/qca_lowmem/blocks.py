@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from . import stock
-from .ops import calls_plain, refuse_func_transforms, stands_for_stock, stock_block_call
+from .ops import fused_call_stands_for, refuse_func_transforms, stock_block_call
 from .ops.conv_block import conv_block_forward
 from .precision import autocast_dtype
 from .recompute.intermediates import block_keeps_intermediates
@@ -121,7 +121,7 @@ class FusedConvBlock(nn.Module):
         inside the fused U-Net's call, which has checked the calls already)."""
         seq = self._modules.get("conv_block")
         return (type(seq) is nn.Sequential and layers_mismatch(seq) is None
-                and calls_plain((self, seq, *seq._modules.values())) and stands_for_stock())
+                and fused_call_stands_for((self, seq, *seq._modules.values())))
 
 
 def _conv_mismatch(layer: nn.Module, index: int) -> Optional[str]:

@@ -16,6 +16,7 @@ from .ops import (
     calls_are_forwards,
     calls_checked_by_caller,
     plain_torch_layer,
+    refuse_foreign_mode_in_backward,
     refuse_func_transforms,
     stands_for_stock,
     stock_block_call,
@@ -68,10 +69,7 @@ class UNetUnitary(nn.Module):
             # Each layer called as stock calls it, once: under the checkpoint below its hooks
             # would run again in backward. Blocks with nothing hooked still run fused.
             return stock.UNetUnitary.forward(self, x)
-        if torch.compiler.is_compiling():
-            return self._fused_forward(x)
-        with calls_checked_by_caller():  # runs_fused() has checked every module the wiring calls
-            return self._fused_forward(x)
+        return self._fused_forward(x)
 
     def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:
         if block_keeps_intermediates() or self.recompute == "none":
@@ -88,7 +86,8 @@ class UNetUnitary(nn.Module):
         computes now, calling each module the same number of times: the stock layer types, torch's
         own layer methods, and no module whose call is more than its forward (a hook, global or
         its own; a forward set on the instance); and no mode or saved-tensors hook of the
-        caller's, which would see other ops or tensors saved (ops.foreign_context). Asked at every call (about 12 us on a CPU)."""
+        caller's, which would see other ops or tensors saved (ops.foreign_context). Asked at
+        every call (about 12 us on a CPU)."""
         children = self._modules
         if not (torch_layers_unchanged() and all(type(children.get(name)) is FusedConvBlock for name in _BLOCKS)
                 and all(_is_pool_then_block(children.get(name)) for name in ("down1", "down2"))
@@ -98,7 +97,18 @@ class UNetUnitary(nn.Module):
         return calls_are_forwards((self,), with_submodules=True) and stands_for_stock()
 
     def _forward(self, x: torch.Tensor, keep_intermediates: bool) -> torch.Tensor:
-        return self.forward_with(x, lambda block, h: block(h, keep_intermediates=keep_intermediates))
+        def run_block(block, h):
+            return block(h, keep_intermediates=keep_intermediates)
+
+        if torch.compiler.is_compiling():
+            return self.forward_with(x, run_block)
+        if torch_private.in_backward():  # the checkpoint's recompute (the forward itself checked, with runs_fused)
+            refuse_foreign_mode_in_backward("qca_lowmem.UNetUnitary", "the forward it recomputes")
+        # forward's runs_fused() has checked every module the wiring calls; run again by the
+        # checkpoint's recompute in backward, it takes the path its forward took (a hook added
+        # since is not called, as stock's backward calls none).
+        with calls_checked_by_caller():
+            return self.forward_with(x, run_block)
 
     def forward_with(self, x: torch.Tensor, run_block) -> torch.Tensor:
         """The stock U-Net forward with `run_block(block, h)` applying each ConvBlock, so that the

@@ -23,8 +23,11 @@ CONTEXTS = ["none", *sorted(CALLER_CONTEXTS)]
 CHANGING = [name for name in sorted(CALLER_CONTEXTS) if name not in VALUE_KEEPING_CONTEXTS]
 
 
-def entered(name):
-    return contextlib.nullcontext() if name == "none" else CALLER_CONTEXTS[name]()
+def entered(context):
+    """A context by its name in CALLER_CONTEXTS ("none": none), or made by calling `context`."""
+    if callable(context):
+        return context()
+    return contextlib.nullcontext() if context == "none" else CALLER_CONTEXTS[context]()
 
 
 def stock_and_fused_unet():
@@ -72,8 +75,8 @@ def test_a_fused_block_runs_fused_unless_the_context_may_change_values(context):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
     else:
         assert torch.equal(y_fused, y_stock) and all(torch.equal(a, b) for a, b in zip(grads_fused, grads_stock))
-    with entered(context), torch.no_grad():  # nothing saved: a pack hook sees nothing, a mode still every op
-        assert fused.runs_fused() == (context not in ("dispatch_mode", "function_mode"))
+    with entered(context), torch.no_grad():  # nothing saved, but a step entering the hook takes one path
+        assert fused.runs_fused() == (context not in CHANGING)
 
 
 def episode_grads(model, options, context):
@@ -147,23 +150,6 @@ def test_a_mode_or_hook_marked_keeps_values_keeps_the_fused_paths():
     assert packed and torch.isfinite(psi_T).all()
 
 
-@pytest.mark.parametrize("checkpoint", ["step", "none"])
-def test_a_mode_entered_around_the_backward_alone_leaves_the_recompute_on_the_forwards_path(checkpoint):
-    """The fused U-Net's checkpoint and the rollout recompute in backward what their forward ran:
-    a mode the backward alone runs under (counting its ops) does not turn their blocks to the
-    stock layers, which would save other tensors than the forward did."""
-    _, fused = stock_and_fused_unet()
-    psi0 = R.initial_state(1, 8, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(2))
-    grads = []
-    for counted in (False, True):
-        psi_T, _ = qca_lowmem.rollout(lambda psi: R.step(psi, fused, multiplicative=True), psi0, 3, checkpoint=checkpoint)
-        loss = psi_T.abs().square().mean()
-        with CountOps() if counted else contextlib.nullcontext() as counter:
-            grads.append(torch.autograd.grad(loss, list(fused.parameters())))
-        assert counter is None or counter.ops > 0
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-
-
 def test_keeps_values_marks_a_bound_method_by_its_function_and_refuses_what_it_cannot_mark():
     class Measure:
         def pack(self, tensor):
@@ -178,3 +164,62 @@ def test_keeps_values_marks_a_bound_method_by_its_function_and_refuses_what_it_c
         assert qca_lowmem.ops.foreign_context() is None
     with pytest.raises(TypeError, match=r"keeps_values: cannot mark <built-in function len> \(a builtin_function"):
         qca_lowmem.keeps_values(len)
+
+
+@pytest.mark.parametrize("options", [dict(checkpoint="step"), dict(checkpoint="revolve", slots=2)],
+                         ids=["step", "revolve"])
+@pytest.mark.parametrize("context", CHANGING)
+def test_a_step_entering_a_value_changing_context_itself_equals_plain_autograd(context, options):
+    """A context the step enters itself is there in its forward (without grad) and in its
+    recompute (with grad) alike: the fused U-Net runs the stock layers in both, as in plain
+    autograd, whose saved tensors the hook sees the same."""
+    _, fused = stock_and_fused_unet()
+    psi0 = R.initial_state(1, 8, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(2))
+
+    def step(psi):
+        with entered(context):
+            return R.step(psi, fused, multiplicative=True)
+
+    grads = []
+    for checkpoint in (dict(checkpoint="none"), options):
+        psi_T, _ = qca_lowmem.rollout(step, psi0, 3, **checkpoint)
+        grads.append(torch.autograd.grad(psi_T.abs().square().mean(), list(fused.parameters())))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+
+
+BACKWARD_POLICIES = [dict(checkpoint="step"), dict(checkpoint="revolve", slots=2), dict(checkpoint="none")]
+
+
+def backward_under(context, options, model):
+    """The gradients of a rollout of `model` whose backward alone runs under `context` (the loss
+    computed before it is entered)."""
+    psi0 = R.initial_state(1, 8, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(2))
+    psi_T, _ = qca_lowmem.rollout(lambda psi: R.step(psi, model, multiplicative=True), psi0, 3, **options)
+    loss = psi_T.abs().square().mean()
+    with entered(context):
+        return torch.autograd.grad(loss, list(model.parameters()))
+
+
+@pytest.mark.parametrize("options", BACKWARD_POLICIES, ids=["step", "revolve", "none"])
+def test_a_pack_hook_entered_around_the_backward_alone_changes_no_gradient(options):
+    """Stock's backward saves nothing through it; the recomputes save past it, bit for bit."""
+    _, fused = stock_and_fused_unet()
+    assert all(torch.equal(a, b) for a, b in zip(backward_under("rounding", options, fused),
+                                                 backward_under("none", options, fused)))
+
+
+@pytest.mark.parametrize("options", BACKWARD_POLICIES, ids=["step", "revolve", "none"])
+def test_a_dispatch_mode_entered_around_the_backward_alone_is_refused_unless_marked(options):
+    """The backward would run ops under it that stock's does not (the recomputes, the fused
+    backward kernels): refused, naming it; a counter marked keeps_values changes nothing. (A
+    torch function mode does not reach a backward: torch leaves it out there.)"""
+    _, fused = stock_and_fused_unet()
+    with pytest.raises(RuntimeError, match=r"its backward runs under the torch dispatch mode .*BendConvolutions.*"
+                                           r"keeps_values"):
+        backward_under("dispatch_mode", options, fused)
+    assert all(torch.equal(a, b) for a, b in zip(backward_under("function_mode", options, fused),
+                                                 backward_under("none", options, fused)))
+    counter = qca_lowmem.keeps_values(type("MarkedCountOps", (CountOps,), {}))
+    assert all(torch.equal(a, b) for a, b in zip(backward_under(counter, options, fused),
+                                                 backward_under("none", options, fused)))

@@ -47,23 +47,60 @@ def calls_are_forwards(modules: Iterable[nn.Module], *, with_submodules: bool = 
 
 def foreign_context() -> Optional[str]:
     """What of the caller's would see other ops or saved tensors under a fused path than under the
-    stock ops it stands for, named: a torch function or dispatch mode of theirs (which sees each op
-    run and may change its values: a perturbation, a simulated quantization), or, with grad on, a
-    saved-tensors pack hook of theirs (`torch.autograd.graph.saved_tensors_hooks`, which may change
-    what autograd saves: a cast, a compression); else None. torch's own modes and hooks keep values
-    (a default device, FLOP counting, fake tensors, save_on_cpu, checkpoint), as qca_lowmem's do
-    and those marked by keeps_values."""
-    if torch.compiler.is_compiling():  # the compiled graph's ops and saved tensors are the compiler's
+    stock ops it stands for, named: a torch function or dispatch mode of theirs (foreign_mode), or
+    a saved-tensors pack hook of theirs (`torch.autograd.graph.saved_tensors_hooks`, which may
+    change what autograd saves: a cast, a compression; asked with grad off too, so that a step
+    entering one takes the same path in a no-grad forward and in its recompute); else None.
+    torch's own modes and hooks keep values (a default device, FLOP counting, fake tensors,
+    save_on_cpu, checkpoint), as qca_lowmem's do and those marked by keeps_values."""
+    mode = foreign_mode()
+    if mode is not None:
+        return mode
+    pack = None if torch.compiler.is_compiling() else torch_private.saved_tensors_pack_hook()
+    if pack is not None and not _keeps_values(pack):
+        return f"saved-tensors hook {_name(pack)} (torch.autograd.graph.saved_tensors_hooks)"
+    return None
+
+
+def foreign_mode() -> Optional[str]:
+    """A torch function or dispatch mode of the caller's, named (it sees each op run and may
+    change its values: a perturbation, a simulated quantization), else None."""
+    if torch.compiler.is_compiling():  # the compiled graph's ops are the compiler's
         return None
     for kind, modes in (("function", torch_private.function_modes()), ("dispatch", torch_private.dispatch_modes())):
         for mode in modes:
             if not _keeps_values(type(mode)):
                 return f"torch {kind} mode {_name(type(mode))}"
-    if torch.is_grad_enabled():
-        pack = torch_private.saved_tensors_pack_hook()
-        if pack is not None and not _keeps_values(pack):
-            return f"saved-tensors hook {_name(pack)} (torch.autograd.graph.saved_tensors_hooks)"
     return None
+
+
+def refuse_foreign_mode_in_backward(who: str, what: str) -> None:
+    """A backward of a fused path under a mode of the caller's, which would see (and might change)
+    `what`, ops stock's backward does not run, is refused naming it. Where the mode is entered
+    around the forward too, the fused paths step aside for it there, and stock's layers run."""
+    mode = foreign_mode()
+    if mode is not None:
+        raise RuntimeError(f"{who}: its backward runs under the {mode}, which would see {what}, ops stock's "
+                           "backward does not run, and might change their values: enter it around the forward "
+                           "too (qca_lowmem's fused paths then run the stock layers), or mark its class "
+                           "@qca_lowmem.keeps_values if it changes no value (an op counter)")
+
+
+def _unchanged(tensor):
+    return tensor
+
+
+@contextlib.contextmanager
+def recomputes_unhooked():
+    """Around a backward that recomputes (a rollout's): a pack hook of the caller's active on entry
+    does not see what the recomputes save, as stock's backward saves nothing through it (an
+    identity hook stands over it); what a recomputed step enters itself applies, as in its forward."""
+    pack = torch_private.saved_tensors_pack_hook()
+    if pack is None or _keeps_values(pack):
+        yield
+        return
+    with torch.autograd.graph.saved_tensors_hooks(_unchanged, _unchanged):
+        yield
 
 
 _KEEPS_VALUES = "qca_lowmem_keeps_values"
@@ -98,10 +135,8 @@ def _name(obj) -> str:
 
 def stands_for_stock() -> bool:
     """Whether the caller's context lets a fused path stand for the stock ops: foreign_context()
-    finds nothing (one read of each mode stack and of the innermost pack hook); or this is a
-    backward, recomputing what its forward ran (a checkpoint's, a rollout's), which takes the path
-    its forward took whatever the backward runs under. True under torch.compile, as foreign_context."""
-    return torch.compiler.is_compiling() or torch_private.in_backward() or foreign_context() is None
+    finds nothing (one read of each mode stack and of the innermost pack hook)."""
+    return foreign_context() is None
 
 
 class _Checked(threading.local):
@@ -114,9 +149,11 @@ _checked = _Checked()
 @contextlib.contextmanager
 def calls_checked_by_caller():
     """Inside, the modules called are the ones the caller has just found plain
-    (`torch_layers_unchanged()` and `calls_are_forwards` over all of them) and nothing of the
-    user's runs between that check and their calls (the fused U-Net's own wiring), so they need
-    not check again: `calls_plain` says so. Not under torch.compile, which traces the checks."""
+    (`torch_layers_unchanged()`, `calls_are_forwards` over all of them, `stands_for_stock()`) and
+    nothing of the user's runs between that check and their calls (the fused U-Net's own wiring),
+    or a recompute of such calls, which must take their forward's path (the U-Net's checkpoint);
+    so they need not check again: `calls_plain` and `fused_call_stands_for` say so. Not under
+    torch.compile, which traces the checks."""
     outer = _checked.by_caller
     _checked.by_caller = True
     try:
@@ -130,6 +167,12 @@ def calls_plain(modules: Iterable[nn.Module]) -> bool:
     `calls_checked_by_caller()`: about 5 us a fused block's call, 2 us a layer's, that the fused
     U-Net's calls of its blocks and layers spare."""
     return _checked.by_caller or (torch_layers_unchanged() and calls_are_forwards(modules))
+
+
+def fused_call_stands_for(modules: Iterable[nn.Module]) -> bool:
+    """`calls_plain(modules)` and `stands_for_stock()`, or True at once inside
+    `calls_checked_by_caller()`, whose caller checked both: what a fused block asks."""
+    return _checked.by_caller or (torch_layers_unchanged() and calls_are_forwards(modules) and stands_for_stock())
 
 
 def plain_torch_layer(layer: nn.Module) -> bool:

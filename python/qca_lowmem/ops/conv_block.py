@@ -16,6 +16,7 @@ from torch import Tensor
 from .. import _torch_private as torch_private
 from ._checks import check_same_device
 from ._double_backward import reference_backward, second_order_requested
+from ._forwards import refuse_foreign_mode_in_backward
 from .groupnorm_elu import output_layout, stat_dtype
 from .groupnorm_elu import reference as groupnorm_elu_reference
 from .watchers import eager_watchers, run_hidden
@@ -171,6 +172,7 @@ def _conv_block_setup_context(ctx, inputs, output):
 def _conv_block_backward(ctx, grad_y, *_grad_stats):
     if grad_y is None:
         return (None,) * _BLOCK_INPUTS
+    refuse_foreign_mode_in_backward("qca_lowmem.FusedConvBlock", "its recompute and fused backward kernels")
     x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias, *stats = ctx.saved_tensors
     weights = (conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias)
     if second_order_requested():
@@ -197,6 +199,7 @@ def _conv_block_keep_setup_context(ctx, inputs, output):
 def _conv_block_keep_backward(ctx, grad_y, *_grad_intermediates):
     if grad_y is None:
         return (None,) * _BLOCK_INPUTS
+    refuse_foreign_mode_in_backward("qca_lowmem.FusedConvBlock", "its fused backward kernels")
     saved = ctx.saved_tensors
     x, weights, (h1, a1, h2), stats = saved[0], saved[1:7], saved[7:10], saved[10:]
     if second_order_requested():

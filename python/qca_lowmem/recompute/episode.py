@@ -21,7 +21,7 @@ from typing import Callable, List, Optional
 import torch
 
 from .. import _torch_private as torch_private
-from ..ops import second_order_requested
+from ..ops import recomputes_unhooked, refuse_foreign_mode_in_backward, second_order_requested
 from . import weight_casts
 from .check import RecomputeCheck
 from .escapes import EscapedTensorError, InputTrap, Leftovers, StepFrame
@@ -324,6 +324,7 @@ class EpisodeFunction(torch.autograd.Function):
                                "(create_graph=True): this mode keeps no graph across steps; use checkpoint='none' "
                                "(plain autograd)")
         plan.check_params_unchanged()
+        refuse_foreign_mode_in_backward(f"rollout(checkpoint={plan.policy.checkpoint!r})", "the steps it recomputes")
         width = len(plan.layout.input_needs_grad)
         saved = ctx.saved_tensors
         states = [State(saved[i], tuple(saved[i + 1:i + width])) for i in range(0, len(saved), width)]
@@ -342,7 +343,7 @@ class EpisodeFunction(torch.autograd.Function):
         reverser = StepReverser(plan.rerun, plan.policy, plan.layout.incoming(grad_psi_T, grads), sink,
                                 plan.layout.input_needs_grad, check, final)
         try:
-            with sink, plan.rerun.rng.untouched(), backward_recomputes():
+            with recomputes_unhooked(), sink, plan.rerun.rng.untouched(), backward_recomputes():
                 plan.schedule.reverse(kept, reverser)
         finally:
             plan.rerun.buffers.restore()
