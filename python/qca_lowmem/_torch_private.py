@@ -34,6 +34,7 @@ REQUIRED = [
     ("torch._C._autograd", "_get_current_graph_task_keep_graph"),
     ("torch._C", "_current_graph_task_id"),
     ("torch._C._autograd", "_top_saved_tensors_default_hooks"),
+    ("torch.nn.utils.stateless", "_reparametrize_module"),
 ]
 REQUIRED_WITH_CUDA = [("torch._C", "_cuda_endAllocateToPool")]
 # The autograd node of a dtype cast (`tensor.to(dtype)`), by its class name.
@@ -206,6 +207,12 @@ def saved_tensors_pack_hook():
     thread (the one autograd applies to what it saves), or None."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
     return None if hooks is None else hooks[0]
+
+
+def parameters_swapped(module: torch.nn.Module, tensors: dict):
+    """A context in which `module`'s parameters named in `tensors` are those tensors (what
+    torch.func.functional_call does around its call)."""
+    return torch.nn.utils.stateless._reparametrize_module(module, tensors)
 
 
 def in_backward() -> bool:

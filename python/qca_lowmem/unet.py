@@ -78,8 +78,17 @@ class UNetUnitary(nn.Module):
             return self._forward(x, keep_intermediates=False)
         # Blocks keep their intermediates here: the checkpoint's first forward drops them, and
         # its recompute needs them for backward, so no convolution runs a third time.
-        return checkpoint(self._forward, x, True, use_reentrant=False, preserve_rng_state=False,
-                          **checkpoint_kwargs())
+        return checkpoint(self._recomputable_forward, x, tuple(self.named_parameters()), use_reentrant=False,
+                          preserve_rng_state=False, **checkpoint_kwargs())
+
+    def _recomputable_forward(self, x: torch.Tensor, named: tuple) -> torch.Tensor:
+        """_forward keeping intermediates on the parameters `named`, those the forward ran on: the
+        checkpoint's recompute, in backward, swaps them in again where they are no longer the
+        module's (torch.func.functional_call swapped them in for its call alone)."""
+        if len(named) == len(now := tuple(self.parameters())) and all(p is q for (_, p), q in zip(named, now)):
+            return self._forward(x, True)
+        with torch_private.parameters_swapped(self, dict(named)):
+            return self._forward(x, True)
 
     def runs_fused(self) -> bool:
         """Whether the fused wiring (forward_with, the checkpoint) computes what the stock forward
