@@ -172,7 +172,7 @@ def calls_plain(modules: Iterable[nn.Module]) -> bool:
 def fused_call_stands_for(modules: Iterable[nn.Module]) -> bool:
     """`calls_plain(modules)` and `stands_for_stock()`, or True at once inside
     `calls_checked_by_caller()`, whose caller checked both: what a fused block asks."""
-    return _checked.by_caller or (torch_layers_unchanged() and calls_are_forwards(modules) and stands_for_stock())
+    return calls_plain(modules) and (_checked.by_caller or stands_for_stock())
 
 
 def plain_torch_layer(layer: nn.Module) -> bool:

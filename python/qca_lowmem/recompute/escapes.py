@@ -25,6 +25,7 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
+from .memory import counted_storage
 from .state import State
 
 
@@ -97,9 +98,9 @@ class StepFrame:
         return inputs if self.keep else self.trap.set_on(inputs)
 
     def _pack(self, tensor):
-        if self.sizes is not None and not isinstance(tensor, torch.nn.Parameter) and tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            self.storages[(tensor.device, storage.data_ptr())] = storage
+        counted = counted_storage(tensor) if self.sizes is not None else None
+        if counted is not None:
+            self.storages[counted[0]] = counted[1]
         if self.keep:
             self.kept[id(tensor)] = self.kept.get(id(tensor), 0) + 1
             return tensor

@@ -24,6 +24,16 @@ def saved_bytes(fn, *args, **kwargs) -> int:
     return sum(saved_storage_sizes(fn, *args, **kwargs))
 
 
+def counted_storage(tensor: torch.Tensor):
+    """(key, storage) of a saved tensor's storage as saved_bytes counts it, the key telling the
+    storage apart while it lives; None for a Parameter (it lives whether or not a graph exists) and
+    a meta tensor (no data)."""
+    if isinstance(tensor, torch.nn.Parameter) or tensor.device.type == "meta":
+        return None
+    storage = tensor.untyped_storage()
+    return (tensor.device, storage.data_ptr()), storage
+
+
 def peak_saved_bytes(fn, *args, **kwargs) -> int:
     """Run `fn(*args, **kwargs)` and return the most bytes autograd held for backward at once
     while it ran: each saved storage counted once (as `saved_bytes` counts them, parameters
@@ -42,9 +52,9 @@ def peak_saved_bytes(fn, *args, **kwargs) -> int:
 
     def pack(tensor):
         holder = _Held(tensor)  # holds the storage alive, so its address stays its key
-        if not isinstance(tensor, torch.nn.Parameter) and tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            key = (tensor.device, storage.data_ptr())
+        counted = counted_storage(tensor)
+        if counted is not None:
+            key, storage = counted
             entry = live.get(key)
             if entry is None:
                 live[key] = entry = [0, storage.nbytes()]
@@ -81,10 +91,9 @@ def saved_storage_sizes(fn, *args, **kwargs) -> List[int]:
     storages = {}
 
     def pack(tensor):
-        if not isinstance(tensor, torch.nn.Parameter) and tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            if storage.nbytes() > 0:
-                storages[(tensor.device, storage.data_ptr())] = storage
+        counted = counted_storage(tensor)
+        if counted is not None and counted[1].nbytes() > 0:
+            storages[counted[0]] = counted[1]
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
