@@ -7,11 +7,11 @@ backward only the block input and the per-group statistics; backward recomputes 
 (`qca_lowmem.keep_block_intermediates()`) or with `recompute=False` it keeps its intermediates
 instead, so the convolutions never run a third time. At every call it checks that its layers are
 still the stock block's, each called as just its forward (no hook, global or its own, and no
-`forward` set on the instance) and that no mode or saved-tensors hook of the caller's would see
-other ops or tensors saved (ops.foreign_context); otherwise it calls its `conv_block` as the stock
-block does. Put in place of a users' block (`stand_in_for`: the switch), it also checks that block's
-class at each call, unless its caller proved it (`stand_ins_proved`), and calls the block where the
-class changed.
+`forward` set on the instance), that no mode or saved-tensors hook of the caller's would see
+other ops or tensors saved (ops.foreign_context) and that neither a torch.func transform nor
+torch.jit tracing runs; otherwise it calls its `conv_block` as the stock block does. Put in place
+of a users' block (`stand_in_for`: the switch), it also checks that block's class at each call,
+unless its caller proved it (`stand_ins_proved`), and calls the block where the class changed.
 """
 
 import contextlib
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from . import stock
-from .ops import fused_call_stands_for, refuse_func_transforms, stock_block_call
+from .ops import fused_call_stands_for, stock_block_call
 from .ops.conv_block import conv_block_forward
 from .precision import autocast_dtype
 from .recompute.intermediates import block_keeps_intermediates
@@ -97,7 +97,6 @@ class FusedConvBlock(nn.Module):
             return block(x)  # the users' block, its class edited since it was proved
         if not self.runs_fused():
             return self.conv_block(x)  # the stock block's forward: its hooks run as stock runs them
-        refuse_func_transforms("qca_lowmem.FusedConvBlock", x, module=self)
         conv1, norm1, _, conv2, norm2, _ = self.conv_block
         conv1_weight, conv2_weight = conv1.weight, conv2.weight
         compute_dtype = autocast_dtype(x.device.type)
@@ -116,9 +115,10 @@ class FusedConvBlock(nn.Module):
 
     def runs_fused(self) -> bool:
         """Whether the fused path computes what calling `conv_block` computes now: the stock
-        layers, each call just its class's forward, and no mode or saved-tensors hook of the
-        caller's (ops.foreign_context). Asked at every call (about 5 us on a CPU; 3 us
-        inside the fused U-Net's call, which has checked the calls already)."""
+        layers, each call just its class's forward, no mode or saved-tensors hook of the caller's
+        (ops.foreign_context), no torch.func transform or jit trace (ops.stands_for_stock). Asked
+        at every call (about 5 us on a CPU; 3 us inside the fused U-Net's call, which has checked
+        the calls already)."""
         seq = self._modules.get("conv_block")
         return (type(seq) is nn.Sequential and layers_mismatch(seq) is None
                 and fused_call_stands_for((self, seq, *seq._modules.values())))

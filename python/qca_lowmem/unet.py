@@ -17,7 +17,6 @@ from .ops import (
     calls_checked_by_caller,
     plain_torch_layer,
     refuse_foreign_mode_in_backward,
-    refuse_func_transforms,
     stands_for_stock,
     stock_block_call,
     stock_forward_call,
@@ -62,7 +61,6 @@ class UNetUnitary(nn.Module):
         return f"recompute={self.recompute!r}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        refuse_func_transforms("qca_lowmem.UNetUnitary", x, module=self)
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"UNetUnitary: recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if not self.runs_fused():
@@ -94,9 +92,9 @@ class UNetUnitary(nn.Module):
         """Whether the fused wiring (forward_with, the checkpoint) computes what the stock forward
         computes now, calling each module the same number of times: the stock layer types, torch's
         own layer methods, and no module whose call is more than its forward (a hook, global or
-        its own; a forward set on the instance); and no mode or saved-tensors hook of the
-        caller's, which would see other ops or tensors saved (ops.foreign_context). Asked at
-        every call (about 12 us on a CPU)."""
+        its own; a forward set on the instance); no mode or saved-tensors hook of the caller's,
+        which would see other ops or tensors saved (ops.foreign_context), and no torch.func
+        transform or jit trace (ops.stands_for_stock). Asked at every call (about 12 us on a CPU)."""
         children = self._modules
         if not (torch_layers_unchanged() and all(type(children.get(name)) is FusedConvBlock for name in _BLOCKS)
                 and all(_is_pool_then_block(children.get(name)) for name in ("down1", "down2"))

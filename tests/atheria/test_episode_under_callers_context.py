@@ -77,3 +77,24 @@ def test_the_installed_step_under_the_context_outside_episodes_is_the_engines_ow
     (out_stock, grads_stock), (out_lowmem, grads_lowmem) = runs
     assert torch.equal(out_lowmem, out_stock)
     assert all(torch.equal(a, b) for a, b in zip(grads_lowmem, grads_stock))
+
+
+@pytest.mark.parametrize("transform", ["jacrev", "vmap"])
+@pytest.mark.parametrize("version", ["v4", "v3"])
+def test_the_installed_step_under_a_torch_func_transform_is_the_engines_own(version, transform):
+    """A researcher's torch.func analysis of their engine's step (its Jacobian for a unitarity
+    check, a vmap over states) after enable(): the installed step runs the engine's own and the
+    operator its stock layers, so it gives stock's result, bitwise (it raised: the fused ops have
+    no rule for a transform); an episode then still trains on the fused step."""
+    stock, lowmem = build(Variant(version=version), TRAINERS[version]), build(Variant(version=version), TRAINERS[version])
+    qca_lowmem.enable(lowmem)
+    assert type(vars(lowmem.motor).get("evolve_step")).__module__.startswith("qca_lowmem")  # the fused step installed
+    psi = R.initial_state(2, 8, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(5))
+
+    def analysed(motor):
+        def step(x):
+            return torch.view_as_real(motor.evolve_step(torch.view_as_complex(x)))
+        x = torch.view_as_real(psi).contiguous()
+        return torch.func.jacrev(step)(x[:1]) if transform == "jacrev" else torch.func.vmap(step)(x.unsqueeze(1))
+    assert torch.equal(analysed(lowmem.motor), analysed(stock.motor))
+    assert first_difference(outcome(Variant(version=version), True), outcome(Variant(version=version), False)) is None

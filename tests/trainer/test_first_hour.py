@@ -1,6 +1,6 @@
 """What a new user meets in the first hour: bench's times and plot, where a run runs, what the
-README promises after its two commands (or a line saying what is missing), --stop-after's way back,
-and torch.func transforms through our ops."""
+README promises after its two commands (or a line saying what is missing) and --stop-after's way
+back."""
 
 import os
 import shlex
@@ -82,23 +82,6 @@ def test_check_says_where_the_run_runs_and_refuses_fp16_on_the_cpu(tmp_path, cap
     assert cli.main(["train", "--config", str(path), "--out", str(tmp_path / "run"), "--check"]) == 0
     if not torch.cuda.is_available():
         assert "on cpu (no CUDA GPU visible)" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("name", ["qca_pack", "qca_update", "phase_flip", "UNetUnitary", "UNetUnitary parameters"])
-def test_torch_func_through_our_ops_names_the_op(name):
-    psi = qca_lowmem.stock.initial_state(1, 8, 2, "cpu")
-    model = qca_lowmem.UNetUnitary(2, 8)
-    x = qca_lowmem.qca_pack(psi)
-    function, argument = {
-        "qca_pack": (lambda p: qca_lowmem.qca_pack(p).sum(), psi),
-        "qca_update": (lambda d: qca_lowmem.qca_update(psi, d).abs().sum(), torch.randn(1, 4, 8, 8)),
-        "phase_flip": (lambda p: qca_lowmem.phase_flip(p, 0.5, 1, 1).abs().sum(), psi),
-        "UNetUnitary": (lambda y: model(y).sum(), x),
-        "UNetUnitary parameters": (lambda p: torch.func.functional_call(model, p, (x,)).sum(),
-                                   dict(model.named_parameters())),
-    }[name]
-    with pytest.raises(RuntimeError, match=rf"qca_lowmem.{name.split()[0]}: torch.func transforms .* not supported"):
-        torch.func.grad(function)(argument)
 
 
 @pytest.mark.parametrize("cuda_graph", [False, True, None])

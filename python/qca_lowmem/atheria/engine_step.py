@@ -95,8 +95,8 @@ class _LiveStep:
     def engine_changed(self) -> Optional[Callable]:
         """Outside an episode (their inference; another trainer's episode: a copy's wrapper holding
         this step), at every call: the fused blocks proved again (a block whose class changed is put
-        back), then the engine's own step where its code is no longer the one recognised or under a
-        mode or saved-tensors hook of the caller's (ops.foreign_context), else None."""
+        back), then the engine's own step where its code is no longer the one recognised or the
+        caller's context rules a fused path out (ops.stands_for_stock), else None."""
         if self.in_episode or self.identity is None:
             return None
         if self.undo is not None:

@@ -1,7 +1,8 @@
 """Whether a module call is just its class's forward, on which every shortcut past a stock layer
 rests: a fused block standing in for a ConvBlock, the fused U-Net's wiring, a torch layer run
 hidden from an episode's watch (watchers.py); and whether the caller's context (a mode of theirs, a
-saved-tensors hook) lets a fused path stand for the stock ops (`foreign_context`)."""
+saved-tensors hook), a torch.func transform and torch.jit tracing let a fused path stand for the
+stock ops (`foreign_context`, `stands_for_stock`)."""
 
 import contextlib
 import inspect
@@ -135,8 +136,13 @@ def _name(obj) -> str:
 
 def stands_for_stock() -> bool:
     """Whether the caller's context lets a fused path stand for the stock ops: foreign_context()
-    finds nothing (one read of each mode stack and of the innermost pack hook)."""
-    return foreign_context() is None
+    finds nothing (one read of each mode stack and of the innermost pack hook), and neither a
+    torch.func transform (vmap, grad, jvp, jacrev, ...), which has no rule for qca_lowmem's ops,
+    nor torch.jit tracing (and the ONNX export built on it), which would record them, runs: under
+    either, the fused block and U-Net and the switch's step run the stock layers, as stock would."""
+    if torch.compiler.is_compiling():  # the compiled graph's ops are the compiler's (foreign_context's reads too)
+        return True
+    return not (torch_private.functorch_transforms_active() or torch.jit.is_tracing()) and foreign_context() is None
 
 
 class _Checked(threading.local):

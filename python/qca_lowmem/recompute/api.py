@@ -12,6 +12,7 @@ from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
+from .. import _torch_private as torch_private
 from .episode import Episode, EpisodeFunction, StepUnit
 from .intermediates import keep_block_intermediates
 from .policy import STEP, Policy
@@ -90,7 +91,8 @@ def rollout(
     Under torch.no_grad() (or when nothing requires grad) no state is kept at all. Under a mode or
     saved-tensors hook of the caller's that may change values (a perturbation, a compression;
     torch's own, such as save_on_cpu, are kept) a checkpoint other than "none" refuses: the
-    episode runs and saves other ops than plain autograd, so its result would differ.
+    episode runs and saves other ops than plain autograd, so its result would differ. Inside a
+    torch.func transform (vmap, grad, ...) it refuses, whatever the checkpoint.
     """
     if not callable(step_fn):
         raise TypeError(f"rollout: step_fn must be callable, got {type(step_fn).__name__}")
@@ -119,6 +121,12 @@ def rollout(
         raise TypeError(f"rollout: noise must be callable as noise(psi, t) (e.g. a NoiseSchedule), got {type(noise).__name__}")
     if not isinstance(check_recompute, bool):
         raise TypeError(f"rollout: check_recompute must be True or False, got {check_recompute!r}")
+    if torch_private.functorch_transforms_active():
+        raise RuntimeError(
+            "rollout: called inside a torch.func transform (vmap, grad, jvp, jacrev, ...), under which its episode "
+            "(a probe of its first steps, an autograd Function, recomputes in backward) cannot run: inside the "
+            "transform, loop the step yourself (`for t in range(steps): psi = step_fn(psi)`), or take the "
+            "episode's gradients with loss.backward() or torch.autograd.grad")
     carried = carry is not None
     state0 = State(psi0, checked_carry(carry, "carry") if carried else ())
     unit = StepUnit(step_fn, noise, carried)

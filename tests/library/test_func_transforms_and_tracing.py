@@ -1,0 +1,124 @@
+"""torch.func transforms (vmap, jacrev, jvp, grad) and torch.jit tracing through qca_lowmem's
+modules and rollout: the fused block and U-Net run their stock layers under either (the transform
+gets stock's answer, to the bit, the trace stock's ops; outside, they run fused again), the op
+wrappers name themselves under a transform, and rollout refuses one."""
+
+import pytest
+import torch
+
+import qca_lowmem
+from helpers import randomize_affine
+from qca_lowmem import stock as R
+
+OPS_RUN = []
+
+
+@pytest.fixture
+def fused_ops_counted(monkeypatch):
+    """The fused block's op calls, counted (the eager path calls conv_block_forward)."""
+    from qca_lowmem import blocks
+    OPS_RUN.clear()
+    original = blocks.conv_block_forward
+
+    def counted(*args):
+        OPS_RUN.append(1)
+        return original(*args)
+    monkeypatch.setattr(blocks, "conv_block_forward", counted)
+    return OPS_RUN
+
+
+def _models(kind, recompute="unet"):
+    """(stock, fused) in float64: the U-Net, a stock U-Net converted in place, or one block."""
+    torch.manual_seed(3)
+    if kind == "block":
+        stock = randomize_affine(R.ConvBlock(4, 8)).double()
+        fused = qca_lowmem.FusedConvBlock.from_stock(R.ConvBlock(4, 8).double())
+        fused.load_state_dict(stock.state_dict())
+        return stock, fused
+    stock = randomize_affine(R.UNetUnitary(2, 4)).double()
+    with torch.no_grad():
+        stock.outc.weight.normal_(0, 0.3)
+    if kind == "converted":
+        fused = R.UNetUnitary(2, 4).double()
+        fused.load_state_dict(stock.state_dict())
+        qca_lowmem.convert(fused)
+    else:
+        fused = qca_lowmem.UNetUnitary(2, 4, recompute=recompute).double()
+        fused.load_state_dict(stock.state_dict())
+    return stock, fused
+
+
+def _transforms(model, x):
+    """What a researcher computes with torch.func on a model, by name."""
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    return {
+        "vmap": lambda: torch.func.vmap(model)(x.unsqueeze(1)),
+        "jacrev": lambda: torch.func.jacrev(model)(x[:1, :, :4, :4]),
+        "jvp": lambda: torch.func.jvp(model, (x,), (torch.ones_like(x),)),
+        "grad": lambda: torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).square().sum())(params),
+    }
+
+
+@pytest.mark.parametrize("transform", ["vmap", "jacrev", "jvp", "grad"])
+@pytest.mark.parametrize("kind,recompute", [("unet", "unet"), ("unet", "blocks"), ("unet", "none"),
+                                            ("converted", None), ("block", None)])
+def test_a_transform_of_the_fused_modules_gets_stocks_answer(kind, recompute, transform, fused_ops_counted):
+    """Under the transform the fused paths step aside (they raised before: our ops have no rule
+    for it); the stock layers run, so the result is stock's bit for bit; outside it again, the
+    same module runs fused."""
+    stock, fused = _models(kind, recompute)
+    x = torch.randn(3, 4, 8, 8, dtype=torch.float64)
+    expected = _transforms(stock, x)[transform]()
+    got = _transforms(fused, x)[transform]()
+    assert not fused_ops_counted, "a fused op ran under the transform"
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected)):
+        assert torch.equal(a, b)
+    fused(x)
+    assert fused_ops_counted, "the module no longer runs fused outside the transform"
+
+
+@pytest.mark.parametrize("name", ["qca_pack", "qca_update", "phase_flip", "groupnorm_elu"])
+def test_torch_func_through_an_op_names_the_op(name):
+    psi = R.initial_state(1, 8, 2, "cpu")
+    x = torch.randn(1, 4, 8, 8)
+    function, argument = {
+        "qca_pack": (lambda p: qca_lowmem.qca_pack(p).sum(), psi),
+        "qca_update": (lambda d: qca_lowmem.qca_update(psi, d).abs().sum(), x),
+        "phase_flip": (lambda p: qca_lowmem.phase_flip(p, 0.5, 1, 1).abs().sum(), psi),
+        "groupnorm_elu": (lambda y: qca_lowmem.groupnorm_elu(y, torch.ones(4), torch.zeros(4), 2).sum(), x),
+    }[name]
+    with pytest.raises(RuntimeError, match=rf"qca_lowmem.{name}: torch.func transforms .* not supported"):
+        torch.func.grad(function)(argument)
+
+
+@pytest.mark.parametrize("checkpoint", ["none", "step", "revolve", "auto"])
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_rollout_inside_a_transform_refuses_naming_itself(checkpoint, transform):
+    """Its probe, autograd Function and recomputes cannot run under a transform (torch's error
+    named none of them)."""
+    options = {"revolve": dict(slots=2), "auto": dict(budget=10**6)}.get(checkpoint, {})
+
+    def episode(psi):
+        return qca_lowmem.rollout(lambda s: 0.9 * s + s.sin(), psi, 3, checkpoint=checkpoint, **options)[0].sum()
+    run = torch.func.vmap(episode) if transform == "vmap" else torch.func.grad(episode)
+    with pytest.raises(RuntimeError, match=r"^rollout: called inside a torch.func transform"):
+        run(torch.randn(2, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("kind,recompute", [("unet", "unet"), ("unet", "none"), ("converted", None), ("block", None)])
+def test_a_trace_of_the_fused_modules_records_the_stock_ops(kind, recompute, fused_ops_counted):
+    """torch.jit.trace (and the ONNX export built on it) of a model after enable() or convert():
+    the stock layers run while tracing, so the trace holds torch's ops alone (it failed its sanity
+    check, on a Python op wrapping our custom ops), computes stock's output, and loads without
+    qca_lowmem."""
+    stock, fused = _models(kind, recompute)
+    x = torch.randn(2, 4, 8, 8, dtype=torch.float64)
+    traced = torch.jit.trace(fused, x, check_trace=False)  # the check runs the module again, untraced
+    assert not fused_ops_counted, "a fused op ran while tracing"
+    torch.jit.trace(fused, x)  # with its check
+    kinds = {node.kind() for node in traced.inlined_graph.nodes()}
+    assert not any(k.startswith("qca_lowmem") or k == "prim::PythonOp" for k in kinds), sorted(kinds)
+    y = torch.randn(3, 4, 8, 8, dtype=torch.float64)
+    assert torch.equal(traced(y), stock(y))
+    fused(x)
+    assert fused_ops_counted, "the module no longer runs fused after tracing"
