@@ -43,3 +43,17 @@ def _families_recorded(monkeypatch):
 def one_thread():
     with single_thread():
         yield
+
+
+@pytest.fixture
+def fused_ops_counted(monkeypatch):
+    """A list that grows by one at each fused block's call of its op (a FusedConvBlock running
+    fused, in eager code: blocks.conv_block_forward)."""
+    from qca_lowmem import blocks
+    calls, original = [], blocks.conv_block_forward
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+    monkeypatch.setattr(blocks, "conv_block_forward", counted)
+    return calls

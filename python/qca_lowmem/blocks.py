@@ -9,9 +9,13 @@ instead, so the convolutions never run a third time. At every call it checks tha
 still the stock block's, each called as just its forward (no hook, global or its own, and no
 `forward` set on the instance), that no mode or saved-tensors hook of the caller's would see
 other ops or tensors saved (ops.foreign_context) and that neither a torch.func transform nor
-torch.jit tracing runs; otherwise it calls its `conv_block` as the stock block does. Put in place
-of a users' block (`stand_in_for`: the switch), it also checks that block's class at each call,
-unless its caller proved it (`stand_ins_proved`), and calls the block where the class changed.
+torch.jit tracing runs; otherwise it calls its `conv_block` as the stock block does.
+
+`fuse_in_place` (the switch) fuses a users' block without replacing it: the very object, its class
+swapped for a subclass of FusedConvBlock and of their own, so that it keeps its identity (their
+references to it, hooks registered on it later), `isinstance` with their class, their methods and
+their class's name. At each call it also checks that a call of their class is still stock's, unless
+its caller proved it (`stand_ins_proved`), and runs their forward where it is not.
 """
 
 import contextlib
@@ -27,34 +31,23 @@ from .precision import autocast_dtype
 from .recompute.intermediates import block_keeps_intermediates
 from .recompute.weight_casts import cast_weight
 
-# On a fused block put in place of a users' block (outside its _modules: no state_dict keys, and
-# modules() does not reach it): that block, and whether a caller has proved its call for a while.
-_STANDS_FOR, _PROVED = "_stands_for", "_stand_in_proved"
-
-
-def stand_in_for(fused: "FusedConvBlock", block: Optional[nn.Module]) -> None:
-    """Mark `fused` as standing in for the users' `block` (None: no longer): unless proved
-    (`stand_ins_proved`), each call then checks that a call of the block's class is still stock's
-    (about 20 us), and calls the block itself where it is not (its class edited since)."""
-    vars(fused).pop(_PROVED, None)
-    if block is None:
-        vars(fused).pop(_STANDS_FOR, None)
-    else:
-        vars(fused)[_STANDS_FOR] = block
+# While a caller (the switch's episode) has proved a fused-in-place block's class: on the block.
+_PROVED = "_stand_in_proved"
 
 
 @contextlib.contextmanager
-def stand_ins_proved(fused_blocks):
-    """These stand-ins skip the check of their block's class while this is active: the caller
-    (the switch's episode) proved their blocks before entering it."""
-    for fused in fused_blocks:
-        vars(fused)[_PROVED] = vars(fused).get(_PROVED, 0) + 1
+def stand_ins_proved(blocks):
+    """These blocks fused in place (`fuse_in_place`) skip the check of their own class at each call
+    while this is active: the caller (the switch's episode) proved them before entering it."""
+    for block in blocks:
+        vars(block)[_PROVED] = vars(block).get(_PROVED, 0) + 1
     try:
         yield
     finally:
-        for fused in fused_blocks:
-            if _PROVED in vars(fused):  # gone where the block was put back meanwhile (stand_in_for)
-                vars(fused)[_PROVED] -= 1
+        for block in blocks:
+            count = vars(block).pop(_PROVED, 0)  # gone where the block was unfused meanwhile
+            if count > 1:
+                vars(block)[_PROVED] = count - 1
 
 
 class FusedConvBlock(nn.Module):
@@ -92,9 +85,9 @@ class FusedConvBlock(nn.Module):
         """`keep_intermediates` overrides the block's own choice (for callers that recompute
         around the block themselves); None: keep them when `recompute` is False or inside
         `keep_block_intermediates()`."""
-        block = vars(self).get(_STANDS_FOR)
-        if block is not None and not vars(self).get(_PROVED) and stock_block_call(type(block)) is not None:
-            return block(x)  # the users' block, its class edited since it was proved
+        own = type(self).__dict__.get("stands_for")  # a users' block fused in place: its own class
+        if own is not None and not vars(self).get(_PROVED) and stock_block_call(own) is not None:
+            return own.forward(self, x)  # their class edited since it was proved: its forward, as written
         if not self.runs_fused():
             return self.conv_block(x)  # the stock block's forward: its hooks run as stock runs them
         conv1, norm1, _, conv2, norm2, _ = self.conv_block
@@ -122,6 +115,62 @@ class FusedConvBlock(nn.Module):
         seq = self._modules.get("conv_block")
         return (type(seq) is nn.Sequential and layers_mismatch(seq) is None
                 and fused_call_stands_for((self, seq, *seq._modules.values())))
+
+
+class _FusedInPlace(FusedConvBlock):
+    """The base of the classes `fuse_in_place` gives a users' block: FusedConvBlock's forward,
+    then their class (its methods, `isinstance`). Each subclass names their class `stands_for`."""
+
+    stands_for: type
+    recompute = True
+
+    def extra_repr(self) -> str:
+        return type(self).stands_for.extra_repr(self)
+
+    def __reduce_ex__(self, protocol):
+        # The class is made at run time: a copy or pickle (of an enabled trainer) names theirs.
+        return _new_fused_in_place, (type(self).stands_for,), {
+            name: value for name, value in vars(self).items() if name != _PROVED}
+
+
+_IN_PLACE_CLASSES = {}  # their class -> its fused subclass, made once
+
+
+def _fused_class(own: type) -> type:
+    fused = _IN_PLACE_CLASSES.get(own)
+    if fused is None:
+        fused = type(own.__name__, (_FusedInPlace, own), {"__module__": __name__, "__qualname__": own.__qualname__,
+                                                           "stands_for": own})
+        _IN_PLACE_CLASSES[own] = fused
+    return fused
+
+
+def _new_fused_in_place(own: type) -> nn.Module:
+    return object.__new__(_fused_class(own))
+
+
+def fuse_in_place(block: nn.Module) -> bool:
+    """Fuse the users' `block` (a stock-shaped ConvBlock, `unet.stock_block_mismatch`) without
+    replacing it: its class becomes a subclass of FusedConvBlock and of its own, with their class's
+    name. False where Python refuses the swap (their class defines __slots__)."""
+    try:
+        block.__class__ = _fused_class(type(block))
+    except TypeError:  # "object layout differs"
+        return False
+    return True
+
+
+def fused_in_place(cls: type) -> Optional[type]:
+    """The users' class of a class `fuse_in_place` made, else None."""
+    return cls.__dict__.get("stands_for") if issubclass(cls, _FusedInPlace) else None
+
+
+def unfuse(block: nn.Module) -> None:
+    """A block fused in place given its own class back."""
+    own = fused_in_place(type(block))
+    if own is not None:
+        vars(block).pop(_PROVED, None)
+        block.__class__ = own
 
 
 def _conv_mismatch(layer: nn.Module, index: int) -> Optional[str]:

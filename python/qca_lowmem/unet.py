@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import _torch_private as torch_private
 from . import stock
-from .blocks import FusedConvBlock, layers_mismatch
+from .blocks import FusedConvBlock, fused_in_place, layers_mismatch
 from .ops import (
     calls_are_forwards,
     calls_checked_by_caller,
@@ -165,8 +165,8 @@ def input_dtype(operator: nn.Module, psi: torch.Tensor) -> Optional[torch.dtype]
     calling operator(x) first casts x to it and reads it nowhere else, so that the pack's one
     rounding is the cast's, bit for bit, and the cast's copy and its gradient's are spared. Proved
     for qca_lowmem's UNetUnitary running fused and for a module whose forward is stock
-    UNetUnitary's by its code, each with `inc` a FusedConvBlock running fused (its first act is
-    the cast) and no hook that could see x. None elsewhere: the pack writes its own float32."""
+    UNetUnitary's by its code, each with `inc` a FusedConvBlock (or a block fused in place) running
+    fused (its first act is the cast) and no hook that could see x. None elsewhere: the pack writes its own float32."""
     if psi.dtype != torch.complex64 or torch.compiler.is_compiling():
         return None  # a float64 input is not cast (autocast leaves it), and compiled code is not proved
     compute = autocast_dtype(psi.device.type)
@@ -177,9 +177,17 @@ def input_dtype(operator: nn.Module, psi: torch.Tensor) -> Optional[torch.dtype]
         proved = operator.runs_fused()
     else:
         proved = stock_forward_call(cls, stock.UNetUnitary.forward, ("inc",), "stock UNetUnitary's") is None \
-            and type(getattr(operator, "inc", None)) is FusedConvBlock and operator.inc.runs_fused() \
-            and calls_are_forwards((operator,), with_submodules=True)
+            and _runs_fused_forward(getattr(operator, "inc", None)) and calls_are_forwards((operator,), with_submodules=True)
     return compute if proved else None
+
+
+def _runs_fused_forward(block) -> bool:
+    """A FusedConvBlock, or a users' block fused in place whose class's call is still stock's, that
+    runs its fused path now."""
+    if not isinstance(block, FusedConvBlock) or type(block).forward is not FusedConvBlock.forward:
+        return False
+    own = fused_in_place(type(block))
+    return (own is None or stock_block_call(own) is None) and block.runs_fused()
 
 
 @dataclasses.dataclass

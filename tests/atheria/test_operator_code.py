@@ -4,10 +4,12 @@ stock's by its code, every class torch's, qca_lowmem's or recorded. An edited bl
 a class not recorded, torch's code replaced, or state such code keeps between calls: each against
 the users' own run (float64), or a clear refusal naming the cause."""
 
+import copy
 import functools
 import importlib.util
 import itertools
 import os
+import pickle
 import re
 import sys
 from pathlib import Path
@@ -106,7 +108,7 @@ def test_an_edited_block_keeps_the_users_code_and_their_result(caplog):
     trainer = trainer_with(lambda: with_blocks(ScaledBlock))
     with caplog.at_level("INFO", logger="qca_lowmem"):
         qca_lowmem.enable(trainer)
-    assert not any(type(m).__name__ == "FusedConvBlock" for m in trainer.motor.operator.modules())
+    assert not any(isinstance(m, qca_lowmem.FusedConvBlock) for m in trainer.motor.operator.modules())
     assert "ScaledBlock is not code qca_lowmem follows" in said(caplog)[-1]  # neither fused nor probed
     assert_same(losses(trainer), expected)
 
@@ -122,7 +124,7 @@ def test_a_block_class_edited_after_enable_runs_as_written(caplog):
         trainer = trainer_with(lambda: with_blocks(blocks))
         if name == "lowmem":
             qca_lowmem.enable(trainer)
-            assert sum(type(m).__name__ == "FusedConvBlock" for m in trainer.motor.operator.modules()) == 6
+            assert sum(isinstance(m, qca_lowmem.FusedConvBlock) for m in trainer.motor.operator.modules()) == 6
         caplog.clear()
         with caplog.at_level("WARNING", logger="qca_lowmem"):
             runs[name] = losses(trainer, 3, between=lambda b=blocks: setattr(b, "forward", ScaledBlock.forward))
@@ -130,9 +132,40 @@ def test_a_block_class_edited_after_enable_runs_as_written(caplog):
     assert [line for line in said(caplog) if "changed since enable()" in line] == [
         "the call of ConvBlock changed since enable() (its forward (ConvBlock.forward) is not `return "
         "self.conv_block(x)`, which a fused block computes): the episodes run those 6 blocks as written, unfused"]
-    assert not any(type(m).__name__ == "FusedConvBlock" for m in trainer.motor.operator.modules())
+    assert not any(isinstance(m, qca_lowmem.FusedConvBlock) for m in trainer.motor.operator.modules())
     qca_lowmem.disable(trainer)
     assert sum(type(m) is blocks for m in trainer.motor.operator.modules()) == 6
+
+
+class Described(stock.ConvBlock):
+    """Their block with a method of its own (not called by its forward)."""
+
+    def describe(self):
+        return f"{self.conv_block[0].out_channels} channels"
+
+
+def test_the_switch_fuses_their_blocks_in_place(fused_ops_counted):
+    """The very block objects, of their class by isinstance and name, with their methods; the
+    fused op runs in the episode; disable() gives the class back; a deep copy and a pickle of the
+    operator keep them fused (an unpickled one computes the same)."""
+    trainer = trainer_with(lambda: with_blocks(Described))
+    before = [m for m in trainer.motor.operator.modules() if isinstance(m, Described)]
+    qca_lowmem.enable(trainer)
+    now = [m for m in trainer.motor.operator.modules() if isinstance(m, Described)]
+    assert len(before) == 6 and all(a is b for a, b in zip(now, before, strict=True))
+    assert all(isinstance(m, qca_lowmem.FusedConvBlock) and type(m).__name__ == "Described" for m in now)
+    assert now[0].describe() == "4 channels" and repr(trainer.motor.operator).count("Described(") == 6
+    trainer.train_episode(0)
+    assert fused_ops_counted
+    x = torch.randn(1, 4, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        for copied in (copy.deepcopy(trainer.motor.operator), pickle.loads(pickle.dumps(trainer.motor.operator))):
+            assert sum(isinstance(m, qca_lowmem.FusedConvBlock) and isinstance(m, Described)
+                       for m in copied.modules()) == 6
+            assert torch.equal(copied(x), trainer.motor.operator(x))
+    qca_lowmem.disable(trainer)
+    assert all(type(m) is Described for m in before) and not any(
+        isinstance(m, qca_lowmem.FusedConvBlock) for m in trainer.motor.operator.modules())
 
 
 def test_a_block_class_edited_after_an_episode_is_called_as_written_outside_episodes_too():

@@ -10,22 +10,6 @@ import qca_lowmem
 from helpers import randomize_affine
 from qca_lowmem import stock as R
 
-OPS_RUN = []
-
-
-@pytest.fixture
-def fused_ops_counted(monkeypatch):
-    """The fused block's op calls, counted (the eager path calls conv_block_forward)."""
-    from qca_lowmem import blocks
-    OPS_RUN.clear()
-    original = blocks.conv_block_forward
-
-    def counted(*args):
-        OPS_RUN.append(1)
-        return original(*args)
-    monkeypatch.setattr(blocks, "conv_block_forward", counted)
-    return OPS_RUN
-
 
 def _models(kind, recompute="unet"):
     """(stock, fused) in float64: the U-Net, a stock U-Net converted in place, or one block."""

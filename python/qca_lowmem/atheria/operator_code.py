@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .. import _torch_private as torch_private
+from ..blocks import FusedConvBlock, fused_in_place
 from ..ops import stock_block_call
 from .code_identity import NOT_CALLED, followed_class, functions_of, not_recorded
 from .state_drift import code_of, held_callables, hooks_code
@@ -75,9 +76,20 @@ def _owner_verdict(owner: type) -> Optional[str]:
     return f"{module}.{owner.__qualname__} is not code qca_lowmem follows" + (f" ({why})" if why else "")
 
 
+def _runs_as(cls: type) -> type:
+    """The class whose code a call of an instance of `cls` runs: for a users' block fused in place,
+    FusedConvBlock's while their class's call is stock's (its forward checks that at each call),
+    else theirs."""
+    own = fused_in_place(cls)
+    if own is None:
+        return cls
+    return FusedConvBlock if stock_block_call(own) is None else own
+
+
 def class_unfollowed(cls: type, judged: Optional[dict] = None) -> Optional[str]:
     """None when a call of an instance of `cls` runs only code qca_lowmem follows, else what it does
     not follow. `judged`: the verdicts of the classes of its MRO already judged in this walk."""
+    cls = _runs_as(cls)
     if stock_block_call(cls) is None:
         return None
     judged = {} if judged is None else judged
@@ -128,7 +140,7 @@ def unfollowed_code(operator: nn.Module) -> Tuple[List[Tuple[str, object]], Opti
     its forward hooks (theirs and the global ones), or None where it runs only followed code and no
     hook)."""
     modules = _modules(operator)
-    owners = {owner for cls in {type(m) for m in modules} if stock_block_call(cls) is not None
+    owners = {owner for cls in {_runs_as(type(m)) for m in modules} if stock_block_call(cls) is not None
               for owner in cls.__mro__ if owner is not object and _owner_verdict(owner) is not None}
     hook_holders, hook_functions = hooks_code(torch_private.forward_hooks(modules))
     holders = [(type(operator).__name__, operator)] + hook_holders

@@ -60,7 +60,7 @@ class Options:
         "(emulated there) becomes fp16 with the loss scaler, with a warning.",
         "one of None, 'fp32', 'bf16', 'fp16' (or a torch dtype)", _is_amp_dtype, lowmem_key=True, positional=True)
     fused_blocks: bool = option(
-        True, "convert the operator's ConvBlocks to FusedConvBlock in place (same Parameters).",
+        True, "fuse the operator's ConvBlocks in place (the same modules and Parameters).",
         lowmem_key=True, positional=True)
     # slots and budget: their ranges, and which checkpoint reads them, are Policy.of's
     slots: Optional[int] = option(
