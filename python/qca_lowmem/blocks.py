@@ -124,6 +124,10 @@ class _FusedInPlace(FusedConvBlock):
     stands_for: type
     recompute = True
 
+    def __new__(cls, *args, **kwargs):
+        # A block made from type(block) (a fresh one of theirs in its place) is made by their class.
+        return cls.stands_for(*args, **kwargs)
+
     def extra_repr(self) -> str:
         return type(self).stands_for.extra_repr(self)
 
@@ -152,10 +156,11 @@ def _new_fused_in_place(own: type) -> nn.Module:
 def fuse_in_place(block: nn.Module) -> bool:
     """Fuse the users' `block` (a stock-shaped ConvBlock, `unet.stock_block_mismatch`) without
     replacing it: its class becomes a subclass of FusedConvBlock and of its own, with their class's
-    name. False where Python refuses the swap (their class defines __slots__)."""
+    name. False where Python refuses the swap (their class defines __slots__: "object layout
+    differs"; its metaclass refuses the subclass), and the block stays theirs, unfused."""
     try:
         block.__class__ = _fused_class(type(block))
-    except TypeError:  # "object layout differs"
+    except TypeError:
         return False
     return True
 
