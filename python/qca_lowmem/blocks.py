@@ -85,7 +85,7 @@ class FusedConvBlock(nn.Module):
         """`keep_intermediates` overrides the block's own choice (for callers that recompute
         around the block themselves); None: keep them when `recompute` is False or inside
         `keep_block_intermediates()`."""
-        own = type(self).__dict__.get("stands_for")  # a users' block fused in place: its own class
+        own = getattr(type(self), "stands_for", None)  # a users' block fused in place: its own class
         if own is not None and not vars(self).get(_PROVED) and stock_block_call(own) is not None:
             return own.forward(self, x)  # their class edited since it was proved: its forward, as written
         if not self.runs_fused():
@@ -124,9 +124,9 @@ class _FusedInPlace(FusedConvBlock):
     stands_for: type
     recompute = True
 
-    def __new__(cls, *args, **kwargs):
-        # A block made from type(block) (a fresh one of theirs in its place) is made by their class.
-        return cls.stands_for(*args, **kwargs)
+    def __init__(self, *args, **kwargs):
+        # A block made from type(block) (a fresh one in its place) is made as their class makes it.
+        type(self).stands_for.__init__(self, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return type(self).stands_for.extra_repr(self)

@@ -146,7 +146,7 @@ class Described(stock.ConvBlock):
 
 def test_the_switch_fuses_their_blocks_in_place(fused_ops_counted):
     """The very block objects, of their class by isinstance and name, with their methods (and
-    type(block) makes one of theirs); the fused op runs in the episode; disable() gives the class
+    type(block) makes one as theirs does); the fused op runs in the episode; disable() gives the class
     back; a deep copy and a pickle of the operator keep them fused (and compute the same)."""
     trainer = trainer_with(lambda: with_blocks(Described))
     before = [m for m in trainer.motor.operator.modules() if isinstance(m, Described)]
@@ -155,7 +155,8 @@ def test_the_switch_fuses_their_blocks_in_place(fused_ops_counted):
     assert len(before) == 6 and all(a is b for a, b in zip(now, before, strict=True))
     assert all(isinstance(m, qca_lowmem.FusedConvBlock) and type(m).__name__ == "Described" for m in now)
     assert now[0].describe() == "4 channels" and repr(trainer.motor.operator).count("Described(") == 6
-    assert type(type(now[0])(4, 8)) is Described  # a fresh block made from its class is theirs
+    fresh = type(now[0])(4, 8)  # a fresh block made from its class, as theirs makes it
+    assert isinstance(fresh, Described) and fresh.describe() == "8 channels"
     trainer.train_episode(0)
     assert fused_ops_counted
     x = torch.randn(1, 4, 8, 8, dtype=torch.float64)
