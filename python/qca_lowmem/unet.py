@@ -166,7 +166,8 @@ def input_dtype(operator: nn.Module, psi: torch.Tensor) -> Optional[torch.dtype]
     rounding is the cast's, bit for bit, and the cast's copy and its gradient's are spared. Proved
     for qca_lowmem's UNetUnitary running fused and for a module whose forward is stock
     UNetUnitary's by its code, each with `inc` a FusedConvBlock (or a block fused in place) running
-    fused (its first act is the cast) and no hook that could see x. None elsewhere: the pack writes its own float32."""
+    fused (its first act is the cast) and no hook that could see x. None elsewhere: the pack writes
+    its own float32."""
     if psi.dtype != torch.complex64 or torch.compiler.is_compiling():
         return None  # a float64 input is not cast (autocast leaves it), and compiled code is not proved
     compute = autocast_dtype(psi.device.type)
@@ -177,7 +178,8 @@ def input_dtype(operator: nn.Module, psi: torch.Tensor) -> Optional[torch.dtype]
         proved = operator.runs_fused()
     else:
         proved = stock_forward_call(cls, stock.UNetUnitary.forward, ("inc",), "stock UNetUnitary's") is None \
-            and _runs_fused_forward(getattr(operator, "inc", None)) and calls_are_forwards((operator,), with_submodules=True)
+            and _runs_fused_forward(getattr(operator, "inc", None)) \
+            and calls_are_forwards((operator,), with_submodules=True)
     return compute if proved else None
 
 

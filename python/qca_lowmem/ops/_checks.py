@@ -4,8 +4,6 @@ A CPU or CUDA tensor mixed with a meta tensor dispatches to the Meta kernel, whi
 kernel: without these checks it would hand back uninitialised memory on the other device.
 """
 
-from typing import Optional
-
 import torch
 
 from .. import _torch_private as torch_private
@@ -38,16 +36,13 @@ def check_one_device(tensors, list_name: str, op: str) -> None:
                              f"from {list_name}[0]); {list_name}[{i}] is {describe(t)}")
 
 
-def refuse_func_transforms(op: str, *tensors: torch.Tensor, module: Optional[torch.nn.Module] = None) -> None:
+def refuse_func_transforms(op: str, *tensors: torch.Tensor) -> None:
     """torch.func transforms (grad, vmap, jvp, ...) cannot run our ops' autograd, and torch says so
-    without naming the op: say which op and what works instead. `module`'s parameters are checked
-    too, walked only under a transform (a walk costs more than a small block's kernels)."""
+    without naming the op: say which op and what works instead."""
     if torch.compiler.is_compiling():
         return  # compiled graphs see no functorch wrappers; the call would break fullgraph
     if not torch_private.functorch_transforms_active():
         return  # a tensor is wrapped only while its transform runs
-    if module is not None:
-        tensors = (*tensors, *module.parameters())
     if any(torch_private.is_functorch_wrapped(t) for t in tensors if isinstance(t, torch.Tensor)):
         raise RuntimeError(
             f"{op}: torch.func transforms (grad, vmap, jvp, jacrev, ...) are not supported through qca_lowmem's "
