@@ -1,8 +1,8 @@
-"""enable(channels_last=True): the operator's weights (the same Parameters) and the fused pack in
-NHWC, episodes equal to NCHW's within rounding (float64), disable() back to NCHW; refused where
-the step it needs is not the fused one. Unset: on where precision.gpu_prefers_nhwc says (GPUs
-faked here: the rule reads the compute capability, the name and the compute dtype) and the
-operator gets the fused step, off elsewhere (the CPU included)."""
+"""enable(channels_last=True): the operator's weights in NHWC (the same Parameters; the fused pack
+is NHWC either way), episodes equal to NCHW weights' within rounding (float64), disable() back to
+NCHW; refused where the step it needs is not the fused one. Unset: on where
+precision.gpu_prefers_nhwc says (GPUs faked here: the rule reads the compute capability, the name
+and the compute dtype) and the operator gets the fused step, off elsewhere (the CPU included)."""
 
 import numpy
 import pytest
@@ -48,12 +48,8 @@ def test_channels_last_episodes_equal_nchw_and_disable_puts_the_layout_back(capl
     assert list(nhwc.motor.operator.parameters()) == params  # the same Parameter objects
     assert all(w.is_contiguous(memory_format=torch.channels_last) for w in weights)
     assert any(not w.is_contiguous() for w in weights)  # a 1x1 kernel's layouts coincide; a 3x3's do not
-    layouts = []
-    nhwc.motor.operator.register_forward_pre_hook(
-        lambda module, args: None if qca_lowmem.recomputing() else layouts.append(
-            args[0].is_contiguous(memory_format=torch.channels_last) and not args[0].is_contiguous()))
     (expected, expected_weights), (actual, actual_weights) = episodes(nchw), episodes(nhwc)
-    assert layouts and all(layouts)  # the fused pack writes NHWC
+    assert nhwc._qca_lowmem_state.fused is not None  # the fused step ran (test_operator_layouts.py: its pack)
     for (loss, _, psi), (loss_cl, _, psi_cl) in zip(expected, actual, strict=True):
         assert loss_cl == pytest.approx(loss, rel=1e-10, abs=0)
         assert (psi_cl - psi).abs().max() <= 1e-10
@@ -72,7 +68,7 @@ def test_channels_last_is_off_by_default_on_the_cpu_and_refused_without_the_fuse
         qca_lowmem.enable(other, channels_last=True, fused_step_ops=False)
     with_memory = QC_Trainer_v4(make_config(grid=8, d_state=2, hidden=4, qca_steps=2), state_object=True,
                                 operator=make_operator("convlstm", 2, 4), memory=True)
-    with pytest.raises(ValueError, match=r"on an engine without memory: .* a ConvLSTM's memory, are NCHW"):
+    with pytest.raises(ValueError, match=r"on an engine without memory, the step whose layouts it sets"):
         qca_lowmem.enable(with_memory, channels_last=True)
     with pytest.raises(ValueError, match=r"channels_last must be True, False or None \(on where it measured faster\), got 'yes'"):
         qca_lowmem.enable(other, channels_last="yes")

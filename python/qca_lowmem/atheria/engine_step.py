@@ -42,6 +42,12 @@ from .say import say
 from .state_drift import code_of, own_classes
 from .user_modules import compiled_module
 
+# The fused packs lay the operator's input out as the engine's own pack does (torch.cat of the
+# permuted real and imaginary parts: NHWC at every shape), so that the operator computes on the
+# layouts stock's does: a draw made element by element in memory order (a Dropout) then lands
+# where stock's lands, and the convolutions take the inputs stock gives them.
+PACKS_NHWC = True
+
 
 def has_memory(motor) -> bool:
     """Whether the engine runs its operator with memory; refuses what cannot be read."""
@@ -169,7 +175,7 @@ class FusedMemoryStep(_LiveStep):
         operator, multiplicative = current_operator(self.motor)
         gamma = self.gamma()
         h, c = (m.detach() if m is not None else None for m in memory)
-        out = operator(qca_pack(psi), h, c)
+        out = operator(qca_pack(psi, channels_last=PACKS_NHWC), h, c)
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise TypeError(f"{type(operator).__name__} on an engine with has_memory=True must return (delta, h, c), "
                             f"it returned {type(out).__name__}")
@@ -191,12 +197,7 @@ def current_operator(motor):
 
 class FusedEngineStep(_LiveStep):
     """motor.evolve_step on the fused pack/update, calling the engine's operator of the moment; a
-    value holding the engine (a copy of the trainer or of the engine steps its own). With
-    `channels_last` the pack writes NHWC."""
-
-    def __init__(self, motor, channels_last: bool = False, side_state: bool = False):
-        super().__init__(motor, side_state)
-        self.channels_last = channels_last
+    value holding the engine (a copy of the trainer or of the engine steps its own)."""
 
     def __call__(self, psi):
         own = self.engine_changed()
@@ -205,7 +206,7 @@ class FusedEngineStep(_LiveStep):
         operator, multiplicative = current_operator(self.motor)
         gamma = self.gamma()
         recorded = (lambda delta: self.record(psi, delta, gamma, multiplicative)) if self.side_state else None
-        return fused_step_once(operator, psi, gamma, multiplicative, self.channels_last, recorded,
+        return fused_step_once(operator, psi, gamma, multiplicative, PACKS_NHWC, recorded,
                                pack_dtype=input_dtype(operator, psi))
 
 
@@ -314,11 +315,10 @@ def own_step_verdict(motor, fused_step_ops: bool, grid=None, d_state: Optional[i
     return why
 
 
-def lowmem_steps(motor, fused: bool, grid=None, d_state: Optional[int] = None, channels_last: bool = False):
+def lowmem_steps(motor, fused: bool, grid=None, d_state: Optional[int] = None):
     """(the engine's evolve_step for enable() to install, or None to keep the engine's own; the
     carried step(psi, (h, c)) the episode rolls out for an engine with memory, else None), on an
-    engine own_step_verdict passed. `fused`: the fused step (proved by the probe here);
-    `channels_last`: its pack writes NHWC (an engine without memory)."""
+    engine own_step_verdict passed. `fused`: the fused step (proved by the probe here)."""
     memory = has_memory(motor)
     if not fused:
         return None, (EngineMemoryStep(motor) if memory else None)
@@ -329,7 +329,7 @@ def lowmem_steps(motor, fused: bool, grid=None, d_state: Optional[int] = None, c
     side_state = engine_kind(motor) == "CartesianEngine"
     with torch_private.module_hooks_set_aside(compiled_module(operator)):
         if not memory:
-            step = FusedEngineStep(motor, channels_last, side_state)
+            step = FusedEngineStep(motor, side_state)
             check_engine_step(motor, step, None, shape, dtype, multiplicative)
             return step, None
         carried = FusedMemoryStep(motor, side_state)
@@ -397,4 +397,4 @@ def _probe_input(operator, shape, dtype):
     parameter = next(operator.parameters())
     draw = torch.Generator().manual_seed(0)
     psi = torch.randn(shape, dtype=dtype, generator=draw).to(parameter.device)
-    return qca_pack(psi, parameter.dtype)
+    return qca_pack(psi, parameter.dtype, channels_last=PACKS_NHWC)

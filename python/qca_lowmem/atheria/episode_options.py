@@ -38,7 +38,7 @@ class EpisodeOptions:
     fused_step_ops: bool  # the fused step installed: asked for, and the engine's verdict
     own_step: Optional[str]  # why the engine's own step and blocks run although fused ones were asked for
     fused_blocks: bool
-    channels_last: bool  # the operator's weights and the fused pack NHWC
+    channels_last: bool  # the operator's weights NHWC
     cuda_graph: bool  # whether the steps run as captured graphs
     cuda_graph_said: str  # what enable()'s line says of it: "cuda_graph", "cuda_graph off", or "" off CUDA
     noise_said: str  # what enable()'s line says of noise="fused" ("" for the trainer's own noise)
@@ -78,7 +78,7 @@ def _resolved_channels_last(channels_last: Optional[bool], fused_step_ops: bool,
     verdict `own_step`) is refused."""
     if channels_last and (not fused_step_ops or memory):
         raise ValueError("enable(): channels_last needs the fused step (fused_step_ops=True) on an engine without "
-                         "memory: the engine's own pack, and a ConvLSTM's memory, are NCHW")
+                         "memory, the step whose layouts it sets")
     if channels_last and own_step is not None:  # NHWC convolutions round differently as well
         raise ValueError(f"enable(): channels_last=True needs the fused step, which this operator does not get.\n"
                          f"{own_step}; leave channels_last off")

@@ -127,8 +127,9 @@ class Options:
         "overridden), at your own risk: what yours does differently is dropped. enable()'s line says so. False "
         "(the default) refuses such a trainer.")
     channels_last: Optional[bool] = option(
-        None, "the operator's weights (in place, the same Parameters) and the fused pack in NHWC, so cuDNN's "
-        "convolutions need no layout conversion; the same function (float64 within rounding of NCHW). None (the "
+        None, "the operator's weights in NHWC (in place, the same Parameters), as the fused pack writes its input "
+        "(the engine's own pack does too), so cuDNN's convolutions need no layout conversion; the same function "
+        "(float64 within rounding of NCHW weights). None (the "
         "default): on for a CUDA operator whose convolutions run on Tensor Cores (precision.gpu_prefers_nhwc; "
         "measured faster on an H200, docs/benchmarks.md) when it gets the fused step on an engine without "
         "memory, off elsewhere (the CPU included); enable()'s line names it when on. True needs the fused step "

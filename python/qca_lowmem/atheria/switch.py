@@ -292,8 +292,7 @@ def enable(trainer, *args, **kwargs):
     options = resolve_options(trainer, version, given, theirs=origin is not None and origin.startswith(ATHERIA))
     # Everything that can fail is decided before the trainer changes.
     new_scaler = lowmem_scaler_for(trainer, scales_for_fp16(options)) if given.lowmem_scaler else None
-    evolve_step, memory_step = lowmem_steps(trainer.motor, options.fused_step_ops, options.grid, options.d_state,
-                                            options.channels_last)
+    evolve_step, memory_step = lowmem_steps(trainer.motor, options.fused_step_ops, options.grid, options.d_state)
     undo = _Undo(motor=trainer.motor)
     if options.fused_blocks:
         undo.blocks = swap_in(trainer.motor.operator)
