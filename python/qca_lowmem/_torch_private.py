@@ -29,6 +29,7 @@ REQUIRED = [
     ("torch.nn.modules.module", "_global_forward_hooks"),
     ("torch.nn.modules.module", "_global_forward_pre_hooks"),
     ("torch._C", "_are_functorch_transforms_active"),
+    ("torch.autograd.forward_ad", "_current_level"),
     ("torch._C", "_dispatch_has_kernel_for_dispatch_key"),
     ("torch._C._functorch", "is_functorch_wrapped_tensor"),
     ("torch._C._autograd", "_get_current_graph_task_keep_graph"),
@@ -191,6 +192,12 @@ def dispatch_disabled():
 
 def functorch_transforms_active() -> bool:
     return torch._C._are_functorch_transforms_active()
+
+
+def forward_ad_active() -> bool:
+    """Whether a forward-mode AD level is open (torch.autograd.forward_ad.dual_level), where tensors
+    may carry tangents that qca_lowmem's ops have no rule for."""
+    return torch.autograd.forward_ad._current_level >= 0
 
 
 def is_functorch_wrapped(tensor: torch.Tensor) -> bool:

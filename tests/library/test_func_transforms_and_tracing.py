@@ -1,10 +1,12 @@
-"""torch.func transforms (vmap, jacrev, jvp, grad) and torch.jit tracing through qca_lowmem's
-modules and rollout: the fused block and U-Net run their stock layers under either (the transform
-gets stock's answer, to the bit, the trace stock's ops; outside, they run fused again), the op
-wrappers name themselves under a transform, and rollout refuses one."""
+"""torch.func transforms (vmap, jacrev, jvp, grad), forward-mode AD (torch.autograd.forward_ad)
+and torch.jit tracing through qca_lowmem's modules and rollout: the fused block and U-Net run their
+stock layers under any (the transform gets stock's answer, to the bit, the trace stock's ops;
+outside, they run fused again), the op wrappers name themselves under a transform or given dual
+tensors, and rollout refuses both."""
 
 import pytest
 import torch
+from torch.autograd import forward_ad
 
 import qca_lowmem
 from helpers import randomize_affine
@@ -40,10 +42,17 @@ def _transforms(model, x):
         "jacrev": lambda: torch.func.jacrev(model)(x[:1, :, :4, :4]),
         "jvp": lambda: torch.func.jvp(model, (x,), (torch.ones_like(x),)),
         "grad": lambda: torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).square().sum())(params),
+        "forward_ad": lambda: _dual_forward(model, x),
     }
 
 
-@pytest.mark.parametrize("transform", ["vmap", "jacrev", "jvp", "grad"])
+def _dual_forward(model, x):
+    """torch.autograd.forward_ad's JVP of the model at x along ones: (output, tangent)."""
+    with forward_ad.dual_level():
+        return tuple(forward_ad.unpack_dual(model(forward_ad.make_dual(x, torch.ones_like(x)))))
+
+
+@pytest.mark.parametrize("transform", ["vmap", "jacrev", "jvp", "grad", "forward_ad"])
 @pytest.mark.parametrize("kind,recompute", [("unet", "unet"), ("unet", "blocks"), ("unet", "none"),
                                             ("converted", None), ("block", None)])
 def test_a_transform_of_the_fused_modules_gets_stocks_answer(kind, recompute, transform, fused_ops_counted):
@@ -61,18 +70,32 @@ def test_a_transform_of_the_fused_modules_gets_stocks_answer(kind, recompute, tr
     assert fused_ops_counted, "the module no longer runs fused outside the transform"
 
 
-@pytest.mark.parametrize("name", ["qca_pack", "qca_update", "phase_flip", "groupnorm_elu"])
-def test_torch_func_through_an_op_names_the_op(name):
+def _op_call(name):
+    """(a scalar function of one argument calling the op, that argument)."""
     psi = R.initial_state(1, 8, 2, "cpu")
     x = torch.randn(1, 4, 8, 8)
-    function, argument = {
+    return {
         "qca_pack": (lambda p: qca_lowmem.qca_pack(p).sum(), psi),
         "qca_update": (lambda d: qca_lowmem.qca_update(psi, d).abs().sum(), x),
         "phase_flip": (lambda p: qca_lowmem.phase_flip(p, 0.5, 1, 1).abs().sum(), psi),
         "groupnorm_elu": (lambda y: qca_lowmem.groupnorm_elu(y, torch.ones(4), torch.zeros(4), 2).sum(), x),
     }[name]
+
+
+@pytest.mark.parametrize("name", ["qca_pack", "qca_update", "phase_flip", "groupnorm_elu"])
+def test_torch_func_through_an_op_names_the_op(name):
+    function, argument = _op_call(name)
     with pytest.raises(RuntimeError, match=rf"qca_lowmem.{name}: torch.func transforms .* not supported"):
         torch.func.grad(function)(argument)
+
+
+@pytest.mark.parametrize("name", ["qca_pack", "qca_update", "phase_flip", "groupnorm_elu"])
+def test_a_dual_tensor_through_an_op_names_the_op(name):
+    function, argument = _op_call(name)
+    with forward_ad.dual_level():
+        function(argument)  # no tangent: the op runs
+        with pytest.raises(RuntimeError, match=rf"qca_lowmem.{name}: forward-mode AD .* not supported"):
+            function(forward_ad.make_dual(argument, torch.ones_like(argument)))
 
 
 @pytest.mark.parametrize("checkpoint", ["none", "step", "revolve", "auto"])
@@ -87,6 +110,17 @@ def test_rollout_inside_a_transform_refuses_naming_itself(checkpoint, transform)
     run = torch.func.vmap(episode) if transform == "vmap" else torch.func.grad(episode)
     with pytest.raises(RuntimeError, match=r"^rollout: called inside a torch.func transform"):
         run(torch.randn(2, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("checkpoint", ["none", "step", "revolve", "auto"])
+def test_rollout_inside_a_forward_ad_level_refuses_naming_itself(checkpoint):
+    options = {"revolve": dict(slots=2), "auto": dict(budget=10**6)}.get(checkpoint, {})
+    psi = torch.randn(2, 4, dtype=torch.float64)
+    with forward_ad.dual_level():
+        with pytest.raises(RuntimeError, match=r"^rollout: called inside a forward-mode AD level"):
+            qca_lowmem.rollout(lambda s: 0.9 * s + s.sin(), forward_ad.make_dual(psi, torch.ones_like(psi)), 3,
+                               checkpoint=checkpoint, **options)
+    qca_lowmem.rollout(lambda s: 0.9 * s + s.sin(), psi, 3, checkpoint=checkpoint, **options)  # outside, it runs
 
 
 @pytest.mark.parametrize("kind,recompute", [("unet", "unet"), ("unet", "none"), ("converted", None), ("block", None)])

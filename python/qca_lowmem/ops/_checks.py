@@ -5,6 +5,7 @@ kernel: without these checks it would hand back uninitialised memory on the othe
 """
 
 import torch
+from torch.autograd import forward_ad
 
 from .. import _torch_private as torch_private
 
@@ -41,6 +42,11 @@ def refuse_func_transforms(op: str, *tensors: torch.Tensor) -> None:
     without naming the op: say which op and what works instead."""
     if torch.compiler.is_compiling():
         return  # compiled graphs see no functorch wrappers; the call would break fullgraph
+    if torch_private.forward_ad_active() and any(
+            isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise RuntimeError(
+            f"{op}: forward-mode AD (torch.autograd.forward_ad's dual tensors) is not supported through "
+            "qca_lowmem's ops; use qca_lowmem.stock's plain-torch step for the tangent")
     if not torch_private.functorch_transforms_active():
         return  # a tensor is wrapped only while its transform runs
     if any(torch_private.is_functorch_wrapped(t) for t in tensors if isinstance(t, torch.Tensor)):

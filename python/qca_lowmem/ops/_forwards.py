@@ -137,12 +137,14 @@ def _name(obj) -> str:
 def stands_for_stock() -> bool:
     """Whether the caller's context lets a fused path stand for the stock ops: foreign_context()
     finds nothing (one read of each mode stack and of the innermost pack hook), and neither a
-    torch.func transform (vmap, grad, jvp, jacrev, ...), which has no rule for qca_lowmem's ops,
-    nor torch.jit tracing (and the ONNX export built on it), which would record them, runs: under
-    either, the fused block and U-Net and the switch's step run the stock layers, as stock would."""
+    torch.func transform (vmap, grad, jvp, jacrev, ...) nor a forward-mode AD level
+    (torch.autograd.forward_ad), which have no rule for qca_lowmem's ops, nor torch.jit tracing
+    (and the ONNX export built on it), which would record them, runs: under any, the fused block
+    and U-Net and the switch's step run the stock layers, as stock would."""
     if torch.compiler.is_compiling():  # the compiled graph's ops are the compiler's (foreign_context's reads too)
         return True
-    return not (torch_private.functorch_transforms_active() or torch.jit.is_tracing()) and foreign_context() is None
+    return not (torch_private.functorch_transforms_active() or torch_private.forward_ad_active()
+                or torch.jit.is_tracing()) and foreign_context() is None
 
 
 class _Checked(threading.local):

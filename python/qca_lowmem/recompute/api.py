@@ -127,6 +127,11 @@ def rollout(
             "(a probe of its first steps, an autograd Function, recomputes in backward) cannot run: inside the "
             "transform, loop the step yourself (`for t in range(steps): psi = step_fn(psi)`), or take the "
             "episode's gradients with loss.backward() or torch.autograd.grad")
+    if torch_private.forward_ad_active():
+        raise RuntimeError(
+            "rollout: called inside a forward-mode AD level (torch.autograd.forward_ad.dual_level), whose "
+            "tangents its episode (an autograd Function, recomputes in backward) cannot carry: inside the level, "
+            "loop the step yourself (`for t in range(steps): psi = step_fn(psi)`)")
     carried = carry is not None
     state0 = State(psi0, checked_carry(carry, "carry") if carried else ())
     unit = StepUnit(step_fn, noise, carried)
