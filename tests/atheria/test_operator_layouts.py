@@ -21,22 +21,30 @@ POLICIES = {"none": dict(checkpoint="none"), "step": dict(checkpoint="step"),
             "revolve": dict(checkpoint="revolve", slots=2), "auto": dict(checkpoint="auto", budget=0)}
 
 
-# Where a researcher puts the Dropout: (the family, the nn.Sequential it is appended to).
-PLACES = {"in a block": ("unet_groupnorm", lambda operator: operator.inc.conv_block),
-          "after a fused block": ("unet_groupnorm", lambda operator: operator.down1),  # pool, block, dropout
-          "in a block, with memory": ("convlstm", lambda operator: operator.inc.conv_block),
-          "in an MLP": ("mlp", lambda operator: operator.net)}
+def _after(name):
+    """The operator's layer `name` followed by torch's Dropout."""
+    def put(operator):
+        setattr(operator, name, nn.Sequential(getattr(operator, name), nn.Dropout(0.3)))
+    return put
 
 
-def episodes(trainer, layers_of, dropout_at):
-    """Three episodes, torch's Dropout appended to `layers_of(operator)` before episode `dropout_at`
-    (None: never here)."""
+# Where a researcher puts torch's Dropout: (the family, the edit).
+PLACES = {"in a block": ("unet_groupnorm", lambda operator: operator.inc.conv_block.append(nn.Dropout(0.3))),
+          "after a fused block": ("unet_groupnorm", lambda operator: operator.down1.append(nn.Dropout(0.3))),
+          "after the up-convolution": ("unet_groupnorm", _after("up1")),
+          "on delta": ("unet_groupnorm", _after("outc")),
+          "in a block, with memory": ("convlstm", lambda operator: operator.inc.conv_block.append(nn.Dropout(0.3))),
+          "in an MLP": ("mlp", lambda operator: operator.net.append(nn.Dropout(0.3)))}
+
+
+def episodes(trainer, put_dropout, dropout_at):
+    """Three episodes, `put_dropout(operator)` run before episode `dropout_at` (None: never here)."""
     torch.manual_seed(99)
     numpy.random.seed(99)
     per_episode = []
     for e in range(3):
         if e == dropout_at:
-            layers_of(trainer.motor.operator).append(nn.Dropout(0.3))
+            put_dropout(trainer.motor.operator)
         loss, _, psi = trainer.train_episode(e)
         per_episode.append((loss, psi, memory(trainer)))
     params = list(trainer.motor.operator.named_parameters())
@@ -47,19 +55,19 @@ def episodes(trainer, layers_of, dropout_at):
 @pytest.mark.parametrize("when", ["before enable()", "between episodes"])
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_a_dropout_in_the_operator_draws_stocks_masks(place, when, policy):
-    family, layers_of = PLACES[place]
+    family, put_dropout = PLACES[place]
 
     def trainer():
         operator = make_operator(family, D_STATE, HIDDEN)
         if when == "before enable()":
-            layers_of(operator).append(nn.Dropout(0.3))
+            put_dropout(operator)
         return make_trainer(family, operator)
 
     dropout_at = None if when == "before enable()" else 1
-    expected = episodes(trainer(), layers_of, dropout_at)
+    expected = episodes(trainer(), put_dropout, dropout_at)
     switched = qca_lowmem.enable(trainer(), **POLICIES[policy])
     assert switched._qca_lowmem_state.fused is not None  # the fused step runs, not the engine's own
-    assert_same_run(episodes(switched, layers_of, dropout_at), expected)
+    assert_same_run(episodes(switched, put_dropout, dropout_at), expected)
 
 
 @pytest.mark.parametrize("family", ["unet_groupnorm", "convlstm"])
