@@ -18,7 +18,9 @@ def qca_pack(psi: torch.Tensor, dtype: Optional[torch.dtype] = None, *, channels
     """Stock step 1 in one pass: complex (B, H, W, d) -> real (B, 2d, H, W), real parts first.
 
     `dtype` casts in the same pass (default: the state's real type); `channels_last` picks the
-    output layout. Differentiable; backward saves nothing.
+    output layout (stock's torch.cat comes out NHWC: an op of the model drawing element by element
+    in memory order, a Dropout, draws stock's numbers only on that layout). Differentiable;
+    backward saves nothing.
     """
     refuse_func_transforms("qca_lowmem.qca_pack", psi)
     return call_unwatched(_lib.qca_pack, (psi,), dtype, channels_last)
