@@ -100,3 +100,51 @@ def test_a_compiled_train_episode_runs_the_lowmem_episode_eagerly(checkpoint):
     losses, weights, calls = run(compiled)
     assert calls == 0 and losses == eager_losses
     assert all(torch.equal(w, e) for w, e in zip(weights, eager_weights))
+
+
+def with_dropout(trainer):
+    """torch's Dropout appended to the operator's first block (its module's, when compiled)."""
+    getattr(trainer.motor.operator, "_orig_mod", trainer.motor.operator).inc.conv_block.append(torch.nn.Dropout(0.3))
+    return trainer
+
+
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2), ("auto", None)])
+def test_a_compiled_operator_that_draws_is_refused_where_the_episode_recomputes(checkpoint, slots):
+    """Its compiled code draws other random numbers than its module run eagerly, which the fused
+    step runs (torch's inductor, as their pipeline compiles); the engine's own step would run it
+    as two compiled graphs. Refused naming the layer; checkpoint='none' runs the engine's own step,
+    the compiled one, as stock does."""
+    trainer = with_dropout(make_trainer())
+    trainer.motor.compile_model()
+    options = dict(slots=slots) if slots else dict(budget=0) if checkpoint == "auto" else {}
+    with pytest.raises(TypeError, match=r"inc\.conv_block\.6 \(Dropout\) draws random numbers, which OptimizedModule"):
+        qca_lowmem.enable(trainer, checkpoint=checkpoint, **options)
+    assert not hasattr(trainer, "_qca_lowmem_state")
+
+
+def test_a_compiled_operator_that_draws_takes_the_engines_own_step_without_recompute(caplog):
+    caplog.set_level("INFO", logger="qca_lowmem")
+    stock, trainer = with_dropout(make_trainer()), with_dropout(make_trainer())
+    for each in (stock, trainer):
+        each.motor.compile_model()
+    qca_lowmem.enable(trainer, checkpoint="none")
+    assert "the engine's own step and blocks: " in caplog.records[-1].getMessage()
+    (losses, weights, calls), (stock_losses, stock_weights, stock_calls) = run(trainer), run(stock)
+    assert calls == stock_calls > 0 and losses == stock_losses
+    assert all(torch.equal(w, s) for w, s in zip(weights, stock_weights))
+
+
+def test_a_draw_put_in_a_compiled_operator_after_enable_is_refused_by_the_recomputing_episode(caplog):
+    """The episode after it would fall back to the engine's own step, the compiled graphs twice."""
+    trainer = make_trainer()
+    trainer.motor.compile_model()
+    qca_lowmem.enable(trainer, checkpoint="step")
+    torch._dynamo.reset()
+    trainer.train_episode(0)
+    with_dropout(trainer)
+    weights = [p.detach().clone() for p in trainer.model_operator.parameters()]
+    with pytest.raises(RuntimeError, match=r"^qca_lowmem: the episode runs the engine's own step now, which would run "
+                                           r"OptimizedModule .* checkpoint='none'"):
+        trainer.train_episode(1)
+    assert all(torch.equal(p, w) for p, w in zip(trainer.model_operator.parameters(), weights))  # nothing trained
+    assert any("(Dropout) draws random numbers" in r.getMessage() for r in caplog.records)

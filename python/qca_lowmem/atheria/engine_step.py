@@ -37,15 +37,13 @@ from .discontinuity import discontinuity
 from .engine_probe import check_engine_state, check_engine_step, probe_shape
 from .engine_state import SideStateRead
 from .fused_blocks import still_stock
-from .operator_code import first_hook, operator_unfollowed
+from .operator_code import compiled_draws, first_hook, operator_unfollowed
 from .say import say
 from .state_drift import code_of, own_classes
 from .user_modules import compiled_module
 
-# The fused packs lay the operator's input out as the engine's own pack does (torch.cat of the
-# permuted real and imaginary parts: NHWC at every shape), so that the operator computes on the
-# layouts stock's does: a draw made element by element in memory order (a Dropout) then lands
-# where stock's lands, and the convolutions take the inputs stock gives them.
+# The fused packs lay the operator's input out as the engine's own (torch.cat of the permuted parts:
+# NHWC at every shape), so a Dropout's mask, drawn in memory order, lands where stock's lands.
 PACKS_NHWC = True
 
 
@@ -295,6 +293,8 @@ def own_step_verdict(motor, fused_step_ops: bool, grid=None, d_state: Optional[i
         why = unknown_engine(motor)
     elif unfollowed is not None:
         why = f"{unfollowed}, so it is not called to check its ops (a call could move state it keeps outside its tensors)"
+    elif fused_step_ops and compiled_draws(operator) is not None:
+        why = compiled_draws(operator)
     elif fused_step_ops:
         shape, dtype = probe_shape(motor, grid, d_state)
         with torch_private.module_hooks_set_aside(compiled_module(operator)):  # stock calls no hook here
@@ -372,7 +372,7 @@ class EngineIdentity:
                 say(logging.WARNING, f"{type(motor).__name__}'s step changed since enable() ({unknown_engine(motor)}): "
                                      "the episodes run the engine's own step")
         else:
-            why = self.operator_differs(compiled_module(motor.operator))
+            why = self.operator_differs(motor.operator)
             if why is None:
                 self.why_said = None
                 return None
@@ -384,16 +384,16 @@ class EngineIdentity:
         return getattr(type(motor), "evolve_step").__get__(motor, type(motor))
 
     def operator_differs(self, operator) -> Optional[str]:
-        """Why calling `operator` is not what the fused step was proved on (another module, a hook, code
-        qca_lowmem does not follow), else None."""
-        if operator is not self.operator:
-            return f"motor.operator ({type(operator).__name__}) is not the module enable() checked"
-        return first_hook(operator) or operator_unfollowed(operator)
+        """Why calling `operator` (motor.operator) is not what the fused step was proved on (another
+        module, a hook, code qca_lowmem does not follow, a compiled one's random draws), else None."""
+        module = compiled_module(operator)
+        if module is not self.operator:
+            return f"motor.operator ({type(module).__name__}) is not the module enable() checked"
+        return first_hook(module) or operator_unfollowed(module) or compiled_draws(operator)
 
 
 def _probe_input(operator, shape, dtype):
-    """The packed random psi the discontinuity probe runs the operator on, drawn from a generator
-    of its own, in the operator's parameters' dtype and device."""
+    """The discontinuity probe's packed random psi (its own generator; the parameters' dtype, device)."""
     parameter = next(operator.parameters())
     draw = torch.Generator().manual_seed(0)
     psi = torch.randn(shape, dtype=dtype, generator=draw).to(parameter.device)

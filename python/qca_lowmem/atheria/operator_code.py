@@ -27,6 +27,7 @@ from ..blocks import FusedConvBlock, fused_in_place
 from ..ops import stock_block_call
 from .code_identity import NOT_CALLED, followed_class, functions_of, not_recorded
 from .state_drift import code_of, held_callables, hooks_code
+from .user_modules import compiled_module
 
 _TORCH_FILES = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OWN_FILES = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the qca_lowmem package
@@ -124,6 +125,46 @@ def operator_unfollowed(operator: nn.Module) -> Optional[str]:
         return None if held is None else f"{type(operator).__name__} ({held} is set on the instance)"
     name, module = next((name, module) for name, module in operator.named_modules() if verdicts[type(module)])
     return f"{type(operator).__name__}{'.' + name if name else ''} ({verdicts[type(module)]})"
+
+
+# torch's layers that draw random numbers in training mode (MultiheadAttention: where its dropout is above 0).
+_DRAWING_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
+                   nn.RReLU, nn.MultiheadAttention)
+
+
+def random_draw(operator: nn.Module) -> Optional[str]:
+    """The first of the operator's layers that draws random numbers when called now (torch's dropout
+    layers with p above 0, RReLU, an attention's dropout; in training mode), named by its path, or None."""
+    for name, module in operator.named_modules():
+        if isinstance(module, _DRAWING_LAYERS) and module.training and (
+                isinstance(module, nn.RReLU) or (module.dropout if isinstance(module, nn.MultiheadAttention) else module.p) > 0):
+            return f"{type(operator).__name__}{'.' + name if name else ''} ({type(module).__name__})"
+    return None
+
+
+def compiled_draws(operator) -> Optional[str]:
+    """Why the fused step, which runs a torch.compile'd operator's module eagerly, would not give
+    the compiled operator's answer: a layer of it draws random numbers, which the compiled code
+    draws otherwise than eager torch; else None."""
+    module = compiled_module(operator)
+    draw = None if module is operator else random_draw(module)
+    return None if draw is None else (
+        f"{draw} draws random numbers, which {type(operator).__name__} (torch.compile of {type(module).__name__}) "
+        "draws otherwise than its module run eagerly, as the fused step runs it")
+
+
+def refuse_compiled_own_step(operator, recomputes: bool) -> None:
+    """The engine's own step, run by an episode that recomputes (a fallback said above), would run
+    a torch.compile'd operator as one compiled graph in the forward (no grad) and another in the
+    recompute (grad): enable() refuses that, and so does the episode."""
+    module = compiled_module(operator)
+    if recomputes and module is not operator:
+        raise RuntimeError(
+            f"qca_lowmem: the episode runs the engine's own step now, which would run {type(operator).__name__} "
+            f"(torch.compile of {type(module).__name__}) as one compiled graph in the forward (no grad) and another "
+            "in the recompute (grad), drawing and rounding otherwise than stock's episode; disable(trainer) and "
+            "enable(trainer, checkpoint='none'), which recomputes nothing, or set motor.operator to the module it "
+            "wraps (operator._orig_mod)")
 
 
 def first_hook(operator: nn.Module) -> Optional[str]:

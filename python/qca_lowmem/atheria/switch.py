@@ -32,7 +32,7 @@ from .engine_step import (
 from .episode_options import EpisodeOptions, check_reads, resolve_options
 from .fused_blocks import Swapped, proved_for_the_episode, put_back, swap_in
 from .mask_free_noise import injector_code
-from .operator_code import backward_hook_code, unfollowed_code
+from .operator_code import backward_hook_code, refuse_compiled_own_step, unfollowed_code
 from .options import Options, enable_signature, options_doc
 from .say import say
 from .scaler_swap import clip_scaled, lowmem_scaler_for, scales_for_fp16
@@ -120,6 +120,7 @@ def _episode_step(trainer, state: _Saved, opts):
     one it recognised, else the engine's own (eager); GAMMA_DECAY pinned for an episode that recomputes."""
     own = state.engine_identity.own_step(trainer.motor) if state.engine_identity is not None else None
     if own is not None:
+        refuse_compiled_own_step(trainer.motor.operator, opts.policy.checkpoint != NONE)
         return EngineMemoryStep(trainer.motor, own) if state.memory_step is not None else own
     if state.fused is not None:
         state.fused.start_episode(live_gamma(trainer.motor) if opts.policy.checkpoint != NONE else None)
