@@ -293,8 +293,8 @@ def own_step_verdict(motor, fused_step_ops: bool, grid=None, d_state: Optional[i
         why = unknown_engine(motor)
     elif unfollowed is not None:
         why = f"{unfollowed}, so it is not called to check its ops (a call could move state it keeps outside its tensors)"
-    elif fused_step_ops and compiled_draws(operator) is not None:
-        why = compiled_draws(operator)
+    elif fused_step_ops and (drawn := compiled_draws(operator)) is not None:
+        why = drawn
     elif fused_step_ops:
         shape, dtype = probe_shape(motor, grid, d_state)
         with torch_private.module_hooks_set_aside(compiled_module(operator)):  # stock calls no hook here

@@ -127,19 +127,25 @@ def operator_unfollowed(operator: nn.Module) -> Optional[str]:
     return f"{type(operator).__name__}{'.' + name if name else ''} ({verdicts[type(module)]})"
 
 
-# torch's layers that draw random numbers in training mode (MultiheadAttention: where its dropout is above 0).
-_DRAWING_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
-                   nn.RReLU, nn.MultiheadAttention)
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def _draws_now(module: nn.Module) -> bool:
+    """Whether one of torch's layers draws random numbers when called now (in training mode)."""
+    if not module.training:
+        return False
+    if isinstance(module, nn.RReLU):
+        return True
+    if isinstance(module, nn.MultiheadAttention):
+        return module.dropout > 0
+    return isinstance(module, _DROPOUTS) and module.p > 0
 
 
 def random_draw(operator: nn.Module) -> Optional[str]:
     """The first of the operator's layers that draws random numbers when called now (torch's dropout
     layers with p above 0, RReLU, an attention's dropout; in training mode), named by its path, or None."""
-    for name, module in operator.named_modules():
-        if isinstance(module, _DRAWING_LAYERS) and module.training and (
-                isinstance(module, nn.RReLU) or (module.dropout if isinstance(module, nn.MultiheadAttention) else module.p) > 0):
-            return f"{type(operator).__name__}{'.' + name if name else ''} ({type(module).__name__})"
-    return None
+    return next((f"{type(operator).__name__}{'.' + name if name else ''} ({type(module).__name__})"
+                 for name, module in operator.named_modules() if _draws_now(module)), None)
 
 
 def compiled_draws(operator) -> Optional[str]:
