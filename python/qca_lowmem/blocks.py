@@ -9,7 +9,8 @@ instead, so the convolutions never run a third time. At every call it checks tha
 still the stock block's, each called as just its forward (no hook, global or its own, and no
 `forward` set on the instance), that no mode or saved-tensors hook of the caller's would see
 other ops or tensors saved (ops.foreign_context) and that neither a torch.func transform nor
-torch.jit tracing runs; otherwise it calls its `conv_block` as the stock block does.
+torch.jit tracing runs; otherwise it calls its `conv_block` as the stock block does, as does the
+forward `torch.jit.script` compiles.
 
 `fuse_in_place` (the switch) fuses a users' block without replacing it: the very object, its class
 swapped for a subclass of FusedConvBlock and of their own, so that it keeps its identity (their
@@ -81,10 +82,16 @@ class FusedConvBlock(nn.Module):
     def extra_repr(self) -> str:
         return f"recompute={self.recompute}"
 
-    def forward(self, x: Tensor, *, keep_intermediates: Optional[bool] = None) -> Tensor:
+    def forward(self, x: Tensor, keep_intermediates: Optional[bool] = None) -> Tensor:
         """`keep_intermediates` overrides the block's own choice (for callers that recompute
         around the block themselves); None: keep them when `recompute` is False or inside
         `keep_block_intermediates()`."""
+        if torch.jit.is_scripting():
+            return self.conv_block(x)  # TorchScript compiles the stock block, as a jit trace records it
+        return self._eager_forward(x, keep_intermediates)
+
+    @torch.jit.unused
+    def _eager_forward(self, x: Tensor, keep_intermediates: Optional[bool]) -> Tensor:
         own = getattr(type(self), "stands_for", None)  # a users' block fused in place: its own class
         if own is not None and not vars(self).get(_PROVED) and stock_block_call(own) is not None:
             return own.forward(self, x)  # their class edited since it was proved: its forward, as written
@@ -130,6 +137,13 @@ class _FusedInPlace(FusedConvBlock):
 
     def extra_repr(self) -> str:
         return type(self).stands_for.extra_repr(self)
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script compiles FusedConvBlock.forward's stock call; where their class's call
+        # changed since it was fused, their class again, whose forward it compiles.
+        if stock_block_call(type(self).stands_for) is not None:
+            unfuse(self)
+        return self
 
     def __reduce_ex__(self, protocol):
         # The class is made at run time: a copy or pickle (of an enabled trainer) names theirs.

@@ -61,6 +61,16 @@ class UNetUnitary(nn.Module):
         return f"recompute={self.recompute!r}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():  # TorchScript compiles the stock wiring, as a jit trace records it
+            x1 = self.inc(x)
+            x2 = self.down1(x1)
+            b = self.bot(self.down2(x2))
+            c1 = self.conv_up1(torch.cat([self.up1(b), x2], dim=1))
+            return self.outc(self.conv_up2(torch.cat([self.up2(c1), x1], dim=1)))
+        return self._eager_forward(x)
+
+    @torch.jit.unused
+    def _eager_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"UNetUnitary: recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if not self.runs_fused():

@@ -140,3 +140,28 @@ def test_a_trace_of_the_fused_modules_records_the_stock_ops(kind, recompute, fus
     assert torch.equal(traced(y), stock(y))
     fused(x)
     assert fused_ops_counted, "the module no longer runs fused after tracing"
+
+
+@pytest.mark.parametrize("kind,recompute", [("unet", "unet"), ("unet", "blocks"), ("converted", None), ("block", None)])
+def test_a_script_of_the_fused_modules_compiles_the_stock_ops(kind, recompute, fused_ops_counted, tmp_path):
+    """torch.jit.script of the fused U-Net, a model converted in place or a fused block (where a
+    stock model scripts): TorchScript compiles the stock layers' calls (the fused path is Python
+    it cannot compile), on the same Parameters, so the script computes what stock's script does,
+    gradients included, and saves and loads as torch's ops alone; the module keeps running fused."""
+    stock, fused = _models(kind, recompute)
+    scripted, stock_scripted = torch.jit.script(fused), torch.jit.script(stock)
+    kinds = {node.kind() for node in scripted.inlined_graph.nodes()}
+    assert not any(k.startswith("qca_lowmem") or k == "prim::PythonOp" for k in kinds), sorted(kinds)
+    assert {n for n, _ in scripted.named_parameters()} == {n for n, _ in fused.named_parameters()}
+    assert all(a is b for a, b in zip(scripted.parameters(), fused.parameters()))
+    y = torch.randn(3, 4, 8, 8, dtype=torch.float64)
+    out, expected = scripted(y), stock_scripted(y)
+    assert torch.equal(out, expected)
+    grads = torch.autograd.grad(out.square().sum(), list(scripted.parameters()))
+    expected_grads = torch.autograd.grad(expected.square().sum(), list(stock_scripted.parameters()))
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads))
+    torch.jit.save(scripted, tmp_path / "scripted.pt")
+    assert torch.equal(torch.jit.load(tmp_path / "scripted.pt")(y), expected)
+    assert not fused_ops_counted
+    fused(y)
+    assert fused_ops_counted, "the module no longer runs fused after scripting"
