@@ -58,6 +58,20 @@ def test_channels_last_episodes_equal_nchw_and_disable_puts_the_layout_back(capl
     assert all(w.is_contiguous() for w in nhwc.motor.operator.parameters())
 
 
+
+def test_disable_gives_back_the_layout_only_of_the_weights_enable_made_nhwc():
+    """A researcher's own NHWC weights stay NHWC after disable(); those enable() changed are NCHW
+    again, each the same Parameter."""
+    trainer = trainer_of()
+    theirs = trainer.motor.operator.inc.conv_block[0].weight
+    theirs.data = theirs.data.contiguous(memory_format=torch.channels_last)
+    params = list(trainer.motor.operator.parameters())
+    qca_lowmem.enable(trainer, channels_last=True)
+    qca_lowmem.disable(trainer)
+    assert list(trainer.motor.operator.parameters()) == params
+    assert not theirs.is_contiguous() and theirs.is_contiguous(memory_format=torch.channels_last)
+    assert all(p.is_contiguous() for p in params if p is not theirs)
+
 def test_channels_last_is_off_by_default_on_the_cpu_and_refused_without_the_fused_step():
     trainer = trainer_of()
     qca_lowmem.enable(trainer)

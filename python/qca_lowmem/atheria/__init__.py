@@ -14,6 +14,7 @@ Its modules, one concern each:
 - `engine_probe`: the one-time probe that their engine steps as the fused step does.
 - `user_modules`: helpers on their torch modules (a compiled operator's module, buffer bindings).
 - `fused_blocks`: their ConvBlocks swapped for fused blocks, proved again at each episode, and put back.
+- `weight_layouts`: the operator's weights made NHWC for channels_last=True, and given their layout back.
 - `operator_code`: whether a call of their operator runs only code qca_lowmem follows, with no hook.
 - `state_drift`: the state the steps' unfollowed code keeps, checked across the backward.
 - `discontinuity`: whether every op of their operator is allowlisted continuous.

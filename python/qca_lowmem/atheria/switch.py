@@ -40,6 +40,7 @@ from .state_drift import episode_drift
 from .stock_guard import EpisodeIdentity, check_stock_episode, stock_origin
 from .trainers import TrainerVersion, adapter_for
 from .user_modules import buffer_bindings, compiled_module, rebind
+from .weight_layouts import Made, layouts_put_back, to_channels_last
 
 _STATE_ATTR = "_qca_lowmem_state"
 
@@ -57,6 +58,7 @@ class _Undo:
     scaler: Any = None
     had_scaler_attr: bool = True
     live: bool = True  # False once disable() put the engine back, for a shallow copy still holding this state
+    made_channels_last: Made = field(default_factory=list)  # the weights channels_last=True made NHWC
 
 
 @dataclass
@@ -298,7 +300,7 @@ def enable(trainer, *args, **kwargs):
     if options.fused_blocks:
         undo.blocks = swap_in(trainer.motor.operator)
     if options.channels_last:
-        trainer.motor.operator.to(memory_format=torch.channels_last)
+        undo.made_channels_last = to_channels_last(trainer.motor.operator)
     _swap_step(trainer, undo, evolve_step)
     state = _Saved(options, version, undo, memory_step=memory_step, fused=fused_of(evolve_step, memory_step),
                    engine_identity=EngineIdentity(trainer.motor, evolve_step, memory_step is not None),
@@ -368,7 +370,7 @@ def disable(trainer):
         raise RuntimeError("disable(): qca_lowmem is not enabled on this trainer")
     undo = state.undo
     if undo.live:
-        _restore_engine(undo, state.options.channels_last)
+        _restore_engine(undo)
         undo.live = False
     vars(trainer).pop(_COPY_HOOK, None)
     if undo.had_train_episode_attr:
@@ -385,12 +387,11 @@ def disable(trainer):
     return trainer
 
 
-def _restore_engine(undo: _Undo, channels_last: bool):
-    """The engine's stock blocks, layout and step."""
+def _restore_engine(undo: _Undo):
+    """The engine's stock blocks, layouts and step."""
     put_back(undo.blocks)
     motor = undo.motor
-    if channels_last:
-        motor.operator.to(memory_format=torch.contiguous_format)
+    layouts_put_back(undo.made_channels_last)
     if undo.had_evolve_step_attr:
         motor.evolve_step = undo.evolve_step
     elif "evolve_step" in vars(motor):
