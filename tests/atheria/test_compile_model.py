@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import qca_lowmem
+from qca_lowmem import stock
 from qca_lowmem.examples.qc_trainer_v4 import Motor, QC_Trainer_v4, make_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # torch.compile runs
@@ -143,8 +144,46 @@ def test_a_draw_put_in_a_compiled_operator_after_enable_is_refused_by_the_recomp
     trainer.train_episode(0)
     with_dropout(trainer)
     weights = [p.detach().clone() for p in trainer.model_operator.parameters()]
-    with pytest.raises(RuntimeError, match=r"^qca_lowmem: the episode runs the engine's own step now, which would run "
+    with pytest.raises(RuntimeError, match=r"^qca_lowmem: the episode runs the engine's own step now, on "
                                            r"OptimizedModule .* checkpoint='none'"):
         trainer.train_episode(1)
     assert all(torch.equal(p, w) for p, w in zip(trainer.model_operator.parameters(), weights))  # nothing trained
     assert any("(Dropout) draws random numbers" in r.getMessage() for r in caplog.records)
+
+
+def their_forward(self, x):
+    return stock.UNetUnitary.forward(self, x)
+
+
+def edited(trainer):
+    """The operator of a class of the researcher's (its forward code qca_lowmem does not follow):
+    enable() keeps the engine's own step."""
+    trainer.motor.operator.__class__ = type("UNetUnitary", (stock.UNetUnitary,), {"forward": their_forward})
+    return trainer
+
+
+@pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2)])
+def test_an_operator_on_the_engines_own_step_compiled_after_enable_is_refused_where_the_episode_recomputes(
+        checkpoint, slots, caplog):
+    """The step enable() kept for it would run the compiled operator without grad and again in the
+    backward (no compiled frame ran: the module it wraps, eagerly, not stock's compiled graph)."""
+    caplog.set_level("INFO", logger="qca_lowmem")
+    trainer = edited(make_trainer())
+    qca_lowmem.enable(trainer, checkpoint=checkpoint, slots=slots)
+    assert "the engine's own step and blocks: " in caplog.records[-1].getMessage()
+    trainer.motor.compile_model()
+    weights = [p.detach().clone() for p in trainer.model_operator.parameters()]
+    with pytest.raises(RuntimeError, match=r"^qca_lowmem: the episode runs the engine's own step now, on OptimizedModule "
+                                           r"\(torch.compile of UNetUnitary\): .* checkpoint='none'"):
+        run(trainer)
+    assert compiled_calls == [] and all(torch.equal(p, w) for p, w in zip(trainer.model_operator.parameters(), weights))
+
+
+def test_an_operator_on_the_engines_own_step_compiled_after_enable_trains_as_stock_without_recompute():
+    stock, trainer = edited(make_trainer()), edited(make_trainer())
+    qca_lowmem.enable(trainer, checkpoint="none")
+    for each in (stock, trainer):
+        each.motor.compile_model()
+    (losses, weights, calls), (stock_losses, stock_weights, stock_calls) = run(trainer), run(stock)
+    assert calls == stock_calls > 0 and losses == stock_losses
+    assert all(torch.equal(w, s) for w, s in zip(weights, stock_weights))

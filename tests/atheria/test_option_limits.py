@@ -77,7 +77,7 @@ def test_a_compiled_operator_on_the_engines_own_step_trains_as_stock_without_rec
         return QC_Trainer_v3(config(), operator=make_operator(family, D_STATE, HIDDEN), compile_operator=True)
 
     trainer = make()
-    with pytest.raises(TypeError, match=r"with fused_step_ops=False; .*\n.* another in the recompute"):
+    with pytest.raises(TypeError, match=r"with fused_step_ops=False; .*\n.* again in the backward"):
         qca_lowmem.enable(trainer, fused_step_ops=False)  # checkpoint="step" recomputes: two graphs
     qca_lowmem.enable(trainer, checkpoint="none", fused_step_ops=False, fused_blocks=False)
     torch._dynamo.reset()

@@ -37,7 +37,7 @@ from .discontinuity import discontinuity
 from .engine_probe import check_engine_state, check_engine_step, probe_shape
 from .engine_state import SideStateRead
 from .fused_blocks import still_stock
-from .operator_code import compiled_draws, first_hook, operator_unfollowed
+from .operator_code import RECOMPUTED_COMPILED, compiled_draws, first_hook, operator_unfollowed
 from .say import say
 from .state_drift import code_of, own_classes
 from .user_modules import compiled_module
@@ -305,8 +305,7 @@ def own_step_verdict(motor, fused_step_ops: bool, grid=None, d_state: Optional[i
     # Without a recompute the compiled step runs once, with grad, as in the engine's own episode.
     if (not fused_step_ops or why is not None) and recomputes and compiled_module(operator) is not operator:
         named = f"{type(operator).__name__} (torch.compile of {type(compiled_module(operator)).__name__})"
-        own_step = ("The engine's own step would run one compiled graph in the forward (no grad) and another in "
-                    "the recompute (grad), which can round differently; checkpoint='none' recomputes nothing")
+        own_step = f"On the engine's own step {RECOMPUTED_COMPILED}; checkpoint='none' recomputes nothing"
         if why is None:
             raise TypeError(f"enable(): {named} with fused_step_ops=False; fused_step_ops=True runs the module it "
                             f"wraps\n{own_step}")

@@ -159,18 +159,22 @@ def compiled_draws(operator) -> Optional[str]:
         "draws otherwise than its module run eagerly, as the fused step runs it")
 
 
+# Why an episode that recomputes cannot roll out a torch.compile'd operator on the engine's own
+# step (seen: no compiled frame ran in such a checkpoint='step' episode, one a step in stock's).
+RECOMPUTED_COMPILED = ("the episode runs each step without grad and again in the backward, under checks torch.compile "
+                       "does not trace, so the module it wraps runs eagerly or as another graph: not stock's compiled "
+                       "graph, once a step with grad, which draws and rounds otherwise")
+
+
 def refuse_compiled_own_step(operator, recomputes: bool) -> None:
-    """The engine's own step, run by an episode that recomputes (a fallback said above), would run
-    a torch.compile'd operator as one compiled graph in the forward (no grad) and another in the
-    recompute (grad): enable() refuses that, and so does the episode."""
+    """The engine's own step (kept by enable(), or a fallback said above) on a torch.compile'd
+    operator, in an episode that recomputes: enable() refuses that, and so does the episode."""
     module = compiled_module(operator)
     if recomputes and module is not operator:
         raise RuntimeError(
-            f"qca_lowmem: the episode runs the engine's own step now, which would run {type(operator).__name__} "
-            f"(torch.compile of {type(module).__name__}) as one compiled graph in the forward (no grad) and another "
-            "in the recompute (grad), drawing and rounding otherwise than stock's episode; disable(trainer) and "
-            "enable(trainer, checkpoint='none'), which recomputes nothing, or set motor.operator to the module it "
-            "wraps (operator._orig_mod)")
+            f"qca_lowmem: the episode runs the engine's own step now, on {type(operator).__name__} (torch.compile of "
+            f"{type(module).__name__}): {RECOMPUTED_COMPILED}; disable(trainer) and enable(trainer, checkpoint='none'), "
+            "which recomputes nothing, or set motor.operator to the module it wraps (operator._orig_mod)")
 
 
 def first_hook(operator: nn.Module) -> Optional[str]:

@@ -121,8 +121,9 @@ def _episode_step(trainer, state: _Saved, opts):
     """The step the episode rolls out: the one enable() installed while the engine's code is the
     one it recognised, else the engine's own (eager); GAMMA_DECAY pinned for an episode that recomputes."""
     own = state.engine_identity.own_step(trainer.motor) if state.engine_identity is not None else None
-    if own is not None:
+    if own is not None or state.fused is None:  # the engine's own step: a fallback, or what enable() kept
         refuse_compiled_own_step(trainer.motor.operator, opts.policy.checkpoint != NONE)
+    if own is not None:
         return EngineMemoryStep(trainer.motor, own) if state.memory_step is not None else own
     if state.fused is not None:
         state.fused.start_episode(live_gamma(trainer.motor) if opts.policy.checkpoint != NONE else None)
