@@ -187,3 +187,35 @@ def test_an_operator_on_the_engines_own_step_compiled_after_enable_trains_as_sto
     (losses, weights, calls), (stock_losses, stock_weights, stock_calls) = run(trainer), run(stock)
     assert calls == stock_calls > 0 and losses == stock_losses
     assert all(torch.equal(w, s) for w, s in zip(weights, stock_weights))
+
+
+def block_compiled(trainer):
+    """One of the operator's blocks torch.compile'd in place, as a researcher compiles a hot layer."""
+    trainer.motor.operator.bot = torch.compile(trainer.motor.operator.bot, backend=counting_backend)
+    return trainer
+
+
+def test_a_compiled_layer_of_the_operator_is_refused_where_the_episode_recomputes():
+    """A compiled layer keeps the engine's own step (code not followed), which a recomputing episode
+    would not run as stock's compiled graph: refused at enable() and at an episode after a compile."""
+    trainer = block_compiled(make_trainer())
+    with pytest.raises(TypeError, match=r"^enable\(\): UNetUnitary\.bot \(torch.compile of ConvBlock\) keeps the engine's "
+                                        r"own step; set motor\.operator\.bot to the module it wraps "
+                                        r"\(motor\.operator\.bot\._orig_mod\)\n"):
+        qca_lowmem.enable(trainer, checkpoint="step")
+    assert not hasattr(trainer, "_qca_lowmem_state")
+    trainer = make_trainer()
+    qca_lowmem.enable(trainer, checkpoint="revolve", slots=2)
+    block_compiled(trainer)
+    with pytest.raises(RuntimeError, match=r"^qca_lowmem: the episode runs the engine's own step now, on UNetUnitary\.bot "
+                                           r"\(torch.compile of ConvBlock\): .*\(motor\.operator\.bot\._orig_mod\)$"):
+        run(trainer)
+    assert compiled_calls == []
+
+
+def test_a_compiled_layer_of_the_operator_trains_as_stock_without_recompute():
+    stock, trainer = block_compiled(make_trainer()), block_compiled(make_trainer())
+    qca_lowmem.enable(trainer, checkpoint="none")
+    (losses, weights, calls), (stock_losses, stock_weights, stock_calls) = run(trainer), run(stock)
+    assert calls == stock_calls > 0 and losses == stock_losses
+    assert all(torch.equal(w, s) for w, s in zip(weights, stock_weights))

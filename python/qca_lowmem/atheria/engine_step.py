@@ -37,7 +37,7 @@ from .discontinuity import discontinuity
 from .engine_probe import check_engine_state, check_engine_step, probe_shape
 from .engine_state import SideStateRead
 from .fused_blocks import still_stock
-from .operator_code import RECOMPUTED_COMPILED, compiled_draws, first_hook, operator_unfollowed
+from .operator_code import RECOMPUTED_COMPILED, compiled_draws, compiled_in, first_hook, operator_unfollowed
 from .say import say
 from .state_drift import code_of, own_classes
 from .user_modules import compiled_module
@@ -303,14 +303,14 @@ def own_step_verdict(motor, fused_step_ops: bool, grid=None, d_state: Optional[i
             f"{type(operator).__name__}'s output jumps with its input ({jumps}): the fused step, rounding "
             "differently from the engine's, would give other jumps")
     # Without a recompute the compiled step runs once, with grad, as in the engine's own episode.
-    if (not fused_step_ops or why is not None) and recomputes and compiled_module(operator) is not operator:
-        named = f"{type(operator).__name__} (torch.compile of {type(compiled_module(operator)).__name__})"
-        own_step = f"On the engine's own step {RECOMPUTED_COMPILED}; checkpoint='none' recomputes nothing"
-        if why is None:
+    if (not fused_step_ops or why is not None) and recomputes and (compiled := compiled_in(operator)) is not None:
+        (named, where), own_step = compiled, (
+            f"On the engine's own step {RECOMPUTED_COMPILED}; checkpoint='none' recomputes nothing")
+        if why is None and where == "motor.operator":
             raise TypeError(f"enable(): {named} with fused_step_ops=False; fused_step_ops=True runs the module it "
                             f"wraps\n{own_step}")
-        raise TypeError(f"enable(): {named} keeps the engine's own step; set motor.operator to the module it "
-                        f"wraps (operator._orig_mod)\n{own_step} ({why})")
+        raise TypeError(f"enable(): {named} keeps the engine's own step; set {where} to the module it "
+                        f"wraps ({where}._orig_mod)\n{own_step}{f' ({why})' if why else ''}")
     return why
 
 

@@ -166,15 +166,27 @@ RECOMPUTED_COMPILED = ("the episode runs each step without grad and again in the
                        "graph, once a step with grad, which draws and rounds otherwise")
 
 
+def compiled_in(operator: nn.Module) -> Optional[Tuple[str, str]]:
+    """(the first torch.compile'd module a call of the operator runs, itself or one of its layers,
+    named; where it is set, from motor), or None."""
+    for name, module in operator.named_modules():
+        if compiled_module(module) is not module:
+            suffix = f".{name}" if name else ""
+            named = f"{type(operator).__name__}{suffix} (torch.compile of {type(compiled_module(module)).__name__})"
+            return named, f"motor.operator{suffix}"
+    return None
+
+
 def refuse_compiled_own_step(operator, recomputes: bool) -> None:
-    """The engine's own step (kept by enable(), or a fallback said above) on a torch.compile'd
-    operator, in an episode that recomputes: enable() refuses that, and so does the episode."""
-    module = compiled_module(operator)
-    if recomputes and module is not operator:
+    """The engine's own step (kept by enable(), or a fallback said above) on an operator that is or
+    holds a torch.compile'd module, in an episode that recomputes: enable() refuses that, and so
+    does the episode."""
+    compiled = compiled_in(operator) if recomputes else None
+    if compiled is not None:
         raise RuntimeError(
-            f"qca_lowmem: the episode runs the engine's own step now, on {type(operator).__name__} (torch.compile of "
-            f"{type(module).__name__}): {RECOMPUTED_COMPILED}; disable(trainer) and enable(trainer, checkpoint='none'), "
-            "which recomputes nothing, or set motor.operator to the module it wraps (operator._orig_mod)")
+            f"qca_lowmem: the episode runs the engine's own step now, on {compiled[0]}: {RECOMPUTED_COMPILED}; "
+            f"disable(trainer) and enable(trainer, checkpoint='none'), which recomputes nothing, or set {compiled[1]} "
+            f"to the module it wraps ({compiled[1]}._orig_mod)")
 
 
 def first_hook(operator: nn.Module) -> Optional[str]:
