@@ -25,7 +25,8 @@ trained; qca_steps, the learning rate, max_noise, a GroupNorm's eps or affine (s
 layers (the optimizer rebuilt or not), the grid (the trainer's, or its config's) or the engine's
 model changed between episodes, a block's layers edited (a ReLU, a fresh block, groups, dilation, a
 Dropout, spectral_norm), the operator scripted (torch.jit.script; a variant whose stock operator
-does not script is rejected) or compiled (torch.compile) or its weights made channels_last;
+does not script is rejected) or compiled (torch.compile, or one block of it) or its weights made
+channels_last;
 noisy episodes; the V4 trainer's own psi0 draw; the switch's step captured (on the CPU stand-in of
 CUDA graphs, which replays the ops its capture recorded, as a GPU does, on one lane or two);
 ConvBlocks of a class whose forward is edited, before the switch or between episodes; an operator
@@ -93,7 +94,7 @@ EDITS = {
                                                                       "cfg_grid", "operator", "relu", "new_block",
                                                                       "num_groups", "dilation", "dropout",
                                                                       "spectral_norm", "scripted", "channels_last",
-                                                                      "compiled"])}),
+                                                                      "compiled", "compiled_block"])}),
     "noise": st.just({"noise": True}),
     "state_object": st.just({"state_object": False}),
     "graph": st.fixed_dictionaries({"graph": st.sampled_from(["one lane", "two lanes queued", "two lanes joined"])}),
