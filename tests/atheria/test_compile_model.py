@@ -219,3 +219,45 @@ def test_a_compiled_layer_of_the_operator_trains_as_stock_without_recompute():
     (losses, weights, calls), (stock_losses, stock_weights, stock_calls) = run(trainer), run(stock)
     assert calls == stock_calls > 0 and losses == stock_losses
     assert all(torch.equal(w, s) for w, s in zip(weights, stock_weights))
+
+
+@torch.compile(backend=counting_backend)
+def compiled_tanh(x):
+    return torch.tanh(x)
+
+
+class GlobalCompiled(stock.UNetUnitary):
+    """Their model calling a torch.compile'd function of their module."""
+
+    def forward(self, x):
+        return compiled_tanh(stock.UNetUnitary.forward(self, x))
+
+
+class MethodCompiled(stock.UNetUnitary):
+    """Their model whose forward is decorated with torch.compile."""
+
+    @torch.compile(backend=counting_backend)
+    def forward(self, x):
+        return torch.tanh(stock.UNetUnitary.forward(self, x))
+
+
+@pytest.mark.parametrize("cls,named", [(GlobalCompiled, r"test_compile_model\.compiled_tanh"),
+                                       (MethodCompiled, r"MethodCompiled\.forward")])
+def test_a_compiled_function_their_code_calls_is_refused_where_the_episode_recomputes(cls, named):
+    trainer = make_trainer()
+    trainer.motor.operator.__class__ = cls
+    with pytest.raises(TypeError, match=rf"^enable\(\): {named} \(a torch.compile'd function {cls.__name__}'s code calls\) "
+                                        rf"keeps the engine's own step; call {named} uncompiled"):
+        qca_lowmem.enable(trainer, checkpoint="step")
+    assert not hasattr(trainer, "_qca_lowmem_state")
+
+
+@pytest.mark.parametrize("cls", [GlobalCompiled, MethodCompiled])
+def test_a_compiled_function_their_code_calls_trains_as_stock_without_recompute(cls):
+    stock_trainer, trainer = make_trainer(), make_trainer()
+    for each in (stock_trainer, trainer):
+        each.motor.operator.__class__ = cls
+    qca_lowmem.enable(trainer, checkpoint="none")
+    (losses, weights, calls), (stock_losses, stock_weights, stock_calls) = run(trainer), run(stock_trainer)
+    assert calls == stock_calls > 0 and losses == stock_losses
+    assert all(torch.equal(w, s) for w, s in zip(weights, stock_weights))

@@ -304,13 +304,12 @@ def own_step_verdict(motor, fused_step_ops: bool, grid=None, d_state: Optional[i
             "differently from the engine's, would give other jumps")
     # Without a recompute the compiled step runs once, with grad, as in the engine's own episode.
     if (not fused_step_ops or why is not None) and recomputes and (compiled := compiled_in(operator)) is not None:
-        (named, where), own_step = compiled, (
+        (named, unwrap), own_step = compiled, (
             f"On the engine's own step {RECOMPUTED_COMPILED}; checkpoint='none' recomputes nothing")
-        if why is None and where == "motor.operator":
+        if why is None and compiled_module(operator) is not operator:
             raise TypeError(f"enable(): {named} with fused_step_ops=False; fused_step_ops=True runs the module it "
                             f"wraps\n{own_step}")
-        raise TypeError(f"enable(): {named} keeps the engine's own step; set {where} to the module it "
-                        f"wraps ({where}._orig_mod)\n{own_step}{f' ({why})' if why else ''}")
+        raise TypeError(f"enable(): {named} keeps the engine's own step; {unwrap}\n{own_step}{f' ({why})' if why else ''}")
     return why
 
 

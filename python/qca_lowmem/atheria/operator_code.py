@@ -25,7 +25,7 @@ from torch import nn
 from .. import _torch_private as torch_private
 from ..blocks import FusedConvBlock, fused_in_place
 from ..ops import stock_block_call
-from .code_identity import NOT_CALLED, followed_class, functions_of, not_recorded
+from .code_identity import NOT_CALLED, followed_class, functions_of, not_recorded, reads
 from .state_drift import code_of, held_callables, hooks_code
 from .user_modules import compiled_module
 
@@ -162,18 +162,25 @@ def compiled_draws(operator) -> Optional[str]:
 # Why an episode that recomputes cannot roll out a torch.compile'd operator on the engine's own
 # step (seen: no compiled frame ran in such a checkpoint='step' episode, one a step in stock's).
 RECOMPUTED_COMPILED = ("the episode runs each step without grad and again in the backward, under checks torch.compile "
-                       "does not trace, so the module it wraps runs eagerly or as another graph: not stock's compiled "
+                       "does not trace, so what it wraps runs eagerly or as another graph: not stock's compiled "
                        "graph, once a step with grad, which draws and rounds otherwise")
 
 
 def compiled_in(operator: nn.Module) -> Optional[Tuple[str, str]]:
-    """(the first torch.compile'd module a call of the operator runs, itself or one of its layers,
-    named; where it is set, from motor), or None."""
+    """(the first torch.compile'd module or function a call of the operator runs, named; what to
+    change for the engine's own step to run it uncompiled), or None: the operator itself or one of
+    its layers compiled, or a compiled function its code not followed holds or reads (a method,
+    a global: code_identity.reads)."""
     for name, module in operator.named_modules():
         if compiled_module(module) is not module:
-            suffix = f".{name}" if name else ""
-            named = f"{type(operator).__name__}{suffix} (torch.compile of {type(compiled_module(module)).__name__})"
-            return named, f"motor.operator{suffix}"
+            where = f"motor.operator{'.' + name if name else ''}"
+            return (f"{type(operator).__name__}{where[len('motor.operator'):]} (torch.compile of "
+                    f"{type(compiled_module(module)).__name__})", f"set {where} to the module it wraps ({where}._orig_mod)")
+    for function in unfollowed_code(operator)[1] or ():
+        for label, value in [(function.__qualname__, function), *reads(function)]:
+            if hasattr(value, "_torchdynamo_orig_callable"):  # what torch.compile returns for a function
+                return (f"{label} (a torch.compile'd function {type(operator).__name__}'s code calls)",
+                        f"call {label} uncompiled (its _torchdynamo_orig_callable)")
     return None
 
 
@@ -185,8 +192,7 @@ def refuse_compiled_own_step(operator, recomputes: bool) -> None:
     if compiled is not None:
         raise RuntimeError(
             f"qca_lowmem: the episode runs the engine's own step now, on {compiled[0]}: {RECOMPUTED_COMPILED}; "
-            f"disable(trainer) and enable(trainer, checkpoint='none'), which recomputes nothing, or set {compiled[1]} "
-            f"to the module it wraps ({compiled[1]}._orig_mod)")
+            f"disable(trainer) and enable(trainer, checkpoint='none'), which recomputes nothing, or {compiled[1]}")
 
 
 def first_hook(operator: nn.Module) -> Optional[str]:
