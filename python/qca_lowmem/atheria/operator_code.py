@@ -155,8 +155,12 @@ def compiled_draws(operator) -> Optional[str]:
     module = compiled_module(operator)
     draw = None if module is operator else random_draw(module)
     return None if draw is None else (
-        f"{draw} draws random numbers, which {type(operator).__name__} (torch.compile of {type(module).__name__}) "
-        "draws otherwise than its module run eagerly, as the fused step runs it")
+        f"{draw} draws random numbers, which {_compiled_named(type(operator).__name__, operator)} draws otherwise "
+        "than its module run eagerly, as the fused step runs it")
+
+
+def _compiled_named(path: str, compiled: nn.Module) -> str:
+    return f"{path} (torch.compile of {type(compiled_module(compiled)).__name__})"
 
 
 # Why an episode that recomputes cannot roll out a torch.compile'd operator on the engine's own
@@ -173,9 +177,10 @@ def compiled_in(operator: nn.Module) -> Optional[Tuple[str, str]]:
     a global: code_identity.reads)."""
     for name, module in operator.named_modules():
         if compiled_module(module) is not module:
-            where = f"motor.operator{'.' + name if name else ''}"
-            return (f"{type(operator).__name__}{where[len('motor.operator'):]} (torch.compile of "
-                    f"{type(compiled_module(module)).__name__})", f"set {where} to the module it wraps ({where}._orig_mod)")
+            suffix = f".{name}" if name else ""
+            where = f"motor.operator{suffix}"
+            return (_compiled_named(f"{type(operator).__name__}{suffix}", module),
+                    f"set {where} to the module it wraps ({where}._orig_mod)")
     for function in unfollowed_code(operator)[1] or ():
         for label, value in [(function.__qualname__, function), *reads(function)]:
             if hasattr(value, "_torchdynamo_orig_callable"):  # what torch.compile returns for a function
