@@ -57,6 +57,13 @@ def relative(actual, expected):
     return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
+
+def assert_runs_as_compiled_stock(trainer, stock_trainer):
+    """Both trainers' episodes run the compiled graphs as often, to the same losses and weights, bit for bit."""
+    (losses, weights, calls), (stock_losses, stock_weights, stock_calls) = run(trainer), run(stock_trainer)
+    assert calls == stock_calls > 0 and losses == stock_losses
+    assert all(torch.equal(w, s) for w, s in zip(weights, stock_weights))
+
 @pytest.mark.parametrize("checkpoint,slots", [("step", None), ("revolve", 2)])
 @pytest.mark.parametrize("order", ["compile-then-enable", "enable-then-compile"])
 def test_compile_before_or_after_enable_equals_stock_compiled(order, checkpoint, slots, caplog):
@@ -130,9 +137,7 @@ def test_a_compiled_operator_that_draws_takes_the_engines_own_step_without_recom
         each.motor.compile_model()
     qca_lowmem.enable(trainer, checkpoint="none")
     assert "the engine's own step and blocks: " in caplog.records[-1].getMessage()
-    (losses, weights, calls), (stock_losses, stock_weights, stock_calls) = run(trainer), run(stock)
-    assert calls == stock_calls > 0 and losses == stock_losses
-    assert all(torch.equal(w, s) for w, s in zip(weights, stock_weights))
+    assert_runs_as_compiled_stock(trainer, stock)
 
 
 def test_a_draw_put_in_a_compiled_operator_after_enable_is_refused_by_the_recomputing_episode(caplog):
@@ -184,9 +189,7 @@ def test_an_operator_on_the_engines_own_step_compiled_after_enable_trains_as_sto
     qca_lowmem.enable(trainer, checkpoint="none")
     for each in (stock, trainer):
         each.motor.compile_model()
-    (losses, weights, calls), (stock_losses, stock_weights, stock_calls) = run(trainer), run(stock)
-    assert calls == stock_calls > 0 and losses == stock_losses
-    assert all(torch.equal(w, s) for w, s in zip(weights, stock_weights))
+    assert_runs_as_compiled_stock(trainer, stock)
 
 
 def block_compiled(trainer):
@@ -216,9 +219,7 @@ def test_a_compiled_layer_of_the_operator_is_refused_where_the_episode_recompute
 def test_a_compiled_layer_of_the_operator_trains_as_stock_without_recompute():
     stock, trainer = block_compiled(make_trainer()), block_compiled(make_trainer())
     qca_lowmem.enable(trainer, checkpoint="none")
-    (losses, weights, calls), (stock_losses, stock_weights, stock_calls) = run(trainer), run(stock)
-    assert calls == stock_calls > 0 and losses == stock_losses
-    assert all(torch.equal(w, s) for w, s in zip(weights, stock_weights))
+    assert_runs_as_compiled_stock(trainer, stock)
 
 
 @torch.compile(backend=counting_backend)
@@ -258,6 +259,4 @@ def test_a_compiled_function_their_code_calls_trains_as_stock_without_recompute(
     for each in (stock_trainer, trainer):
         each.motor.operator.__class__ = cls
     qca_lowmem.enable(trainer, checkpoint="none")
-    (losses, weights, calls), (stock_losses, stock_weights, stock_calls) = run(trainer), run(stock_trainer)
-    assert calls == stock_calls > 0 and losses == stock_losses
-    assert all(torch.equal(w, s) for w, s in zip(weights, stock_weights))
+    assert_runs_as_compiled_stock(trainer, stock_trainer)
