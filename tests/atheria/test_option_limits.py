@@ -86,3 +86,17 @@ def test_a_compiled_operator_on_the_engines_own_step_trains_as_stock_without_rec
     stock_returned, stock_weights, stock_grads = run(make())
     assert returned == stock_returned
     assert all(torch.equal(a, b) for a, b in zip(weights + grads, stock_weights + stock_grads, strict=True))
+
+
+@pytest.mark.parametrize("wrap", ["a function", "a module without parameters"])
+def test_an_operator_that_is_no_model_with_parameters_is_refused_naming_it(wrap):
+    """A callable set on the engine in place of their model (stock calls it alike) gave an
+    AttributeError from inside enable(): refused now, naming what it got, the trainer unchanged."""
+    trainer = QC_Trainer_v4(make_config(grid=8, d_state=2, hidden=4, qca_steps=2), state_object=True)
+    model = trainer.motor.operator
+    trainer.motor.operator = (lambda x: model(x)) if wrap == "a function" else nn.Identity()
+    got = "function" if wrap == "a function" else "Identity"
+    with pytest.raises(TypeError, match=rf"^enable\(\): motor.operator must be a torch.nn.Module with parameters "
+                                        rf"\(the model the episodes train\); got {got}"):
+        qca_lowmem.enable(trainer)
+    assert not hasattr(trainer, "_qca_lowmem_state")

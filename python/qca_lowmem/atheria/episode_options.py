@@ -290,7 +290,11 @@ def resolve_options(trainer, version: TrainerVersion, given: Options, theirs: bo
     not the stand-in's. Everything here refuses before the trainer changes."""
     policy = given.checkpoint if isinstance(given.checkpoint, Policy) else Policy.of(
         given.checkpoint, given.slots, given.budget, "enable()")
-    weights = next(trainer.motor.operator.parameters())
+    operator = trainer.motor.operator
+    weights = next(operator.parameters(), None) if isinstance(operator, torch.nn.Module) else None
+    if weights is None:  # a callable wrapping their model, say: nothing to place, train or fuse
+        raise TypeError(f"enable(): motor.operator must be a torch.nn.Module with parameters (the model the episodes "
+                        f"train); got {type(operator).__name__}: set the model itself on the engine")
     device = weights.device
     _check_placement(trainer, device)
     policy.check_device(device, "enable()")
