@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import qca_lowmem
+from fixtures import researcher_config
 from qca_lowmem import stock
 from qca_lowmem.examples.qc_trainer_v4 import Motor, QC_Trainer_v4, make_config
 
@@ -242,8 +243,22 @@ class MethodCompiled(stock.UNetUnitary):
         return torch.tanh(stock.UNetUnitary.forward(self, x))
 
 
+class ModuleCompiled(stock.UNetUnitary):
+    """Their model calling a torch.compile'd function through a module of theirs (`config.ACTIVATION`)."""
+
+    def forward(self, x):
+        return researcher_config.ACTIVATION(stock.UNetUnitary.forward(self, x))
+
+
+@pytest.fixture
+def compiled_on_their_module(monkeypatch):
+    monkeypatch.setattr(researcher_config, "ACTIVATION", compiled_tanh)
+
+
+@pytest.mark.usefixtures("compiled_on_their_module")
 @pytest.mark.parametrize("cls,named", [(GlobalCompiled, r"test_compile_model\.compiled_tanh"),
-                                       (MethodCompiled, r"MethodCompiled\.forward")])
+                                       (MethodCompiled, r"MethodCompiled\.forward"),
+                                       (ModuleCompiled, r"fixtures\.researcher_config\.ACTIVATION")])
 def test_a_compiled_function_their_code_calls_is_refused_where_the_episode_recomputes(cls, named):
     trainer = make_trainer()
     trainer.motor.operator.__class__ = cls
@@ -253,7 +268,8 @@ def test_a_compiled_function_their_code_calls_is_refused_where_the_episode_recom
     assert not hasattr(trainer, "_qca_lowmem_state")
 
 
-@pytest.mark.parametrize("cls", [GlobalCompiled, MethodCompiled])
+@pytest.mark.usefixtures("compiled_on_their_module")
+@pytest.mark.parametrize("cls", [GlobalCompiled, MethodCompiled, ModuleCompiled])
 def test_a_compiled_function_their_code_calls_trains_as_stock_without_recompute(cls):
     stock_trainer, trainer = make_trainer(), make_trainer()
     for each in (stock_trainer, trainer):

@@ -240,6 +240,8 @@ def test_missing_grid_is_a_clear_error():
 def _record_enable(monkeypatch):
     calls = []
     monkeypatch.setattr(qca_lowmem.atheria.config_section, "enable", lambda trainer, **kw: calls.append(kw))
+    monkeypatch.setattr(qca_lowmem.atheria.config_section, "stock_on_refusal",
+                        lambda trainer: calls.append("stock on refusal"))
     return calls
 
 
@@ -277,6 +279,9 @@ def test_environment_flag_overrides_config(monkeypatch):
     calls = _record_enable(monkeypatch)
     monkeypatch.setenv("QCA_LOWMEM", "1")
     assert qca_lowmem.enable_from_config(object(), None) is True
+    assert calls == [{}, "stock on refusal"]  # asked by the environment alone
+    calls.clear()
+    assert qca_lowmem.enable_from_config(object(), {"LOWMEM": {"enabled": True}}) is True
     assert calls == [{}]
     monkeypatch.setenv("QCA_LOWMEM", "0")
     assert qca_lowmem.enable_from_config(object(), {"LOWMEM": {"enabled": True}}) is False
@@ -396,21 +401,28 @@ def test_fp16_from_use_amp_without_a_scaler_runs_unscaled_as_their_episode():
         assert loss == loss
 
 
-def test_use_amp_changed_after_enable_is_refused_at_the_episode_naming_it():
+def test_use_amp_changed_after_enable_enables_again_or_says_why_it_cannot(caplog):
     """Their episode reads use_amp at every episode; enable() read it once for the precision, so an
-    episode after a change refuses, naming it and the fixes, before anything trains (set back, it
-    trains on); with amp_dtype given, use_amp is not read."""
+    episode after a change enables it again, reading it anew. fp16 on the CPU is refused there: the
+    episode raises before anything trains, naming the change and the refusal, with the trainer
+    disabled (stock's episode then trains); with amp_dtype given, use_amp is not read."""
+    caplog.set_level("INFO", logger="qca_lowmem")
     trainer = make_trainer(qca_steps=2)
     qca_lowmem.enable(trainer)
     run_episodes(trainer, [0])
     trainer.use_amp = True
     weights = [p.detach().clone() for p in trainer.motor.operator.parameters()]
-    with pytest.raises(RuntimeError, match=r"^qca_lowmem: trainer\.use_amp is True now, but enable\(\) read it as False "
-                                           r"and runs every episode fp32: .*disable\(trainer\), then enable\(trainer\)"):
+    with pytest.raises(RuntimeError, match=r"^qca_lowmem: trainer\.use_amp is True now \(False at enable\(\)\), and "
+                                           r"enable\(\) now refuses the trainer, so it is back on stock \(disabled\): "
+                                           r"enable\(\): fp16 on the CPU"):
         trainer.train_episode(1)
     assert all(torch.equal(p, w) for p, w in zip(trainer.motor.operator.parameters(), weights))
-    trainer.use_amp = 0  # their `if self.use_amp` reads it as False
-    assert math.isfinite(trainer.train_episode(1)[0])
+    assert not hasattr(trainer, "_qca_lowmem_state") and "train_episode" not in vars(trainer)
+    trainer.use_amp = False
+    qca_lowmem.enable(trainer)
+    trainer.use_amp = 0  # their `if self.use_amp` reads it as False: the same precision, nothing said
+    caplog.clear()
+    assert math.isfinite(trainer.train_episode(1)[0]) and caplog.records == []
 
     given = make_trainer(qca_steps=2)
     qca_lowmem.enable(given, amp_dtype="bf16")
@@ -418,19 +430,27 @@ def test_use_amp_changed_after_enable_is_refused_at_the_episode_naming_it():
     assert math.isfinite(given.train_episode(0)[0])
 
 
-def test_a_grid_changed_between_episodes_is_refused_where_enable_read_it():
+def test_a_grid_changed_between_episodes_enables_it_again_there_as_stock_trains(caplog):
     """A grid curriculum: stock's own draw reads trainer.grid_size at every episode; enable() read it
-    once (and proved the step there), so the next episode refuses, naming old and new, before
-    anything trains; the engine's state reset reads its config itself, and follows it."""
-    trainer = QC_Trainer_v4(make_config(grid=8, qca_steps=2), state_object=False)
-    qca_lowmem.enable(trainer)
-    trainer.train_episode(0)
-    trainer.grid_size = 16
-    with pytest.raises(RuntimeError, match=r"^qca_lowmem: the trainer's grid is 16x16 now \(8x8 at enable\(\)\), where "
-                                           r"enable\(\) read it .*disable\(trainer\), then enable\(trainer\) again"):
-        trainer.train_episode(1)
-    trainer.grid_size = (8, 8)
-    assert trainer.train_episode(1)[2].shape == (1, 8, 8, 4)
+    once and proved the step there, so the next episode enables it again at the new grid, said in
+    one line, and trains as stock's does; the engine's state reset reads its config itself, and
+    follows it."""
+    caplog.set_level("INFO", logger="qca_lowmem")
+    stock, lowmem = (make_trainer(grid=8, qca_steps=3, state_object=False) for _ in range(2))
+    qca_lowmem.enable(lowmem)
+    outs = []
+    for trainer in (stock, lowmem):
+        torch.manual_seed(5)
+        outs.append([trainer.train_episode(0)])
+        trainer.grid_size = 16
+        outs[-1].append(trainer.train_episode(1))
+    assert [r.getMessage() for r in caplog.records][1:] == [
+        "the trainer's grid is 16x16 now (8x8 at enable()): on again, checkpoint=step, fp32, fused blocks, fused step"]
+    assert outs[1][1][2].shape == (1, 16, 16, 4) and hasattr(lowmem, "_qca_lowmem_state")
+    assert_same_runs(lowmem, stock, outs[1], outs[0])
+    caplog.clear()
+    lowmem.train_episode(2)
+    assert caplog.records == []  # proved at 16 now
 
     with_state = QC_Trainer_v4(make_config(grid=8, qca_steps=2), state_object=True)
     qca_lowmem.enable(with_state)
@@ -464,14 +484,15 @@ def test_an_autocast_around_train_episode_is_refused_unless_amp_dtype_was_given(
 
 
 @cuda_only
-def test_use_amp_turned_off_after_enable_on_cuda_is_refused():
+def test_use_amp_turned_off_after_enable_on_cuda_enables_it_again_in_fp32(caplog):
+    caplog.set_level("INFO", logger="qca_lowmem")
     trainer = make_trainer(scaler=torch.amp.GradScaler("cuda"), device="cuda", use_amp=True)
     qca_lowmem.enable(trainer)
     run_episodes(trainer, [0])
     trainer.use_amp = False
-    with pytest.raises(RuntimeError, match=r"^qca_lowmem: trainer\.use_amp is False now, but enable\(\) read it as "
-                                           r"True and runs every episode fp16"):
-        trainer.train_episode(1)
+    run_episodes(trainer, [1])
+    assert caplog.records[-1].getMessage().startswith("trainer.use_amp is False now (True at enable()): on again, "
+                                                      "checkpoint=step, fp32")
 
 
 DEFAULT_ON_CUDA = """

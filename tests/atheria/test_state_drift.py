@@ -1,17 +1,18 @@
 """State that the steps' unfollowed code keeps outside its tensors, moved by the recomputes: an
-engine whose step counts its calls, a wrapper set on the engine's step that logs them, a noise
-injector that logs its rates or draws from a generator of its own, forward hooks recording
-activations or counting calls. Stock's episode runs each step
-once; a recomputing one runs them again, so such state would leave the episode elsewhere than
-stock's, silently. Each is refused, naming the state, where the episode recomputes, and trains as
-stock does (float64, the same bits' worth) under checkpoint='none'. A tensor bound anew at each
-call (a running total) is bound to the forward's again, as stock leaves it. Followed code is not read."""
+engine whose step counts its calls (on itself, or on a module of theirs), a wrapper set on the
+engine's step that logs them, a noise injector that logs its rates or draws from a generator of its
+own, forward hooks recording activations or counting calls. Stock's episode runs each step once; a
+recomputing one runs them again, so such state would leave the episode elsewhere than stock's,
+silently. Each is refused, naming the state, where the episode recomputes, and trains as stock does
+(float64, the same bits' worth) under checkpoint='none'. A tensor bound anew at each call (a
+running total) is bound to the forward's again, as stock leaves it. Followed code is not read."""
 
 import numpy
 import pytest
 import torch
 
 import qca_lowmem
+from fixtures import researcher_config
 from qca_lowmem import stock
 from qca_lowmem.atheria.engine_step import engine_code
 from qca_lowmem.atheria.mask_free_noise import injector_code
@@ -42,6 +43,21 @@ def counting_engine(trainer):
 
     trainer.motor.__class__ = Counting
     return lambda t: t.motor.calls
+
+
+def config_counting_engine(trainer):
+    """The engine's class with a step that counts its calls on a module of the researcher's (their
+    config), read as one of its attributes."""
+    base = type(trainer.motor)
+    researcher_config.CALLS = 0
+
+    class ConfigCounting(base):
+        def evolve_step(self, psi):
+            researcher_config.CALLS += 1
+            return super().evolve_step(psi)
+
+    trainer.motor.__class__ = ConfigCounting
+    return lambda t: researcher_config.CALLS
 
 
 def logged_step(trainer):
@@ -115,6 +131,8 @@ def counting_pre_hook(trainer):
 
 
 EDITS = {"engine counting its calls": (counting_engine, r"Counting\.calls"),
+         "an engine counting its calls on their config module": (config_counting_engine,
+                                                                   r"fixtures\.researcher_config\.CALLS"),
          "a wrapper logging the engine's steps": (logged_step, r"logged_step\.<locals>\.evolve_step's log"),
          "an injector logging its rates": (injector(LoggingInjector), r"QC_Trainer_v4\.noise_injector\.rates"),
          "an injector drawing from its own generator": (injector(OwnGeneratorInjector),

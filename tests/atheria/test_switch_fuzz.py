@@ -20,7 +20,8 @@ noise; jumping: where, masked_fill, round, floor_divide, remainder, an integer c
 fake_quantize, sign); global forward and forward-pre hooks, a hook on an inner Conv2d (kept or
 removed between episodes), a forward set on its instance, a hook recording an activity penalty added
 to the loss, each registered before or after the switch; the LOWMEM section as a dict or an object,
-with a misspelt key; grid_size spelt several ways; copy.copy / deepcopy of the enabled trainer,
+with a misspelt key, or none and QCA_LOWMEM=1 (what the library cannot run, at enable() or at an
+episode, then trains on stock); grid_size spelt several ways; copy.copy / deepcopy of the enabled trainer,
 trained; qca_steps, the learning rate, max_noise, a GroupNorm's eps or affine (set to None), frozen
 layers (the optimizer rebuilt or not), the grid (the trainer's, or its config's) or the engine's
 model changed between episodes, a block's layers edited (a ReLU, a fresh block, groups, dilation, a
@@ -30,11 +31,11 @@ channels_last;
 noisy episodes; the V4 trainer's own psi0 draw; the switch's step captured (on the CPU stand-in of
 CUDA graphs, which replays the ops its capture recorded, as a GPU does, on one lane or two);
 ConvBlocks of a class whose forward is edited, before the switch or between episodes; an operator
-keeping state between calls (a call counter on the module, in a closure or a global; calls logged in
-a list). Every checkpoint policy. Any of these in float32 under bf16 autocast (`amp`): stock's
-episode as its own use_amp runs it (V3 inside one autocast region), the switch with
-amp_dtype="bf16", judged at bf16's rounding (switch_oracle.BF16). Each train_episode called inside
-the caller's own bf16 autocast. A GradScaler set on the trainer, before the switch or between
+keeping state between calls (a call counter on the module, in a closure, a global or a module of
+theirs, as their config; calls logged in a list). Every checkpoint policy. Any of these in float32
+under bf16 autocast (`amp`): stock's episode as its own use_amp runs it (V3 inside one autocast
+region), the switch with amp_dtype="bf16", judged at bf16's rounding (switch_oracle.BF16). Each
+train_episode called inside the caller's own bf16 autocast. A GradScaler set on the trainer, before the switch or between
 episodes: stock's V4 scales with it only under its use_amp (the amp variants), V3 never; the
 scaler's state after each episode is compared too. Each train_episode called under a context
 of the caller's: torch's save_on_cpu or default device, a saved-tensors hook rounding what autograd
@@ -86,7 +87,7 @@ EDITS = {
                                                             "blocks_by_class", "held_block"]),
                                    "hook_before": st.booleans()}),
     "config": st.fixed_dictionaries({"config": st.sampled_from(["dict", "namespace", "dict_misspelt",
-                                                                "namespace_misspelt"])}),
+                                                                "namespace_misspelt", "env"])}),
     "grid_size": st.fixed_dictionaries({"grid_size": st.sampled_from([8, (8, 8), [8, 8], "8", "128", True, 8.0, (8,)])}),
     "copy": st.fixed_dictionaries({"copy": st.sampled_from(["copy", "deepcopy"])}),
     "attribute": st.fixed_dictionaries({"attribute": st.sampled_from(["qca_steps", "lr", "max_noise", "norm_eps",
@@ -103,7 +104,7 @@ EDITS = {
     "caller_autocast": st.just({"caller_autocast": True}),
     "scaler": st.fixed_dictionaries({"scaler": st.sampled_from(["built", "between"])}),
     "caller_context": st.fixed_dictionaries({"caller_context": st.sampled_from(sorted(CALLER_CONTEXTS))}),
-    "op_state": st.fixed_dictionaries({"op_state": st.sampled_from(["module_counter", "closure_counter",
+    "op_state": st.fixed_dictionaries({"op_state": st.sampled_from(["module_counter", "closure_counter", "config_counter",
                                                                     "global_counter", "dict_counter", "logged"])}),
 }
 

@@ -3,7 +3,9 @@ puts the recomputing rollout under their `train_episode` and `disable()` takes i
 
 Its modules, one concern each:
 
-- `switch`: enable, disable, the episode they run, and what enable() keeps on the trainer.
+- `switch`: enable, disable, what enable() keeps on the trainer, and what an episode's checks then do.
+- `episode`: the episode enable() puts under train_episode, and its checks before anything runs.
+- `episode_refusals`: those checks' outcomes: a value enable() proved at changed, or a refusal.
 - `options`: enable()'s options, each declared once (type, default, check, doc).
 - `episode_options`: what enable() decided from them, one frozen value (`EpisodeOptions`).
 - `config_section`: the `LOWMEM` section of their config and the `QCA_LOWMEM` variable.

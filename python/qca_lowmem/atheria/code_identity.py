@@ -20,7 +20,9 @@ its id is not reused); the values (defaults, cells, globals) are read at every c
 import dis
 import hashlib
 import inspect
+import os
 import sys
+import sysconfig
 import types
 from typing import Dict, List, Optional, Tuple
 
@@ -168,30 +170,37 @@ FOLLOWED: Dict[str, Dict[str, Dict[str, str]]] = {
 
 
 class _Static:
-    """What a code object's digest needs that never changes: its own bytes and the globals it loads."""
+    """What a code object's digest needs that never changes: its own bytes and the globals it loads;
+    and, for `reads`, the attributes it takes off those globals (`counters.calls += 1`, `cfg.STEP`)."""
 
     def __init__(self, code: types.CodeType):
         self.code = code  # held: the cache is keyed by id()
-        self.digest, self.globals = _static(code)
+        self.digest, self.globals, self.global_attributes = _static(code)
 
 
 _STATIC: Dict[int, _Static] = {}
+_ATTRIBUTE_OPS = {"LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "DELETE_ATTR"}
+_STACK_ONLY = {"COPY", "CACHE", "EXTENDED_ARG"}  # between a global and its attribute (`g.a += 1` copies g first)
 
 
-def _static(code: types.CodeType) -> Tuple[str, Tuple[str, ...]]:
+def _static(code: types.CodeType) -> Tuple[str, Tuple[str, ...], Tuple[Tuple[str, str], ...]]:
     parts = [code.co_code, code.co_exceptiontable, repr((code.co_name, code.co_names, code.co_varnames,
                                                           code.co_freevars, code.co_cellvars, code.co_argcount,
                                                           code.co_posonlyargcount, code.co_kwonlyargcount,
                                                           code.co_flags)).encode()]
-    loaded = {ins.argval for ins in dis.get_instructions(code) if ins.opname in _LOADS_GLOBAL}
+    instructions = [ins for ins in dis.get_instructions(code) if ins.opname not in _STACK_ONLY]
+    loaded = {ins.argval for ins in instructions if ins.opname in _LOADS_GLOBAL}
+    attributes = {(ins.argval, after.argval) for ins, after in zip(instructions, instructions[1:])
+                  if ins.opname in _LOADS_GLOBAL and after.opname in _ATTRIBUTE_OPS}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             inner = _static_of(const)
             parts.append(inner.digest.encode())
             loaded.update(inner.globals)
+            attributes.update(inner.global_attributes)
         else:
             parts.append(str(_value(const, frozenset())).encode())  # frozenset constants: sorted
-    return hashlib.sha256(b"\0".join(parts)).hexdigest(), tuple(sorted(loaded))
+    return hashlib.sha256(b"\0".join(parts)).hexdigest(), tuple(sorted(loaded)), tuple(sorted(attributes))
 
 
 def _static_of(code: types.CodeType) -> _Static:
@@ -263,10 +272,26 @@ def _digest(function, seen) -> Optional[str]:
     return found
 
 
+# The interpreter's library folders (the standard library, site-packages: torch, numpy): a module
+# from there is not the users' own, and its attributes are not state their code keeps.
+_LIBRARY_FOLDERS = tuple(sorted({os.path.join(os.path.abspath(folder), "") for key, folder in sysconfig.get_paths().items()
+                                 if key in ("stdlib", "platstdlib", "purelib", "platlib")}))
+
+
+def _users_module(value) -> bool:
+    """Whether `value` is a module of the users' own, loaded from a file outside the interpreter's
+    library folders (their `config`, a helpers module), whose attributes their code may keep state in."""
+    if not isinstance(value, types.ModuleType):
+        return False
+    file = getattr(value, "__file__", None)
+    return isinstance(file, str) and not os.path.abspath(file).startswith(_LIBRARY_FOLDERS)
+
+
 def reads(function) -> List[Tuple[str, object]]:
     """What a plain function reads besides its arguments and attributes, where a call could keep
-    state: (a name for it, its value) for each closure cell and module global its code loads, of it
-    and of every function among those, each function once."""
+    state: (a name for it, its value) for each closure cell and module global its code loads, and
+    each attribute it takes off a module of the users' own (`counters.calls`), of it and of every
+    function among those, each function once."""
     found, pending, seen = [], [function], set()
     while pending:
         fn = pending.pop()
@@ -279,9 +304,12 @@ def reads(function) -> List[Tuple[str, object]]:
                 read.append((f"{fn.__qualname__}'s {name}", cell.cell_contents))
             except ValueError:  # an empty cell
                 pass
-        namespace = fn.__globals__
+        namespace, static = fn.__globals__, _static_of(fn.__code__)
         read += [(f"{namespace.get('__name__', '?')}.{name}", namespace[name])
-                 for name in _static_of(fn.__code__).globals if name in namespace]
+                 for name in static.globals if name in namespace]
+        read += [(f"{module.__name__}.{attribute}", getattr(module, attribute))
+                 for name, attribute in static.global_attributes
+                 if _users_module(module := namespace.get(name)) and hasattr(module, attribute)]
         found += read
         pending += [value for _, value in read if isinstance(value, types.FunctionType)]
     return found

@@ -4,7 +4,8 @@ object's attributes, or a boolean) and the `QCA_LOWMEM` environment variable, an
 config takes booleans only).
 
 `QCA_LOWMEM=1` asks for the library wherever it can run, not for one trainer: a trainer that
-enable() refuses then trains on stock, said in one warning. A section that enables it asks for
+enable() refuses then trains on stock, said in one warning, and so does one from an episode that
+the library cannot run (a caller's autocast, a compiled layer on the engine's own step). A section that enables it asks for
 this trainer, so a refusal stands, its advice in the section's terms."""
 
 import inspect
@@ -16,7 +17,7 @@ from typing import Optional
 
 from .options import FLAG_OPTIONS, LOWMEM_KEYS, OPTION_NAMES, check_options
 from .say import say
-from .switch import enable
+from .switch import enable, stock_on_refusal
 
 _ENV_FLAG = "QCA_LOWMEM"
 
@@ -106,7 +107,8 @@ def enable_from_config(trainer, cfg=None, **overrides):
     `LOWMEM: true` alone means enabled with the defaults. Boolean settings take the spellings of
     `parse_flag`. `QCA_LOWMEM=1` in the environment switches it on (with the section's other
     settings, or the defaults) and `QCA_LOWMEM=0` off, whatever the config says; switched on by
-    the environment alone, a trainer enable() refuses trains on stock, said in one warning.
+    the environment alone, a trainer enable() refuses trains on stock, said in one warning (and so
+    from an episode the library cannot run).
     Returns True when enabled; either way one line says which and why (say.py).
     """
     section = _section(cfg, "LOWMEM")
@@ -142,6 +144,8 @@ def enable_from_config(trainer, cfg=None, **overrides):
         say(logging.WARNING, f"off, {type(trainer).__name__} trains on stock: {why}; "
                              f"unset {_ENV_FLAG} for it to silence this")
         return False
+    if not asked_by_config:  # an episode the library cannot run then trains on stock too
+        stock_on_refusal(trainer)
     return True
 
 

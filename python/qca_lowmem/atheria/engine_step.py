@@ -36,6 +36,7 @@ from .code_identity import followed, not_recorded, resolved
 from .discontinuity import discontinuity
 from .engine_probe import check_engine_state, check_engine_step, probe_shape
 from .engine_state import SideStateRead
+from .episode_refusals import ProofStale
 from .fused_blocks import still_stock
 from .operator_code import RECOMPUTED_COMPILED, compiled_draws, compiled_in, first_hook, operator_unfollowed
 from .say import say
@@ -361,8 +362,9 @@ class EngineIdentity:
         if self.kind is None:
             return None
         if has_memory(motor) != self.memory:
-            raise RuntimeError(f"{type(motor).__name__}.has_memory is now {not self.memory}, {self.memory} at enable(): "
-                               "the episode carries the memory as enable() decided; disable() and enable() again")
+            changed = f"{type(motor).__name__}.has_memory is {not self.memory} now ({self.memory} at enable())"
+            raise ProofStale(f"qca_lowmem: {changed}: the step carries the memory as enable() decided; disable() and "
+                             "enable() again", changed)
         held = vars(motor).get("evolve_step")
         if engine_kind(motor, held if called else self.installed) != self.kind:
             if not self.said:

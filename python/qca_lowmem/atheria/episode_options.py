@@ -16,6 +16,7 @@ from ..precision import autocast_dtype, parse_amp_dtype
 from ..recompute import Policy, StepGraph, step_graph
 from ..recompute.policy import NONE
 from .engine_step import engine_kind, has_memory, own_step_verdict, unknown_engine
+from .episode_refusals import EpisodeRefused, ProofStale
 from .operator_code import operator_unfollowed
 from .options import Options
 from .trainers import TrainerVersion
@@ -140,7 +141,8 @@ def _infer_grid(trainer) -> Tuple[int, int]:
 def check_reads(trainer, opts: EpisodeOptions, version: TrainerVersion, device: torch.device) -> None:
     """What enable() read once, read again at each episode as their episode would read it now:
     the precision (use_amp, the caller's autocast), the caller's modes and saved-tensors hooks, and
-    psi0's grid and d_state; refused where it changed."""
+    psi0's grid and d_state. A value changed raises ProofStale (enable() runs again, reading it
+    anew); a caller's context the episode cannot run under, EpisodeRefused."""
     _check_precision(trainer, opts)
     _check_caller_autocast(trainer, opts, version, device)
     _check_caller_context()
@@ -148,13 +150,13 @@ def check_reads(trainer, opts: EpisodeOptions, version: TrainerVersion, device: 
 
 
 def _check_precision(trainer, opts):
-    """The precision enable() read off trainer.use_amp is the one their episode would read now."""
+    """The precision enable() read off trainer.use_amp is the one their episode would read now
+    (given amp_dtype, enable() read none)."""
     if opts.use_amp is None or bool(getattr(trainer, "use_amp", False)) == opts.use_amp:
         return
-    raise RuntimeError(f"qca_lowmem: trainer.use_amp is {getattr(trainer, 'use_amp', None)!r} now, but enable() read "
-                       f"it as {opts.use_amp!r} and runs every episode {opts.computes_in}: set it back, "
-                       "or qca_lowmem.disable(trainer), then enable(trainer) again, which reads it anew (amp_dtype= "
-                       "given to enable() fixes the precision whatever use_amp says)")
+    changed = f"trainer.use_amp is {getattr(trainer, 'use_amp', None)!r} now ({opts.use_amp!r} at enable())"
+    raise ProofStale(f"qca_lowmem: {changed}, where enable() read it once and runs every episode {opts.computes_in}",
+                     changed)
 
 
 def _check_caller_autocast(trainer, opts, version, device):
@@ -166,7 +168,7 @@ def _check_caller_autocast(trainer, opts, version, device):
         return
     own = (f"{version.name}'s episode sets only {' and '.join(version.own_autocast).upper()}'s autocast, so its forward "
            "may run in it" if version.own_autocast else f"{version.name}'s episode sets none, so its forward runs in it")
-    raise RuntimeError(f"qca_lowmem: train_episode was called inside torch.autocast({device.type!r}, dtype={caller}): "
+    raise EpisodeRefused(f"qca_lowmem: train_episode was called inside torch.autocast({device.type!r}, dtype={caller}): "
                        f"{own}, where enable() runs {opts.computes_in}; give enable() amp_dtype (the LOWMEM "
                        "section's amp_dtype) to train in the precision you choose, or call train_episode outside the "
                        "autocast")
@@ -178,7 +180,7 @@ def _check_caller_context():
     one psi a step), so one that changes values would give another result than theirs."""
     what = foreign_context()
     if what is not None:
-        raise RuntimeError(f"qca_lowmem: train_episode was called under the {what}, which may change values (a "
+        raise EpisodeRefused(f"qca_lowmem: train_episode was called under the {what}, which may change values (a "
                            "perturbation, a cast, a compression): your episode would run its ops and save its "
                            "tensors under it, qca_lowmem's runs and saves others, so the result would differ. Call "
                            "train_episode outside it (qca_lowmem keeps about one psi a step already), or "
@@ -189,8 +191,8 @@ def _check_caller_context():
 
 def _check_psi0_read(trainer, opts: EpisodeOptions) -> None:
     """The grid and d_state enable() read off the trainer (not given) are the ones the stock draw
-    would read now: a grid changed between episodes (a curriculum) is refused, since the engine's
-    probe and the fused step were proved at the grid read."""
+    would read now: a grid changed between episodes (a curriculum) makes the proof stale, since the
+    engine's probe and the fused step were proved at the grid read."""
     read = [(name, value, now(trainer)) for name, value, given, now in (
         ("grid", opts.grid, opts.given.grid_size, _infer_grid),
         ("d_state", opts.d_state, opts.given.d_state, lambda t: _infer_d_state(t, t.motor.operator)))
@@ -198,10 +200,9 @@ def _check_psi0_read(trainer, opts: EpisodeOptions) -> None:
     changed = [f"{name} is {_shape_said(value_now)} now ({_shape_said(value)} at enable())"
                for name, value, value_now in read if value_now != value]
     if changed:
-        it = "it" if len(changed) == 1 else "them"
-        raise RuntimeError(f"qca_lowmem: the trainer's {' and '.join(changed)}, where enable() read {it} for every "
-                           f"episode's psi0 and proved the step: qca_lowmem.disable(trainer), then enable(trainer) "
-                           f"again, which reads {it} anew")
+        it, said = "it" if len(changed) == 1 else "them", f"the trainer's {' and '.join(changed)}"
+        raise ProofStale(f"qca_lowmem: {said}, where enable() read {it} for every episode's psi0 and proved the step",
+                         said)
 
 
 def _shape_said(value) -> str:

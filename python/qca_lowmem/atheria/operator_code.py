@@ -26,6 +26,7 @@ from .. import _torch_private as torch_private
 from ..blocks import FusedConvBlock, fused_in_place
 from ..ops import stock_block_call
 from .code_identity import NOT_CALLED, followed_class, functions_of, not_recorded, reads
+from .episode_refusals import EpisodeRefused
 from .state_drift import code_of, held_callables, hooks_code
 from .user_modules import compiled_module
 
@@ -195,7 +196,7 @@ def refuse_compiled_own_step(operator, recomputes: bool) -> None:
     does the episode."""
     compiled = compiled_in(operator) if recomputes else None
     if compiled is not None:
-        raise RuntimeError(
+        raise EpisodeRefused(
             f"qca_lowmem: the episode runs the engine's own step now, on {compiled[0]}: {RECOMPUTED_COMPILED}; "
             f"disable(trainer) and enable(trainer, checkpoint='none'), which recomputes nothing, or {compiled[1]}")
 

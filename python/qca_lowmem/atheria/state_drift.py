@@ -146,10 +146,11 @@ def code_of(holders, classes) -> list:
 class StateDrift:
     """The Python state the steps' unfollowed code may keep: the attributes of what holds it (an
     operator's every module; the engine; the noise injector), and what that code reads besides its
-    arguments (closure cells, module globals: code_identity.reads), fingerprinted when made (after
-    the episode's forward) and compared by check() (after its backward). A tensor attribute the
-    recomputes bound anew (snntorch's `reset`, a running total `self.x = self.x + ...`) is bound
-    again to the forward's, as stock's episode leaves it; any other change refuses the episode."""
+    arguments (closure cells, module globals, their modules' attributes: code_identity.reads),
+    fingerprinted when made (after the episode's forward) and compared by check() (after its
+    backward). A tensor attribute the recomputes bound anew (snntorch's `reset`, a running total
+    `self.x = self.x + ...`) is bound again to the forward's, as stock's episode leaves it; any
+    other change refuses the episode."""
 
     def __init__(self, holders: List[Tuple[str, object]], functions: list, runs: str, backward_hooks: list = ()):
         """`holders`: (the name to say, the object); `runs`: what the recomputes run again, in words;

@@ -14,32 +14,19 @@ from typing import Any, Optional
 
 import torch
 
-from ..precision import autocast
-from ..recompute import rollout
-from ..recompute.history_grads import history_grads_guarded
-from ..recompute.policy import NONE
 from .captures import StepCaptures
 from .code_identity import ATHERIA, not_recorded
-from .engine_state import memory_of, put_side_state, side_state_of
-from .engine_step import (
-    EngineIdentity,
-    EngineMemoryStep,
-    engine_code,
-    fused_of,
-    live_gamma,
-    lowmem_steps,
-)
-from .episode_options import EpisodeOptions, check_reads, resolve_options
+from .engine_step import EngineIdentity, fused_of, lowmem_steps
+from .episode import checked_before, train_episode
+from .episode_options import EpisodeOptions, resolve_options
+from .episode_refusals import EpisodeRefused, ProofStale
 from .fused_blocks import Swapped, proved_for_the_episode, put_back, swap_in
-from .mask_free_noise import injector_code
-from .operator_code import backward_hook_code, refuse_compiled_own_step, unfollowed_code
 from .options import Options, enable_signature, options_doc
 from .say import say
-from .scaler_swap import clip_scaled, lowmem_scaler_for, scales_for_fp16
-from .state_drift import episode_drift
+from .scaler_swap import lowmem_scaler_for, scales_for_fp16
 from .stock_guard import EpisodeIdentity, check_stock_episode, stock_origin
 from .trainers import TrainerVersion, adapter_for
-from .user_modules import buffer_bindings, compiled_module, rebind
+from .user_modules import compiled_module
 from .weight_layouts import Made, layouts_put_back, to_channels_last
 
 _STATE_ATTR = "_qca_lowmem_state"
@@ -81,6 +68,8 @@ class _Saved:
     engine_identity: Any = None  # the engine step recognised, checked at each episode (engine_step.py)
     episode_identity: Any = None  # the stock train_episode recognised, checked at each episode (stock_guard.py)
     edited_episode: Optional[str] = None  # why the episode is not stock, run anyway (assume_stock_episode)
+    stock_on_refusal: bool = False  # QCA_LOWMEM=1 alone: an episode the library cannot run trains on stock
+    enabled_again: bool = False  # by an episode whose checks found a value changed, until its checks pass
     captures: StepCaptures = field(default_factory=StepCaptures)
     said: _Said = field(default_factory=_Said)
 
@@ -100,15 +89,32 @@ class LowmemEpisode:
     # pass keep Python state (hooks set aside, generators, buffers) that a trace would lose.
     @torch.compiler.disable
     def __call__(self, episode_num):
-        state: _Saved = getattr(self.trainer, _STATE_ATTR)
-        theirs = state.episode_identity.changed(self.trainer, self) if state.episode_identity else None
+        trainer = self.trainer
+        state: Optional[_Saved] = getattr(trainer, _STATE_ATTR, None)
+        installed = vars(trainer).get("train_episode")
+        # Held from before an episode enabled it again (installing another) or put it on stock: what the trainer runs now.
+        if state is None or isinstance(installed, LowmemEpisode) and installed is not self and installed.trainer is trainer:
+            return trainer.train_episode(episode_num)
+        theirs = state.episode_identity.changed(trainer, self) if state.episode_identity else None
         if theirs is not None:  # their train_episode is no longer the one recognised: it runs as written
             return theirs(episode_num)
         try:
+            model, own = checked_before(trainer, state)
+        except ProofStale as stale:
+            if state.enabled_again:  # enable() read it otherwise than the episode does: never loop on it
+                raise RuntimeError(f"qca_lowmem: enabled again for this episode, yet {stale.changed}; "
+                                   "qca_lowmem.disable(trainer) trains it on stock") from stale
+            return _enable_again(trainer, state, stale, episode_num)
+        except EpisodeRefused as refused:
+            if not state.stock_on_refusal:
+                raise
+            return _on_stock(trainer, episode_num, str(refused).removeprefix("qca_lowmem: "))
+        state.enabled_again = False
+        try:
             with proved_for_the_episode(state.undo):
-                return _lowmem_train_episode(self.trainer, episode_num)
+                return train_episode(trainer, state, episode_num, model, own)
         except NotImplementedError as error:
-            said = state.options.no_kernel_said(self.trainer.motor.operator, error)
+            said = state.options.no_kernel_said(trainer.motor.operator, error)
             if said is None:
                 raise
             raise said from error
@@ -117,20 +123,31 @@ class LowmemEpisode:
                 state.fused.end_episode()
 
 
-def _episode_step(trainer, state: _Saved, opts):
-    """The step the episode rolls out: the one enable() installed while the engine's code is the
-    one it recognised, else the engine's own (eager); GAMMA_DECAY pinned for an episode that recomputes."""
-    own = state.engine_identity.own_step(trainer.motor) if state.engine_identity is not None else None
-    if own is not None or state.fused is None:  # the engine's own step: a fallback, or what enable() kept
-        refuse_compiled_own_step(trainer.motor.operator, opts.policy.checkpoint != NONE)
-    if own is not None:
-        return EngineMemoryStep(trainer.motor, own) if state.memory_step is not None else own
-    if state.fused is not None:
-        state.fused.start_episode(live_gamma(trainer.motor) if opts.policy.checkpoint != NONE else None)
-    step = state.memory_step or trainer.motor.evolve_step
-    if opts.cuda_graph:  # off CUDA a StepGraph is the plain step
-        step = state.captures.step(trainer.motor, step)
-    return step
+def _enable_again(trainer, state: _Saved, stale: ProofStale, episode_num):
+    """The episode after a value enable() proved it at changed: enable() again, with the options
+    given, reads it anew and proves the episode there; it then runs. Where enable() now refuses,
+    the trainer is left on stock: said (QCA_LOWMEM=1 alone), or raised."""
+    disable(trainer)
+    try:
+        again = _enabled(trainer, state.options.given)
+    except (TypeError, ValueError, RuntimeError) as error:
+        if not state.stock_on_refusal:
+            raise RuntimeError(f"qca_lowmem: {stale.changed}, and enable() now refuses the trainer, so it is back on "
+                               f"stock (disabled): {error}") from error
+        return _on_stock(trainer, episode_num, f"{stale.changed}, and {str(error).splitlines()[0]}")
+    again.stock_on_refusal, again.enabled_again = state.stock_on_refusal, True
+    say(logging.INFO, f"{stale.changed}: on again, {_summary(again)}")
+    return trainer.train_episode(episode_num)
+
+
+def _on_stock(trainer, episode_num, why: str):
+    """QCA_LOWMEM=1 alone asked for the library where it can run: where an episode cannot, the
+    trainer is disabled (if it still is enabled), said once, and trains on stock from this episode on."""
+    if hasattr(trainer, _STATE_ATTR):
+        disable(trainer)
+    say(logging.WARNING, f"off from episode {episode_num}, {type(trainer).__name__} trains on stock: {why}; "
+                         "unset QCA_LOWMEM for it to silence this")
+    return trainer.train_episode(episode_num)
 
 
 _COPY_HOOK = "__reduce_ex__"  # copy.copy, copy.deepcopy and pickle read it off the instance
@@ -165,102 +182,6 @@ def _enabled_copy(cls, *args):
     return new
 
 
-def _lowmem_train_episode(trainer, episode_num):
-    """train_episode with the stock semantics of the trainer's version (trainers.py),
-    running the episode through qca_lowmem.rollout."""
-    state: _Saved = getattr(trainer, _STATE_ATTR)
-    _check_engine(trainer, state)
-    opts, version = state.options, state.version
-    operator = trainer.motor.operator
-    device = next(operator.parameters()).device
-    check_reads(trainer, opts, version, device)  # what enable() read once, as their episode would read it now
-
-    if opts.fused_step_ops and not state.said.compiled and compiled_module(operator) is not operator:
-        state.said.compiled = True
-        say(logging.WARNING, f"motor.operator is compiled ({type(operator).__name__}); the fused step runs the "
-                             "module it wraps, uncompiled")
-    model = version.model(trainer)
-    if model is not None:  # as the stock episode: a model left in eval mode (by a visualisation) trains in train mode
-        model.train()
-    trainer.optimizer.zero_grad()
-    psi0 = version.initial_state(trainer, opts, device)
-    noise = version.noise(trainer, episode_num, opts.given.noise)
-    step = _episode_step(trainer, state, opts)
-    # The memory the episode starts from: what the engine holds (zeroed by V4's state reset, None after V3's episodes).
-    memory = {} if state.memory_step is None else dict(carry=memory_of(trainer.motor))
-    with autocast(device.type, opts.amp_dtype):
-        psi, history, *carry_T = rollout(step, psi0, trainer.qca_steps, checkpoint=opts.policy, noise=noise,
-                                         record_every=version.record_every(trainer), **memory)
-        # The engine as the forward's steps leave it, for the loss to read: the memory, the side state.
-        memory_T = carry_T[0] if carry_T else None
-        version.leave_memory(trainer, memory_T)
-        side_state_read = state.fused.flush() if state.fused is not None else None
-        with history_grads_guarded(history, "qca_lowmem", opts.policy.checkpoint):
-            loss, details = version.loss(trainer, psi0, psi, history)
-    bound = buffer_bindings(compiled_module(operator))  # as the forward left them
-    side_state = side_state_of(trainer.motor, copy=opts.cuda_graph)  # the forward's last step's, as stock leaves it
-
-    # The state the steps' unfollowed code keeps, as the forward left it (the recomputes run it again).
-    drift = _step_drift(trainer, state, noise) if opts.policy.checkpoint != NONE else None
-
-    # All of them, as their clipping reads them: a frozen one's gradient left from before counts in the norm.
-    parameters = [] if model is None else list(model.parameters())
-    scaler = getattr(trainer, "scaler", None)
-    scaled = scaler is not None and scaler.is_enabled() and (version.scales(trainer) or scales_for_fp16(opts))
-    (scaler.scale(loss) if scaled else loss).backward()
-    # After the backward, whose recomputes ran the steps again.
-    rebind(bound)  # a buffer each recompute bound again (snntorch's membrane): as the forward left it
-    put_side_state(trainer.motor, side_state)
-    if side_state_read is not None:
-        side_state_read.check()
-    if drift is not None:
-        drift.check()  # the rest of the steps' state as the forward left it, or the episode refused
-    max_norm = _max_norm(trainer, opts, version) if model is not None else None
-    if scaled:
-        scaler.unscale_(trainer.optimizer)
-        if max_norm is not None:
-            clip_scaled(scaler, parameters, max_norm)
-        scaler.step(trainer.optimizer)
-        scaler.update()
-    else:
-        if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-        trainer.optimizer.step()
-    version.leave_memory(trainer, memory_T)
-    return version.result(trainer, episode_num, loss, details, psi)
-
-
-def _step_drift(trainer, state: _Saved, noise):
-    """A StateDrift of what the episode's steps run that qca_lowmem does not follow: the operator,
-    the engine's own step, the trainer's noise injector (episode noise from it), or None."""
-    module, motor = compiled_module(trainer.motor.operator), trainer.motor
-    installed = state.engine_identity.installed if state.engine_identity is not None else None
-    injector = trainer.noise_injector if noise is not None and state.options.given.noise == "trainer" else None
-    return episode_drift([
-        ("the operator (and its hooks)", *unfollowed_code(module)),
-        ("the engine's step", [(type(motor).__name__, motor)], engine_code(motor, installed)),
-        ("the noise injector", [(f"{type(trainer).__name__}.noise_injector", injector)],
-         injector_code(injector) if injector is not None else None)], backward_hook_code(module))
-
-
-def _check_engine(trainer, state: _Saved):
-    """The episode runs on the engine enable() changed, still enabled: a shallow copy of the trainer
-    shares it, and may be given another, or see it disabled through the original (or the other way)."""
-    if not state.undo.live:
-        raise RuntimeError("qca_lowmem: disable() was called on a trainer sharing this one's engine (a copy.copy "
-                           "of it, or the trainer it was copied from) and put the engine back to stock; "
-                           "call qca_lowmem.disable() on this trainer too, then enable() to train it low-memory")
-    if trainer.motor is not state.undo.motor:
-        raise RuntimeError(f"qca_lowmem: trainer.motor ({type(trainer.motor).__name__}) is not the engine enable() "
-                           "changed (set after enable(), or after copying the trainer): qca_lowmem.disable(trainer), "
-                           "then enable(trainer) again")
-
-
-def _max_norm(trainer, opts, version):
-    """The clipping norm, read after the backward as their episodes read it (V3's gradient_clip)."""
-    return opts.given.max_grad_norm if opts.given.max_grad_norm is not None else version.max_grad_norm(trainer)
-
-
 def enable(trainer, *args, **kwargs):
     """Switch a QC_Trainer_v4- or QC_Trainer_v3-style trainer to the low-memory path, in place;
     returns the trainer. Which version it is, is read off its attributes (trainers.py);
@@ -269,7 +190,9 @@ def enable(trainer, *args, **kwargs):
     its own model, enabled, and disable() works on it; a CUDA capture is made again by its first episode.
     A shallow copy (copy.copy) runs its own episodes on the engine, optimizer and scaler it shares
     with the original, as the stock copy does; disable() on one of them puts that shared engine
-    back, and the other then refuses to train until disable() is called on it too.
+    back, and the other then refuses to train until disable() is called on it too. A value enable()
+    reads once (the grid, d_state, use_amp, the engine's memory) changed between episodes: the
+    next episode enables it again with the same options, proving the episode anew, said in one line.
 
     An engine with `motor.has_memory` True (operator(x, h, c) -> (delta, h, c), the memory on
     motor.state.h_state / c_state, detached) has its memory carried through the rollout, so each
@@ -283,7 +206,13 @@ def enable(trainer, *args, **kwargs):
         arguments = _SIGNATURE.bind(trainer, *args, **kwargs).arguments
     except TypeError as error:
         raise TypeError(f"enable(): {error}") from None
-    given = Options(**{name: value for name, value in arguments.items() if name != "trainer"})
+    state = _enabled(trainer, Options(**{name: value for name, value in arguments.items() if name != "trainer"}))
+    say(logging.INFO, f"on, {_summary(state)}")
+    return trainer
+
+
+def _enabled(trainer, given: Options) -> _Saved:
+    """enable() with its options bound: the trainer enabled, or refused unchanged; its state."""
     version = adapter_for(trainer)
     if hasattr(trainer, _STATE_ATTR):
         raise RuntimeError("enable(): qca_lowmem is already enabled on this trainer; call disable(trainer) first")
@@ -313,8 +242,13 @@ def enable(trainer, *args, **kwargs):
     _swap_scaler(trainer, undo, new_scaler)
     state.said.compiled = compiled_module(trainer.motor.operator) is not trainer.motor.operator
     setattr(trainer, _STATE_ATTR, state)
-    say(logging.INFO, f"on, {_summary(state)}")
-    return trainer
+    return state
+
+
+def stock_on_refusal(trainer) -> None:
+    """The enabled trainer, asked for by QCA_LOWMEM=1 alone, trains on stock from an episode the
+    library cannot run (said once) rather than stop."""
+    getattr(trainer, _STATE_ATTR).stock_on_refusal = True
 
 
 # enable()'s signature and the docs of its options, read off Options.
