@@ -1,11 +1,12 @@
 """State that the steps' unfollowed code keeps outside its tensors, moved by the recomputes: an
-engine whose step counts its calls (on itself, or on a module of theirs), a wrapper set on the
-engine's step that logs them, a noise injector that logs its rates or draws from a generator of its
-own, forward hooks recording activations or counting calls. Stock's episode runs each step once; a
-recomputing one runs them again, so such state would leave the episode elsewhere than stock's,
-silently. Each is refused, naming the state, where the episode recomputes, and trains as stock does
-(float64, the same bits' worth) under checkpoint='none'. A tensor bound anew at each call (a
-running total) is bound to the forward's again, as stock leaves it. Followed code is not read."""
+engine whose step counts its calls (on itself, a module, a class, a dict or a default argument of
+theirs), a wrapper set on the engine's step that logs them, a noise injector that logs its rates or
+draws from a generator of its own, forward hooks recording activations or counting calls. Stock's
+episode runs each step once; a recomputing one runs them again, so such state would leave the
+episode elsewhere than stock's, silently. Each is refused, naming the state, where the episode
+recomputes, and trains as stock does (float64, the same bits' worth) under checkpoint='none'. A
+tensor bound anew at each call (a running total) is bound to the forward's again, as stock leaves
+it. Followed code is not read."""
 
 import numpy
 import pytest
@@ -58,6 +59,61 @@ def config_counting_engine(trainer):
 
     trainer.motor.__class__ = ConfigCounting
     return lambda t: researcher_config.CALLS
+
+
+class CallStats:
+    """A class of the researcher's counting calls in a class attribute (read as a global)."""
+
+    calls = 0
+
+
+class Monitor:
+    """An object of the researcher's holding its counts in a dict (read as a global)."""
+
+    def __init__(self):
+        self.stats = {"calls": 0}
+
+
+MONITOR = Monitor()
+
+
+def class_counting_engine(trainer):
+    base = type(trainer.motor)
+    CallStats.calls = 0
+
+    class ClassCounting(base):
+        def evolve_step(self, psi):
+            CallStats.calls += 1
+            return super().evolve_step(psi)
+
+    trainer.motor.__class__ = ClassCounting
+    return lambda t: CallStats.calls
+
+
+def dict_counting_engine(trainer):
+    base = type(trainer.motor)
+    MONITOR.stats = {"calls": 0}
+
+    class DictCounting(base):
+        def evolve_step(self, psi):
+            MONITOR.stats["calls"] += 1
+            return super().evolve_step(psi)
+
+    trainer.motor.__class__ = DictCounting
+    return lambda t: MONITOR.stats["calls"]
+
+
+def default_counting_engine(trainer):
+    base = type(trainer.motor)
+    calls = [0]
+
+    class DefaultCounting(base):
+        def evolve_step(self, psi, _calls=calls):  # a mutable default, Python's own memo
+            _calls[0] += 1
+            return super().evolve_step(psi)
+
+    trainer.motor.__class__ = DefaultCounting
+    return lambda t: calls[0]
 
 
 def logged_step(trainer):
@@ -133,6 +189,12 @@ def counting_pre_hook(trainer):
 EDITS = {"engine counting its calls": (counting_engine, r"Counting\.calls"),
          "an engine counting its calls on their config module": (config_counting_engine,
                                                                    r"fixtures\.researcher_config\.CALLS"),
+         "an engine counting its calls on a class of theirs": (class_counting_engine,
+                                                                r"test_state_drift\.CallStats\.calls"),
+         "an engine counting its calls in a dict of an object of theirs": (dict_counting_engine,
+                                                                           r"test_state_drift\.MONITOR\.stats"),
+         "an engine counting its calls in a default argument": (
+             default_counting_engine, r"default_counting_engine\.<locals>\.DefaultCounting\.evolve_step's default _calls"),
          "a wrapper logging the engine's steps": (logged_step, r"logged_step\.<locals>\.evolve_step's log"),
          "an injector logging its rates": (injector(LoggingInjector), r"QC_Trainer_v4\.noise_injector\.rates"),
          "an injector drawing from its own generator": (injector(OwnGeneratorInjector),

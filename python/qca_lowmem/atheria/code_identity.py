@@ -278,7 +278,7 @@ _LIBRARY_FOLDERS = tuple(sorted({os.path.join(os.path.abspath(folder), "") for k
                                  if key in ("stdlib", "platstdlib", "purelib", "platlib")}))
 
 
-def _users_module(value) -> bool:
+def users_module(value) -> bool:
     """Whether `value` is a module of the users' own, loaded from a file outside the interpreter's
     library folders (their `config`, a helpers module), whose attributes their code may keep state in."""
     if not isinstance(value, types.ModuleType):
@@ -289,9 +289,9 @@ def _users_module(value) -> bool:
 
 def reads(function) -> List[Tuple[str, object]]:
     """What a plain function reads besides its arguments and attributes, where a call could keep
-    state: (a name for it, its value) for each closure cell and module global its code loads, and
-    each attribute it takes off a module of the users' own (`counters.calls`), of it and of every
-    function among those, each function once."""
+    state: (a name for it, its value) for each closure cell, default value and module global its
+    code loads, and each attribute it takes off a module of the users' own (`counters.calls`), of it
+    and of every function among those, each function once."""
     found, pending, seen = [], [function], set()
     while pending:
         fn = pending.pop()
@@ -304,12 +304,16 @@ def reads(function) -> List[Tuple[str, object]]:
                 read.append((f"{fn.__qualname__}'s {name}", cell.cell_contents))
             except ValueError:  # an empty cell
                 pass
+        positional = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+        defaults = [*zip(positional[len(positional) - len(fn.__defaults__ or ()):], fn.__defaults__ or ()),
+                    *(fn.__kwdefaults__ or {}).items()]
+        read += [(f"{fn.__qualname__}'s default {name}", value) for name, value in defaults]  # `calls=[0]`
         namespace, static = fn.__globals__, _static_of(fn.__code__)
         read += [(f"{namespace.get('__name__', '?')}.{name}", namespace[name])
                  for name in static.globals if name in namespace]
         read += [(f"{module.__name__}.{attribute}", getattr(module, attribute))
                  for name, attribute in static.global_attributes
-                 if _users_module(module := namespace.get(name)) and hasattr(module, attribute)]
+                 if users_module(module := namespace.get(name)) and hasattr(module, attribute)]
         found += read
         pending += [value for _, value in read if isinstance(value, types.FunctionType)]
     return found

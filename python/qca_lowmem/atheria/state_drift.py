@@ -14,13 +14,14 @@ episode on a change, naming it; checkpoint="none" calls everything as stock does
 import itertools
 import pickle
 import random
+import sys
 import types
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .code_identity import functions_of, reads
+from .code_identity import functions_of, reads, users_module
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what torch keeps on every module (its dicts of parameters, hooks...)
 _SIMPLE = (type(None), bool, int, float, complex, str, bytes)
@@ -79,19 +80,29 @@ def _fingerprint(value):
     return None
 
 
-def _entries(name: str, value):
+def _read_whole(value) -> bool:
+    """Whether a value is fingerprinted whole (_fingerprint) rather than attribute by attribute: all
+    but a plain object or a class of the users' own (`class Counters: calls = 0`, read as a global)."""
+    if isinstance(value, type):
+        return not users_module(sys.modules.get(value.__module__))
+    return isinstance(value, (nn.Module, types.FunctionType, types.ModuleType, types.MethodType)) \
+        or not hasattr(value, "__dict__") or _fingerprint(value) is not None
+
+
+def _entries(name: str, value, seen: set, depth: int = 2):
     """(name, fingerprint) of what of a value a call could change: the value's own; for a plain
-    object (not a module, function, class or module of code), one per attribute holding a simple
-    value (itself) or a container (its type and length)."""
-    if isinstance(value, (nn.Module, type, types.FunctionType, types.ModuleType, types.MethodType)) \
-            or not hasattr(value, "__dict__") or _fingerprint(value) is not None:
+    object or a class of theirs, one per attribute holding a simple value, a container or a random
+    generator, and those of a plain object it holds (`holder.stats["calls"]`, two levels down) not
+    read already (`seen`: ids, the holders' own included), so each is named once, by its first path."""
+    if _read_whole(value):
         yield name, _fingerprint(value)
         return
-    for attr, held in vars(value).items():
-        if isinstance(held, _SIMPLE):
-            yield f"{name}.{attr}", held
-        elif isinstance(held, _CONTAINERS):
-            yield f"{name}.{attr}", (type(held).__name__, len(held), ())
+    seen.add(id(value))
+    for attr, held in list(vars(value).items()):
+        if isinstance(held, _SIMPLE + _CONTAINERS) or _generator_state(held) is not None:
+            yield f"{name}.{attr}", _fingerprint(held)
+        elif depth > 1 and id(held) not in seen and not isinstance(held, type) and not _read_whole(held):
+            yield from _entries(f"{name}.{attr}", held, seen, depth - 1)
 
 
 def _shown(fingerprint) -> str:
@@ -172,14 +183,15 @@ class StateDrift:
 
     def read(self, bound: Optional[list] = None) -> Dict[str, object]:
         """The fingerprints; `bound` collects the tensor attributes."""
-        found = {}
-        for holder, name, owner, attr, value in self._attributes():
-            self._add(found, _entries(name, value), holder)
+        found, attributes = {}, list(self._attributes())
+        seen = {id(owner) for _, _, owner, _, _ in attributes}  # each holder read as itself, not through another
+        for holder, name, owner, attr, value in attributes:
+            self._add(found, _entries(name, value, seen), holder)
             if bound is not None and isinstance(value, torch.Tensor):
                 bound.append((owner, attr, value))
         for function in self.functions:
             for name, value in reads(function):
-                self._add(found, _entries(name, value), function)
+                self._add(found, _entries(name, value, seen), function)
         return {name: value for name, value in found.items() if value is not None}
 
     def _add(self, found: dict, entries, source) -> None:
