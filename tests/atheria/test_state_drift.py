@@ -1,12 +1,12 @@
 """State that the steps' unfollowed code keeps outside its tensors, moved by the recomputes: an
 engine whose step counts its calls (on itself, a module, a class, a dict or a default argument of
-theirs), a wrapper set on the engine's step that logs them, a noise injector that logs its rates or
-draws from a generator of its own, forward hooks recording activations or counting calls. Stock's
-episode runs each step once; a recomputing one runs them again, so such state would leave the
-episode elsewhere than stock's, silently. Each is refused, naming the state, where the episode
-recomputes, and trains as stock does (float64, the same bits' worth) under checkpoint='none'. A
-tensor bound anew at each call (a running total) is bound to the forward's again, as stock leaves
-it. Followed code is not read."""
+theirs) or reads a schedule from an iterator, a wrapper set on the engine's step that logs them, a
+noise injector that logs its rates or draws from a generator of its own, forward hooks recording
+activations or counting calls. Stock's episode runs each step once; a recomputing one runs them
+again, so such state would leave the episode elsewhere than stock's, silently. Each is refused,
+naming the state, where the episode recomputes, and trains as stock does (float64, the same bits'
+worth) under checkpoint='none'. A tensor bound anew at each call (a running total) is bound to the
+forward's again, as stock leaves it. Followed code is not read."""
 
 import numpy
 import pytest
@@ -116,6 +116,23 @@ def default_counting_engine(trainer):
     return lambda t: calls[0]
 
 
+def schedule_engine(kind):
+    """The engine's class with a step that reads a schedule with next() (a list's iterator or a
+    generator held on the engine), its output unchanged."""
+    def edit(trainer):
+        base = type(trainer.motor)
+
+        class Scheduled(base):
+            def evolve_step(self, psi):
+                next(self.schedule)
+                return super().evolve_step(psi)
+
+        trainer.motor.__class__ = Scheduled
+        trainer.motor.schedule = iter([1.0] * 100) if kind == "list" else (1.0 for _ in range(100))
+        return lambda t: len(list(t.motor.schedule))  # what is left of it
+    return edit
+
+
 def logged_step(trainer):
     """A wrapper set on the engine's step (after enable(), it wraps the installed one) logging its calls."""
     own, log = trainer.motor.evolve_step, []
@@ -195,6 +212,8 @@ EDITS = {"engine counting its calls": (counting_engine, r"Counting\.calls"),
                                                                            r"test_state_drift\.MONITOR\.stats"),
          "an engine counting its calls in a default argument": (
              default_counting_engine, r"default_counting_engine\.<locals>\.DefaultCounting\.evolve_step's default _calls"),
+         "an engine reading a schedule from a list's iterator": (schedule_engine("list"), r"Scheduled\.schedule"),
+         "an engine reading a schedule from a generator": (schedule_engine("generator"), r"Scheduled\.schedule"),
          "a wrapper logging the engine's steps": (logged_step, r"logged_step\.<locals>\.evolve_step's log"),
          "an injector logging its rates": (injector(LoggingInjector), r"QC_Trainer_v4\.noise_injector\.rates"),
          "an injector drawing from its own generator": (injector(OwnGeneratorInjector),

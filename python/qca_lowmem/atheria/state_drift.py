@@ -16,6 +16,7 @@ import pickle
 import random
 import sys
 import types
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -42,6 +43,26 @@ def _generator_state(value):
     return None
 
 
+def _position(value):
+    """Where an iterator stands (a schedule `next()` reads), or None for anything else: a Python
+    generator by its frame (the instruction it stopped at, its simple locals); a builtin iterator
+    by its reduction (a list iterator's index, a dict iterator's keys left)."""
+    if isinstance(value, types.GeneratorType):
+        frame = value.gi_frame
+        return "done" if frame is None else (frame.f_lasti, tuple(
+            (name, held) for name, held in frame.f_locals.items() if isinstance(held, _SIMPLE)))
+    if not hasattr(type(value), "__next__"):
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # itertools' pickling, deprecated in 3.12
+            reduced = value.__reduce__()
+    except Exception:  # an iterator that does not reduce: its position is not read
+        return None
+    return tuple(tuple(map(_fingerprint, part)) if isinstance(part, tuple) else _fingerprint(part)
+                 for part in reduced[1:])
+
+
 class _Bound:
     """A tensor as the attribute holding it: the same only while it holds the same tensor (its
     writes in place are ops the rollout sees; a new tensor bound there is not)."""
@@ -62,7 +83,8 @@ class _Bound:
 def _fingerprint(value):
     """What of a value a call could change, in simple values (compared with !=), or None where
     nothing is read: a simple value itself; a tensor by identity (another bound in its place); a
-    random generator's state; a container's type, length and simple entries; a counter's repr.
+    random generator's state; an iterator's position; a container's type, length and simple
+    entries; a counter's repr.
     Objects are read attribute by attribute (_entries)."""
     if isinstance(value, _SIMPLE):
         return value
@@ -71,12 +93,15 @@ def _fingerprint(value):
     generator = _generator_state(value)
     if generator is not None:
         return "generator", generator
+    if isinstance(value, itertools.count):  # its repr, on every Python (its reduction is going in 3.14)
+        return repr(value)
+    position = _position(value)
+    if position is not None:
+        return "iterator", position
     if isinstance(value, dict):
         return "dict", len(value), tuple((k, v) for k, v in value.items() if isinstance(k, _SIMPLE) and isinstance(v, _SIMPLE))
     if isinstance(value, _CONTAINERS):
         return type(value).__name__, len(value), tuple(v for v in value if isinstance(v, _SIMPLE))
-    if isinstance(value, itertools.count):
-        return repr(value)
     return None
 
 
