@@ -33,7 +33,7 @@ CUDA graphs, which replays the ops its capture recorded, as a GPU does, on one l
 ConvBlocks of a class whose forward is edited, before the switch or between episodes; an operator
 keeping state between calls (a call counter on the module, in a closure, a global, a default
 argument or a module of theirs, as their config; a schedule read from an iterator; calls logged in
-a list). Every checkpoint policy. Any of these in float32
+a list); a gradient hook its forward registers. Every checkpoint policy. Any of these in float32
 under bf16 autocast (`amp`): stock's episode as its own use_amp runs it (V3 inside one autocast
 region), the switch with amp_dtype="bf16", judged at bf16's rounding (switch_oracle.BF16). Each
 train_episode called inside the caller's own bf16 autocast. A GradScaler set on the trainer, before the switch or between
@@ -107,7 +107,7 @@ EDITS = {
     "caller_context": st.fixed_dictionaries({"caller_context": st.sampled_from(sorted(CALLER_CONTEXTS))}),
     "op_state": st.fixed_dictionaries({"op_state": st.sampled_from(["module_counter", "closure_counter", "config_counter",
                                                                     "default_counter", "global_counter", "dict_counter",
-                                                                    "schedule", "logged"])}),
+                                                                    "schedule", "logged", "grad_hook"])}),
 }
 
 

@@ -277,3 +277,50 @@ def test_on_a_gpu_float32_steps_may_round_as_tf32_where_torch_allows_it(monkeypa
         assert _tolerance(torch.empty(2, dtype=torch.complex64, device="meta"), None) == ROUNDING_UNITS * units_of
     finally:
         torch.set_float32_matmul_precision(precision)
+
+
+def hooked_step(guarded: bool, calls: list):
+    """A step registering a gradient hook on its operator's output (halving that gradient, counting
+    its runs), only where the output requires grad or always."""
+    unet = qca_lowmem.UNetUnitary(d_state=2, hidden_channels=8)
+
+    def halve(grad):
+        calls.append(None)
+        return grad * 0.5
+
+    def step(psi):
+        delta = unet(qca_lowmem.qca_pack(psi))
+        if delta.requires_grad or not guarded:
+            delta.register_hook(halve)
+        return qca_lowmem.qca_update(psi, delta, 0.05)
+
+    return list(unet.parameters()), step
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_a_gradient_hook_a_step_registers_runs_as_plain_autograd_or_is_refused_by_name(policy):
+    """A hook registered where the output requires grad: the recompute registers it, and it runs
+    once a step in the backward, the gradients plain autograd's. Registered always: the forward,
+    run without grad, is refused naming the hook and the guard (torch's own error said otherwise)."""
+    psi0 = stock.initial_state(1, 8, 2, generator=torch.Generator().manual_seed(1))
+    results = []
+    for options in (dict(checkpoint="none"), policy):
+        calls = []
+        torch.manual_seed(0)
+        params, step = hooked_step(True, calls)
+        psi, _ = qca_lowmem.rollout(step, psi0, 5, **options)
+        results.append((torch.autograd.grad(weighted(psi), params), len(calls)))
+    (plain, plain_calls), (grads, hook_calls) = results
+    assert plain_calls == hook_calls == 5
+    for got, expected in zip(grads, plain, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+    calls = []
+    _, unguarded = hooked_step(False, calls)
+    if policy.get("budget") == 10**9:  # every step kept whole: run once, with grad, as plain autograd
+        weighted(qca_lowmem.rollout(unguarded, psi0, 5, **policy)[0]).backward()
+        assert len(calls) == 5
+        return
+    with pytest.raises(RuntimeError, match=r"^rollout: step \d+ runs without grad here .* step_fn registers a hook "
+                                           r"on a tensor \(Tensor\.register_hook\); register it only where"):
+        qca_lowmem.rollout(unguarded, psi0, 5, **policy)

@@ -36,6 +36,29 @@ from .state import State, check_like_psi, checked_carry
 from .watch import StepWatch
 
 
+# torch's refusals of a gradient hook on a tensor that needs none: a step that registers one in its
+# forward runs here without grad first (the recomputing episode's forward), where stock's had grad.
+_NEEDS_GRAD = {"cannot register a hook on a tensor that doesn't require gradient":
+               "registers a hook on a tensor (Tensor.register_hook); register it only where the tensor "
+               "requires grad (`if out.requires_grad: out.register_hook(...)`): the recompute, with grad, then "
+               "registers it, and it runs once in the backward, as in stock's",
+               "can't retain_grad on Tensor that has requires_grad=False":
+               "keeps a tensor's gradient (Tensor.retain_grad), on a tensor the recompute makes anew"}
+
+
+@contextlib.contextmanager
+def _without_grad_said(t: int):
+    """torch's refusal of a gradient hook in a step run without grad, said as what the step does."""
+    try:
+        yield
+    except RuntimeError as error:
+        does = _NEEDS_GRAD.get(str(error)) if not torch.is_grad_enabled() else None
+        if does is None:
+            raise
+        raise RuntimeError(f"rollout: step {t} runs without grad here (a recomputing episode's forward), and "
+                           f"step_fn {does}; checkpoint='none' runs each step once, with grad") from error
+
+
 class StepUnit:
     """One step of the episode: step_fn then noise, with the checks that keep the state's type.
 
@@ -79,7 +102,7 @@ class StepUnit:
             # rollout nor the cause); a copy can, so that its change is seen and refused below.
             given = State(_modifiable(state.psi), tuple(map(_modifiable, state.carry)))
             versions = [None if x is None else x._version for x in given.tensors()]
-        with self.weight_casts.active():
+        with self.weight_casts.active(), _without_grad_said(t):
             out, carry = self.step(*given, t)
         if self.refuse_in_place is not None:
             self._refuse_changed_input(given, versions, t)
