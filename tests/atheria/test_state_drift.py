@@ -1,12 +1,14 @@
 """State that the steps' unfollowed code keeps outside its tensors, moved by the recomputes: an
 engine whose step counts its calls (on itself, a module, a class, a dict or a default argument of
-theirs) or reads a schedule from an iterator, a wrapper set on the engine's step that logs them, a
-noise injector that logs its rates or draws from a generator of its own, forward hooks recording
-activations or counting calls. Stock's episode runs each step once; a recomputing one runs them
-again, so such state would leave the episode elsewhere than stock's, silently. Each is refused,
-naming the state, where the episode recomputes, and trains as stock does (float64, the same bits'
-worth) under checkpoint='none'. A tensor bound anew at each call (a running total) is bound to the
-forward's again, as stock leaves it. Followed code is not read."""
+theirs, or through a functools.partial) or reads a schedule from an iterator, a wrapper set on the
+engine's step that logs them, a noise injector that logs its rates or draws from a generator of its
+own, forward hooks recording activations or counting calls. Stock's episode runs each step once; a
+recomputing one runs them again, so such state would leave the episode elsewhere than stock's,
+silently. Each is refused, naming the state, where the episode recomputes, and trains as stock does
+(float64, the same bits' worth) under checkpoint='none'. A tensor bound anew at each call (a
+running total) is bound to the forward's again, as stock leaves it. Followed code is not read."""
+
+import functools
 
 import numpy
 import pytest
@@ -133,6 +135,25 @@ def schedule_engine(kind):
     return edit
 
 
+def _count(calls):
+    calls[0] += 1
+
+
+def partial_counting_engine(trainer):
+    """The engine's class with a step calling a functools.partial held on the engine, which passes
+    its function the list it counts in."""
+    base = type(trainer.motor)
+
+    class PartialCounting(base):
+        def evolve_step(self, psi):
+            self.count()
+            return super().evolve_step(psi)
+
+    trainer.motor.__class__ = PartialCounting
+    trainer.motor.count = functools.partial(_count, calls=[0])
+    return lambda t: t.motor.count.keywords["calls"][0]
+
+
 def logged_step(trainer):
     """A wrapper set on the engine's step (after enable(), it wraps the installed one) logging its calls."""
     own, log = trainer.motor.evolve_step, []
@@ -214,6 +235,8 @@ EDITS = {"engine counting its calls": (counting_engine, r"Counting\.calls"),
              default_counting_engine, r"default_counting_engine\.<locals>\.DefaultCounting\.evolve_step's default _calls"),
          "an engine reading a schedule from a list's iterator": (schedule_engine("list"), r"Scheduled\.schedule"),
          "an engine reading a schedule from a generator": (schedule_engine("generator"), r"Scheduled\.schedule"),
+         "an engine counting its calls through a functools.partial": (partial_counting_engine,
+                                                                       r"PartialCounting\.count's argument calls"),
          "a wrapper logging the engine's steps": (logged_step, r"logged_step\.<locals>\.evolve_step's log"),
          "an injector logging its rates": (injector(LoggingInjector), r"QC_Trainer_v4\.noise_injector\.rates"),
          "an injector drawing from its own generator": (injector(OwnGeneratorInjector),

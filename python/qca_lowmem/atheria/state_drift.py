@@ -11,6 +11,7 @@ the episode reads that state after its forward and again after its backward, and
 episode on a change, naming it; checkpoint="none" calls everything as stock does.
 """
 
+import functools
 import itertools
 import pickle
 import random
@@ -123,6 +124,10 @@ def _entries(name: str, value, seen: set, depth: int = 2):
         yield name, _fingerprint(value)
         return
     seen.add(id(value))
+    if isinstance(value, functools.partial):  # what it passes its function (`partial(f, calls=[0])`)
+        for key, held in [*enumerate(value.args), *value.keywords.items()]:
+            yield from _entries(f"{name}'s argument {key}", held, seen, depth)
+        return
     for attr, held in list(vars(value).items()):
         if isinstance(held, _SIMPLE + _CONTAINERS) or _generator_state(held) is not None:
             yield f"{name}.{attr}", _fingerprint(held)
@@ -171,11 +176,19 @@ def own_classes(value) -> list:
     return [owner for owner in type(value).__mro__ if owner is not object]
 
 
+def _unbound(value):
+    """The callable a functools.partial calls, or `value`."""
+    while isinstance(value, functools.partial):
+        value = value.func
+    return value
+
+
 def code_of(holders, classes) -> list:
     """The plain functions a call on `holders` may run: those `classes` define (their methods,
     static and class methods, properties' accessors) and the functions the holders hold on the instance."""
     functions = [f for owner in classes for value in vars(owner).values() for f in functions_of(value) or ()]
-    held = [getattr(value, "__func__", value) for holder in holders for _, value in held_callables(holder)]
+    held = [getattr(_unbound(value), "__func__", _unbound(value)) for holder in holders
+            for _, value in held_callables(holder)]
     return functions + [f for f in held if isinstance(f, types.FunctionType)]
 
 

@@ -35,7 +35,6 @@ from .schedule import Recomputing
 from .state import State, check_like_psi, checked_carry
 from .watch import StepWatch
 
-
 # torch's refusals of a gradient hook on a tensor that needs none: a step that registers one in its
 # forward runs here without grad first (the recomputing episode's forward), where stock's had grad.
 _NEEDS_GRAD = {"cannot register a hook on a tensor that doesn't require gradient":
