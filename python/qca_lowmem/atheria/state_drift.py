@@ -11,6 +11,7 @@ the episode reads that state after its forward and again after its backward, and
 episode on a change, naming it; checkpoint="none" calls everything as stock does.
 """
 
+import collections
 import functools
 import itertools
 import pickle
@@ -27,7 +28,8 @@ from .code_identity import functions_of, reads, users_module
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what torch keeps on every module (its dicts of parameters, hooks...)
 _SIMPLE = (type(None), bool, int, float, complex, str, bytes)
-_CONTAINERS = (list, tuple, dict, set, frozenset)
+_CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque)
+_NUMPY_BYTES = 1 << 20  # a numpy array up to this size is read by its bytes; a larger one by its shape alone
 
 
 def _generator_state(value):
@@ -64,6 +66,15 @@ def _position(value):
                  for part in reduced[1:])
 
 
+def _numpy_value(value):
+    """A numpy array's or scalar's (`np.int64` counter) shape, type and, up to _NUMPY_BYTES, bytes;
+    None for anything else (numpy is not imported here)."""
+    if type(value).__module__ != "numpy" or not hasattr(value, "tobytes"):
+        return None
+    small = value.nbytes <= _NUMPY_BYTES
+    return type(value).__name__, value.shape, str(value.dtype), value.tobytes() if small else "larger than 1 MiB"
+
+
 class _Bound:
     """A tensor as the attribute holding it: the same only while it holds the same tensor (its
     writes in place are ops the rollout sees; a new tensor bound there is not)."""
@@ -84,8 +95,8 @@ class _Bound:
 def _fingerprint(value):
     """What of a value a call could change, in simple values (compared with !=), or None where
     nothing is read: a simple value itself; a tensor by identity (another bound in its place); a
-    random generator's state; an iterator's position; a container's type, length and simple
-    entries; a counter's repr.
+    random generator's state; a numpy array or scalar by its bytes (up to 1 MiB); an iterator's
+    position; a container's (a deque's too) type, length and simple entries; a counter's repr.
     Objects are read attribute by attribute (_entries)."""
     if isinstance(value, _SIMPLE):
         return value
@@ -94,6 +105,9 @@ def _fingerprint(value):
     generator = _generator_state(value)
     if generator is not None:
         return "generator", generator
+    numpy_value = _numpy_value(value)
+    if numpy_value is not None:
+        return numpy_value
     if isinstance(value, itertools.count):  # its repr, on every Python (its reduction is going in 3.14)
         return repr(value)
     position = _position(value)
