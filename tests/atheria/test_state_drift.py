@@ -1,13 +1,13 @@
 """State that the steps' unfollowed code keeps outside its tensors, moved by the recomputes: an
 engine whose step counts its calls (on itself, a module, a class, a dict or a default argument of
-theirs, in a numpy array or a deque, or through a functools.partial) or reads a schedule from an
-iterator, a wrapper set on the engine's step that logs them, a noise injector that logs its rates
-or draws from a generator of its own, forward hooks recording activations or counting calls.
-Stock's episode runs each step once; a recomputing one runs them again, so such state would leave
-the episode elsewhere than stock's, silently. Each is refused, naming the state, where the episode
-recomputes, and trains as stock does (float64, the same bits' worth) under checkpoint='none'. A
-tensor bound anew at each call (a running total) is bound to the forward's again, as stock leaves
-it. Followed code is not read."""
+theirs, in a numpy array, a deque or a list in a dict, or through a functools.partial) or reads a
+schedule from an iterator, a wrapper set on the engine's step that logs them, a noise injector that
+logs its rates or draws from a generator of its own, forward hooks recording activations or
+counting calls. Stock's episode runs each step once; a recomputing one runs them again, so such
+state would leave the episode elsewhere than stock's, silently. Each is refused, naming the state,
+where the episode recomputes, and trains as stock does (float64, the same bits' worth) under
+checkpoint='none'. A tensor bound anew at each call (a running total) is bound to the forward's
+again, as stock leaves it. Followed code is not read."""
 
 import collections
 import functools
@@ -176,6 +176,20 @@ def held_counting_engine(kind):
     return edit
 
 
+def nested_log_engine(trainer):
+    """The engine's class with a step that logs its calls in a list inside a dict on the engine."""
+    base = type(trainer.motor)
+
+    class NestedLog(base):
+        def evolve_step(self, psi):
+            self.log["calls"].append(None)
+            return super().evolve_step(psi)
+
+    trainer.motor.__class__ = NestedLog
+    trainer.motor.log = collections.defaultdict(list)
+    return lambda t: len(t.motor.log["calls"])
+
+
 def logged_step(trainer):
     """A wrapper set on the engine's step (after enable(), it wraps the installed one) logging its calls."""
     own, log = trainer.motor.evolve_step, []
@@ -261,6 +275,7 @@ EDITS = {"engine counting its calls": (counting_engine, r"Counting\.calls"),
                                                                        r"PartialCounting\.count's argument calls"),
          "an engine counting its calls in a numpy array": (held_counting_engine("numpy"), r"HeldCounting\.counts"),
          "an engine logging its calls in a deque": (held_counting_engine("deque"), r"HeldCounting\.counts"),
+         "an engine logging its calls in a list in a dict": (nested_log_engine, r"NestedLog\.log"),
          "a wrapper logging the engine's steps": (logged_step, r"logged_step\.<locals>\.evolve_step's log"),
          "an injector logging its rates": (injector(LoggingInjector), r"QC_Trainer_v4\.noise_injector\.rates"),
          "an injector drawing from its own generator": (injector(OwnGeneratorInjector),

@@ -92,12 +92,13 @@ class _Bound:
         return f"a tensor of shape {tuple(self.tensor.shape)}"
 
 
-def _fingerprint(value):
+def _fingerprint(value, depth: int = 3):
     """What of a value a call could change, in simple values (compared with !=), or None where
     nothing is read: a simple value itself; a tensor by identity (another bound in its place); a
     random generator's state; a numpy array or scalar by its bytes (up to 1 MiB); an iterator's
-    position; a container's (a deque's too) type, length and simple entries; a counter's repr.
-    Objects are read attribute by attribute (_entries)."""
+    position; a container's (a deque's too) type, length and entries read alike, `depth` levels
+    down (`self.log["norms"].append(...)`); a counter's repr. Objects are read attribute by
+    attribute (_entries)."""
     if isinstance(value, _SIMPLE):
         return value
     if isinstance(value, torch.Tensor):
@@ -113,10 +114,11 @@ def _fingerprint(value):
     position = _position(value)
     if position is not None:
         return "iterator", position
-    if isinstance(value, dict):
-        return "dict", len(value), tuple((k, v) for k, v in value.items() if isinstance(k, _SIMPLE) and isinstance(v, _SIMPLE))
     if isinstance(value, _CONTAINERS):
-        return type(value).__name__, len(value), tuple(v for v in value if isinstance(v, _SIMPLE))
+        pairs = value.items() if isinstance(value, dict) else enumerate(value)
+        read = [(k, _fingerprint(v, depth - 1)) for k, v in pairs if isinstance(k, _SIMPLE)] if depth > 0 else []
+        read = [(k, v) if isinstance(value, dict) else v for k, v in read if v is not None]
+        return type(value).__name__, len(value), tuple(read)
     return None
 
 
@@ -154,7 +156,7 @@ def _shown(fingerprint) -> str:
     if isinstance(fingerprint, tuple) and len(fingerprint) == 2 and fingerprint[0] == "generator":
         return "a random generator's state"
     if isinstance(fingerprint, tuple) and len(fingerprint) == 3 and isinstance(fingerprint[1], int) \
-            and fingerprint[0] in ("dict", "list", "tuple", "set", "frozenset"):
+            and fingerprint[0] in ("dict", "list", "tuple", "set", "frozenset", "deque"):
         text = f"a {fingerprint[0]} of {fingerprint[1]}" + (f": {fingerprint[2]!r}" if fingerprint[2] else "")
     else:
         text = repr(fingerprint)
