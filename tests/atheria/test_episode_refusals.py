@@ -151,3 +151,17 @@ def test_a_change_that_enabling_again_does_not_clear_raises_rather_than_loops(mo
     monkeypatch.setattr(episode_options, "_check_psi0_read", always_changed)
     with pytest.raises(RuntimeError, match=r"^qca_lowmem: enabled again for this episode, yet the grid is 9x9 now"):
         trainer.train_episode(0)
+
+
+def test_a_change_after_an_episode_enabled_again_and_refused_enables_it_again(caplog):
+    """The grid changed, the episode enabled it again and was refused (called inside an autocast);
+    the grid changed again before the next episode: that one enables it again too, and trains."""
+    caplog.set_level("INFO", logger="qca_lowmem")
+    trainer = make_trainer(state_object=False)
+    qca_lowmem.enable(trainer)
+    trainer.grid_size = 16
+    with bf16_autocast(), pytest.raises(RuntimeError, match=r"^qca_lowmem: train_episode was called inside"):
+        trainer.train_episode(0)
+    trainer.grid_size = 12
+    assert trainer.train_episode(0)[2].shape == (1, 12, 12, 2)
+    assert said(caplog)[-1].startswith("the trainer's grid is 12x12 now (16x16 at enable()): on again")

@@ -144,9 +144,9 @@ def check_reads(trainer, opts: EpisodeOptions, version: TrainerVersion, device: 
     psi0's grid and d_state. A value changed raises ProofStale (enable() runs again, reading it
     anew); a caller's context the episode cannot run under, EpisodeRefused."""
     _check_precision(trainer, opts)
-    _check_caller_autocast(trainer, opts, version, device)
-    _check_caller_context()
     _check_psi0_read(trainer, opts)
+    _check_caller_autocast(trainer, opts, version, device)  # after the values read anew: in their precision
+    _check_caller_context()
 
 
 def _check_precision(trainer, opts):

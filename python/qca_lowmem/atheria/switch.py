@@ -69,7 +69,7 @@ class _Saved:
     episode_identity: Any = None  # the stock train_episode recognised, checked at each episode (stock_guard.py)
     edited_episode: Optional[str] = None  # why the episode is not stock, run anyway (assume_stock_episode)
     stock_on_refusal: bool = False  # QCA_LOWMEM=1 alone: an episode the library cannot run trains on stock
-    enabled_again: bool = False  # by an episode whose checks found a value changed, until its checks pass
+    enabled_again: bool = False  # by an episode whose checks found a value changed, for the call it then makes
     captures: StepCaptures = field(default_factory=StepCaptures)
     said: _Said = field(default_factory=_Said)
 
@@ -98,10 +98,11 @@ class LowmemEpisode:
         theirs = state.episode_identity.changed(trainer, self) if state.episode_identity else None
         if theirs is not None:  # their train_episode is no longer the one recognised: it runs as written
             return theirs(episode_num)
+        again, state.enabled_again = state.enabled_again, False  # set by _enable_again for the call it makes
         try:
             model, own = checked_before(trainer, state)
         except ProofStale as stale:
-            if state.enabled_again:  # enable() read it otherwise than the episode does: never loop on it
+            if again:  # enable() read it otherwise than the episode does: never loop on it
                 raise RuntimeError(f"qca_lowmem: enabled again for this episode, yet {stale.changed}; "
                                    "qca_lowmem.disable(trainer) trains it on stock") from stale
             return _enable_again(trainer, state, stale, episode_num)
@@ -109,7 +110,6 @@ class LowmemEpisode:
             if not state.stock_on_refusal:
                 raise
             return _on_stock(trainer, episode_num, str(refused).removeprefix("qca_lowmem: "))
-        state.enabled_again = False
         try:
             with proved_for_the_episode(state.undo):
                 return train_episode(trainer, state, episode_num, model, own)
