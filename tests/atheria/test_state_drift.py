@@ -107,6 +107,21 @@ def dict_counting_engine(trainer):
     return lambda t: MONITOR.stats["calls"]
 
 
+def nested_numpy_engine(trainer):
+    """The engine's class with a step counting its calls in a numpy array of an object it holds."""
+    base = type(trainer.motor)
+
+    class NestedNumpy(base):
+        def evolve_step(self, psi):
+            self.monitor.counts[0] += 1
+            return super().evolve_step(psi)
+
+    trainer.motor.__class__ = NestedNumpy
+    trainer.motor.monitor = Monitor()
+    trainer.motor.monitor.counts = numpy.zeros(1)
+    return lambda t: float(t.motor.monitor.counts[0])
+
+
 def default_counting_engine(trainer):
     base = type(trainer.motor)
     calls = [0]
@@ -276,6 +291,8 @@ EDITS = {"engine counting its calls": (counting_engine, r"Counting\.calls"),
          "an engine counting its calls in a numpy array": (held_counting_engine("numpy"), r"HeldCounting\.counts"),
          "an engine logging its calls in a deque": (held_counting_engine("deque"), r"HeldCounting\.counts"),
          "an engine logging its calls in a list in a dict": (nested_log_engine, r"NestedLog\.log"),
+         "an engine counting its calls in a numpy array of an object it holds": (nested_numpy_engine,
+                                                                                 r"NestedNumpy\.monitor\.counts"),
          "a wrapper logging the engine's steps": (logged_step, r"logged_step\.<locals>\.evolve_step's log"),
          "an injector logging its rates": (injector(LoggingInjector), r"QC_Trainer_v4\.noise_injector\.rates"),
          "an injector drawing from its own generator": (injector(OwnGeneratorInjector),

@@ -133,9 +133,10 @@ def _read_whole(value) -> bool:
 
 def _entries(name: str, value, seen: set, depth: int = 2):
     """(name, fingerprint) of what of a value a call could change: the value's own; for a plain
-    object or a class of theirs, one per attribute holding a simple value, a container or a random
-    generator, and those of a plain object it holds (`holder.stats["calls"]`, two levels down) not
-    read already (`seen`: ids, the holders' own included), so each is named once, by its first path."""
+    object or a class of theirs, one per attribute read whole (_fingerprint: a simple value, a
+    container, a generator, a numpy array, an iterator, a tensor by identity), and those of a plain
+    object it holds (`holder.stats["calls"]`, two levels down) not read already (`seen`: ids, the
+    holders' own included), so each is named once, by its first path."""
     if _read_whole(value):
         yield name, _fingerprint(value)
         return
@@ -145,9 +146,9 @@ def _entries(name: str, value, seen: set, depth: int = 2):
             yield from _entries(f"{name}'s argument {key}", held, seen, depth)
         return
     for attr, held in list(vars(value).items()):
-        if isinstance(held, _SIMPLE + _CONTAINERS) or _generator_state(held) is not None:
+        if _read_whole(held):
             yield f"{name}.{attr}", _fingerprint(held)
-        elif depth > 1 and id(held) not in seen and not isinstance(held, type) and not _read_whole(held):
+        elif depth > 1 and id(held) not in seen:
             yield from _entries(f"{name}.{attr}", held, seen, depth - 1)
 
 
