@@ -11,6 +11,7 @@ again, as stock leaves it. Followed code is not read."""
 
 import collections
 import functools
+from types import SimpleNamespace
 
 import numpy
 import pytest
@@ -37,32 +38,28 @@ def make_trainer():
     return trainer
 
 
-def counting_engine(trainer):
-    """The engine's class with a step that counts its calls, its output unchanged."""
-    base = type(trainer.motor)
+def stepping_engine(name: str, before_step, state=None, read=None):
+    """An edit giving the engine a class of its own, `name`, whose step runs before_step(engine),
+    then the engine's step, its output unchanged. `state(engine)` is set on the engine first as
+    `state_kept`; every count starts at 0. The edit returns how to read what before_step moved:
+    `read(state_kept)`, else the counts kept elsewhere (a module, a class, a dict, a default)."""
+    def edit(trainer):
+        base = type(trainer.motor)
 
-    class Counting(base):
         def evolve_step(self, psi):
-            self.calls = getattr(self, "calls", 0) + 1
-            return super().evolve_step(psi)
+            before_step(self)
+            return base.evolve_step(self, psi)
 
-    trainer.motor.__class__ = Counting
-    return lambda t: t.motor.calls
-
-
-def config_counting_engine(trainer):
-    """The engine's class with a step that counts its calls on a module of the researcher's (their
-    config), read as one of its attributes."""
-    base = type(trainer.motor)
-    researcher_config.CALLS = 0
-
-    class ConfigCounting(base):
-        def evolve_step(self, psi):
-            researcher_config.CALLS += 1
-            return super().evolve_step(psi)
-
-    trainer.motor.__class__ = ConfigCounting
-    return lambda t: researcher_config.CALLS
+        trainer.motor.__class__ = type(name, (base,), {"evolve_step": evolve_step})
+        if state is not None:
+            trainer.motor.state_kept = state(trainer.motor)
+        researcher_config.CALLS, CallStats.calls, STATS.counts["calls"] = 0, 0, 0
+        _in_a_default.__defaults__[0][0] = 0
+        if read is not None:
+            return lambda t: read(t.motor.state_kept)
+        return lambda t: (researcher_config.CALLS, CallStats.calls, STATS.counts["calls"],
+                          _in_a_default.__defaults__[0][0], getattr(t.motor, "calls", 0))
+    return edit
 
 
 class CallStats:
@@ -71,138 +68,92 @@ class CallStats:
     calls = 0
 
 
-class Monitor:
-    """An object of the researcher's holding its counts in a dict (read as a global)."""
-
-    def __init__(self):
-        self.stats = {"calls": 0}
+STATS = SimpleNamespace(counts={"calls": 0})  # an object of the researcher's, holding a dict
 
 
-MONITOR = Monitor()
+def _on_itself(engine):
+    engine.calls = getattr(engine, "calls", 0) + 1
 
 
-def class_counting_engine(trainer):
-    base = type(trainer.motor)
-    CallStats.calls = 0
-
-    class ClassCounting(base):
-        def evolve_step(self, psi):
-            CallStats.calls += 1
-            return super().evolve_step(psi)
-
-    trainer.motor.__class__ = ClassCounting
-    return lambda t: CallStats.calls
+def _on_config(engine):
+    researcher_config.CALLS += 1
 
 
-def dict_counting_engine(trainer):
-    base = type(trainer.motor)
-    MONITOR.stats = {"calls": 0}
-
-    class DictCounting(base):
-        def evolve_step(self, psi):
-            MONITOR.stats["calls"] += 1
-            return super().evolve_step(psi)
-
-    trainer.motor.__class__ = DictCounting
-    return lambda t: MONITOR.stats["calls"]
+def _on_class(engine):
+    CallStats.calls += 1
 
 
-def nested_numpy_engine(trainer):
-    """The engine's class with a step counting its calls in a numpy array of an object it holds."""
-    base = type(trainer.motor)
-
-    class NestedNumpy(base):
-        def evolve_step(self, psi):
-            self.monitor.counts[0] += 1
-            return super().evolve_step(psi)
-
-    trainer.motor.__class__ = NestedNumpy
-    trainer.motor.monitor = Monitor()
-    trainer.motor.monitor.counts = numpy.zeros(1)
-    return lambda t: float(t.motor.monitor.counts[0])
+def _in_a_dict(engine):
+    STATS.counts["calls"] += 1
 
 
-def default_counting_engine(trainer):
-    base = type(trainer.motor)
-    calls = [0]
-
-    class DefaultCounting(base):
-        def evolve_step(self, psi, _calls=calls):  # a mutable default, Python's own memo
-            _calls[0] += 1
-            return super().evolve_step(psi)
-
-    trainer.motor.__class__ = DefaultCounting
-    return lambda t: calls[0]
+def _in_a_default(engine, _calls=[0]):  # a mutable default, Python's own memo
+    _calls[0] += 1
 
 
-def schedule_engine(kind):
-    """The engine's class with a step that reads a schedule with next() (a list's iterator or a
-    generator held on the engine), its output unchanged."""
-    def edit(trainer):
-        base = type(trainer.motor)
+def _next(engine):
+    next(engine.state_kept)
 
-        class Scheduled(base):
-            def evolve_step(self, psi):
-                next(self.schedule)
-                return super().evolve_step(psi)
 
-        trainer.motor.__class__ = Scheduled
-        trainer.motor.schedule = iter([1.0] * 100) if kind == "list" else (1.0 for _ in range(100))
-        return lambda t: len(list(t.motor.schedule))  # what is left of it
-    return edit
+def _through_a_partial(engine):
+    engine.state_kept()
 
 
 def _count(calls):
     calls[0] += 1
 
 
-def partial_counting_engine(trainer):
-    """The engine's class with a step calling a functools.partial held on the engine, which passes
-    its function the list it counts in."""
-    base = type(trainer.motor)
-
-    class PartialCounting(base):
-        def evolve_step(self, psi):
-            self.count()
-            return super().evolve_step(psi)
-
-    trainer.motor.__class__ = PartialCounting
-    trainer.motor.count = functools.partial(_count, calls=[0])
-    return lambda t: t.motor.count.keywords["calls"][0]
+def _in_a_numpy_array(engine):
+    engine.state_kept[0] += 1
 
 
-def held_counting_engine(kind):
-    """The engine's class with a step that counts its calls in a numpy array or logs them in a
-    deque, held on the engine."""
-    def edit(trainer):
-        base = type(trainer.motor)
-
-        class HeldCounting(base):
-            def evolve_step(self, psi):
-                if kind == "numpy":
-                    self.counts[0] += 1
-                else:
-                    self.counts.append(None)
-                return super().evolve_step(psi)
-
-        trainer.motor.__class__ = HeldCounting
-        trainer.motor.counts = numpy.zeros(2) if kind == "numpy" else collections.deque(maxlen=100)
-        return lambda t: float(t.motor.counts[0]) if kind == "numpy" else len(t.motor.counts)
-    return edit
+def _appended(engine):
+    engine.state_kept.append(None)
 
 
-def nested_log_engine(trainer):
-    """The engine's class with a step that logs its calls in a list inside a dict on the engine."""
-    base = type(trainer.motor)
+def _in_a_list_in_a_dict(engine):
+    engine.state_kept["calls"].append(None)
 
-    class NestedLog(base):
-        def evolve_step(self, psi):
-            self.log["calls"].append(None)
-            return super().evolve_step(psi)
 
-    trainer.motor.__class__ = NestedLog
-    trainer.motor.log = collections.defaultdict(list)
-    return lambda t: len(t.motor.log["calls"])
+def _in_an_object_it_holds(engine):
+    engine.state_kept.counts[0] += 1
+
+
+def _left(iterator):
+    return len(list(iterator))
+
+
+STEP_STATE_EDITS = {
+    "engine counting its calls": (stepping_engine("Counting", _on_itself), r"Counting\.calls"),
+    "an engine counting its calls on their config module": (stepping_engine("ConfigCounting", _on_config),
+                                                            r"fixtures\.researcher_config\.CALLS"),
+    "an engine counting its calls on a class of theirs": (stepping_engine("ClassCounting", _on_class),
+                                                          r"test_state_drift\.CallStats\.calls"),
+    "an engine counting its calls in a dict of an object of theirs": (stepping_engine("DictCounting", _in_a_dict),
+                                                                      r"test_state_drift\.STATS\.counts"),
+    "an engine counting its calls in a default argument": (stepping_engine("DefaultCounting", _in_a_default),
+                                                           r"_in_a_default's default _calls"),
+    "an engine reading a schedule from a list's iterator": (
+        stepping_engine("Scheduled", _next, lambda engine: iter([1.0] * 100), _left), r"Scheduled\.state_kept"),
+    "an engine reading a schedule from a generator": (
+        stepping_engine("Scheduled", _next, lambda engine: (1.0 for _ in range(100)), _left),
+        r"Scheduled\.state_kept"),
+    "an engine counting its calls through a functools.partial": (
+        stepping_engine("PartialCounting", _through_a_partial, lambda engine: functools.partial(_count, calls=[0]),
+                        lambda kept: kept.keywords["calls"]), r"PartialCounting\.state_kept's argument calls"),
+    "an engine counting its calls in a numpy array": (
+        stepping_engine("HeldCounting", _in_a_numpy_array, lambda engine: numpy.zeros(2), numpy.ndarray.tolist),
+        r"HeldCounting\.state_kept"),
+    "an engine logging its calls in a deque": (
+        stepping_engine("HeldCounting", _appended, lambda engine: collections.deque(maxlen=100), len),
+        r"HeldCounting\.state_kept"),
+    "an engine logging its calls in a list in a dict": (
+        stepping_engine("NestedLog", _in_a_list_in_a_dict, lambda engine: collections.defaultdict(list),
+                        lambda kept: len(kept["calls"])), r"NestedLog\.state_kept"),
+    "an engine counting its calls in a numpy array of an object it holds": (
+        stepping_engine("NestedNumpy", _in_an_object_it_holds, lambda engine: SimpleNamespace(counts=numpy.zeros(1)),
+                        lambda kept: kept.counts.tolist()), r"NestedNumpy\.state_kept\.counts"),
+}
 
 
 def logged_step(trainer):
@@ -275,24 +226,7 @@ def counting_pre_hook(trainer):
     return lambda t: len(calls)
 
 
-EDITS = {"engine counting its calls": (counting_engine, r"Counting\.calls"),
-         "an engine counting its calls on their config module": (config_counting_engine,
-                                                                   r"fixtures\.researcher_config\.CALLS"),
-         "an engine counting its calls on a class of theirs": (class_counting_engine,
-                                                                r"test_state_drift\.CallStats\.calls"),
-         "an engine counting its calls in a dict of an object of theirs": (dict_counting_engine,
-                                                                           r"test_state_drift\.MONITOR\.stats"),
-         "an engine counting its calls in a default argument": (
-             default_counting_engine, r"default_counting_engine\.<locals>\.DefaultCounting\.evolve_step's default _calls"),
-         "an engine reading a schedule from a list's iterator": (schedule_engine("list"), r"Scheduled\.schedule"),
-         "an engine reading a schedule from a generator": (schedule_engine("generator"), r"Scheduled\.schedule"),
-         "an engine counting its calls through a functools.partial": (partial_counting_engine,
-                                                                       r"PartialCounting\.count's argument calls"),
-         "an engine counting its calls in a numpy array": (held_counting_engine("numpy"), r"HeldCounting\.counts"),
-         "an engine logging its calls in a deque": (held_counting_engine("deque"), r"HeldCounting\.counts"),
-         "an engine logging its calls in a list in a dict": (nested_log_engine, r"NestedLog\.log"),
-         "an engine counting its calls in a numpy array of an object it holds": (nested_numpy_engine,
-                                                                                 r"NestedNumpy\.monitor\.counts"),
+EDITS = {**STEP_STATE_EDITS,
          "a wrapper logging the engine's steps": (logged_step, r"logged_step\.<locals>\.evolve_step's log"),
          "an injector logging its rates": (injector(LoggingInjector), r"QC_Trainer_v4\.noise_injector\.rates"),
          "an injector drawing from its own generator": (injector(OwnGeneratorInjector),
@@ -476,6 +410,6 @@ def test_followed_engine_and_injector_are_not_read():
     installed = vars(trainer.motor)["evolve_step"]
     assert engine_code(trainer.motor, installed) is None
     assert injector_code(trainer.noise_injector) is None
-    counting_engine(trainer)
+    STEP_STATE_EDITS["engine counting its calls"][0](trainer)
     assert engine_code(trainer.motor, installed)
     assert injector_code(LoggingInjector())
