@@ -96,8 +96,8 @@ def _fingerprint(value, depth: int = 3):
     """What of a value a call could change, in simple values (compared with !=), or None where
     nothing is read: a simple value itself; a tensor by identity (another bound in its place); a
     random generator's state; a numpy array or scalar by its bytes (up to 1 MiB); an iterator's
-    position; a container's (a deque's too) type, length and entries read alike, `depth` levels
-    down (`self.log["norms"].append(...)`); a counter's repr. Objects are read attribute by
+    position; a container's (a deque's too) type, length and entries read alike but tensors,
+    `depth` levels down (`self.log["norms"].append(...)`); a counter's repr. Objects are read attribute by
     attribute (_entries)."""
     if isinstance(value, _SIMPLE):
         return value
@@ -116,7 +116,8 @@ def _fingerprint(value, depth: int = 3):
         return "iterator", position
     if isinstance(value, _CONTAINERS):
         pairs = value.items() if isinstance(value, dict) else enumerate(value)
-        read = [(k, _fingerprint(v, depth - 1)) for k, v in pairs if isinstance(k, _SIMPLE)] if depth > 0 else []
+        read = [(k, _fingerprint(v, depth - 1)) for k, v in pairs
+                if isinstance(k, _SIMPLE) and not isinstance(v, torch.Tensor)] if depth > 0 else []
         read = [(k, v) if isinstance(value, dict) else v for k, v in read if v is not None]
         return type(value).__name__, len(value), tuple(read)
     return None
@@ -134,7 +135,7 @@ def _read_whole(value) -> bool:
 def _entries(name: str, value, seen: set, depth: int = 2):
     """(name, fingerprint) of what of a value a call could change: the value's own; for a plain
     object or a class of theirs, one per attribute read whole (_fingerprint: a simple value, a
-    container, a generator, a numpy array, an iterator, a tensor by identity), and those of a plain
+    container, a generator, a numpy array, an iterator; not a tensor), and those of a plain
     object it holds (`holder.stats["calls"]`, two levels down) not read already (`seen`: ids, the
     holders' own included), so each is named once, by its first path."""
     if _read_whole(value):
@@ -146,6 +147,8 @@ def _entries(name: str, value, seen: set, depth: int = 2):
             yield from _entries(f"{name}'s argument {key}", held, seen, depth)
         return
     for attr, held in list(vars(value).items()):
+        if isinstance(held, torch.Tensor):  # written in place: the rollout sees it; bound anew (the memory on
+            continue  # motor.state, which the episode leaves after this check): not read here
         if _read_whole(held):
             yield f"{name}.{attr}", _fingerprint(held)
         elif depth > 1 and id(held) not in seen:
