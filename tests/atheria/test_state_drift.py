@@ -75,6 +75,10 @@ def _on_itself(engine):
     engine.calls = getattr(engine, "calls", 0) + 1
 
 
+def _on_its_class(engine):  # without super(), no cell of the function holds the class
+    type(engine).calls = getattr(type(engine), "calls", 0) + 1
+
+
 def _on_config(engine):
     researcher_config.CALLS += 1
 
@@ -125,6 +129,8 @@ def _left(iterator):
 
 STEP_STATE_EDITS = {
     "engine counting its calls": (stepping_engine("Counting", _on_itself), r"Counting\.calls"),
+    "an engine counting its calls on its own class": (stepping_engine("OwnClassCounting", _on_its_class),
+                                                      r"test_state_drift\.OwnClassCounting\.calls"),
     "an engine counting its calls on their config module": (stepping_engine("ConfigCounting", _on_config),
                                                             r"fixtures\.researcher_config\.CALLS"),
     "an engine counting its calls on a class of theirs": (stepping_engine("ClassCounting", _on_class),

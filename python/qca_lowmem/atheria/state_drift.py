@@ -231,13 +231,20 @@ class StateDrift:
         self.after_forward = self.read(self.bound)
 
     def _attributes(self):
-        """(the holder, the name to say, the owner, its attribute, the value) of every holder's attribute."""
+        """(the holder, the name to say, the owner, its attribute, the value) of every holder's
+        attribute, and (the holder, the class's name, its class, None, the class) of each class of
+        theirs in the MRO of its owners (`type(self).calls += 1`), once each."""
+        classes = set()
         for label, holder in self.holders:
             owners = holder.named_modules() if isinstance(holder, nn.Module) else [("", holder)]
             for name, owner in owners:
                 for attr, value in vars(owner).items():
                     if attr not in _MODULE_OWN:
                         yield holder, f"{label}{'.' + name if name else ''}.{attr}", owner, attr, value
+                for cls in type(owner).__mro__:
+                    if id(cls) not in classes and not _read_whole(cls):
+                        classes.add(id(cls))
+                        yield holder, f"{cls.__module__}.{cls.__qualname__}", cls, None, cls
 
     def read(self, bound: Optional[list] = None) -> Dict[str, object]:
         """The fingerprints; `bound` collects the tensor attributes."""
