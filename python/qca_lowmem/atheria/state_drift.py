@@ -123,13 +123,19 @@ def _fingerprint(value, depth: int = 3):
     return None
 
 
-def _read_whole(value) -> bool:
-    """Whether a value is fingerprinted whole (_fingerprint) rather than attribute by attribute: all
-    but a plain object or a class of the users' own (`class Counters: calls = 0`, read as a global)."""
+_BY_ATTRIBUTE = object()  # _whole's answer for a value read attribute by attribute
+
+
+def _whole(value):
+    """A value's fingerprint (_fingerprint) where it is read whole, else _BY_ATTRIBUTE: a plain
+    object, or a class of the users' own (`class Counters: calls = 0`, read as a global)."""
     if isinstance(value, type):
-        return not users_module(sys.modules.get(value.__module__))
-    return isinstance(value, (nn.Module, types.FunctionType, types.ModuleType, types.MethodType)) \
-        or not hasattr(value, "__dict__") or _fingerprint(value) is not None
+        return _BY_ATTRIBUTE if users_module(sys.modules.get(value.__module__)) else None
+    fingerprint = _fingerprint(value)
+    if fingerprint is None and hasattr(value, "__dict__") \
+            and not isinstance(value, (nn.Module, types.FunctionType, types.ModuleType, types.MethodType)):
+        return _BY_ATTRIBUTE
+    return fingerprint
 
 
 def _entries(name: str, value, seen: set, depth: int = 2):
@@ -138,8 +144,9 @@ def _entries(name: str, value, seen: set, depth: int = 2):
     container, a generator, a numpy array, an iterator; not a tensor), and those of a plain
     object it holds (`holder.stats["calls"]`, two levels down) not read already (`seen`: ids, the
     holders' own included), so each is named once, by its first path."""
-    if _read_whole(value):
-        yield name, _fingerprint(value)
+    whole = _whole(value)
+    if whole is not _BY_ATTRIBUTE:
+        yield name, whole
         return
     seen.add(id(value))
     if isinstance(value, functools.partial):  # what it passes its function (`partial(f, calls=[0])`)
@@ -149,8 +156,9 @@ def _entries(name: str, value, seen: set, depth: int = 2):
     for attr, held in list(vars(value).items()):
         if isinstance(held, torch.Tensor):  # written in place: the rollout sees it; bound anew (the memory on
             continue  # motor.state, which the episode leaves after this check): not read here
-        if _read_whole(held):
-            yield f"{name}.{attr}", _fingerprint(held)
+        whole = _whole(held)
+        if whole is not _BY_ATTRIBUTE:
+            yield f"{name}.{attr}", whole
         elif depth > 1 and id(held) not in seen:
             yield from _entries(f"{name}.{attr}", held, seen, depth - 1)
 
@@ -242,7 +250,7 @@ class StateDrift:
                     if attr not in _MODULE_OWN:
                         yield holder, f"{label}{'.' + name if name else ''}.{attr}", owner, attr, value
                 for cls in type(owner).__mro__:
-                    if id(cls) not in classes and not _read_whole(cls):
+                    if id(cls) not in classes and _whole(cls) is _BY_ATTRIBUTE:
                         classes.add(id(cls))
                         yield holder, f"{cls.__module__}.{cls.__qualname__}", cls, None, cls
 
