@@ -20,11 +20,9 @@ its id is not reused); the values (defaults, cells, globals) are read at every c
 import dis
 import hashlib
 import inspect
-import os
 import sys
-import sysconfig
 import types
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 _SIMPLE = (type(None), bool, int, float, complex, str, bytes)
@@ -194,7 +192,7 @@ def _static(code: types.CodeType) -> Tuple[str, Tuple[str, ...], Tuple[Tuple[str
                   if ins.opname in _LOADS_GLOBAL and after.opname in _ATTRIBUTE_OPS}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            inner = _static_of(const)
+            inner = static_of(const)
             parts.append(inner.digest.encode())
             loaded.update(inner.globals)
             attributes.update(inner.global_attributes)
@@ -203,7 +201,7 @@ def _static(code: types.CodeType) -> Tuple[str, Tuple[str, ...], Tuple[Tuple[str
     return hashlib.sha256(b"\0".join(parts)).hexdigest(), tuple(sorted(loaded)), tuple(sorted(attributes))
 
 
-def _static_of(code: types.CodeType) -> _Static:
+def static_of(code: types.CodeType) -> _Static:
     found = _STATIC.get(id(code))
     if found is None or found.code is not code:
         found = _STATIC[id(code)] = _Static(code)
@@ -254,7 +252,7 @@ def _digest(function, seen) -> Optional[str]:
     if id(function) in seen:
         return "recursive"
     seen = seen | {id(function)}
-    static = _static_of(function.__code__)
+    static = static_of(function.__code__)
     inputs = _inputs(function, static)
     inner = tuple(_digest(v, seen) for v in inputs if isinstance(v, types.FunctionType))
     cached = _DIGESTS.get(id(function))
@@ -269,53 +267,6 @@ def _digest(function, seen) -> Optional[str]:
               for name, value in zip(static.globals, inputs[len(inputs) - len(static.globals):])]
     found = None if None in parts else hashlib.sha256("\n".join(parts).encode()).hexdigest()
     _DIGESTS[id(function)] = (function, inputs, inner, found)
-    return found
-
-
-# The interpreter's library folders (the standard library, site-packages: torch, numpy): a module
-# from there is not the users' own, and its attributes are not state their code keeps.
-_LIBRARY_FOLDERS = tuple(sorted({os.path.join(os.path.abspath(folder), "") for key, folder in sysconfig.get_paths().items()
-                                 if key in ("stdlib", "platstdlib", "purelib", "platlib")}))
-
-
-def users_module(value) -> bool:
-    """Whether `value` is a module of the users' own, loaded from a file outside the interpreter's
-    library folders (their `config`, a helpers module), whose attributes their code may keep state in."""
-    if not isinstance(value, types.ModuleType):
-        return False
-    file = getattr(value, "__file__", None)
-    return isinstance(file, str) and not os.path.abspath(file).startswith(_LIBRARY_FOLDERS)
-
-
-def reads(function) -> List[Tuple[str, object]]:
-    """What a plain function reads besides its arguments and attributes, where a call could keep
-    state: (a name for it, its value) for each closure cell, default value and module global its
-    code loads, and each attribute it takes off a module of the users' own (`counters.calls`), of it
-    and of every function among those, each function once."""
-    found, pending, seen = [], [function], set()
-    while pending:
-        fn = pending.pop()
-        if not isinstance(fn, types.FunctionType) or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        read = []
-        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
-            try:
-                read.append((f"{fn.__qualname__}'s {name}", cell.cell_contents))
-            except ValueError:  # an empty cell
-                pass
-        positional = fn.__code__.co_varnames[:fn.__code__.co_argcount]
-        defaults = [*zip(positional[len(positional) - len(fn.__defaults__ or ()):], fn.__defaults__ or ()),
-                    *(fn.__kwdefaults__ or {}).items()]
-        read += [(f"{fn.__qualname__}'s default {name}", value) for name, value in defaults]  # `calls=[0]`
-        namespace, static = fn.__globals__, _static_of(fn.__code__)
-        read += [(f"{namespace.get('__name__', '?')}.{name}", namespace[name])
-                 for name in static.globals if name in namespace]
-        read += [(f"{module.__name__}.{attribute}", getattr(module, attribute))
-                 for name, attribute in static.global_attributes
-                 if users_module(module := namespace.get(name)) and hasattr(module, attribute)]
-        found += read
-        pending += [value for _, value in read if isinstance(value, types.FunctionType)]
     return found
 
 

@@ -25,7 +25,8 @@ from torch import nn
 from .. import _torch_private as torch_private
 from ..blocks import FusedConvBlock, fused_in_place
 from ..ops import stock_block_call
-from .code_identity import NOT_CALLED, followed_class, functions_of, not_recorded, reads
+from .code_identity import NOT_CALLED, followed_class, functions_of, not_recorded
+from .code_reads import reads
 from .episode_refusals import EpisodeRefused
 from .state_drift import code_of, held_callables, hooks_code
 from .user_modules import compiled_module

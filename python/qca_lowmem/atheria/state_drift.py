@@ -24,11 +24,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .code_identity import functions_of, reads, users_module
+from .code_identity import functions_of
+from .code_reads import reads, users_module
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what torch keeps on every module (its dicts of parameters, hooks...)
 _SIMPLE = (type(None), bool, int, float, complex, str, bytes)
 _CONTAINERS = (list, tuple, dict, set, frozenset, collections.deque)
+_REBOUND_IN = (list, dict, collections.deque)  # the containers whose entries a call may bind anew (`log["last"] = psi`)
 _NUMPY_BYTES = 1 << 20  # a numpy array up to this size is read by its bytes; a larger one by its shape alone
 
 
@@ -75,6 +77,12 @@ def _numpy_value(value):
     return type(value).__name__, value.shape, str(value.dtype), value.tobytes() if small else "larger than 1 MiB"
 
 
+def _rebound(value) -> bool:
+    """Whether a call binding another in a value's place is put back rather than read: a tensor, or
+    a tuple holding one (`self.last = (psi, out)`), which no op writes to."""
+    return isinstance(value, torch.Tensor) or isinstance(value, tuple) and any(map(_rebound, value))
+
+
 class _Bound:
     """A tensor as the attribute holding it: the same only while it holds the same tensor (its
     writes in place are ops the rollout sees; a new tensor bound there is not)."""
@@ -92,13 +100,14 @@ class _Bound:
         return f"a tensor of shape {tuple(self.tensor.shape)}"
 
 
-def _fingerprint(value, depth: int = 3):
+def _fingerprint(value, depth: int = 3, bound: Optional[list] = None):
     """What of a value a call could change, in simple values (compared with !=), or None where
     nothing is read: a simple value itself; a tensor by identity (another bound in its place); a
     random generator's state; a numpy array or scalar by its bytes (up to 1 MiB); an iterator's
     position; a container's (a deque's too) type, length and entries read alike but tensors,
-    `depth` levels down (`self.log["norms"].append(...)`); a counter's repr. Objects are read attribute by
-    attribute (_entries)."""
+    `depth` levels down (`self.log["norms"].append(...)`), which `bound` collects as (the container,
+    the key, the tensor) where a call may bind another in their place; a counter's repr. Objects are
+    read attribute by attribute (_entries)."""
     if isinstance(value, _SIMPLE):
         return value
     if isinstance(value, torch.Tensor):
@@ -115,9 +124,11 @@ def _fingerprint(value, depth: int = 3):
     if position is not None:
         return "iterator", position
     if isinstance(value, _CONTAINERS):
-        pairs = value.items() if isinstance(value, dict) else enumerate(value)
-        read = [(k, _fingerprint(v, depth - 1)) for k, v in pairs
-                if isinstance(k, _SIMPLE) and not isinstance(v, torch.Tensor)] if depth > 0 else []
+        pairs = list(value.items() if isinstance(value, dict) else enumerate(value)) if depth > 0 else []
+        if bound is not None and isinstance(value, _REBOUND_IN):
+            bound += [(value, k, v) for k, v in pairs if _rebound(v)]
+        read = [(k, _fingerprint(v, depth - 1, bound)) for k, v in pairs
+                if isinstance(k, _SIMPLE) and not isinstance(v, torch.Tensor)]
         read = [(k, v) if isinstance(value, dict) else v for k, v in read if v is not None]
         return type(value).__name__, len(value), tuple(read)
     return None
@@ -126,41 +137,44 @@ def _fingerprint(value, depth: int = 3):
 _BY_ATTRIBUTE = object()  # _whole's answer for a value read attribute by attribute
 
 
-def _whole(value):
-    """A value's fingerprint (_fingerprint) where it is read whole, else _BY_ATTRIBUTE: a plain
-    object, or a class of the users' own (`class Counters: calls = 0`, read as a global)."""
+def _whole(value, bound: Optional[list] = None):
+    """A value's fingerprint (_fingerprint, collecting `bound`) where it is read whole, else
+    _BY_ATTRIBUTE: a plain object, or a class of the users' own (`class Counters: calls = 0`, read as a global)."""
     if isinstance(value, type):
         return _BY_ATTRIBUTE if users_module(sys.modules.get(value.__module__)) else None
-    fingerprint = _fingerprint(value)
+    fingerprint = _fingerprint(value, bound=bound)
     if fingerprint is None and hasattr(value, "__dict__") \
             and not isinstance(value, (nn.Module, types.FunctionType, types.ModuleType, types.MethodType)):
         return _BY_ATTRIBUTE
     return fingerprint
 
 
-def _entries(name: str, value, seen: set, depth: int = 2):
+def _entries(name: str, value, seen: set, bound: list, depth: int = 2):
     """(name, fingerprint) of what of a value a call could change: the value's own; for a plain
     object or a class of theirs, one per attribute read whole (_fingerprint: a simple value, a
     container, a generator, a numpy array, an iterator; not a tensor), and those of a plain
     object it holds (`holder.stats["calls"]`, two levels down) not read already (`seen`: ids, the
-    holders' own included), so each is named once, by its first path."""
-    whole = _whole(value)
+    holders' own included), so each is named once, by its first path. `bound` collects (the object
+    or container, the attribute or key, the value) of each tensor held on the way (_rebound)."""
+    whole = _whole(value, bound)
     if whole is not _BY_ATTRIBUTE:
         yield name, whole
         return
     seen.add(id(value))
     if isinstance(value, functools.partial):  # what it passes its function (`partial(f, calls=[0])`)
         for key, held in [*enumerate(value.args), *value.keywords.items()]:
-            yield from _entries(f"{name}'s argument {key}", held, seen, depth)
+            yield from _entries(f"{name}'s argument {key}", held, seen, bound, depth)
         return
     for attr, held in list(vars(value).items()):
-        if isinstance(held, torch.Tensor):  # written in place: the rollout sees it; bound anew (the memory on
-            continue  # motor.state, which the episode leaves after this check): not read here
-        whole = _whole(held)
+        if _rebound(held):  # bound anew: put back by check(); a tensor written in place: the rollout sees it
+            bound.append((value, attr, held))
+            if isinstance(held, torch.Tensor):
+                continue
+        whole = _whole(held, bound)
         if whole is not _BY_ATTRIBUTE:
             yield f"{name}.{attr}", whole
         elif depth > 1 and id(held) not in seen:
-            yield from _entries(f"{name}.{attr}", held, seen, depth - 1)
+            yield from _entries(f"{name}.{attr}", held, seen, bound, depth - 1)
 
 
 def _shown(fingerprint) -> str:
@@ -225,9 +239,9 @@ class StateDrift:
     operator's every module; the engine; the noise injector), and what that code reads besides its
     arguments (closure cells, module globals, their modules' attributes: code_identity.reads),
     fingerprinted when made (after the episode's forward) and compared by check() (after its
-    backward). A tensor attribute the recomputes bound anew (snntorch's `reset`, a running total
-    `self.x = self.x + ...`) is bound again to the forward's, as stock's episode leaves it; any
-    other change refuses the episode."""
+    backward). A tensor the recomputes bound anew (snntorch's `reset`, a running total
+    `self.x = self.x + ...`, `self.plot["last"] = (psi, out)`) is bound again to the forward's, as
+    stock's episode leaves it; any other change refuses the episode."""
 
     def __init__(self, holders: List[Tuple[str, object]], functions: list, runs: str, backward_hooks: list = ()):
         """`holders`: (the name to say, the object); `runs`: what the recomputes run again, in words;
@@ -235,7 +249,7 @@ class StateDrift:
         self.holders, self.functions, self.runs = holders, functions, runs
         self.backward_hooks = {id(hook) for hook in backward_hooks}
         self.source: Dict[str, object] = {}  # a fingerprint's name -> the holder or function it was read from
-        self.bound: List[Tuple[object, str, torch.Tensor]] = []  # (owner, attribute, the forward's tensor)
+        self.bound: list = []  # where the forward left a tensor: read()'s `bound`
         self.after_forward = self.read(self.bound)
 
     def _attributes(self):
@@ -254,17 +268,17 @@ class StateDrift:
                         classes.add(id(cls))
                         yield holder, f"{cls.__module__}.{cls.__qualname__}", cls, None, cls
 
-    def read(self, bound: Optional[list] = None) -> Dict[str, object]:
-        """The fingerprints; `bound` collects the tensor attributes."""
+    def read(self, bound: list) -> Dict[str, object]:
+        """The fingerprints; `bound` collects (the object or container, the attribute or key, the
+        value, the holder or function it was read from, the name to say) of every tensor read (_rebound)."""
         found, attributes = {}, list(self._attributes())
         seen = {id(owner) for _, _, owner, _, _ in attributes}  # each holder read as itself, not through another
-        for holder, name, owner, attr, value in attributes:
-            self._add(found, _entries(name, value, seen), holder)
-            if bound is not None and isinstance(value, torch.Tensor):
-                bound.append((owner, attr, value))
-        for function in self.functions:
-            for name, value in reads(function):
-                self._add(found, _entries(name, value, seen), function)
+        read_from = [(name, value, holder, [(owner, attr, value)] if attr is not None and _rebound(value) else [])
+                     for holder, name, owner, attr, value in attributes]
+        read_from += [(name, value, function, []) for function in self.functions for name, value in reads(function)]
+        for name, value, source, held in read_from:
+            self._add(found, _entries(name, value, seen, held), source)
+            bound += [(owner, key, tensor, source, name) for owner, key, tensor in held]
         return {name: value for name, value in found.items() if value is not None}
 
     def _add(self, found: dict, entries, source) -> None:
@@ -272,18 +286,37 @@ class StateDrift:
             found[name] = fingerprint
             self.source[name] = source
 
+    def _bind_again(self) -> Optional[str]:
+        """Binds each tensor (_rebound) read after the forward again where the recomputes bound another (as
+        stock's episode leaves it); the name of one a backward hook may have bound, left as it is."""
+        for owner, key, tensor, source, name in self.bound:
+            items = isinstance(owner, _REBOUND_IN)
+            if not (key in owner if isinstance(owner, dict) else key < len(owner)) if items else key not in vars(owner):
+                continue  # gone: the read shows it
+            if (owner[key] if items else vars(owner)[key]) is tensor:
+                continue
+            if id(source) in self.backward_hooks:  # stock's backward binds it too
+                return name
+            if items:
+                owner[key] = tensor
+            else:
+                setattr(owner, key, tensor)
+        return None
+
     def check(self) -> None:
-        for owner, attr, tensor in self.bound:
-            if attr in vars(owner) and vars(owner)[attr] is not tensor:
-                setattr(owner, attr, tensor)
-        after = self.read()
+        by_backward_hook = self._bind_again()
+        if by_backward_hook is not None:
+            self._refuse(f"qca_lowmem: {by_backward_hook} (a tensor, or one it holds) was bound anew during the "
+                         "backward", both=True)
+        after = self.read([])
         names = [*self.after_forward, *(name for name in after if name not in self.after_forward)]  # in read order
         changed = next((name for name in names if self.after_forward.get(name) != after.get(name)), None)
-        if changed is None:
-            return
-        moved = f"qca_lowmem: {changed} changed during the backward ({_shown(self.after_forward.get(changed))} -> " \
-                f"{_shown(after.get(changed))})"
-        if id(self.source.get(changed)) in self.backward_hooks:
+        if changed is not None:
+            self._refuse(f"qca_lowmem: {changed} changed during the backward ({_shown(self.after_forward.get(changed))}"
+                         f" -> {_shown(after.get(changed))})", both=id(self.source.get(changed)) in self.backward_hooks)
+
+    def _refuse(self, moved: str, both: bool) -> None:
+        if both:
             raise RuntimeError(
                 f"{moved}: what holds it is both a forward hook, which the rollout's recomputes run again where "
                 "stock's episode does not, and a backward hook, which stock's backward runs too but which here "

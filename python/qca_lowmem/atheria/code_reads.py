@@ -1,0 +1,75 @@
+"""What code qca_lowmem does not follow reads besides its arguments, where a call may keep state
+that the recomputes would move (state_drift.py reads it after the forward and after the backward):
+closure cells, defaults, module globals and their modules' attributes, function by function, not
+into the code of torch, of Python or of qca_lowmem."""
+
+import functools
+import os
+import sysconfig
+import types
+from typing import List, Tuple
+
+from .code_identity import static_of
+
+# The interpreter's library folders (the standard library, site-packages: torch, numpy) and
+# qca_lowmem's own (installed editable, it is elsewhere): a module from there is not the users'
+# own, and its attributes are not state their code keeps.
+_LIBRARY_FOLDERS = tuple(sorted({os.path.join(os.path.abspath(folder), "") for key, folder in sysconfig.get_paths().items()
+                                 if key in ("stdlib", "platstdlib", "purelib", "platlib")}
+                                | {os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")}))
+
+
+@functools.lru_cache(maxsize=None)  # a few files, asked at every episode
+def _library_file(file) -> bool:
+    return isinstance(file, str) and os.path.abspath(file).startswith(_LIBRARY_FOLDERS)
+
+
+def users_module(value) -> bool:
+    """Whether `value` is a module of the users' own, loaded from a file outside the library
+    folders (their `config`, a helpers module), whose attributes their code may keep state in."""
+    if not isinstance(value, types.ModuleType):
+        return False
+    file = getattr(value, "__file__", None)
+    return isinstance(file, str) and not _library_file(file)
+
+
+def _cells(fn) -> List[Tuple[str, object]]:
+    """(name, value) of each filled closure cell of a plain function."""
+    cells = []
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        try:
+            cells.append((name, cell.cell_contents))
+        except ValueError:  # an empty cell
+            pass
+    return cells
+
+
+def reads(function) -> List[Tuple[str, object]]:
+    """What a plain function reads besides its arguments and attributes, where a call could keep
+    state: (a name for it, its value) for each closure cell, default value and module global its
+    code loads, and each attribute it takes off a module of the users' own (`counters.calls`), of it
+    and of every function among those, each function once; of a library's function (_library_file),
+    only the functions its closure holds (a wrapper's)."""
+    found, pending, seen = [], [function], set()
+    while pending:
+        fn = pending.pop()
+        if not isinstance(fn, types.FunctionType) or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if _library_file(fn.__code__.co_filename):  # not theirs (qca_lowmem.recomputing(), torch's), nor its state,
+            pending += [value for _, value in _cells(fn)]  # but a function of theirs it wraps (torch.no_grad's) may be
+            continue
+        read = [(f"{fn.__qualname__}'s {name}", value) for name, value in _cells(fn)]
+        positional = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+        defaults = [*zip(positional[len(positional) - len(fn.__defaults__ or ()):], fn.__defaults__ or ()),
+                    *(fn.__kwdefaults__ or {}).items()]
+        read += [(f"{fn.__qualname__}'s default {name}", value) for name, value in defaults]  # `calls=[0]`
+        namespace, static = fn.__globals__, static_of(fn.__code__)
+        read += [(f"{namespace.get('__name__', '?')}.{name}", namespace[name])
+                 for name in static.globals if name in namespace]
+        read += [(f"{module.__name__}.{attribute}", getattr(module, attribute))
+                 for name, attribute in static.global_attributes
+                 if users_module(module := namespace.get(name)) and hasattr(module, attribute)]
+        found += read
+        pending += [value for _, value in read if isinstance(value, types.FunctionType)]
+    return found
