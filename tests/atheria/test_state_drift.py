@@ -1,15 +1,18 @@
 """State that the steps' unfollowed code keeps outside its tensors, moved by the recomputes: an
 engine whose step counts its calls (on itself, a module, a class, a dict or a default argument of
-theirs, in a numpy array, a deque or a list in a dict, or through a functools.partial) or reads a
+theirs, a function's attribute, a dataclass with slots, in a numpy array, a deque or a list in a
+dict, or through a functools.partial) or reads a
 schedule from an iterator, a wrapper set on the engine's step that logs them, a noise injector that
 logs its rates or draws from a generator of its own, forward hooks recording activations or
 counting calls. Stock's episode runs each step once; a recomputing one runs them again, so such
 state would leave the episode elsewhere than stock's, silently. Each is refused, naming the state,
 where the episode recomputes, and trains as stock does (float64, the same bits' worth) under
-checkpoint='none'. A tensor bound anew at each call (a running total) is bound to the forward's
-again, as stock leaves it. Followed code is not read."""
+checkpoint='none'. A tensor bound anew at each call (a running total, the last state kept for a
+plot in an object, a dict or a tuple) is bound to the forward's again, as stock leaves it, unless
+a backward hook may have bound it (refused). Followed code is not read."""
 
 import collections
+import dataclasses
 import functools
 import threading
 from types import SimpleNamespace
@@ -54,7 +57,7 @@ def stepping_engine(name: str, before_step, state=None, read=None):
         trainer.motor.__class__ = type(name, (base,), {"evolve_step": evolve_step})
         if state is not None:
             trainer.motor.state_kept = state(trainer.motor)
-        researcher_config.CALLS, CallStats.calls, STATS.counts["calls"] = 0, 0, 0
+        researcher_config.CALLS, CallStats.calls, STATS.counts["calls"], _on_a_function.calls = 0, 0, 0, 0
         _in_a_default.__defaults__[0][0] = 0
         if read is not None:
             return lambda t: read(t.motor.state_kept)
@@ -124,6 +127,24 @@ def _in_an_object_it_holds(engine):
     engine.state_kept.counts[0] += 1
 
 
+def _on_a_function(engine):  # a function's own attribute, a memo Python allows
+    _on_a_function.calls += 1
+
+
+_on_a_function.calls = 0
+
+
+@dataclasses.dataclass(slots=True)
+class SlottedStats:
+    """A researcher's counters in a dataclass with slots (no __dict__)."""
+
+    calls: int = 0
+
+
+def _on_a_slot(engine):
+    engine.state_kept.calls += 1
+
+
 def _left(iterator):
     return len(list(iterator))
 
@@ -157,6 +178,12 @@ STEP_STATE_EDITS = {
     "an engine logging its calls in a list in a dict": (
         stepping_engine("NestedLog", _in_a_list_in_a_dict, lambda engine: collections.defaultdict(list),
                         lambda kept: len(kept["calls"])), r"NestedLog\.state_kept"),
+    "an engine counting its calls on a function's attribute": (
+        stepping_engine("FunctionCounting", _on_a_function, lambda engine: _on_a_function,
+                        lambda kept: kept.calls), r"FunctionCounting\.state_kept\.calls"),
+    "an engine counting its calls in a dataclass with slots": (
+        stepping_engine("SlotCounting", _on_a_slot, lambda engine: SlottedStats(), lambda kept: kept.calls),
+        r"SlotCounting\.state_kept\.calls"),
     "an engine counting its calls in a numpy array of an object it holds": (
         stepping_engine("NestedNumpy", _in_an_object_it_holds, lambda engine: SimpleNamespace(counts=numpy.zeros(1)),
                         lambda kept: kept.counts.tolist()), r"NestedNumpy\.state_kept\.counts"),

@@ -24,6 +24,11 @@ def _library_file(file) -> bool:
     return isinstance(file, str) and os.path.abspath(file).startswith(_LIBRARY_FOLDERS)
 
 
+def library_function(fn: types.FunctionType) -> bool:
+    """Whether a plain function's code is a library's (torch's, Python's, qca_lowmem's), not theirs."""
+    return _library_file(fn.__code__.co_filename)
+
+
 def users_module(value) -> bool:
     """Whether `value` is a module of the users' own, loaded from a file outside the library
     folders (their `config`, a helpers module), whose attributes their code may keep state in."""
@@ -48,7 +53,7 @@ def reads(function) -> List[Tuple[str, object]]:
     """What a plain function reads besides its arguments and attributes, where a call could keep
     state: (a name for it, its value) for each closure cell, default value and module global its
     code loads, and each attribute it takes off a module of the users' own (`counters.calls`), of it
-    and of every function among those, each function once; of a library's function (_library_file),
+    and of every function among those, each function once; of a library's function (library_function),
     only the functions its closure holds (a wrapper's)."""
     found, pending, seen = [], [function], set()
     while pending:
@@ -56,7 +61,7 @@ def reads(function) -> List[Tuple[str, object]]:
         if not isinstance(fn, types.FunctionType) or id(fn) in seen:
             continue
         seen.add(id(fn))
-        if _library_file(fn.__code__.co_filename):  # not theirs (qca_lowmem.recomputing(), torch's), nor its state,
+        if library_function(fn):  # not theirs (qca_lowmem.recomputing(), torch's), nor its state,
             pending += [value for _, value in _cells(fn)]  # but a function of theirs it wraps (torch.no_grad's) may be
             continue
         read = [(f"{fn.__qualname__}'s {name}", value) for name, value in _cells(fn)]

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .code_identity import functions_of
-from .code_reads import reads, users_module
+from .code_reads import library_function, reads, users_module
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what torch keeps on every module (its dicts of parameters, hooks...)
 _SIMPLE = (type(None), bool, int, float, complex, str, bytes)
@@ -80,7 +80,8 @@ def _numpy_value(value):
 def _rebound(value) -> bool:
     """Whether a call binding another in a value's place is put back rather than read: a tensor, or
     a tuple holding one (`self.last = (psi, out)`), which no op writes to."""
-    return isinstance(value, torch.Tensor) or isinstance(value, tuple) and any(map(_rebound, value))
+    return isinstance(value, torch.Tensor) or isinstance(value, tuple) and any(
+        isinstance(held, torch.Tensor) for held in value)
 
 
 class _Bound:
@@ -135,21 +136,51 @@ def _fingerprint(value, depth: int = 3, bound: Optional[list] = None):
 
 
 _BY_ATTRIBUTE = object()  # _whole's answer for a value read attribute by attribute
+_GONE = object()  # _held's answer for an attribute or entry no longer there
+
+
+def _own_attributes(value) -> dict:
+    """An object's attributes: those in its __dict__ and the slots set (`@dataclass(slots=True)`)."""
+    found = dict(vars(value)) if hasattr(value, "__dict__") else {}
+    for owner in type(value).__mro__:
+        slots = vars(owner).get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            name = f"_{owner.__name__.lstrip('_')}{slot}" if slot.startswith("__") and not slot.endswith("__") else slot
+            if name not in ("__dict__", "__weakref__") and name not in found and hasattr(value, name):
+                found[name] = getattr(value, name)
+    return found
+
+
+def _held(owner, key):
+    """What an object's attribute, or a container's entry, holds now, or _GONE."""
+    if isinstance(owner, dict):
+        return owner.get(key, _GONE)
+    if isinstance(owner, _REBOUND_IN):
+        return owner[key] if key < len(owner) else _GONE
+    return _own_attributes(owner).get(key, _GONE)
+
+
+def _by_attribute(value) -> bool:
+    """Whether a value is read attribute by attribute: a plain object (slots too), or a function of
+    theirs holding attributes (`step.calls += 1`)."""
+    if isinstance(value, types.FunctionType):
+        return bool(vars(value)) and not library_function(value)
+    if isinstance(value, (nn.Module, types.ModuleType, types.MethodType)):
+        return False
+    return hasattr(value, "__dict__") or any("__slots__" in vars(owner) for owner in type(value).__mro__[:-1])
 
 
 def _whole(value, bound: Optional[list] = None):
     """A value's fingerprint (_fingerprint, collecting `bound`) where it is read whole, else
-    _BY_ATTRIBUTE: a plain object, or a class of the users' own (`class Counters: calls = 0`, read as a global)."""
+    _BY_ATTRIBUTE: a value _by_attribute, or a class of the users' own (`class Counters: calls =
+    0`, read as a global)."""
     if isinstance(value, type):
         return _BY_ATTRIBUTE if users_module(sys.modules.get(value.__module__)) else None
     fingerprint = _fingerprint(value, bound=bound)
-    if fingerprint is None and hasattr(value, "__dict__") \
-            and not isinstance(value, (nn.Module, types.FunctionType, types.ModuleType, types.MethodType)):
-        return _BY_ATTRIBUTE
-    return fingerprint
+    return _BY_ATTRIBUTE if fingerprint is None and _by_attribute(value) else fingerprint
 
 
-def _entries(name: str, value, seen: set, bound: list, depth: int = 2):
+def _entries(name: str, value, seen: set, bound: Optional[list], depth: int = 2):
     """(name, fingerprint) of what of a value a call could change: the value's own; for a plain
     object or a class of theirs, one per attribute read whole (_fingerprint: a simple value, a
     container, a generator, a numpy array, an iterator; not a tensor), and those of a plain
@@ -165,11 +196,11 @@ def _entries(name: str, value, seen: set, bound: list, depth: int = 2):
         for key, held in [*enumerate(value.args), *value.keywords.items()]:
             yield from _entries(f"{name}'s argument {key}", held, seen, bound, depth)
         return
-    for attr, held in list(vars(value).items()):
-        if _rebound(held):  # bound anew: put back by check(); a tensor written in place: the rollout sees it
+    for attr, held in _own_attributes(value).items():
+        if bound is not None and _rebound(held):  # bound anew: put back by check()
             bound.append((value, attr, held))
-            if isinstance(held, torch.Tensor):
-                continue
+        if isinstance(held, torch.Tensor):  # written in place: the rollout sees it
+            continue
         whole = _whole(held, bound)
         if whole is not _BY_ATTRIBUTE:
             yield f"{name}.{attr}", whole
@@ -268,17 +299,20 @@ class StateDrift:
                         classes.add(id(cls))
                         yield holder, f"{cls.__module__}.{cls.__qualname__}", cls, None, cls
 
-    def read(self, bound: list) -> Dict[str, object]:
+    def read(self, bound: Optional[list] = None) -> Dict[str, object]:
         """The fingerprints; `bound` collects (the object or container, the attribute or key, the
         value, the holder or function it was read from, the name to say) of every tensor read (_rebound)."""
         found, attributes = {}, list(self._attributes())
         seen = {id(owner) for _, _, owner, _, _ in attributes}  # each holder read as itself, not through another
-        read_from = [(name, value, holder, [(owner, attr, value)] if attr is not None and _rebound(value) else [])
-                     for holder, name, owner, attr, value in attributes]
-        read_from += [(name, value, function, []) for function in self.functions for name, value in reads(function)]
+        collect = bound is not None
+        read_from = [(name, value, holder, ([(owner, attr, value)] if attr is not None and _rebound(value) else [])
+                      if collect else None) for holder, name, owner, attr, value in attributes]
+        read_from += [(name, value, function, [] if collect else None)
+                      for function in self.functions for name, value in reads(function)]
         for name, value, source, held in read_from:
             self._add(found, _entries(name, value, seen, held), source)
-            bound += [(owner, key, tensor, source, name) for owner, key, tensor in held]
+            if collect:
+                bound += [(owner, key, tensor, source, name) for owner, key, tensor in held]
         return {name: value for name, value in found.items() if value is not None}
 
     def _add(self, found: dict, entries, source) -> None:
@@ -290,14 +324,12 @@ class StateDrift:
         """Binds each tensor (_rebound) read after the forward again where the recomputes bound another (as
         stock's episode leaves it); the name of one a backward hook may have bound, left as it is."""
         for owner, key, tensor, source, name in self.bound:
-            items = isinstance(owner, _REBOUND_IN)
-            if not (key in owner if isinstance(owner, dict) else key < len(owner)) if items else key not in vars(owner):
-                continue  # gone: the read shows it
-            if (owner[key] if items else vars(owner)[key]) is tensor:
+            now = _held(owner, key)
+            if now is _GONE or now is tensor:  # gone: the read shows it
                 continue
             if id(source) in self.backward_hooks:  # stock's backward binds it too
                 return name
-            if items:
+            if isinstance(owner, _REBOUND_IN):
                 owner[key] = tensor
             else:
                 setattr(owner, key, tensor)
@@ -308,7 +340,7 @@ class StateDrift:
         if by_backward_hook is not None:
             self._refuse(f"qca_lowmem: {by_backward_hook} (a tensor, or one it holds) was bound anew during the "
                          "backward", both=True)
-        after = self.read([])
+        after = self.read()
         names = [*self.after_forward, *(name for name in after if name not in self.after_forward)]  # in read order
         changed = next((name for name in names if self.after_forward.get(name) != after.get(name)), None)
         if changed is not None:
