@@ -1,14 +1,14 @@
 """State that the steps' unfollowed code keeps outside its tensors, moved by the recomputes: an
 engine whose step counts its calls (on itself, a module, a class, a dict or a default argument of
-theirs, a function's attribute, a dataclass with slots, in a numpy array, a deque or a list in a
-dict, or through a functools.partial) or reads a
+theirs, a function's attribute, a dataclass with slots, callbacks in a list, in a numpy array, a
+deque or a list in a dict, or through a functools.partial) or reads a
 schedule from an iterator, a wrapper set on the engine's step that logs them, a noise injector that
 logs its rates or draws from a generator of its own, forward hooks recording activations or
 counting calls. Stock's episode runs each step once; a recomputing one runs them again, so such
 state would leave the episode elsewhere than stock's, silently. Each is refused, naming the state,
 where the episode recomputes, and trains as stock does (float64, the same bits' worth) under
 checkpoint='none'. A tensor bound anew at each call (a running total, the last state kept for a
-plot in an object, a dict or a tuple) is bound to the forward's again, as stock leaves it, unless
+plot in an object, a dict, a tuple or an object in a list) is bound to the forward's again, as stock leaves it, unless
 a backward hook may have bound it (refused). Followed code is not read."""
 
 import collections
@@ -145,6 +145,21 @@ def _on_a_slot(engine):
     engine.state_kept.calls += 1
 
 
+class Callback:
+    """A researcher's callback, kept in a list the engine holds."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def on_step(self):
+        self.calls += 1
+
+
+def _in_callbacks(engine):
+    for callback in engine.state_kept:
+        callback.on_step()
+
+
 def _left(iterator):
     return len(list(iterator))
 
@@ -184,6 +199,9 @@ STEP_STATE_EDITS = {
     "an engine counting its calls in a dataclass with slots": (
         stepping_engine("SlotCounting", _on_a_slot, lambda engine: SlottedStats(), lambda kept: kept.calls),
         r"SlotCounting\.state_kept\.calls"),
+    "an engine's callbacks in a list counting its calls": (
+        stepping_engine("CallingBack", _in_callbacks, lambda engine: [Callback(), Callback()],
+                        lambda kept: [callback.calls for callback in kept]), r"CallingBack\.state_kept"),
     "an engine counting its calls in a numpy array of an object it holds": (
         stepping_engine("NestedNumpy", _in_an_object_it_holds, lambda engine: SimpleNamespace(counts=numpy.zeros(1)),
                         lambda kept: kept.counts.tolist()), r"NestedNumpy\.state_kept\.counts"),
@@ -340,8 +358,8 @@ def totalling_injector(trainer):
 
 
 def plotting_engine(kept_in: str):
-    """The engine's class with a step keeping its last output for a plot: in an object it holds,
-    in a dict, or as a pair (a tuple) on itself."""
+    """The engine's class with a step keeping its last output for a plot: in an object it holds
+    (or one in a list), in a dict, or as a pair (a tuple) on itself."""
     def edit(trainer):
         base = type(trainer.motor)
 
@@ -350,6 +368,8 @@ def plotting_engine(kept_in: str):
                 out = super().evolve_step(psi)
                 if kept_in == "pair":
                     self.pair = (psi.detach(), out.detach())
+                elif kept_in == "listed":
+                    self.plot[0].last = out.detach()
                 elif kept_in == "dict":
                     self.plot["last"] = out.detach()
                 else:
@@ -357,15 +377,15 @@ def plotting_engine(kept_in: str):
                 return out
 
         trainer.motor.__class__ = Plotting
-        trainer.motor.plot = {} if kept_in == "dict" else SimpleNamespace()
+        trainer.motor.plot = {"dict": {}, "listed": [SimpleNamespace()]}.get(kept_in, SimpleNamespace())
         return lambda t: {"pair": lambda: t.motor.pair[1], "dict": lambda: t.motor.plot["last"],
-                          "object": lambda: t.motor.plot.last}[kept_in]()
+                          "listed": lambda: t.motor.plot[0].last, "object": lambda: t.motor.plot.last}[kept_in]()
     return edit
 
 
 @pytest.mark.parametrize("edit", [totalling_engine, totalling_injector, plotting_engine("object"),
-                                  plotting_engine("dict"), plotting_engine("pair")],
-                         ids=["engine", "injector", "object", "dict", "pair"])
+                                  plotting_engine("dict"), plotting_engine("pair"), plotting_engine("listed")],
+                         ids=["engine", "injector", "object", "dict", "pair", "listed"])
 @pytest.mark.parametrize("policy", [dict(checkpoint="step"), dict(checkpoint="revolve", slots=2)])
 def test_a_tensor_the_recomputes_bind_anew_ends_as_the_forward_left_it(edit, policy):
     """A new tensor bound at each call, on the engine or the injector, in an object or a dict the

@@ -101,14 +101,15 @@ class _Bound:
         return f"a tensor of shape {tuple(self.tensor.shape)}"
 
 
-def _fingerprint(value, depth: int = 3, bound: Optional[list] = None):
+def _fingerprint(value, depth: int = 3, bound: Optional[list] = None, held: bool = False):
     """What of a value a call could change, in simple values (compared with !=), or None where
     nothing is read: a simple value itself; a tensor by identity (another bound in its place); a
     random generator's state; a numpy array or scalar by its bytes (up to 1 MiB); an iterator's
     position; a container's (a deque's too) type, length and entries read alike but tensors,
     `depth` levels down (`self.log["norms"].append(...)`), which `bound` collects as (the container,
-    the key, the tensor) where a call may bind another in their place; a counter's repr. Objects are
-    read attribute by attribute (_entries)."""
+    the key, the tensor) where a call may bind another in their place; a counter's repr. An object
+    is read attribute by attribute (_entries), or so here where a container holds it (`held`: a
+    callback in a list)."""
     if isinstance(value, _SIMPLE):
         return value
     if isinstance(value, torch.Tensor):
@@ -128,10 +129,16 @@ def _fingerprint(value, depth: int = 3, bound: Optional[list] = None):
         pairs = list(value.items() if isinstance(value, dict) else enumerate(value)) if depth > 0 else []
         if bound is not None and isinstance(value, _REBOUND_IN):
             bound += [(value, k, v) for k, v in pairs if _rebound(v)]
-        read = [(k, _fingerprint(v, depth - 1, bound)) for k, v in pairs
+        read = [(k, _fingerprint(v, depth - 1, bound, held=True)) for k, v in pairs
                 if isinstance(k, _SIMPLE) and not isinstance(v, torch.Tensor)]
         read = [(k, v) if isinstance(value, dict) else v for k, v in read if v is not None]
         return type(value).__name__, len(value), tuple(read)
+    if held and depth > 0 and not isinstance(value, type) and _by_attribute(value):
+        attributes = _own_attributes(value)
+        if bound is not None:
+            bound += [(value, name, v) for name, v in attributes.items() if _rebound(v)]
+        return type(value).__name__, tuple((name, _fingerprint(v, depth - 1, bound, held=True))
+                                           for name, v in attributes.items() if not isinstance(v, torch.Tensor))
     return None
 
 
