@@ -1,15 +1,16 @@
 """State that the steps' unfollowed code keeps outside its tensors, moved by the recomputes: an
 engine whose step counts its calls (on itself, a module, a class, a dict or a default argument of
 theirs, a function's attribute, a dataclass with slots, callbacks in a list, in a numpy array, a
-deque or a list in a dict, or through a functools.partial) or reads a
-schedule from an iterator, a wrapper set on the engine's step that logs them, a noise injector that
-logs its rates or draws from a generator of its own, forward hooks recording activations or
-counting calls. Stock's episode runs each step once; a recomputing one runs them again, so such
-state would leave the episode elsewhere than stock's, silently. Each is refused, naming the state,
-where the episode recomputes, and trains as stock does (float64, the same bits' worth) under
-checkpoint='none'. A tensor bound anew at each call (a running total, the last state kept for a
-plot in an object, a dict, a tuple or an object in a list) is bound to the forward's again, as stock leaves it, unless
-a backward hook may have bound it (refused). Followed code is not read."""
+deque or a list in a dict, or through a functools.partial) or reads a schedule from an iterator, a
+wrapper set on the engine's step that logs them, a noise injector that logs its rates or draws
+from a generator of its own, forward hooks recording activations or counting calls. Stock's
+episode runs each step once; a recomputing one runs them again, so such state would leave the
+episode elsewhere than stock's, silently. Each is refused, naming the state, where the episode
+recomputes, and trains as stock does (float64, the same bits' worth) under checkpoint='none'. A
+tensor bound anew at each call (a running total, the last state kept for a plot in an object, a
+dict, a tuple, an object in a list, a global, a cell or a module of theirs) is bound to the
+forward's again, as stock leaves it, unless a backward hook may have bound it (refused). Followed
+code is not read."""
 
 import collections
 import dataclasses
@@ -357,14 +358,21 @@ def totalling_injector(trainer):
     return lambda t: t.noise_injector.total
 
 
+SHOWN = None  # the last state the plotting engine's step kept in a global ("global")
+
+
 def plotting_engine(kept_in: str):
     """The engine's class with a step keeping its last output for a plot: in an object it holds
-    (or one in a list), in a dict, or as a pair (a tuple) on itself."""
+    (or one in a list), in a dict, as a pair (a tuple) on itself, in a global or a closure's cell
+    its step binds without reading, or on a module of theirs."""
     def edit(trainer):
         base = type(trainer.motor)
+        shown = None
 
         class Plotting(base):
             def evolve_step(self, psi):
+                global SHOWN  # noqa: PLW0603  (a researcher's global, bound, never read, by the step)
+                nonlocal shown
                 out = super().evolve_step(psi)
                 if kept_in == "pair":
                     self.pair = (psi.detach(), out.detach())
@@ -372,6 +380,12 @@ def plotting_engine(kept_in: str):
                     self.plot[0].last = out.detach()
                 elif kept_in == "dict":
                     self.plot["last"] = out.detach()
+                elif kept_in == "global":
+                    SHOWN = out.detach()
+                elif kept_in == "cell":
+                    shown = out.detach()
+                elif kept_in == "their module":
+                    researcher_config.LAST_STATE = out.detach()
                 else:
                     self.plot.last = out.detach()
                 return out
@@ -379,13 +393,17 @@ def plotting_engine(kept_in: str):
         trainer.motor.__class__ = Plotting
         trainer.motor.plot = {"dict": {}, "listed": [SimpleNamespace()]}.get(kept_in, SimpleNamespace())
         return lambda t: {"pair": lambda: t.motor.pair[1], "dict": lambda: t.motor.plot["last"],
-                          "listed": lambda: t.motor.plot[0].last, "object": lambda: t.motor.plot.last}[kept_in]()
+                          "listed": lambda: t.motor.plot[0].last, "object": lambda: t.motor.plot.last,
+                          "global": lambda: SHOWN, "cell": lambda: shown,
+                          "their module": lambda: researcher_config.LAST_STATE}[kept_in]()
     return edit
 
 
-@pytest.mark.parametrize("edit", [totalling_engine, totalling_injector, plotting_engine("object"),
-                                  plotting_engine("dict"), plotting_engine("pair"), plotting_engine("listed")],
-                         ids=["engine", "injector", "object", "dict", "pair", "listed"])
+PLOTTED = ["object", "dict", "pair", "listed", "global", "cell", "their module"]
+
+
+@pytest.mark.parametrize("edit", [totalling_engine, totalling_injector, *map(plotting_engine, PLOTTED)],
+                         ids=["engine", "injector", *PLOTTED])
 @pytest.mark.parametrize("policy", [dict(checkpoint="step"), dict(checkpoint="revolve", slots=2)])
 def test_a_tensor_the_recomputes_bind_anew_ends_as_the_forward_left_it(edit, policy):
     """A new tensor bound at each call, on the engine or the injector, in an object or a dict the

@@ -169,11 +169,12 @@ FOLLOWED: Dict[str, Dict[str, Dict[str, str]]] = {
 
 class _Static:
     """What a code object's digest needs that never changes: its own bytes and the globals it loads;
-    and, for `reads`, the attributes it takes off those globals (`counters.calls += 1`, `cfg.STEP`)."""
+    and, for `reads`, the attributes it takes off those globals (`counters.calls += 1`, `cfg.STEP`)
+    and the globals it binds without loading them (`global LAST; LAST = psi`)."""
 
     def __init__(self, code: types.CodeType):
         self.code = code  # held: the cache is keyed by id()
-        self.digest, self.globals, self.global_attributes = _static(code)
+        self.digest, self.globals, self.global_attributes, self.stored = _static(code)
 
 
 _STATIC: Dict[int, _Static] = {}
@@ -181,13 +182,14 @@ _ATTRIBUTE_OPS = {"LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "DELETE_ATTR"}
 _STACK_ONLY = {"COPY", "CACHE", "EXTENDED_ARG"}  # between a global and its attribute (`g.a += 1` copies g first)
 
 
-def _static(code: types.CodeType) -> Tuple[str, Tuple[str, ...], Tuple[Tuple[str, str], ...]]:
+def _static(code: types.CodeType) -> Tuple[str, Tuple[str, ...], Tuple[Tuple[str, str], ...], Tuple[str, ...]]:
     parts = [code.co_code, code.co_exceptiontable, repr((code.co_name, code.co_names, code.co_varnames,
                                                           code.co_freevars, code.co_cellvars, code.co_argcount,
                                                           code.co_posonlyargcount, code.co_kwonlyargcount,
                                                           code.co_flags)).encode()]
     instructions = [ins for ins in dis.get_instructions(code) if ins.opname not in _STACK_ONLY]
     loaded = {ins.argval for ins in instructions if ins.opname in _LOADS_GLOBAL}
+    stored = {ins.argval for ins in instructions if ins.opname in ("STORE_GLOBAL", "STORE_NAME")}
     attributes = {(ins.argval, after.argval) for ins, after in zip(instructions, instructions[1:])
                   if ins.opname in _LOADS_GLOBAL and after.opname in _ATTRIBUTE_OPS}
     for const in code.co_consts:
@@ -196,9 +198,11 @@ def _static(code: types.CodeType) -> Tuple[str, Tuple[str, ...], Tuple[Tuple[str
             parts.append(inner.digest.encode())
             loaded.update(inner.globals)
             attributes.update(inner.global_attributes)
+            stored.update(inner.stored)
         else:
             parts.append(str(_value(const, frozenset())).encode())  # frozenset constants: sorted
-    return hashlib.sha256(b"\0".join(parts)).hexdigest(), tuple(sorted(loaded)), tuple(sorted(attributes))
+    return (hashlib.sha256(b"\0".join(parts)).hexdigest(), tuple(sorted(loaded)), tuple(sorted(attributes)),
+            tuple(sorted(stored - loaded)))
 
 
 def static_of(code: types.CodeType) -> _Static:

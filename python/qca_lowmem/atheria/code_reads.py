@@ -7,7 +7,7 @@ import functools
 import os
 import sysconfig
 import types
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from .code_identity import static_of
 
@@ -38,21 +38,22 @@ def users_module(value) -> bool:
     return isinstance(file, str) and not _library_file(file)
 
 
-def _cells(fn) -> List[Tuple[str, object]]:
-    """(name, value) of each filled closure cell of a plain function."""
+def _cells(fn) -> List[Tuple[str, object, object]]:
+    """(name, value, the cell) of each filled closure cell of a plain function."""
     cells = []
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
         try:
-            cells.append((name, cell.cell_contents))
+            cells.append((name, cell.cell_contents, cell))
         except ValueError:  # an empty cell
             pass
     return cells
 
 
-def reads(function) -> List[Tuple[str, object]]:
+def reads(function) -> List[Tuple[str, object, Optional[Tuple[object, str]]]]:
     """What a plain function reads besides its arguments and attributes, where a call could keep
-    state: (a name for it, its value) for each closure cell, default value and module global its
-    code loads, and each attribute it takes off a module of the users' own (`counters.calls`), of it
+    state: (a name for it, its value, where a call binds it: the owner and key to set, or None) for
+    each closure cell, default value and module global its code loads or binds (`global LAST; LAST
+    = psi`), and each attribute it takes off a module of the users' own (`counters.calls`), of it
     and of every function among those, each function once; of a library's function (library_function),
     only the functions its closure holds (a wrapper's)."""
     found, pending, seen = [], [function], set()
@@ -62,19 +63,19 @@ def reads(function) -> List[Tuple[str, object]]:
             continue
         seen.add(id(fn))
         if library_function(fn):  # not theirs (qca_lowmem.recomputing(), torch's), nor its state,
-            pending += [value for _, value in _cells(fn)]  # but a function of theirs it wraps (torch.no_grad's) may be
+            pending += [value for _, value, _ in _cells(fn)]  # but a function of theirs it wraps (torch.no_grad's)
             continue
-        read = [(f"{fn.__qualname__}'s {name}", value) for name, value in _cells(fn)]
+        read = [(f"{fn.__qualname__}'s {name}", value, (cell, "cell_contents")) for name, value, cell in _cells(fn)]
         positional = fn.__code__.co_varnames[:fn.__code__.co_argcount]
         defaults = [*zip(positional[len(positional) - len(fn.__defaults__ or ()):], fn.__defaults__ or ()),
                     *(fn.__kwdefaults__ or {}).items()]
-        read += [(f"{fn.__qualname__}'s default {name}", value) for name, value in defaults]  # `calls=[0]`
+        read += [(f"{fn.__qualname__}'s default {name}", value, None) for name, value in defaults]  # `calls=[0]`
         namespace, static = fn.__globals__, static_of(fn.__code__)
-        read += [(f"{namespace.get('__name__', '?')}.{name}", namespace[name])
-                 for name in static.globals if name in namespace]
-        read += [(f"{module.__name__}.{attribute}", getattr(module, attribute))
+        read += [(f"{namespace.get('__name__', '?')}.{name}", namespace[name], (namespace, name))
+                 for name in static.globals + static.stored if name in namespace]
+        read += [(f"{module.__name__}.{attribute}", getattr(module, attribute), (module, attribute))
                  for name, attribute in static.global_attributes
                  if users_module(module := namespace.get(name)) and hasattr(module, attribute)]
         found += read
-        pending += [value for _, value in read if isinstance(value, types.FunctionType)]
+        pending += [value for _, value, _ in read if isinstance(value, types.FunctionType)]
     return found

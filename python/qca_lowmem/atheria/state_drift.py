@@ -159,12 +159,15 @@ def _own_attributes(value) -> dict:
 
 
 def _held(owner, key):
-    """What an object's attribute, or a container's entry, holds now, or _GONE."""
+    """What an object's attribute (a closure's cell's contents), or a container's entry, holds now, or _GONE."""
     if isinstance(owner, dict):
         return owner.get(key, _GONE)
     if isinstance(owner, _REBOUND_IN):
         return owner[key] if key < len(owner) else _GONE
-    return _own_attributes(owner).get(key, _GONE)
+    try:
+        return getattr(owner, key)
+    except (AttributeError, ValueError):  # gone, or a cell emptied
+        return _GONE
 
 
 def _by_attribute(value) -> bool:
@@ -314,8 +317,8 @@ class StateDrift:
         collect = bound is not None
         read_from = [(name, value, holder, ([(owner, attr, value)] if attr is not None and _rebound(value) else [])
                       if collect else None) for holder, name, owner, attr, value in attributes]
-        read_from += [(name, value, function, [] if collect else None)
-                      for function in self.functions for name, value in reads(function)]
+        read_from += [(name, value, function, ([(*place, value)] if place is not None and _rebound(value) else [])
+                       if collect else None) for function in self.functions for name, value, place in reads(function)]
         for name, value, source, held in read_from:
             self._add(found, _entries(name, value, seen, held), source)
             if collect:
