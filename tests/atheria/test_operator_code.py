@@ -267,7 +267,7 @@ STATS = {"calls": 0}
 
 
 @pytest.mark.parametrize("where,named", [("module", "UNetUnitary.calls"), ("closure", r"\S*UNetUnitary\.forward's log"),
-                                         ("global", r"\S*test_operator_code\.STATS")])
+                                         ("global", r"\S*test_operator_code\.STATS\['calls'\]")])
 def test_recomputes_that_move_the_operators_state_refuse_the_episode(where, named):
     """The recomputes call the operator again where stock's episode does not: a counter stock
     would leave at T calls an episode would be at 2T, and a later episode would start from another

@@ -193,7 +193,7 @@ STEP_STATE_EDITS = {
         r"HeldCounting\.state_kept"),
     "an engine logging its calls in a list in a dict": (
         stepping_engine("NestedLog", _in_a_list_in_a_dict, lambda engine: collections.defaultdict(list),
-                        lambda kept: len(kept["calls"])), r"NestedLog\.state_kept"),
+                        lambda kept: len(kept["calls"])), r"NestedLog\.state_kept\['calls'\]"),
     "an engine counting its calls on a function's attribute": (
         stepping_engine("FunctionCounting", _on_a_function, lambda engine: _on_a_function,
                         lambda kept: kept.calls), r"FunctionCounting\.state_kept\.calls"),
@@ -202,7 +202,8 @@ STEP_STATE_EDITS = {
         r"SlotCounting\.state_kept\.calls"),
     "an engine's callbacks in a list counting its calls": (
         stepping_engine("CallingBack", _in_callbacks, lambda engine: [Callback(), Callback()],
-                        lambda kept: [callback.calls for callback in kept]), r"CallingBack\.state_kept"),
+                        lambda kept: [callback.calls for callback in kept]),
+        r"CallingBack\.state_kept\[0\]\.calls"),
     "an engine counting its calls in a numpy array of an object it holds": (
         stepping_engine("NestedNumpy", _in_an_object_it_holds, lambda engine: SimpleNamespace(counts=numpy.zeros(1)),
                         lambda kept: kept.counts.tolist()), r"NestedNumpy\.state_kept\.counts"),

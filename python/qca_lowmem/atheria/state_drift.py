@@ -19,7 +19,7 @@ import random
 import sys
 import types
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -131,15 +131,43 @@ def _fingerprint(value, depth: int = 3, bound: Optional[list] = None, held: bool
             bound += [(value, k, v) for k, v in pairs if _rebound(v)]
         read = [(k, _fingerprint(v, depth - 1, bound, held=True)) for k, v in pairs
                 if isinstance(k, _SIMPLE) and not isinstance(v, torch.Tensor)]
-        read = [(k, v) if isinstance(value, dict) else v for k, v in read if v is not None]
-        return type(value).__name__, len(value), tuple(read)
+        return _Container(type(value).__name__, len(value), tuple((k, v) for k, v in read if v is not None))
     if held and depth > 0 and not isinstance(value, type) and _by_attribute(value):
         attributes = _own_attributes(value)
         if bound is not None:
             bound += [(value, name, v) for name, v in attributes.items() if _rebound(v)]
-        return type(value).__name__, tuple((name, _fingerprint(v, depth - 1, bound, held=True))
-                                           for name, v in attributes.items() if not isinstance(v, torch.Tensor))
+        return _Object(type(value).__name__, tuple((name, _fingerprint(v, depth - 1, bound, held=True))
+                                                   for name, v in attributes.items() if not isinstance(v, torch.Tensor)))
     return None
+
+
+class _Container(NamedTuple):
+    """A container's fingerprint: its type's name, length and (key or index, fingerprint) of the entries read."""
+
+    kind: str
+    length: int
+    entries: tuple
+
+
+class _Object(NamedTuple):
+    """The fingerprint of an object a container holds: its class's name, (attribute, fingerprint) of those read."""
+
+    kind: str
+    attributes: tuple
+
+
+def _difference(before, after, path: str = "") -> Tuple[str, object, object]:
+    """Where two fingerprints first differ, inside containers and the objects they hold: (the path
+    from the value read, `[key]` and `.attribute`, the fingerprints there)."""
+    if isinstance(before, _Container) and isinstance(after, _Container) and before[:2] == after[:2]:
+        pairs, nested, suffix = before.entries, after.entries, "[{!r}]"
+    elif isinstance(before, _Object) and isinstance(after, _Object) and before.kind == after.kind:
+        pairs, nested, suffix = before.attributes, after.attributes, ".{}"
+    else:
+        return path, before, after
+    was, now = dict(pairs), dict(nested)
+    key = next((k for k in [*was, *(k for k in now if k not in was)] if was.get(k) != now.get(k)), None)
+    return _difference(was.get(key), now.get(key), path + suffix.format(key)) if key is not None else (path, before, after)
 
 
 _BY_ATTRIBUTE = object()  # _whole's answer for a value read attribute by attribute
@@ -222,9 +250,11 @@ def _shown(fingerprint) -> str:
     """A fingerprint in a few words: a container as its type, length and simple entries."""
     if isinstance(fingerprint, tuple) and len(fingerprint) == 2 and fingerprint[0] == "generator":
         return "a random generator's state"
-    if isinstance(fingerprint, tuple) and len(fingerprint) == 3 and isinstance(fingerprint[1], int) \
-            and fingerprint[0] in ("dict", "list", "tuple", "set", "frozenset", "deque"):
-        text = f"a {fingerprint[0]} of {fingerprint[1]}" + (f": {fingerprint[2]!r}" if fingerprint[2] else "")
+    if isinstance(fingerprint, _Object):
+        return f"a {fingerprint.kind}"
+    if isinstance(fingerprint, _Container):
+        simple = [(k, v) if fingerprint.kind == "dict" else v for k, v in fingerprint.entries if isinstance(v, _SIMPLE)]
+        text = f"a {fingerprint.kind} of {fingerprint.length}" + (f": {simple!r}" if simple else "")
     else:
         text = repr(fingerprint)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -354,8 +384,9 @@ class StateDrift:
         names = [*self.after_forward, *(name for name in after if name not in self.after_forward)]  # in read order
         changed = next((name for name in names if self.after_forward.get(name) != after.get(name)), None)
         if changed is not None:
-            self._refuse(f"qca_lowmem: {changed} changed during the backward ({_shown(self.after_forward.get(changed))}"
-                         f" -> {_shown(after.get(changed))})", both=id(self.source.get(changed)) in self.backward_hooks)
+            inside, was, now = _difference(self.after_forward.get(changed), after.get(changed))
+            self._refuse(f"qca_lowmem: {changed}{inside} changed during the backward ({_shown(was)} -> {_shown(now)})",
+                         both=id(self.source.get(changed)) in self.backward_hooks)
 
     def _refuse(self, moved: str, both: bool) -> None:
         if both:
