@@ -161,6 +161,20 @@ def test_the_oracle_under_bf16_tells_a_dropped_edit_and_follows_stock_s_autocast
     assert bitwise_equal(outcome(own_step, True), outcome(own_step, False))
 
 
+def test_training_on_stock_from_the_first_episode_is_their_code_as_it_is():
+    """QCA_LOWMEM=1 with amp_dtype="bf16", each episode called under a mode of the caller's: the
+    trainer trains on stock from episode 0, their code as it is (V3 has no autocast), to the bit;
+    not the bf16 episodes the switch was given (the oracle's stock side for amp variants)."""
+    variant = Variant(version="v3", policy="auto0", config="env", amp=True, caller_context="dispatch_mode")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = outcome(variant, True)
+        assert any("off from episode 0," in line for line in got.lines)
+        assert bitwise_equal(got, outcome(variant, False, switchs_amp=False))
+        assert first_difference(got, outcome(variant, False), BF16) is not None
+        assert verdict(variant) is None
+
+
 def test_the_oracle_compares_the_scalers_state():
     """A step scaled (or skipped) where stock's was not shows in the scaler's state alone."""
     plain = outcome(Variant(scaler="built", amp=True), False)
