@@ -8,9 +8,9 @@ episode runs each step once; a recomputing one runs them again, so such state wo
 episode elsewhere than stock's, silently. Each is refused, naming the state, where the episode
 recomputes, and trains as stock does (float64, the same bits' worth) under checkpoint='none'. A
 tensor bound anew at each call (a running total, the last state kept for a plot in an object, a
-dict, a tuple, an object in a list, a global, a cell or a module of theirs) is bound to the
-forward's again, as stock leaves it, unless a backward hook may have bound it (refused). Followed
-code is not read."""
+dict, a tuple, an object in a list, a global, a cell or a module of theirs), or any value bound in
+a global the step never reads, is bound to the forward's again, as stock leaves it, unless a
+backward hook may have bound it (refused). Followed code is not read."""
 
 import collections
 import dataclasses
@@ -360,19 +360,20 @@ def totalling_injector(trainer):
 
 
 SHOWN = None  # the last state the plotting engine's step kept in a global ("global")
+SHOWN_NORM = None  # its norm, a float ("a number in a global")
 
 
 def plotting_engine(kept_in: str):
     """The engine's class with a step keeping its last output for a plot: in an object it holds
     (or one in a list), in a dict, as a pair (a tuple) on itself, in a global or a closure's cell
-    its step binds without reading, or on a module of theirs."""
+    its step binds without reading (or its norm, a number, in such a global), or on a module of theirs."""
     def edit(trainer):
         base = type(trainer.motor)
         shown = None
 
         class Plotting(base):
             def evolve_step(self, psi):
-                global SHOWN  # noqa: PLW0603  (a researcher's global, bound, never read, by the step)
+                global SHOWN, SHOWN_NORM  # noqa: PLW0603  (a researcher's globals, bound, never read, by the step)
                 nonlocal shown
                 out = super().evolve_step(psi)
                 if kept_in == "pair":
@@ -383,6 +384,8 @@ def plotting_engine(kept_in: str):
                     self.plot["last"] = out.detach()
                 elif kept_in == "global":
                     SHOWN = out.detach()
+                elif kept_in == "a number in a global":
+                    SHOWN_NORM = float(out.detach().norm())
                 elif kept_in == "cell":
                     shown = out.detach()
                 elif kept_in == "their module":
@@ -396,11 +399,12 @@ def plotting_engine(kept_in: str):
         return lambda t: {"pair": lambda: t.motor.pair[1], "dict": lambda: t.motor.plot["last"],
                           "listed": lambda: t.motor.plot[0].last, "object": lambda: t.motor.plot.last,
                           "global": lambda: SHOWN, "cell": lambda: shown,
+                          "a number in a global": lambda: torch.tensor(SHOWN_NORM),
                           "their module": lambda: researcher_config.LAST_STATE}[kept_in]()
     return edit
 
 
-PLOTTED = ["object", "dict", "pair", "listed", "global", "cell", "their module"]
+PLOTTED = ["object", "dict", "pair", "listed", "global", "a number in a global", "cell", "their module"]
 
 
 @pytest.mark.parametrize("edit", [totalling_engine, totalling_injector, *map(plotting_engine, PLOTTED)],

@@ -7,7 +7,7 @@ import functools
 import os
 import sysconfig
 import types
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 from .code_identity import static_of
 
@@ -49,13 +49,23 @@ def _cells(fn) -> List[Tuple[str, object, object]]:
     return cells
 
 
-def reads(function) -> List[Tuple[str, object, Optional[Tuple[object, str]]]]:
+class Read(NamedTuple):
+    """A value a function reads (reads()): a name for it, the value, where a call binds another in
+    its place (the owner and key to set, or None), and whether the code only binds it (`global
+    LAST_NORM; LAST_NORM = norm`), never loading it."""
+
+    name: str
+    value: object
+    place: Optional[Tuple[object, str]] = None
+    written_only: bool = False
+
+
+def reads(function) -> List[Read]:
     """What a plain function reads besides its arguments and attributes, where a call could keep
-    state: (a name for it, its value, where a call binds it: the owner and key to set, or None) for
-    each closure cell, default value and module global its code loads or binds (`global LAST; LAST
-    = psi`), and each attribute it takes off a module of the users' own (`counters.calls`), of it
-    and of every function among those, each function once; of a library's function (library_function),
-    only the functions its closure holds (a wrapper's)."""
+    state: each closure cell, default value and module global its code loads or binds, and each
+    attribute it takes off a module of the users' own (`counters.calls`), of it and of every
+    function among those, each function once; of a library's function (library_function), only the
+    functions its closure holds (a wrapper's)."""
     found, pending, seen = [], [function], set()
     while pending:
         fn = pending.pop()
@@ -65,17 +75,17 @@ def reads(function) -> List[Tuple[str, object, Optional[Tuple[object, str]]]]:
         if library_function(fn):  # not theirs (qca_lowmem.recomputing(), torch's), nor its state,
             pending += [value for _, value, _ in _cells(fn)]  # but a function of theirs it wraps (torch.no_grad's)
             continue
-        read = [(f"{fn.__qualname__}'s {name}", value, (cell, "cell_contents")) for name, value, cell in _cells(fn)]
+        read = [Read(f"{fn.__qualname__}'s {name}", value, (cell, "cell_contents")) for name, value, cell in _cells(fn)]
         positional = fn.__code__.co_varnames[:fn.__code__.co_argcount]
         defaults = [*zip(positional[len(positional) - len(fn.__defaults__ or ()):], fn.__defaults__ or ()),
                     *(fn.__kwdefaults__ or {}).items()]
-        read += [(f"{fn.__qualname__}'s default {name}", value, None) for name, value in defaults]  # `calls=[0]`
+        read += [Read(f"{fn.__qualname__}'s default {name}", value) for name, value in defaults]  # `calls=[0]`
         namespace, static = fn.__globals__, static_of(fn.__code__)
-        read += [(f"{namespace.get('__name__', '?')}.{name}", namespace[name], (namespace, name))
+        read += [Read(f"{namespace.get('__name__', '?')}.{name}", namespace[name], (namespace, name), name in static.stored)
                  for name in static.globals + static.stored if name in namespace]
-        read += [(f"{module.__name__}.{attribute}", getattr(module, attribute), (module, attribute))
+        read += [Read(f"{module.__name__}.{attribute}", getattr(module, attribute), (module, attribute))
                  for name, attribute in static.global_attributes
                  if users_module(module := namespace.get(name)) and hasattr(module, attribute)]
         found += read
-        pending += [value for _, value, _ in read if isinstance(value, types.FunctionType)]
+        pending += [value for _, value, *_ in read if isinstance(value, types.FunctionType)]
     return found

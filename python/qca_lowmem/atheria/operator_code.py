@@ -184,7 +184,7 @@ def compiled_in(operator: nn.Module) -> Optional[Tuple[str, str]]:
             return (_compiled_named(f"{type(operator).__name__}{suffix}", module),
                     f"set {where} to the module it wraps ({where}._orig_mod)")
     for function in unfollowed_code(operator)[1] or ():
-        for label, value, _ in [(function.__qualname__, function, None), *reads(function)]:
+        for label, value, *_ in [(function.__qualname__, function), *reads(function)]:
             if hasattr(value, "_torchdynamo_orig_callable"):  # what torch.compile returns for a function
                 return (f"{label} (a torch.compile'd function {type(operator).__name__}'s code calls)",
                         f"call {label} uncompiled (its _torchdynamo_orig_callable)")

@@ -347,8 +347,9 @@ class StateDrift:
         collect = bound is not None
         read_from = [(name, value, holder, ([(owner, attr, value)] if attr is not None and _rebound(value) else [])
                       if collect else None) for holder, name, owner, attr, value in attributes]
-        read_from += [(name, value, function, ([(*place, value)] if place is not None and _rebound(value) else [])
-                       if collect else None) for function in self.functions for name, value, place in reads(function)]
+        read_from += [(read.name, read.value, function, ([(*read.place, read.value)] if read.place is not None and (
+            read.written_only or _rebound(read.value)) else []) if collect else None)
+                      for function in self.functions for read in reads(function)]
         for name, value, source, held in read_from:
             self._add(found, _entries(name, value, seen, held), source)
             if collect:
