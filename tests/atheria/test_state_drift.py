@@ -517,7 +517,7 @@ def test_one_object_as_forward_and_backward_hook_is_refused_as_such(policy, back
     qca_lowmem.enable(trainer, **policy)
     monitored(split=False, backward=backward)(trainer)
     torch.manual_seed(5)
-    moved = r"Monitor\.last_gradient \(a tensor, or one it holds\) was bound anew" if backward == "last" \
+    moved = r"Monitor\.last_gradient \(or a tensor it holds\) was bound anew" if backward == "last" \
         else r"Monitor\.gradients changed"
     with pytest.raises(RuntimeError, match=moved + r" during the backward.*both a forward hook.*"
                                                r"Keep the backward hook's state on another object"):

@@ -344,16 +344,18 @@ class StateDrift:
         value, the holder or function it was read from, the name to say) of every tensor read (_rebound)."""
         found, attributes = {}, list(self._attributes())
         seen = {id(owner) for _, _, owner, _, _ in attributes}  # each holder read as itself, not through another
-        collect = bound is not None
-        read_from = [(name, value, holder, ([(owner, attr, value)] if attr is not None and _rebound(value) else [])
-                      if collect else None) for holder, name, owner, attr, value in attributes]
-        read_from += [(read.name, read.value, function, ([(*read.place, read.value)] if read.place is not None and (
-            read.written_only or _rebound(read.value)) else []) if collect else None)
+        def held(owner, key, value, put_back: bool) -> Optional[list]:  # what _entries collects into, from this
+            return None if bound is None else [(owner, key, value)] if put_back and owner is not None else []
+
+        read_from = [(name, value, holder, held(owner, attr, value, attr is not None and _rebound(value)))
+                     for holder, name, owner, attr, value in attributes]
+        read_from += [(read.name, read.value, function,
+                       held(*(read.place or (None, None)), read.value, read.written_only or _rebound(read.value)))
                       for function in self.functions for read in reads(function)]
-        for name, value, source, held in read_from:
-            self._add(found, _entries(name, value, seen, held), source)
-            if collect:
-                bound += [(owner, key, tensor, source, name) for owner, key, tensor in held]
+        for name, value, source, found_bound in read_from:
+            self._add(found, _entries(name, value, seen, found_bound), source)
+            if bound is not None:
+                bound += [(owner, key, tensor, source, name) for owner, key, tensor in found_bound]
         return {name: value for name, value in found.items() if value is not None}
 
     def _add(self, found: dict, entries, source) -> None:
@@ -379,8 +381,8 @@ class StateDrift:
     def check(self) -> None:
         by_backward_hook = self._bind_again()
         if by_backward_hook is not None:
-            self._refuse(f"qca_lowmem: {by_backward_hook} (a tensor, or one it holds) was bound anew during the "
-                         "backward", both=True)
+            self._refuse(f"qca_lowmem: {by_backward_hook} (or a tensor it holds) was bound anew during the backward",
+                         both=True)
         after = self.read()
         names = [*self.after_forward, *(name for name in after if name not in self.after_forward)]  # in read order
         changed = next((name for name in names if self.after_forward.get(name) != after.get(name)), None)
