@@ -20,6 +20,7 @@ Its modules, one concern each:
 - `operator_code`: whether a call of their operator runs only code qca_lowmem follows, with no hook.
 - `state_drift`: the state the steps' unfollowed code keeps, checked across the backward.
 - `code_reads`: what that code reads besides its arguments (cells, defaults, globals), where it may keep state.
+- `fingerprints`: what of a value a call could change, read as simple values, and where its tensors are bound.
 - `discontinuity`: whether every op of their operator is allowlisted continuous.
 - `code_identity`: the digests of the code that runs (functions, and their model classes), per Python version.
 - `stock_guard`: which `train_episode` enable() may replace (their stock one).
