@@ -189,7 +189,7 @@ def _static(code: types.CodeType) -> Tuple[str, Tuple[str, ...], Tuple[Tuple[str
                                                           code.co_flags)).encode()]
     instructions = [ins for ins in dis.get_instructions(code) if ins.opname not in _STACK_ONLY]
     loaded = {ins.argval for ins in instructions if ins.opname in _LOADS_GLOBAL}
-    stored = {ins.argval for ins in instructions if ins.opname in ("STORE_GLOBAL", "STORE_NAME")}
+    stored = {ins.argval for ins in instructions if ins.opname == "STORE_GLOBAL"}  # not a class body's STORE_NAME
     attributes = {(ins.argval, after.argval) for ins, after in zip(instructions, instructions[1:])
                   if ins.opname in _LOADS_GLOBAL and after.opname in _ATTRIBUTE_OPS}
     for const in code.co_consts:
