@@ -10,7 +10,8 @@ recomputes, and trains as stock does (float64, the same bits' worth) under check
 tensor bound anew at each call (a running total, the last state kept for a plot in an object, a
 dict, a tuple, an object in a list, a global, a cell or a module of theirs), or any value bound in
 a global the step never reads, is bound to the forward's again, as stock leaves it, unless a
-backward hook may have bound it (refused). Followed code is not read."""
+backward hook on its holder may have bound it (refused); one the backward binds (a custom
+Function's backward, a hook on a tensor) is left as it bound it. Followed code is not read."""
 
 import collections
 import dataclasses
@@ -419,6 +420,54 @@ def test_a_tensor_the_recomputes_bind_anew_ends_as_the_forward_left_it(edit, pol
     for w, s in zip(got[1], expected[1], strict=True):
         assert torch.allclose(w, s, rtol=1e-11, atol=1e-15)
     assert torch.allclose(got[2], expected[2], rtol=1e-12, atol=0)  # the fused blocks' rounding
+
+
+class GradientProbe(torch.autograd.Function):
+    """The identity, keeping the gradient through it on an object of the researcher's."""
+
+    @staticmethod
+    def forward(ctx, x, store):
+        ctx.store = store
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.store.last_grad = grad.detach().clone()
+        return grad, None
+
+
+def probed_engine(by: str):
+    """The engine's class with a step whose backward keeps the gradient of its output: through a
+    custom Function on an object the engine holds ("function") or on the engine itself
+    ("function on the engine"), or through a hook on its output tensor ("tensor hook")."""
+    def edit(trainer):
+        base = type(trainer.motor)
+
+        class Probed(base):
+            def evolve_step(self, psi):
+                out = super().evolve_step(psi)
+                if by == "tensor hook":
+                    if out.requires_grad:
+                        out.register_hook(lambda grad: setattr(self.probe, "last_grad", grad.detach().clone()))
+                    return out
+                return GradientProbe.apply(out, self if by == "function on the engine" else self.probe)
+
+        trainer.motor.__class__ = Probed
+        trainer.motor.probe = SimpleNamespace(last_grad=torch.zeros(()))
+        trainer.motor.last_grad = torch.zeros(())
+        return lambda t: t.motor.last_grad if by == "function on the engine" else t.motor.probe.last_grad
+    return edit
+
+
+@pytest.mark.parametrize("by", ["function", "function on the engine", "tensor hook"])
+@pytest.mark.parametrize("policy", [dict(checkpoint="step"), dict(checkpoint="revolve", slots=2),
+                                    dict(checkpoint="auto", budget=2**14)])
+def test_a_tensor_the_backward_binds_is_left_as_the_backward_bound_it(by, policy):
+    """The backward binds it as stock's does (the gradient of step 0's output last), after the
+    recomputes: it is not bound again to the forward's (the one from the episode before)."""
+    expected, got = run(probed_engine(by)), run(probed_engine(by), policy)
+    assert got[0] == pytest.approx(expected[0], rel=1e-12, abs=0)
+    assert got[2].shape == (1, 8, 8, 2) and torch.allclose(got[2], expected[2], rtol=1e-12, atol=0)
 
 
 def guarded_recorder_hook(trainer):

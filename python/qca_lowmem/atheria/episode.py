@@ -3,6 +3,7 @@
 trains anything (`checked_before`, raising episode_refusals' ProofStale or EpisodeRefused, which
 the switch acts on). `state` is the switch's record of what enable() decided and changed."""
 
+import contextlib
 import logging
 
 import torch
@@ -11,6 +12,7 @@ from ..precision import autocast
 from ..recompute import rollout
 from ..recompute.history_grads import history_grads_guarded
 from ..recompute.policy import NONE
+from ..recompute.replay import around_each_recompute
 from .engine_state import memory_of, put_side_state, side_state_of
 from .engine_step import EngineMemoryStep, engine_code, live_gamma
 from .episode_options import check_reads
@@ -89,7 +91,8 @@ def train_episode(trainer, state, episode_num, model, own):
     parameters = [] if model is None else list(model.parameters())
     scaler = getattr(trainer, "scaler", None)
     scaled = scaler is not None and scaler.is_enabled() and (version.scales(trainer) or scales_for_fp16(opts))
-    (scaler.scale(loss) if scaled else loss).backward()
+    with around_each_recompute(drift.note_recompute) if drift is not None else contextlib.nullcontext():
+        (scaler.scale(loss) if scaled else loss).backward()
     # After the backward, whose recomputes ran the steps again.
     rebind(bound)  # a buffer each recompute bound again (snntorch's membrane): as the forward left it
     put_side_state(trainer.motor, side_state)

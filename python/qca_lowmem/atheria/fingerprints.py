@@ -90,6 +90,11 @@ class _Bound:
         return f"a tensor of shape {tuple(self.tensor.shape)}"
 
 
+def is_tensor(fingerprint) -> bool:
+    """Whether a fingerprint is a tensor's (its identity)."""
+    return isinstance(fingerprint, _Bound)
+
+
 def _fingerprint(value, depth: int = 3, bound: Optional[list] = None, held: bool = False):
     """What of a value a call could change, in simple values (compared with !=), or None where
     nothing is read: a simple value itself; a tensor by identity (another bound in its place); a

@@ -20,7 +20,18 @@ from torch import nn
 
 from .code_identity import functions_of
 from .code_reads import reads
-from .fingerprints import BY_ATTRIBUTE, GONE, REBOUND_IN, difference, named_fingerprints, read_whole, rebound, shown, value_at
+from .fingerprints import (
+    BY_ATTRIBUTE,
+    GONE,
+    REBOUND_IN,
+    difference,
+    is_tensor,
+    named_fingerprints,
+    read_whole,
+    rebound,
+    shown,
+    value_at,
+)
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what torch keeps on every module (its dicts of parameters, hooks...)
 
@@ -87,6 +98,20 @@ class StateDrift:
         self.source: Dict[str, object] = {}  # a fingerprint's name -> the holder or function it was read from
         self.bound: list = []  # where the forward left a tensor: read()'s `bound`
         self.after_forward = self.read(self.bound)
+        self._before_recompute: list = []  # what each of `bound` held before the step recomputed now
+        self.recompute_bound: Dict[int, object] = {}  # i -> what the last recompute that bound bound[i] bound
+
+    def note_recompute(self, done: bool) -> None:
+        """Before (`done` False) and after each step the backward recomputes (replay.around_each_recompute):
+        what it bound, told apart from what the backward binds (a custom Function's backward, a
+        tensor's hook: `probe.last_grad = grad`), which stock's backward binds as well."""
+        now = [value_at(owner, key) for owner, key, *_ in self.bound]
+        if not done:
+            self._before_recompute = now
+            return
+        for i, (was, value) in enumerate(zip(self._before_recompute, now)):
+            if value is not was:
+                self.recompute_bound[i] = value
 
     def _attributes(self):
         """(the holder, the name to say, the owner, its attribute, the value) of every holder's
@@ -128,29 +153,35 @@ class StateDrift:
             found[name] = fingerprint
             self.source[name] = source
 
-    def _bind_again(self) -> Optional[str]:
-        """Binds each tensor (rebound) read after the forward again where the recomputes bound another (as
-        stock's episode leaves it); the name of one a backward hook may have bound, left as it is."""
-        for owner, key, tensor, source, name in self.bound:
+    def _bind_again(self) -> Tuple[Optional[str], set]:
+        """Binds each tensor (rebound) read after the forward again where a recompute bound the one
+        there now (as stock's episode leaves it: the forward's); one the backward bound is left, as
+        stock's backward leaves it. (The name of one a backward hook on a holder may have bound, left
+        as it is, or None; the names of those the backward bound.)"""
+        left = set()
+        for i, (owner, key, tensor, source, name) in enumerate(self.bound):
             now = value_at(owner, key)
             if now is GONE or now is tensor:  # gone: the read shows it
                 continue
             if id(source) in self.backward_hooks:  # stock's backward binds it too
-                return name
-            if isinstance(owner, REBOUND_IN):
+                return name, left
+            if now is not self.recompute_bound.get(i, GONE):
+                left.add(name)
+            elif isinstance(owner, REBOUND_IN):
                 owner[key] = tensor
             else:
                 setattr(owner, key, tensor)
-        return None
+        return None, left
 
     def check(self) -> None:
-        by_backward_hook = self._bind_again()
+        by_backward_hook, left = self._bind_again()
         if by_backward_hook is not None:
             self._refuse(f"qca_lowmem: {by_backward_hook} (or a tensor it holds) was bound anew during the backward",
                          both=True)
         after = self.read()
         names = [*self.after_forward, *(name for name in after if name not in self.after_forward)]  # in read order
-        changed = next((name for name in names if self.after_forward.get(name) != after.get(name)), None)
+        changed = next((name for name in names if self.after_forward.get(name) != after.get(name)
+                        and not (name in left and is_tensor(self.after_forward.get(name)))), None)
         if changed is not None:
             inside, was, now = difference(self.after_forward.get(changed), after.get(changed))
             self._refuse(f"qca_lowmem: {changed}{inside} changed during the backward ({shown(was)} -> {shown(now)})",

@@ -1,9 +1,10 @@
 """What a recomputed step replays from its forward: the autocast state and the random
-generators' states; and whether the calling thread runs a backward that recomputes."""
+generators' states; whether the calling thread runs a backward that recomputes; and who is told
+when a backward has run a step again."""
 
 import contextlib
 import threading
-from typing import Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -73,6 +74,29 @@ class RngStates:
 
 
 _IN_BACKWARD = threading.local()  # autograd runs a CUDA backward on a thread of its own
+_RECOMPUTE_LISTENERS: List[Callable[[bool], None]] = []  # not per thread: for the same reason
+
+
+@contextlib.contextmanager
+def around_each_recompute(listener: Callable[[bool], None]):
+    """Inside: listener(False) before and listener(True) after each step's forward that a
+    recomputing backward runs again, on whichever thread runs the backward; the switch tells from
+    it what the recomputes bound from what the backward did (atheria/state_drift.py)."""
+    _RECOMPUTE_LISTENERS.append(listener)
+    try:
+        yield
+    finally:
+        _RECOMPUTE_LISTENERS.remove(listener)
+
+
+@contextlib.contextmanager
+def step_recomputed():
+    """Around a step's forward run again by a recomputing backward: each listener told."""
+    for listener in _RECOMPUTE_LISTENERS:
+        listener(False)
+    yield
+    for listener in _RECOMPUTE_LISTENERS:
+        listener(True)
 
 
 def recomputing() -> bool:

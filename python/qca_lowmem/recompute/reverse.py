@@ -22,6 +22,7 @@ import torch
 
 from .intermediates import keep_block_intermediates
 from .leaves import leaves_reached, next_sequence_nr
+from .replay import step_recomputed
 from .state import State
 
 
@@ -75,7 +76,7 @@ class Rerun:
         with torch.set_grad_enabled(self.grad), self.autocast():
             for t in range(start, stop):
                 self.buffers.load(t)
-                with self.rng.replay(t):
+                with self.rng.replay(t), step_recomputed():
                     state = self.unit(state.as_inputs(True) if self.grad else state, t)
                 state = state.detached() if self.grad else state
         return state
@@ -83,7 +84,7 @@ class Rerun:
     def with_grad(self, t: int, inputs: State) -> State:
         """Step t on `inputs` with grad, as its forward ran (autocast, random draws), blocks keeping
         their intermediates."""
-        with torch.enable_grad(), self.autocast(), keep_block_intermediates(), self.rng.replay(t):
+        with torch.enable_grad(), self.autocast(), keep_block_intermediates(), self.rng.replay(t), step_recomputed():
             return self.unit(inputs, t)
 
 
@@ -200,7 +201,7 @@ class StepReverser:
         noisy = out
         if unit.noise is not None:
             out = out.requires_grad_(True)
-            with torch.enable_grad(), rerun.autocast(), rerun.rng.replay(t):
+            with torch.enable_grad(), rerun.autocast(), rerun.rng.replay(t), step_recomputed():
                 noisy = unit.add_noise(out, t)
 
         def vjp(grads: State) -> State:
