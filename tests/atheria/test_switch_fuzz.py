@@ -107,7 +107,7 @@ EDITS = {
     "caller_context": st.fixed_dictionaries({"caller_context": st.sampled_from(sorted(CALLER_CONTEXTS))}),
     "op_state": st.fixed_dictionaries({"op_state": st.sampled_from(["module_counter", "closure_counter", "config_counter",
                                                                     "default_counter", "global_counter", "dict_counter",
-                                                                    "schedule", "logged", "plotted", "grad_hook"])}),
+                                                                    "schedule", "logged", "plotted", "probed", "grad_hook"])}),
 }
 
 
