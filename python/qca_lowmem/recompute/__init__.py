@@ -16,8 +16,8 @@ modules, one concern each:
 - `lanes`: one copy of a capture's graphs and static tensors, warmed up, checked and captured.
 - `cuda_graphs`: the captures' graphs, pool and side stream; a failed capture undone and explained.
 - `state`: psi and the carry as the rollout holds them.
-- `replay`: what a recompute replays from its forward (autocast, the generators' states), and
-  `recomputing()`, true in a backward that recomputes.
+- `replay`: what a recompute replays from its forward (autocast, the generators' states),
+  `recomputing()`, true in a backward that recomputes, and who is told around each step it recomputes.
 - `generators`: the random generators' states, saved and put back in one place.
 - `buffers`: the tensors a step writes that outlive it (running statistics, registered buffers).
 - `leaves`: which leaves (parameters) a step reaches.
