@@ -25,6 +25,7 @@ import torch
 
 import qca_lowmem
 from fixtures import researcher_config
+from fixtures.switch_variants import GradientProbe
 from qca_lowmem import recomputing, stock
 from qca_lowmem.atheria.engine_step import engine_code
 from qca_lowmem.atheria.mask_free_noise import injector_code
@@ -422,20 +423,6 @@ def test_a_tensor_the_recomputes_bind_anew_ends_as_the_forward_left_it(edit, pol
     assert torch.allclose(got[2], expected[2], rtol=1e-12, atol=0)  # the fused blocks' rounding
 
 
-class GradientProbe(torch.autograd.Function):
-    """The identity, keeping the gradient through it on an object of the researcher's."""
-
-    @staticmethod
-    def forward(ctx, x, store):
-        ctx.store = store
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.store.last_grad = grad.detach().clone()
-        return grad, None
-
-
 def probed_engine(by: str):
     """The engine's class with a step whose backward keeps the gradient of its output: through a
     custom Function on an object the engine holds ("function") or on the engine itself
@@ -450,7 +437,8 @@ def probed_engine(by: str):
                     if out.requires_grad:
                         out.register_hook(lambda grad: setattr(self.probe, "last_grad", grad.detach().clone()))
                     return out
-                return GradientProbe.apply(out, self if by == "function on the engine" else self.probe)
+                store = self if by == "function on the engine" else self.probe
+                return GradientProbe.apply(out, lambda grad: setattr(store, "last_grad", grad))
 
         trainer.motor.__class__ = Probed
         trainer.motor.probe = SimpleNamespace(last_grad=torch.zeros(()))
