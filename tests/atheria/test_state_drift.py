@@ -10,8 +10,9 @@ recomputes, and trains as stock does (float64, the same bits' worth) under check
 tensor bound anew at each call (a running total, the last state kept for a plot in an object, a
 dict, a tuple, an object in a list, a global, a cell or a module of theirs), or any value bound in
 a global the step never reads, is bound to the forward's again, as stock leaves it, unless a
-backward hook on its holder may have bound it (refused); one the backward binds (a custom
-Function's backward, a hook on a tensor) is left as it bound it. Followed code is not read."""
+backward hook on its holder may have bound it (refused), or it retains its gradient (refused);
+one the backward binds (a custom Function's backward, a hook on a tensor) is left as it bound it.
+Followed code is not read."""
 
 import collections
 import dataclasses
@@ -456,6 +457,38 @@ def test_a_tensor_the_backward_binds_is_left_as_the_backward_bound_it(by, policy
     expected, got = run(probed_engine(by)), run(probed_engine(by), policy)
     assert got[0] == pytest.approx(expected[0], rel=1e-12, abs=0)
     assert got[2].shape == (1, 8, 8, 2) and torch.allclose(got[2], expected[2], rtol=1e-12, atol=0)
+
+
+def retaining_engine(trainer):
+    """The engine's class with a step keeping its output and its gradient (retain_grad, guarded)."""
+    base = type(trainer.motor)
+
+    class Retaining(base):
+        def evolve_step(self, psi):
+            out = super().evolve_step(psi)
+            self.last_out = out
+            if out.requires_grad:
+                out.retain_grad()
+            return out
+
+    trainer.motor.__class__ = Retaining
+    return lambda t: t.motor.last_out.grad
+
+
+@pytest.mark.parametrize("policy", [dict(checkpoint="step"), dict(checkpoint="revolve", slots=2)])
+def test_a_kept_tensor_retaining_its_gradient_is_refused_naming_it(policy):
+    """The tensor a recompute bound retains the recompute's gradient; the forward's, which stock's
+    episode leaves there, has none (it had been put back, its .grad None where stock's has the last
+    step's). Refused, naming the fix; checkpoint='none' keeps stock's gradient."""
+    trainer = make_trainer()
+    qca_lowmem.enable(trainer, **policy)
+    retaining_engine(trainer)
+    torch.manual_seed(5)
+    with pytest.raises(RuntimeError, match=r"Retaining\.last_out holds a tensor the step called retain_grad\(\) on.*"
+                                           r"out\.register_hook"):
+        trainer.train_episode(EPISODES[0])
+    expected, got = run(retaining_engine), run(retaining_engine, dict(checkpoint="none"))
+    assert got[2] is not None and torch.allclose(got[2], expected[2], rtol=1e-12, atol=0)
 
 
 def guarded_recorder_hook(trainer):

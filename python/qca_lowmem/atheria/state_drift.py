@@ -167,7 +167,15 @@ class StateDrift:
                 return name, left
             if now is not self.recompute_bound.get(i, GONE):
                 left.add(name)
-            elif isinstance(owner, REBOUND_IN):
+                continue
+            if any(isinstance(t, torch.Tensor) and t.retains_grad for t in (now if isinstance(now, tuple) else (now,))):
+                raise RuntimeError(
+                    f"qca_lowmem: {name} holds a tensor the step called retain_grad() on, bound by the rollout's "
+                    "recompute of step 0: its .grad is that step's, and the forward's tensor, which stock's episode "
+                    "leaves there, has none (stock's has the last step's). Keep the gradient with a hook on the "
+                    "tensor (out.register_hook(...), if out.requires_grad), which the backward runs once a step as "
+                    "stock's does, or enable(trainer, checkpoint='none'), which runs each step once as stock does")
+            if isinstance(owner, REBOUND_IN):
                 owner[key] = tensor
             else:
                 setattr(owner, key, tensor)
