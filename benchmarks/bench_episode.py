@@ -438,6 +438,16 @@ def _modes(result):
     return f"   mode {result['compile_mode']}" + (f" (of {'; '.join(times)})" if times else "")
 
 
+def peer_mode_done(args, device, runs, name, mode, per_mode):
+    """Says how the peer's compile mode ended and writes the rows so far with the peer's modes."""
+    summary = per_mode[mode]
+    ended = summary["error"] or f"{summary['episode_s']:.3f} s"
+    print(f"{name} in {mode}: {ended} ({summary['wall_s']:.0f} s with its compile)", flush=True)
+    unfinished = {"name": name, "episode_s": None, "peak_bytes": None, "error": "its compile modes still running",
+                  "compile_modes": per_mode}
+    write_report(args, device, [*runs, unfinished])
+
+
 def write_report(args, device, runs, grad_errors=None):
     """The result file; `complete` false (and no gradient check) while runs are still to come."""
     payload = {
@@ -469,7 +479,8 @@ def main(argv=None):
         for name in args.runs:
             if name in PEER_RUNS:
                 runs.append(episode_peer.fastest_mode(
-                    lambda name, mode_args: measure_run(name, stock_model, mode_args, device), name, args, args.compile_modes))
+                    lambda name, mode_args: measure_run(name, stock_model, mode_args, device), name, args, args.compile_modes,
+                    mode_done=lambda mode, per_mode, name=name: peer_mode_done(args, device, runs, name, mode, per_mode)))
             else:
                 runs.append(measure_run(name, stock_model, args, device))
             write_report(args, device, runs)  # what finished, should the command be stopped

@@ -492,9 +492,32 @@ def test_the_fastest_compile_mode_is_the_row_and_every_mode_is_reported():
                                                        "error": "reduce-overhead failed",
                                                        "wall_s": row["compile_modes"]["reduce-overhead"]["wall_s"]}
     times[episode_peer.FALLBACK_MODE] = None
-    row = episode_peer.fastest_mode(measure, "stock_compiled_checkpoint", args, modes)
+    ended = []
+    row = episode_peer.fastest_mode(measure, "stock_compiled_checkpoint", args, modes,
+                                    mode_done=lambda mode, per_mode: ended.append((mode, list(per_mode))))
     assert row["error"] == "max-autotune failed" and row["episode_s"] is None and row["compile_mode"] == "max-autotune"
     assert list(row["compile_modes"]) == [*modes, episode_peer.FALLBACK_MODE]
+    assert ended == [("max-autotune", modes[:1]), ("reduce-overhead", modes),
+                     (episode_peer.FALLBACK_MODE, [*modes, episode_peer.FALLBACK_MODE])]
+
+
+def test_each_compile_mode_of_the_peer_is_written_and_said_as_it_ends(tmp_path, capsys):
+    """A run stopped while a later mode compiles keeps the rows before the peer and the modes
+    that ended."""
+    bench_episode = bench_module("bench_episode")
+    out = tmp_path / "peer.json"
+    args = bench_episode.parse_args(["--device", "cpu", "--out", str(out)])
+    finished = [{"name": "stock_fp32", "episode_s": 2.5, "peak_bytes": 10}]
+    per_mode = {"reduce-overhead": {"episode_s": None, "peak_bytes": None, "error": "BackendCompilerFailed: x",
+                                    "wall_s": 12.0}}
+    bench_episode.peer_mode_done(args, torch.device("cpu"), finished, "stock_compiled_checkpoint", "reduce-overhead",
+                                 per_mode)
+    said = capsys.readouterr().out
+    assert "stock_compiled_checkpoint in reduce-overhead: BackendCompilerFailed: x (12 s with its compile)" in said
+    written = json.loads(out.read_text())
+    assert not written["complete"] and [r["name"] for r in written["runs"]] == ["stock_fp32", "stock_compiled_checkpoint"]
+    assert written["runs"][1]["compile_modes"] == per_mode and written["runs"][1]["episode_s"] is None
+    assert finished == [{"name": "stock_fp32", "episode_s": 2.5, "peak_bytes": 10}]
 
 
 def test_cuda_only_compile_modes_are_refused_off_cuda(capsys):
