@@ -3,7 +3,7 @@ README tells them to run it, with `QCA_LOWMEM=1` and then `QCA_LOWMEM=0` (stock)
 process capped at --cap-gib with torch.cuda.set_per_process_memory_fraction.
 
     python benchmarks/users_pipeline.py [--atheria atheria] [--cap-gib 3.68] [--grid 128]
-        [--steps 500] [--episodes 3] [--timeout 120] [--pythonpath DIRS] [--out FILE]
+        [--steps 500] [--episodes 3] [--timeout 120] [--pythonpath DIRS] [--at-peak] [--out FILE]
 
 Their checkout (Jonakss/Atheria at 4df21e7) is not part of this repository. Put it at `atheria/`
 in this tree (ignored by git; their `src/` is all the CLI needs):
@@ -15,7 +15,8 @@ The checkout is copied to a temporary folder (without its `.git` and `output/`, 
 starts afresh on their V4 trainer), the README's patch saved there as `qca-lowmem.patch` and
 applied with `git apply`, and their CLI run in it with `PYTHONPATH=src` (plus --pythonpath, for a
 stand-in of a package their CLI imports). benchmarks/pipeline_bootstrap.py caps each run before
-their code runs and records the peaks and, for a failure, the exception and where it was raised.
+their code runs and records the peaks and, for a failure, the exception and where it was raised
+(with --at-peak, also what was live at the peak of allocated bytes, by the place that allocated it).
 Each run is bounded by --timeout seconds (SIGTERM, then SIGKILL). After every run
 benchmarks/results/users_pipeline_<device>.json is rewritten, so a run stopped at a time limit
 leaves the ones before it. On a CPU there is no cap: the record says so and the runs go ahead.
@@ -40,7 +41,7 @@ from pathlib import Path
 import torch
 
 from common import ROOT, readme_patch, write_result
-from pipeline_bootstrap import raise_keyboard_interrupt
+from pipeline_bootstrap import AT_PEAK_VARIABLE, raise_keyboard_interrupt
 
 PATCHED = "src/pipelines/pipeline_train.py"
 THEIR_COMMIT = "4df21e7"
@@ -146,7 +147,7 @@ def one_run(args, copy: Path, key: str, scratch: Path):
            "PYTHONPATH": os.pathsep.join(p for p in [args.pythonpath, "src", os.environ.get("PYTHONPATH")] if p),
            # their src/trainer.py sets this before importing torch; the cap's bootstrap starts CUDA before
            # their code runs, so it comes from the environment instead
-           "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+           "PYTORCH_ALLOC_CONF": "expandable_segments:True", AT_PEAK_VARIABLE: "1" if args.at_peak else "0"}
     cmd = [sys.executable, str(BOOTSTRAP), str(record_path), str(args.cap_gib), "src.trainer", *their_args]
     print(f"=== {name}", flush=True)
     status, output, seconds, timed_out, interrupted = run_child(cmd, copy, env, args.timeout)
@@ -178,6 +179,8 @@ def main():
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="in this order")
     parser.add_argument("--timeout", type=float, default=120, help="seconds each run may take")
     parser.add_argument("--pythonpath", default="", help="folders put first on their PYTHONPATH (os.pathsep-separated)")
+    parser.add_argument("--at-peak", action="store_true",
+                        help="record the GPU allocator's history and say what was live at each run's peak, by place")
     parser.add_argument("--out", default=None, help="result file (default benchmarks/results/users_pipeline_<device>.json)")
     args = parser.parse_args()
     if args.cap_gib <= 0 or args.timeout <= 0:
@@ -202,6 +205,8 @@ def main():
             path = write_result("users_pipeline", device, payload, args.out)
             print(f"=== {run['name']}: exit {run['exit']}, {run['episodes_trained']} of {args.episodes} episodes, "
                   f"peak reserved {run.get('peak_reserved_gib')} GiB, {run['wall_s_with_startup']} s -> {path}", flush=True)
+            for part in run.get("at_peak", {}).get("by_place", []):
+                print(f"    at the peak {part['bytes'] / 2**20:9.1f} MiB from {part['where']}", flush=True)
             if run["interrupted"]:
                 sys.exit("users_pipeline.py: stopped by a signal; the runs so far are written")
     lowmem = next((run for run in payload["runs"] if run["name"] == RUNS["lowmem"][0]), None)

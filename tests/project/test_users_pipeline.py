@@ -128,6 +128,59 @@ def test_the_bootstrap_caps_the_process_and_records_where_it_ran_out(tmp_path):
         "greedy.py:5 in <module>: kept.append(torch.empty(2**28, device='cuda'))"
 
 
+def test_what_was_live_at_the_peak_is_summed_by_the_place_that_allocated_it():
+    """Their frames and the library's name the place (innermost first); torch's alone are
+    elsewhere; a free of memory allocated before the history began changes nothing."""
+    bootstrap = benchmark_module("pipeline_bootstrap")
+    root = os.path.join(os.sep, "tmp", "run", "Atheria")
+    theirs = {"filename": os.path.join(root, "src", "trainers", "qc_trainer_v4.py"), "line": 231, "name": "train_episode"}
+    library = {"filename": os.path.join(os.sep, "venv", "site-packages", "qca_lowmem", "rollout.py"), "line": 40,
+               "name": "rollout"}
+    torch_frame = {"filename": os.path.join(os.sep, "venv", "site-packages", "torch", "nn", "modules", "conv.py"),
+                   "line": 5, "name": "forward"}
+
+    def alloc(addr, size, *frames):
+        return {"action": "alloc", "addr": addr, "size": size, "frames": list(frames)}
+
+    def free(addr, size):
+        return {"action": "free_completed", "addr": addr, "size": size, "frames": []}
+
+    trace = [free(99, 1000), alloc(1, 100, torch_frame, library, theirs), alloc(2, 50, torch_frame, theirs),
+             alloc(3, 30, torch_frame), free(1, 100), alloc(4, 20, theirs), alloc(5, 200, theirs), free(5, 200),
+             free(2, 50), alloc(6, 10, library)]
+    found = bootstrap.at_peak(trace, root)
+    assert found["allocated_bytes"] == 300 and found["events"] == 10 and not found["history_full"]
+    assert found["by_place"] == [
+        {"where": os.path.join("src", "trainers", "qc_trainer_v4.py") + ":231 in train_episode", "bytes": 270},
+        {"where": "elsewhere", "bytes": 30}]
+    assert bootstrap.at_peak(trace[:4], root)["by_place"] == [
+        {"where": os.path.join("qca_lowmem", "rollout.py") + ":40 in rollout", "bytes": 100},
+        {"where": os.path.join("src", "trainers", "qc_trainer_v4.py") + ":231 in train_episode", "bytes": 50},
+        {"where": "elsewhere", "bytes": 30}]
+
+
+@cuda_only
+@pytest.mark.slow
+def test_the_bootstrap_says_what_was_live_at_the_peak(tmp_path):
+    (tmp_path / "spender.py").write_text(textwrap.dedent("""\
+        import torch
+
+        kept = torch.empty(2**26, device='cuda')
+        brief = torch.empty(2**27, device='cuda')
+        del brief
+        after = torch.empty(2**20, device='cuda')
+        """))
+    record = tmp_path / "record.json"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "pipeline_bootstrap.py"), str(record), "2.5", "spender"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "QCA_PIPELINE_AT_PEAK": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(record.read_text())["at_peak"]
+    assert found["allocated_bytes"] == 3 * 2**28
+    assert found["by_place"] == [{"where": "spender.py:4 in <module>", "bytes": 2**29},
+                                 {"where": "spender.py:3 in <module>", "bytes": 2**28}]
+
+
 def test_a_missing_checkout_is_named_with_where_to_put_it(tmp_path):
     script = benchmark_module("users_pipeline")
     with pytest.raises(SystemExit, match=r"no checkout of Jonakss/Atheria at .*missing.*4df21e7"):
