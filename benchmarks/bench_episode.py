@@ -107,6 +107,9 @@ def parse_args(argv=None):
     p.add_argument("--compile-modes", nargs="+", choices=episode_peer.MODES, default=None,
                    help="torch.compile modes of stock_compiled_checkpoint, the fastest kept (default: "
                         f"{' '.join(episode_peer.CUDA_MODES)} on CUDA, default elsewhere)")
+    p.add_argument("--cudnn-benchmark", action="store_true",
+                   help="torch.backends.cudnn.benchmark on for every run, as the users' CartesianEngine turns it on "
+                        "(their src/optimization/gpu_optimizer.py; CUDA only)")
     p.add_argument("--skip-grad-check", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="profile one more episode per run: kernels and host waits per step, GPU busy fraction")
@@ -114,6 +117,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="output JSON (default benchmarks/results/<name>_<device>.json)")
     p.add_argument("--name", default="episode", help="the result file's name before the device (default episode)")
     args = p.parse_args(argv)
+    if args.cudnn_benchmark and not args.device.startswith("cuda"):
+        p.error(f"--cudnn-benchmark sets cuDNN's algorithm search, which only a CUDA device has, got --device {args.device}")
     cuda_only = [name for name in args.runs if name in CUDA_ONLY_RUNS]
     if cuda_only and not args.device.startswith("cuda"):
         p.error(f"{', '.join(cuda_only)} need a CUDA device (budget='free' reads its free memory), got --device {args.device}")
@@ -456,6 +461,7 @@ def write_report(args, device, runs, grad_errors=None):
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "timing": "medians of episodes timed in turn across runs" if device.type == "cpu" else "medians, one run at a time",
         "complete": grad_errors is not None,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,  # cuDNN's algorithm search, as the runs had it
         "runs": runs,
         "max_grad_rel_err_fp32": (grad_errors or {}).get("lowmem"),
         "max_grad_rel_err_fp32_graph": (grad_errors or {}).get("lowmem_graph"),
@@ -471,6 +477,8 @@ def main(argv=None):
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cudnn_benchmark:
+        torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
     stock_model = reference.UNetUnitary(args.d_state, args.hidden)
     print(f"device {common.device_name(device)}, torch {torch.__version__}")

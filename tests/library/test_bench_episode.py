@@ -530,3 +530,16 @@ def test_cuda_only_compile_modes_are_refused_off_cuda(capsys):
         bench_episode.parse_args(["--device", "cpu", "--compile-modes", "default", "max-autotune"])
     assert refused.value.code == 2
     assert "--compile-modes max-autotune need a CUDA device" in capsys.readouterr().err
+
+
+def test_cudnn_benchmark_is_refused_off_cuda_and_recorded(tmp_path, capsys):
+    bench_episode = bench_module("bench_episode")
+    assert bench_episode.parse_args(["--device", "cuda", "--cudnn-benchmark"]).cudnn_benchmark
+    with pytest.raises(SystemExit) as refused:
+        bench_episode.parse_args(["--device", "cpu", "--cudnn-benchmark"])
+    assert refused.value.code == 2
+    assert "--cudnn-benchmark sets cuDNN's algorithm search, which only a CUDA device has, got --device cpu" in \
+        capsys.readouterr().err
+    args = bench_episode.parse_args(["--device", "cpu", "--out", str(tmp_path / "e.json")])
+    bench_episode.write_report(args, torch.device("cpu"), [])
+    assert json.loads((tmp_path / "e.json").read_text())["cudnn_benchmark"] is torch.backends.cudnn.benchmark
