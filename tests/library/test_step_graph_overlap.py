@@ -4,7 +4,8 @@ it reverses next ahead, with CUDA graphs and streams replaced by the eager stand
 joins it ("joined"): a second stream's two extremes. The gradients must be those of eager steps
 bit for bit either way; "never" shows that a run ahead that is not waited for is seen.
 
-On a GPU, test_rollout.py's CUDA tests compare the overlapped replays with one lane's, bitwise."""
+On a GPU, this file's CUDA cases compare the overlapped replays with one lane's: bitwise under
+cuDNN's deterministic algorithms, to rounding under its defaults."""
 
 import pytest
 import torch
