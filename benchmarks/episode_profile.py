@@ -18,6 +18,9 @@ over the kernels they hold) are not events here.
   order, and the device's milliseconds and launches of its events. Memset counts under fills and
   Memcpy under copies, so the milliseconds add up to all the device's time in kernels and memory
   operations, and the launches to kernels_per_step plus the memory operations a step.
+- top_kernels_per_step_by_family: each family's TOP_KERNELS names that took the most time, as
+  [name cut to NAME_CHARS, launches a step, ms a step]: what a family such as "other" holds, read
+  from a lent GPU's file rather than guessed.
 """
 
 import re
@@ -57,6 +60,8 @@ FAMILIES = tuple((family, re.compile(pattern, re.IGNORECASE)) for family, patter
     ("reductions", r"reduce_kernel"),
 ))
 FAMILY_NAMES = tuple(family for family, _ in FAMILIES) + ("other",)
+TOP_KERNELS = 6
+NAME_CHARS = 200
 
 
 def family_of(kernel_name: str) -> str:
@@ -81,16 +86,26 @@ def device_counts(events, steps) -> dict:
     if not device_events:
         return {}
     milliseconds, launches = dict.fromkeys(FAMILY_NAMES, 0.0), dict.fromkeys(FAMILY_NAMES, 0)
+    by_name = {}  # name -> [family, launches, milliseconds]
     for event in device_events:
         family = family_of(event.name)
-        milliseconds[family] += (event.time_range.end - event.time_range.start) / 1e3
+        duration = (event.time_range.end - event.time_range.start) / 1e3
+        milliseconds[family] += duration
         launches[family] += 1
+        named = by_name.setdefault(event.name, [family, 0, 0.0])
+        named[1] += 1
+        named[2] += duration
+    top = {family: [] for family in FAMILY_NAMES}
+    for name, (family, n, ms) in sorted(by_name.items(), key=lambda item: (-item[1][2], item[0])):
+        if len(top[family]) < TOP_KERNELS:
+            top[family].append([name[:NAME_CHARS], n / steps, ms / steps])
     span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / 1e6
     return {"kernels_per_step": sum(not e.name.startswith(MEMORY_OPS) for e in device_events) / steps,
             "gpu_busy_fraction": busy_seconds((e.time_range.start, e.time_range.end) for e in device_events) / span,
             "layout_conversions_per_step": launches["layout"] / steps,
             "kernel_ms_per_step_by_family": {family: ms / steps for family, ms in milliseconds.items()},
-            "kernels_per_step_by_family": {family: n / steps for family, n in launches.items()}}
+            "kernels_per_step_by_family": {family: n / steps for family, n in launches.items()},
+            "top_kernels_per_step_by_family": {family: names for family, names in top.items() if names}}
 
 
 def episode_counts(run, steps=None) -> dict:
@@ -105,7 +120,8 @@ def episode_counts(run, steps=None) -> dict:
     events = profile.events()
     counts = {"profiled_steps": steps, "host_wait_ops_per_step": sum(e.name in HOST_WAIT_OPS for e in events) / steps,
               **dict.fromkeys(("kernels_per_step", "gpu_busy_fraction", "layout_conversions_per_step",
-                               "kernel_ms_per_step_by_family", "kernels_per_step_by_family"))}
+                               "kernel_ms_per_step_by_family", "kernels_per_step_by_family",
+                               "top_kernels_per_step_by_family"))}
     if on_cuda:
         counts.update(device_counts(events, steps))
     return counts

@@ -186,7 +186,7 @@ def our_kernel_names():
     kernels = []
     for path in sorted((ROOT / "csrc" / "kernels").glob("*.cu*")):
         text = path.read_text()
-        launched = re.findall(r"launch<(qca_\w+_params)", text)
+        launched = re.findall(r"launch<(?:\w+, )?(qca_\w+_params)", text)
         for name, param in re.findall(r"__global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(const (\w+)", text):
             for param_type in launched if param == "Params" else [param]:
                 kernels.append((f"void (anonymous namespace)::{name}<float, float>({param_type}, long)", path.name))
@@ -244,6 +244,12 @@ def test_kernel_time_and_launches_per_step_by_family_add_up_to_the_device_events
     assert sum(counts["kernels_per_step_by_family"].values()) == counts["kernels_per_step"] + 1.0
     assert counts["layout_conversions_per_step"] == 0.5
     assert counts["gpu_busy_fraction"] == pytest.approx((470 + 4 + 8 + 4) / 1000)
+    top = counts["top_kernels_per_step_by_family"]
+    assert set(top) == {"convolution", "layout", "groupnorm_elu", "qca", "fills", "copies", "other"}
+    assert [name for name, _, _ in top["convolution"]] == [events[2].name[:profile.NAME_CHARS], events[3].name]
+    # equal times: by name
+    assert top["fills"] == [["Memset (Device)", 0.5, pytest.approx(0.001)], [events[7].name, 0.5, pytest.approx(0.001)]]
+    assert top["other"] == [[events[10].name, 0.5, pytest.approx(0.002)]]
     assert profile.device_counts(events[:2], steps=2) == {}  # no device event but the annotation
     table = profile.family_table(counts)
     assert "by family (launches): convolution 0.200 (1), groupnorm_elu 0.020 (0.5), layout 0.010 (0.5), qca 0.005 " \
@@ -262,7 +268,8 @@ def test_off_cuda_the_profile_has_no_device_fields():
     counts = profile.episode_counts(run, steps=2)
     assert counts == {"profiled_steps": 2, "host_wait_ops_per_step": 0.5, "kernels_per_step": None,
                       "gpu_busy_fraction": None, "layout_conversions_per_step": None,
-                      "kernel_ms_per_step_by_family": None, "kernels_per_step_by_family": None}
+                      "kernel_ms_per_step_by_family": None, "kernels_per_step_by_family": None,
+                      "top_kernels_per_step_by_family": None}
     assert profile.family_table(counts) == "" and profile.summary(counts) == "   waits/step 0.50"
 
 
