@@ -56,6 +56,8 @@ FAMILIES = tuple((family, re.compile(pattern, re.IGNORECASE)) for family, patter
     # AdamW's and the gradient clipping's foreach kernels, torch's and our gradient scalers.
     ("optimizer", r"multi_tensor_apply_kernel|lpnorm_cleanup|amp_update_scale|unscale_chunks_kernel"
                   r"|sum_partials_kernel|scale_update_kernel"),
+    # The recompute check's measure of each step (step_difference.cu).
+    ("checks", r"qca_step_difference_params"),
     ("pooling", r"max_pool|avg_pool"),
     ("reductions", r"reduce_kernel"),
 ))

@@ -107,10 +107,10 @@ __device__ __forceinline__ void load_chunk(const qca_update_params* p, const Cel
 // n_j of a loaded chunk.
 template <typename REAL, int kLength>
 __device__ __forceinline__ void chunk_residual(const qca_update_params* p,
-                                               const ComponentChunk<REAL, kLength>& c, int j, REAL* nr,
-                                               REAL* ni) {
-  residual_(c.pr[j], c.pi[j], c.ar[j], c.ai[j], p->multiplicative, p->gamma > 0, (REAL)p->gamma,
-            nr, ni);
+                                               const ComponentChunk<REAL, kLength>& c, int j,
+                                               REAL* nr, REAL* ni) {
+  residual_(c.pr[j], c.pi[j], c.ar[j], c.ai[j], p->multiplicative, p->gamma > 0, (REAL)p->gamma, nr,
+            ni);
 }
 
 // Two passes over the cell's inputs (its norm, then the outputs), recomputing n in the second

@@ -1,7 +1,7 @@
 // The qca_lowmem operator library: every schema lives in this one block; each device registers
 // its kernels with TORCH_LIBRARY_IMPL next to its glue. Fake kernels and autograd are registered
 // in Python, in the module named like the family (python/qca_lowmem/ops/qca_step.py,
-// ops/groupnorm_elu.py, ops/noise.py, ops/scaler.py).
+// ops/groupnorm_elu.py, ops/noise.py, ops/scaler.py, ops/step_difference.py).
 #include <Python.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
@@ -61,6 +61,9 @@ TORCH_LIBRARY(qca_lowmem, m) {
       "float growth_factor, float backoff_factor, int growth_interval) -> ()",
       pt2);
   m.def("accumulate_(Tensor(a!)[] accumulators, Tensor[] grads) -> ()", pt2);
+
+  // The recompute check's measure of a step.
+  m.def("step_difference(Tensor actual, Tensor expected, Tensor? before) -> Tensor", pt2);
 }
 
 // Ops with no derivative of their own: differentiating their output raises "the derivative for
@@ -69,7 +72,7 @@ TORCH_LIBRARY(qca_lowmem, m) {
 // (python/qca_lowmem/ops/_double_backward.py).
 TORCH_LIBRARY_IMPL(qca_lowmem, Autograd, m) {
   for (const char* op : {"qca_pack_backward", "qca_update_backward", "groupnorm_elu_apply",
-                         "groupnorm_elu_backward"}) {
+                         "groupnorm_elu_backward", "step_difference"}) {
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
   }
 }

@@ -38,6 +38,7 @@ SIGNATURES = {
     "emu_unscale": [i32, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ERR],
     "emu_scale_update": [i32, ptr, ptr, ptr, f64, f64, i64, ERR],
     "emu_accumulate": [i32, i64, ptr, ptr, ptr, ptr, ptr, ERR],
+    "emu_step_difference": [i32, i64, i32, i64, ptr, ptr, ptr, ptr, ERR],
 }
 
 

@@ -12,6 +12,7 @@
 #include "qca_lowmem/noise.h"
 #include "qca_lowmem/qca_step.h"
 #include "qca_lowmem/scaler.h"
+#include "qca_lowmem/step_difference.h"
 
 namespace {
 
@@ -312,6 +313,29 @@ int emu_accumulate(int backend, int64_t n_tensors, void* const* accumulators,
       if (s != QCA_OK) return s;
     }
   return QCA_OK;
+}
+
+// actual, expected and before (NULL for none): `count` contiguous elements of `dtype` parts,
+// complex where `complex_elements`; the result to *out.
+int emu_step_difference(int backend, int64_t dtype, int complex_elements, int64_t count,
+                        const void* actual, const void* expected, const void* before, float* out,
+                        int* cuda_error) {
+  std::vector<unsigned char> workspace(QCA_STEP_DIFFERENCE_WORKSPACE_BYTES);
+  const qca_step_difference_params p = {
+      .dtype = (qca_dtype)dtype,
+      .complex_elements = complex_elements,
+      .count = count,
+      .actual = actual,
+      .expected = expected,
+      .before = before,
+      .out = out,
+      .workspace = workspace.data(),
+  };
+  if (backend == kC) return qca_step_difference_cpu(&p);
+  qca_cuda_error err{};
+  const int s = qca_step_difference_cuda(&p, nullptr, &err);
+  *cuda_error = err.code;
+  return s;
 }
 
 }  // extern "C"

@@ -904,3 +904,40 @@ def test_results_do_not_depend_on_the_order_threads_run_in(emu, path):
     for other in results[1:]:
         for i, (a, b) in enumerate(zip(results[0], other)):
             assert_same_bits(a, b, f"output {i}")
+
+
+def step_difference(emu, backend, actual, expected, before):
+    out = torch.full((), -1.0)
+    parts = actual if not actual.is_complex() else torch.view_as_real(actual)
+    emu.run("emu_step_difference", backend, QCA_DTYPE[actual.dtype], int(actual.is_complex()), actual.numel(),
+            ptr(parts), ptr(expected), ptr(before), ptr(out)).check()
+    return out
+
+
+@pytest.mark.parametrize("dtype", COMPLEX + REALS, ids=str)
+def test_step_difference(emu, dtype):
+    """The same float on C and emulated CUDA: counts around the block size, past the launch's 512
+    blocks (a grid-stride loop), empty; with and without `before`; NaN and infinite elements.
+    Maxima do not depend on their order, so the bits agree whatever the split."""
+    g = torch.Generator().manual_seed(3)
+    for count in [0, 1, 255, 257, 512 * 256 + 77]:
+        wide = torch.complex128 if dtype.is_complex else torch.float64
+        expected = torch.randn(count, generator=g, dtype=wide)
+        actual = expected + 1e-3 * torch.randn(count, generator=g, dtype=wide)
+        before = expected - torch.randn(count, generator=g, dtype=wide)
+        actual, expected, before = (t.to(dtype) for t in (actual, expected, before))
+        cases = [(actual, expected, before), (actual, expected, None)]
+        if count > 300:
+            special = actual.clone()
+            special[7], expected[7] = float("nan"), float("nan")  # equal
+            special[9] = float("inf")
+            cases.append((special, expected, before))
+            special = special.clone()
+            special[count - 1] = float("nan")  # in the last block's loop: the result is NaN
+            cases.append((special, expected, before))
+        for a, e, b in cases:
+            c, cuda = (step_difference(emu, backend, a, e, b) for backend in (C, CUDA))
+            assert_same_bits(c, cuda, f"step difference of {count} {dtype}")
+            assert c.item() >= 0 or math.isnan(c.item())
+        if count > 300:
+            assert math.isnan(c.item())

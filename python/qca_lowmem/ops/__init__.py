@@ -14,6 +14,7 @@ library's watch (recompute/watch.py) builds on:
 - `groupnorm_elu`: the GroupNorm + ELU ops.
 - `conv_block`: the fused U-Net ConvBlock as two custom ops.
 - `scaler`: the loss-scaler ops under `amp.GradScaler`.
+- `step_difference`: the recompute check's measure of a step.
 - `watchers`: the watch's contract (`WatchingDispatchMode`), what runs hidden from it and how.
 - `_checks`: argument checks shared with the C glue.
 - `_double_backward`: second-order gradients of the fused ops.
