@@ -22,6 +22,11 @@
 6. noise: the users' boolean-mask noise injector (stock.NoiseInjector) against its replay without
    host waits (atheria/mask_free_noise.py): bitwise equal flips, the CUDA generator left alike, and
    the ops that wait for the GPU in each.
+7. step_kernels: the QCA step's ops (pack, update and their backwards, in fp16 channels_last as
+   enable() runs them and in fp32 NCHW), the noise's phase flip, and the recompute check's
+   measure (`step_difference`, against the same measure in torch's ops, as the check had it
+   before) on the default state, each call timed inside a captured graph of GRAPH_CALLS calls,
+   beside a `copy_` of psi.
 
 Each section is written to benchmarks/results/probe_<device>.json as soon as it ends (a killed
 run keeps what it had); a section that fails records its error and the next one runs. Without a
@@ -50,7 +55,7 @@ from qca_lowmem.recompute import memory
 from qca_lowmem.recompute.check import ROUNDING_UNITS, _relative_difference
 from qca_lowmem.recompute.cuda_graphs import CaptureFallbackWarning
 
-SECTIONS = ["capture", "fallback", "determinism", "groupnorm", "budget", "noise"]
+SECTIONS = ["capture", "fallback", "determinism", "groupnorm", "budget", "noise", "step_kernels"]
 GRAPH_CALLS = 20  # calls per captured graph when timing a kernel
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 CAP_BYTES = int(3.68 * 2**30)
@@ -357,6 +362,47 @@ def section_noise(args, device):
     print(f"noise: all bitwise {result['all_bitwise']}; waits theirs/replay "
           f"{[(r['waits_theirs'], r['waits_replay']) for r in rows[:2]]}")
     return result
+
+
+def torch_step_difference(actual, expected, before):
+    """The recompute check's measure in torch's ops (its formulation before step_difference)."""
+    same = (actual == expected) | (actual.isnan() & expected.isnan())
+    difference = torch.where(same, 0.0, (actual - expected).abs()).amax()
+    scale = (expected - before).abs().nan_to_num(0.0, 0.0, 0.0).amax().clamp_min(torch.finfo(torch.float32).tiny)
+    return (difference / scale).to(torch.float32)
+
+
+def section_step_kernels(args, device):
+    ops = torch.ops.qca_lowmem
+    psi = psi0(args, device)
+    before = psi0(args, device, seed=2)
+    grad = torch.randn_like(psi)
+    rows = []
+    for dtype, channels_last in ((torch.float16, True), (torch.float32, False)):
+        x = ops.qca_pack(psi, dtype, channels_last)
+        delta = 0.01 * torch.randn_like(x)
+        grad_x = torch.randn_like(x)
+        recomputed = psi + 1e-6 * torch.randn_like(psi)
+        candidates = {
+            "pack": lambda: ops.qca_pack(psi, dtype, channels_last),
+            "update": lambda: ops.qca_update(psi, delta, 0.0, True, 1e-9),
+            "update_backward": lambda: ops.qca_update_backward(grad, psi, delta, 0.0, True, 1e-9),
+            "pack_backward": lambda: ops.qca_pack_backward(grad_x, psi.dtype),
+            "phase_flip": lambda: ops.phase_flip(psi, 0.05, 7, 3, False),
+            "step_difference": lambda: ops.step_difference(recomputed, psi, before),
+            "torch_step_difference": lambda: torch_step_difference(recomputed, psi, before),
+            "copy_of_psi": common.copy_of(psi.numel() * psi.element_size() * 2, device),
+        }
+        calls = {}
+        times = common.interleaved_medians(candidates, device, warmup=5, reps=30, calls=GRAPH_CALLS, timed_in=calls)
+        row = {"psi": list(psi.shape), "planes_dtype": str(dtype).replace("torch.", ""),
+               "layout": "channels_last" if channels_last else "nchw", "calls_per_timed_graph": calls,
+               **{f"{k}_us": v * 1e6 for k, v in times.items()},
+               "step_difference_vs_torch": ops.step_difference(recomputed, psi, before).item()
+               / torch_step_difference(recomputed, psi, before).item()}
+        print(f"step kernels {row['planes_dtype']} {row['layout']}: {short(row)}")
+        rows.append(row)
+    return rows
 
 
 def short(row):

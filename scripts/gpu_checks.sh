@@ -36,7 +36,7 @@
 #           checkout must be at atheria/ in this tree (untracked: docs/ci.md, "On a GPU"); without
 #           it the step fails saying so
 # PYTEST_ARGS adds arguments to the test phase, SANITIZE_PYTEST_ARGS to memcheck's, EPISODE_ARGS
-# to bench_episode's, PIPELINE_ARGS to users_pipeline's. Phases joined by '+' run at the same time (`test+sanitize`: neither is
+# to bench_episode's, PIPELINE_ARGS to users_pipeline's, PROBE_ARGS to gpu_probe's. Phases joined by '+' run at the same time (`test+sanitize`: neither is
 # timed); the others one after another. TIMEOUT_<step> (seconds, e.g. TIMEOUT_memcheck=240)
 # bounds one step. After every step the logs and result files so far are packed into
 # $OUT/gpu_checks.tgz (the device tool's output folder; else /tmp/qca_gpu_logs.*), so a command
@@ -89,7 +89,7 @@ has_module pytest_timeout && TEST_ARGS+=(--timeout "${TEST_TIMEOUT:-300}")
 phase() {
   case $1 in
     build) run build env QCA_LOWMEM_CUDA=1 "$PYTHON" -m pip install -v --no-build-isolation --no-deps --force-reinstall . ;;
-    probe) run probe "$PYTHON" benchmarks/gpu_probe.py ;;
+    probe) run probe "$PYTHON" benchmarks/gpu_probe.py ${PROBE_ARGS:-} ;;
     test) run test "$PYTHON" -m pytest -q -rfEs -m cuda "${TEST_ARGS[@]}" ${PYTEST_ARGS:-} tests ;;
     sanitize)
       # the op tests, without the caching allocator (it would hide writes past a tensor's end
