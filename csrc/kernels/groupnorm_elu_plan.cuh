@@ -82,9 +82,9 @@ int64_t chunks_of(int64_t pixels, int64_t chunk_pixels) {
   return pixels > 0 ? (pixels + chunk_pixels - 1) / chunk_pixels : 1;
 }
 
-// The plan for `s` (checked) on the current device; false when the device query failed. All
-// but `splits` depends on the shape of one sample alone.
-bool make_plan(const qca_groupnorm_elu_shape& s, Plan* plan, cudaError_t* query) {
+// The cut of a pair into chunks (all of the plan but `splits`), from the shape of one sample
+// alone.
+void cut_pair(const qca_groupnorm_elu_shape& s, Plan* plan) {
   plan->channels = s.channels / s.groups;
   plan->pixels = s.height * s.width;
   plan->channel_lanes = channel_lanes_for(s, plan->channels);
@@ -98,6 +98,11 @@ bool make_plan(const qca_groupnorm_elu_shape& s, Plan* plan, cudaError_t* query)
   }
   plan->chunk_pixels = plan->pixel_lanes * pixels_per_lane;
   plan->chunks = chunks_of(plan->pixels, plan->chunk_pixels);
+}
+
+// The plan for `s` (checked) on the current device; false when the device query failed.
+bool make_plan(const qca_groupnorm_elu_shape& s, Plan* plan, cudaError_t* query) {
+  cut_pair(s, plan);
   plan->splits = choose_splits(s.batch * s.groups, plan->chunks, query);
   return plan->splits > 0;
 }

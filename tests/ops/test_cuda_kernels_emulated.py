@@ -226,6 +226,9 @@ GN_CASES = [  # (shape, groups, channels_last)
     ((4, 8, 9, 9), 8, True),       # one channel per group
     ((1, 4, 96, 96), 2, False),    # several chunks a pair: the split path when the GPU is large
     ((1, 4, 96, 96), 2, True),
+    ((2, 32, 24, 24), 8, True),    # channels_last tiles (groups of more than one per-group chunk),
+    ((3, 6, 37, 41), 3, True),     # at odd pixel counts
+    ((2, 8, 50, 50), 8, True),
     ((0, 4, 4, 4), 2, False),      # no samples
     ((2, 4, 0, 3), 1, False),      # no pixels
     ((2, 4, 0, 3), 1, True),
@@ -456,6 +459,13 @@ def gn_nhwc_geometry(channels, pixels, groups):
     return slab, lanes, lanes * per_lane, tiles(per_lane), slabs
 
 
+def gn_takes_tiles(shape, groups):
+    """Whether channels_last data takes the tiles (nhwc_takes): groups of up to 256 channels that
+    are more than one chunk of the per-group kernels (those run a group of one chunk in one
+    launch)."""
+    return shape[1] // groups <= 256 and gn_geometry(shape[1], shape[2] * shape[3], groups, True)[3] > 1
+
+
 def gn_splits(batch, groups, chunks, sms):
     """Blocks a pair: one when the pairs fill two blocks a multiprocessor, else up to one a chunk."""
     pairs = batch * groups
@@ -478,17 +488,20 @@ def gn_chunks_from_workspace(emu, x, groups, channels_last):
 
 @pytest.mark.parametrize("channels_last", [0, 1], ids=["nchw", "channels_last"])
 def test_groupnorm_elu_chunk_geometry_is_the_plan(emu, channels_last):
-    """NCHW (and channels_last groups wider than a block): every emulated case with samples, and
-    the U-Net's shapes at batch 1 (hidden 64 and 128: 8 channels a group at 64x64, 32x32 and
-    16x16), is cut into the chunks gn_geometry says, read from the workspace sizes on a
-    132-multiprocessor GPU. A 64x64 group is 16 chunks, a 32x32 one 4 (the split path, 128 to 256
-    blocks at batch 1); a 16x16 one stays one chunk, one block a pair."""
+    """NCHW (and the channels_last groups the tiles leave: wider than a block, or of one chunk):
+    every emulated case with samples, and the U-Net's shapes at batch 1 (hidden 64 and 128: 8
+    channels a group at 64x64, 32x32 and 16x16), is cut into the chunks gn_geometry says, read
+    from the workspace sizes on a 132-multiprocessor GPU. A 64x64 group is 16 chunks, a 32x32 one
+    4 (the split path, 128 to 256 blocks at batch 1); a 16x16 one stays one chunk, one block a
+    pair, in either layout."""
     unet = [((1, c, side, side), c // 8) for c, side in
             [(64, 64), (128, 64), (128, 32), (256, 32), (256, 16), (512, 16), (1024, 16)]]
-    if channels_last:  # the channels_last kernels take the U-Net's groups: the test below
-        unet = []
-    cases = [(shape, groups) for shape, groups, layout in GN_CASES
-             if layout == bool(channels_last) and shape[0] and (not layout or shape[1] // groups > 256)] + unet
+    cases = [(shape, groups) for shape, groups, layout in GN_CASES if layout == bool(channels_last) and shape[0]]
+    cases = [(shape, groups) for shape, groups in cases + unet
+             if not (channels_last and gn_takes_tiles(shape, groups))]
+    if channels_last:  # the U-Net's 16x16 groups, and the small cases'
+        assert {shape for shape, _ in cases} >= {(1, 256, 16, 16), (1, 512, 16, 16), (1, 1024, 16, 16),
+                                                 (2, 32, 16, 16), (1, 1024, 3, 3)}
     expected = {(1, 64, 64, 64): 16, (1, 128, 64, 64): 16, (1, 128, 32, 32): 4, (1, 256, 32, 32): 4,
                 (1, 256, 16, 16): 1, (1, 512, 16, 16): 1, (1, 1024, 16, 16): 1}
     for shape, groups in cases:
@@ -500,20 +513,22 @@ def test_groupnorm_elu_chunk_geometry_is_the_plan(emu, channels_last):
             assert gn_chunks_from_workspace(emu, x, groups, channels_last) == (chunks if split else 0), shape
 
 
-UNET_TILES = {  # hidden 128 at grid 64 (8 channels a group), and hidden 64's largest
-    (1, 128, 64, 64): 64, (1, 256, 32, 32): 32, (1, 512, 32, 32): 16, (1, 512, 16, 16): 16,
-    (1, 1024, 16, 16): 8, (1, 64, 64, 64): 64}
+UNET_TILES = {  # hidden 128 at grid 64 (8 channels a group) above 16x16, and hidden 64's largest
+    (1, 128, 64, 64): 64, (1, 256, 32, 32): 32, (1, 512, 32, 32): 16, (1, 64, 64, 64): 64}
 
 
 def test_groupnorm_elu_channels_last_tiles_are_the_plan_and_fill_the_gpu(emu):
-    """channels_last: every emulated case with samples (groups up to 256 channels) is cut into
-    the tiles gn_nhwc_geometry says, read from the workspace sizes, the same on a GPU of 1
-    multiprocessor and of 132. Each of the default U-Net's shapes (hidden 128) is 256 blocks a
-    launch at batch 1 (where the per-group kernels made 64 to 256), at least a wave
-    on 132 multiprocessors; a block re-reads at most 64 tiles a group."""
+    """channels_last: every emulated case with samples that takes the tiles (groups up to 256
+    channels, more than one per-group chunk) is cut into the tiles gn_nhwc_geometry says, read
+    from the workspace sizes, the same on a GPU of 1 multiprocessor and of 132. Each of the
+    default U-Net's shapes above 16x16 (hidden 128) is 256 blocks a launch at batch 1 (where the
+    per-group kernels made 128 to 256), at least a wave on 132 multiprocessors; a block re-reads
+    at most 64 tiles a group."""
     cases = [(shape, groups) for shape, groups, layout in GN_CASES
-             if layout and shape[0] and shape[1] // groups <= 256]
+             if layout and shape[0] and gn_takes_tiles(shape, groups)]
+    assert len(cases) == 4
     cases += [(shape, shape[1] // 8) for shape in UNET_TILES]
+    assert all(gn_takes_tiles(shape, groups) for shape, groups in cases)
     for shape, groups in cases:
         x = torch.empty(shape, memory_format=torch.channels_last)
         _, _, _, tiles, slabs = gn_nhwc_geometry(shape[1], shape[2] * shape[3], groups)
