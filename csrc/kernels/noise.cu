@@ -19,9 +19,10 @@ namespace {
 // A grid of 64 x 64 is 4,096 cells: blocks of 64 threads spread them over 64 multiprocessors
 // where 256 took 16.
 constexpr int kThreads = 64;
-// Blocks per multiprocessor asked of ptxas: a full sm_80 / sm_90 (2048 threads), which caps the
-// registers at 32. Left to its own choice it used 32 on sm_80 and spilled around sincos' call.
-constexpr int kBlocksPerSM = 32;
+// Blocks per multiprocessor asked of ptxas: half an sm_80 / sm_90 (1,024 threads), which caps the
+// registers at 64: a full one (32) spilled 8-128 bytes once a copy held a chunk's loads, and,
+// before that, around sincos' call where ptxas chose for itself.
+constexpr int kBlocksPerSM = 16;
 
 template <void (*cells)(const qca_noise_params*, int64_t, int64_t)>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSM)
