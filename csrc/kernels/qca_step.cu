@@ -113,23 +113,36 @@ __device__ __forceinline__ void chunk_residual(const qca_update_params* p,
             ni);
 }
 
+// The first pass over a cell, its chunks' loads in flight: |n|^2 and, with the incoming
+// gradient (kWithGrad), Re<n, g>, each summed over k = 0 .. d-1 in order.
+template <bool kWithGrad, typename REAL>
+__device__ __forceinline__ void cell_sums(const qca_update_params* p, const CellOffsets& at,
+                                          const REAL* g_cell, const int64_t* gs, REAL* norm_sq,
+                                          REAL* n_dot_g) {
+  ComponentChunk<REAL, kChunk> c;
+  REAL squares = 0, products = 0, nr, ni;
+  for (int64_t k0 = 0; k0 < p->grid.d; k0 += kChunk) {
+    load_chunk<kWithGrad>(p, at, g_cell, gs, k0, &c);
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      if (j >= c.count) break;
+      chunk_residual(p, c, j, &nr, &ni);
+      squares += dot_term_(nr, ni, nr, ni);
+      if (kWithGrad) products += dot_term_(nr, ni, c.gr[j], c.gi[j]);
+    }
+  }
+  *norm_sq = squares;
+  if (kWithGrad) *n_dot_g = products;
+}
+
 // Two passes over the cell's inputs (its norm, then the outputs), recomputing n in the second
 // rather than writing it and reading it back.
 template <typename REAL>
 __device__ void update_cell(const qca_update_params* p, int64_t cell) {
   const CellOffsets at = cell_offsets(p->grid, p->psi_stride, p->delta_stride, cell);
   const REAL* no_grad = nullptr;
-  ComponentChunk<REAL, kChunk> c;
-  REAL norm_sq = 0, nr, ni;
-  for (int64_t k0 = 0; k0 < p->grid.d; k0 += kChunk) {
-    load_chunk<false>(p, at, no_grad, nullptr, k0, &c);
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      if (j >= c.count) break;
-      chunk_residual(p, c, j, &nr, &ni);
-      norm_sq += dot_term_(nr, ni, nr, ni);
-    }
-  }
+  REAL norm_sq, nr, ni;
+  cell_sums<false, REAL>(p, at, no_grad, nullptr, &norm_sq, nullptr);
   const REAL denominator = norm_(norm_sq) + (REAL)p->eps;
   REAL* out = static_cast<REAL*>(p->out) + 2 * cell * p->grid.d;
   ComponentChunk<REAL, 1> one;
@@ -151,18 +164,8 @@ __device__ void update_backward_cell(const qca_update_backward_params* bp, int64
   const int64_t* gs = bp->grad_out_stride;
   const REAL* g_cell = static_cast<const REAL*>(bp->grad_out) + 2 * psi_offset(p->grid, gs, cell);
   const int decay = p->gamma > 0;
-  ComponentChunk<REAL, kChunk> c;
-  REAL norm_sq = 0, n_dot_g = 0, nr, ni;
-  for (int64_t k0 = 0; k0 < d; k0 += kChunk) {
-    load_chunk<true>(p, at, g_cell, gs, k0, &c);
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      if (j >= c.count) break;
-      chunk_residual(p, c, j, &nr, &ni);
-      norm_sq += dot_term_(nr, ni, nr, ni);
-      n_dot_g += dot_term_(nr, ni, c.gr[j], c.gi[j]);
-    }
-  }
+  REAL norm_sq, n_dot_g, nr, ni;
+  cell_sums<true>(p, at, g_cell, gs, &norm_sq, &n_dot_g);
   const REAL norm = norm_(norm_sq);
   const REAL s = norm + (REAL)p->eps;
   const REAL radial = radial_(norm, s, n_dot_g);
