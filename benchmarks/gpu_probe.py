@@ -27,6 +27,11 @@
    measure (`step_difference`, against the same measure in torch's ops, as the check had it
    before) on the default state, each call timed inside a captured graph of GRAPH_CALLS calls,
    beside a `copy_` of psi.
+8. pools: the U-Net's two 2x2 max pools (hidden channels at the grid, twice that at half of it)
+   in fp16 and bf16, channels_last and NCHW: max_pool2x2 and its backward against torch's
+   max_pool2d and its backward (given its indices), each call timed inside a captured graph; and
+   their values and gradients compared bit for bit with torch's autograd, on random inputs and on
+   ties, NaN and windows of -infinities.
 
 Each section is written to benchmarks/results/probe_<device>.json as soon as it ends (a killed
 run keeps what it had); a section that fails records its error and the next one runs. Without a
@@ -50,12 +55,13 @@ import torch.nn.functional as F
 import common
 import qca_lowmem
 from qca_lowmem import stock
+from qca_lowmem.ops.max_pool import max_pool2x2
 from qca_lowmem.ops.qca_step import fused_step
 from qca_lowmem.recompute import memory
 from qca_lowmem.recompute.check import ROUNDING_UNITS, _relative_difference
 from qca_lowmem.recompute.cuda_graphs import CaptureFallbackWarning
 
-SECTIONS = ["capture", "fallback", "determinism", "groupnorm", "budget", "noise", "step_kernels"]
+SECTIONS = ["capture", "fallback", "determinism", "groupnorm", "budget", "noise", "step_kernels", "pools"]
 GRAPH_CALLS = 20  # calls per captured graph when timing a kernel
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 CAP_BYTES = int(3.68 * 2**30)
@@ -403,6 +409,52 @@ def section_step_kernels(args, device):
         print(f"step kernels {row['planes_dtype']} {row['layout']}: {short(row)}")
         rows.append(row)
     return rows
+
+
+def pool_bits_equal(x):
+    """max_pool2x2 against F.max_pool2d through autograd on x: values (NaN where NaN) and the
+    gradient's bits (the sign of zero included) equal."""
+    ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, expected = max_pool2x2(ours), F.max_pool2d(theirs, 2)
+    grad = torch.randn(expected.shape, device=x.device).to(x.dtype)
+    grad[..., 0] = -0.0
+    y.backward(grad)
+    expected.backward(grad)
+    return (torch.equal(y.isnan(), expected.isnan()) and torch.equal(y.nan_to_num(0.0), expected.nan_to_num(0.0))
+            and y.stride() == expected.stride() and torch.equal(ours.grad, theirs.grad)
+            and torch.equal(ours.grad.signbit(), theirs.grad.signbit()))
+
+
+def section_pools(args, device):
+    ops = torch.ops.qca_lowmem
+    rows = []
+    shapes = [(1, args.hidden, args.grid, args.grid), (1, 2 * args.hidden, args.grid // 2, args.grid // 2)]
+    for shape, dtype, channels_last in itertools.product(shapes, (torch.float16, torch.bfloat16), (True, False)):
+        layout = torch.channels_last if channels_last else torch.contiguous_format
+        x = torch.randn(shape, device=device).to(dtype).contiguous(memory_format=layout)
+        _, indices = F.max_pool2d(x, 2, return_indices=True)
+        grad_y = torch.randn_like(F.max_pool2d(x, 2))
+        candidates = {
+            "max_pool2x2": lambda: ops.max_pool2x2(x),
+            "torch_max_pool2d": lambda: F.max_pool2d(x, 2),
+            "max_pool2x2_backward": lambda: ops.max_pool2x2_backward(grad_y, x),
+            "torch_backward": lambda: torch.ops.aten.max_pool2d_with_indices_backward(
+                grad_y, x, [2, 2], [2, 2], [0, 0], [1, 1], False, indices),
+            "copy_of_x": common.copy_of(x.numel() * x.element_size(), device),
+        }
+        calls = {}
+        times = common.interleaved_medians(candidates, device, warmup=5, reps=30, calls=GRAPH_CALLS, timed_in=calls)
+        special = torch.randint(-3, 3, shape, device=device).to(torch.float32)
+        special[special == 2] = float("nan")
+        special[special <= -2] = float("-inf")
+        row = {"shape": list(shape), "dtype": str(dtype).replace("torch.", ""),
+               "layout": "channels_last" if channels_last else "nchw", "calls_per_timed_graph": calls,
+               **{f"{k}_us": v * 1e6 for k, v in times.items()},
+               "bitwise_random": pool_bits_equal(x),
+               "bitwise_ties_nan_infinities": pool_bits_equal(special.to(dtype).contiguous(memory_format=layout))}
+        print(f"pools {row['shape']} {row['dtype']} {row['layout']}: {short(row)}")
+        rows.append(row)
+    return {"all_bitwise": all(r["bitwise_random"] and r["bitwise_ties_nan_infinities"] for r in rows), "rows": rows}
 
 
 def short(row):

@@ -1,7 +1,7 @@
 // The qca_lowmem operator library: every schema lives in this one block; each device registers
 // its kernels with TORCH_LIBRARY_IMPL next to its glue. Fake kernels and autograd are registered
 // in Python, in the module named like the family (python/qca_lowmem/ops/qca_step.py,
-// ops/groupnorm_elu.py, ops/noise.py, ops/scaler.py, ops/step_difference.py).
+// ops/groupnorm_elu.py, ops/noise.py, ops/scaler.py, ops/step_difference.py, ops/max_pool.py).
 #include <Python.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
@@ -64,6 +64,10 @@ TORCH_LIBRARY(qca_lowmem, m) {
 
   // The recompute check's measure of a step.
   m.def("step_difference(Tensor actual, Tensor expected, Tensor? before) -> Tensor", pt2);
+
+  // 2x2 max pooling of stride 2 (the U-Net's), its backward finding each pick again from x.
+  m.def("max_pool2x2(Tensor x) -> Tensor", pt2);
+  m.def("max_pool2x2_backward(Tensor grad_y, Tensor x) -> Tensor", pt2);
 }
 
 // Ops with no derivative of their own: differentiating their output raises "the derivative for
@@ -72,7 +76,7 @@ TORCH_LIBRARY(qca_lowmem, m) {
 // (python/qca_lowmem/ops/_double_backward.py).
 TORCH_LIBRARY_IMPL(qca_lowmem, Autograd, m) {
   for (const char* op : {"qca_pack_backward", "qca_update_backward", "groupnorm_elu_apply",
-                         "groupnorm_elu_backward", "step_difference"}) {
+                         "groupnorm_elu_backward", "step_difference", "max_pool2x2_backward"}) {
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
   }
 }

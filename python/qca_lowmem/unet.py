@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import _torch_private as torch_private
-from . import stock
+from . import pools, stock
 from .blocks import FusedConvBlock, fused_in_place, layers_mismatch
 from .ops import (
     calls_are_forwards,
@@ -22,6 +22,7 @@ from .ops import (
     stock_forward_call,
     torch_layers_unchanged,
 )
+from .ops.max_pool import max_pool2x2
 from .ops.watchers import call_layer_unwatched, call_unwatched
 from .precision import autocast_dtype
 from .recompute.intermediates import block_keeps_intermediates
@@ -131,8 +132,8 @@ class UNetUnitary(nn.Module):
         """The stock U-Net forward with `run_block(block, h)` applying each ConvBlock, so that the
         stock computation (`block.conv_block(h)`) and the fused one share the wiring."""
         x1 = run_block(self.inc, x)
-        x2 = run_block(self.down1[1], call_layer_unwatched(self.down1[0], x1))
-        x3 = run_block(self.down2[1], call_layer_unwatched(self.down2[0], x2))
+        x2 = run_block(self.down1[1], _pooled(self.down1[0], x1))
+        x3 = run_block(self.down2[1], _pooled(self.down2[0], x2))
         b = run_block(self.bot, x3)
         c1 = run_block(self.conv_up1, call_unwatched(_cat_channels, (_unfused(self.up1, b), x2)))
         c2 = run_block(self.conv_up2, call_unwatched(_cat_channels, (_unfused(self.up2, c1), x1)))
@@ -147,8 +148,20 @@ _BLOCKS = ("inc", "bot", "conv_up1", "conv_up2")
 
 
 def _is_pool_then_block(down) -> bool:
-    return type(down) is nn.Sequential and len(down) == 2 and type(down[0]) is nn.MaxPool2d \
+    return type(down) is nn.Sequential and len(down) == 2 and type(down[0]) in (nn.MaxPool2d, pools.MaxPool2d) \
         and type(down[1]) is FusedConvBlock
+
+
+def _pooled(pool: nn.MaxPool2d, x: torch.Tensor) -> torch.Tensor:
+    return call_layer_unwatched(pool, x, functools.partial(_pool_run, pool, x))
+
+
+def _pool_run(pool: nn.MaxPool2d, x: torch.Tensor) -> torch.Tensor:
+    """pool(x), through max_pool2x2 (pools.py: torch's values and gradient, no indices kept) where
+    the pool is torch's, a plain 2x2 one, and takes it on x; a stand-in decides for itself."""
+    if plain_torch_layer(pool) and pools.takes_the_op(pool, x):
+        return max_pool2x2(x)
+    return pool(x)
 
 
 def _unfused(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,8 @@ SIGNATURES = {
     "emu_scale_update": [i32, ptr, ptr, ptr, f64, f64, i64, ERR],
     "emu_accumulate": [i32, i64, ptr, ptr, ptr, ptr, ptr, ERR],
     "emu_step_difference": [i32, i64, i32, i64, ptr, ptr, ptr, ptr, ERR],
+    "emu_max_pool": [i32, i64, ptr, i32, ptr, ptr, ERR],
+    "emu_max_pool_backward": [i32, i64, ptr, i32, ptr, ptr, ptr, i32, ERR],
 }
 
 

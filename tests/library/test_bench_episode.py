@@ -200,11 +200,11 @@ def our_kernel_names():
 def test_our_kernels_are_in_their_families():
     profile = bench_module("episode_profile")
     expected = {"groupnorm_elu.cu": "groupnorm_elu", "groupnorm_elu_nhwc.cuh": "groupnorm_elu", "qca_step.cu": "qca",
-                "noise.cu": "qca", "scaler.cu": "optimizer", "step_difference.cu": "checks"}
+                "noise.cu": "qca", "scaler.cu": "optimizer", "step_difference.cu": "checks", "max_pool.cu": "pooling"}
     kernels = our_kernel_names()
     # 4 NCHW and 4 channels_last GroupNorm+ELU, pack and update forward and backward, noise, 3 scaler
-    # and the gradient accumulation (in scaler.cu, an add), the check's two
-    assert len(kernels) == 19
+    # and the gradient accumulation (in scaler.cu, an add), the check's two, the max pooling's two
+    assert len(kernels) == 21
     assert [(name, profile.family_of(name)) for name, _ in kernels] == [
         (name, "adds" if "accumulate_chunks_kernel" in name else expected[file]) for name, file in kernels]
 

@@ -956,3 +956,45 @@ def test_step_difference(emu, dtype):
             assert c.item() >= 0 or math.isnan(c.item())
         if count > 300:
             assert math.isnan(c.item())
+
+
+def pool_input(shape, dtype, channels_last, generator):
+    """Small integers, so windows tie, with NaN and -infinity among them (windows of four
+    -infinities too)."""
+    x = torch.randint(-3, 3, shape, generator=generator).to(torch.float64)
+    x[x == 2] = float("nan")
+    x[x <= -2] = float("-inf")
+    x = x.to(dtype)
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x.contiguous()
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("dtype", REALS, ids=str)
+def test_max_pool(emu, dtype, channels_last):
+    """The same bits from the C and emulated CUDA kernels, forward and backward (with either
+    rule for a window of -infinities), odd heights and widths, more elements than a block; and
+    the C forward is torch's max_pool2d."""
+    g = torch.Generator().manual_seed(5)
+    for shape in [(1, 3, 2, 2), (2, 5, 7, 9), (1, 40, 6, 11)]:
+        x = pool_input(shape, dtype, channels_last, g)
+        sizes = torch.tensor(shape, dtype=torch.int64)
+        memory = torch.channels_last if channels_last else torch.contiguous_format
+        pooled = (shape[0], shape[1], shape[2] // 2, shape[3] // 2)
+        ys = []
+        for backend in (C, CUDA):
+            y = torch.full(pooled, 5.0, dtype=dtype).contiguous(memory_format=memory)
+            emu.run("emu_max_pool", backend, QCA_DTYPE[dtype], ptr(sizes), int(channels_last), ptr(x), ptr(y)).check()
+            ys.append(y)
+        assert_same_bits(*ys, f"max pool of {shape} {dtype}")
+        assert torch.equal(ys[0].nan_to_num(9.0, 8.0, -8.0), torch.nn.functional.max_pool2d(x, 2).nan_to_num(9.0, 8.0, -8.0))
+        grad_y = torch.randn(pooled, generator=g).to(dtype).contiguous(memory_format=memory)
+        grad_y[0, 0, 0, 0] = -0.0
+        for to_origin in (0, 1):
+            grads = []
+            for backend in (C, CUDA):
+                grad_x = torch.full(shape, 5.0, dtype=dtype).contiguous(memory_format=memory)
+                emu.run("emu_max_pool_backward", backend, QCA_DTYPE[dtype], ptr(sizes), int(channels_last),
+                        ptr(grad_y), ptr(x), ptr(grad_x), to_origin).check()
+                grads.append(grad_x)
+            assert_same_bits(*grads, f"max pool backward of {shape} {dtype}, to origin {to_origin}")
+            assert not bool(torch.signbit(grads[0]).logical_and(grads[0] == 0).any())  # 0 + (-0) is +0

@@ -2,8 +2,8 @@
 
 A CPU tensor mixed with a meta tensor dispatches to the Meta kernel (the fake kernel), which
 must name the argument and both devices as the C glue does, not return uninitialised memory.
-qca_pack, qca_pack_backward, phase_flip and bit_flip take one tensor, noise_coin none: nothing
-to mix.
+qca_pack, qca_pack_backward, phase_flip, bit_flip and max_pool2x2 take one tensor, noise_coin none:
+nothing to mix.
 """
 
 import re
@@ -57,6 +57,8 @@ CASES = {
     "step_difference": lambda: ("step_difference", OPS.step_difference,
                                 dict(actual=torch.randn(3, 4), expected=torch.randn(3, 4), before=torch.randn(3, 4)),
                                 ()),
+    "max_pool2x2_backward": lambda: ("max_pool2x2_backward", OPS.max_pool2x2_backward,
+                                     dict(grad_y=torch.randn(1, 2, 2, 2), x=torch.randn(1, 2, 4, 4)), ()),
     "amp_update_scale_": lambda: ("amp_update_scale_", OPS.amp_update_scale_,
                                   dict(scale=torch.ones(1), growth_tracker=torch.zeros(1, dtype=torch.int32),
                                        found_inf=torch.zeros(1)), (2.0, 0.5, 2000)),

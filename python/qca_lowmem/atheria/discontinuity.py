@@ -47,7 +47,7 @@ _ATEN_SMOOTH = """
     upsample_nearest2d upsample_bilinear2d _upsample_nearest_exact2d pixel_shuffle pixel_unshuffle native_dropout
 """
 # qca_lowmem's own fused blocks and step, the same functions as the stock ops they fuse.
-_OWN_SMOOTH = "conv_block conv_block_keep groupnorm_elu groupnorm_elu_apply qca_pack qca_update"
+_OWN_SMOOTH = "conv_block conv_block_keep groupnorm_elu groupnorm_elu_apply qca_pack qca_update max_pool2x2"
 SMOOTH = frozenset([f"aten::{name}" for name in _ATEN_SMOOTH.split()] +
                    [f"qca_lowmem::{name}" for name in _OWN_SMOOTH.split()])
 # Ops that read only the shape of what they are given: their results are not computed from it (dropout's mask).

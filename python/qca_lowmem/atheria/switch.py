@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..pools import fuse_pools_in_place, unfuse_pools
 from .captures import StepCaptures
 from .code_identity import ATHERIA, not_recorded
 from .engine_step import EngineIdentity, fused_of, lowmem_steps
@@ -38,6 +39,7 @@ class _Undo:
 
     motor: Any  # the engine enable() changed, which every trainer sharing this state must still hold
     blocks: Swapped = field(default_factory=list)  # the users' blocks fused blocks stand in for
+    pools: list = field(default_factory=list)  # their nn.MaxPool2d given the stand-in's class (pools.py)
     evolve_step: Any = None
     had_evolve_step_attr: bool = False
     train_episode: Any = None
@@ -229,6 +231,7 @@ def _enabled(trainer, given: Options) -> _Saved:
     undo = _Undo(motor=trainer.motor)
     if options.fused_blocks:
         undo.blocks = swap_in(trainer.motor.operator)
+        undo.pools = fuse_pools_in_place(trainer.motor.operator)
     if options.channels_last:
         undo.made_channels_last = to_channels_last(trainer.motor.operator)
     _swap_step(trainer, undo, evolve_step)
@@ -325,6 +328,7 @@ def disable(trainer):
 def _restore_engine(undo: _Undo):
     """The engine's stock blocks, layouts and step."""
     put_back(undo.blocks)
+    unfuse_pools(undo.pools)
     motor = undo.motor
     layouts_put_back(undo.made_channels_last)
     if undo.had_evolve_step_attr:

@@ -15,6 +15,7 @@ library's watch (recompute/watch.py) builds on:
 - `conv_block`: the fused U-Net ConvBlock as two custom ops.
 - `scaler`: the loss-scaler ops under `amp.GradScaler`.
 - `step_difference`: the recompute check's measure of a step.
+- `max_pool`: the U-Net's 2x2 max pooling, torch's bits without its indices.
 - `watchers`: the watch's contract (`WatchingDispatchMode`), what runs hidden from it and how.
 - `_checks`: argument checks shared with the C glue.
 - `_double_backward`: second-order gradients of the fused ops.

@@ -1,0 +1,78 @@
+"""The U-Net's 2x2 max pooling on `max_pool2x2` (ops/max_pool.py): torch's values and gradient,
+bit for bit, one launch each way on CUDA where torch's channels_last kernels took a few blocks
+of a GPU and wrote int64 indices, and nothing saved for backward but the input.
+
+The op runs on the devices of `OP_DEVICES`: CUDA. On the CPU torch's vectorised kernels are
+faster than the op's C kernel (docs/benchmarks.md, "The U-Net's max pools"), and torch's run.
+
+`MaxPool2d` stands in for a users' `nn.MaxPool2d` (the switch: `fuse_pools_in_place`): the very
+object, its class swapped for this subclass of torch's, named as torch's, so that their
+references, `isinstance`, hooks and repr keep working. At each call it takes the op where its
+settings are 2x2 of stride 2 (no padding, dilation, ceil mode or indices), its call is just its
+forward (no hook) and no mode, transform or trace of the caller's would see other ops; else
+torch's forward runs, as it would. `unfuse_pools` gives the class back.
+"""
+
+from typing import List
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .ops import fused_call_stands_for
+from .ops.max_pool import POOLED_DTYPES, max_pool2x2
+
+OP_DEVICES = frozenset({"cuda"})
+
+
+def is_2x2(pool: nn.MaxPool2d) -> bool:
+    """The pool's settings are max_pool2x2's: a 2x2 window, stride 2, no padding or dilation, floor
+    rounding, no indices returned."""
+    return (pool.kernel_size in (2, (2, 2)) and pool.stride in (2, (2, 2)) and pool.padding in (0, (0, 0))
+            and pool.dilation in (1, (1, 1)) and pool.ceil_mode is False and pool.return_indices is False)
+
+
+def takes_the_op(pool: nn.MaxPool2d, x: Tensor) -> bool:
+    """max_pool2x2(x) is pool's forward on x, on a device of OP_DEVICES: a 2x2 pool, x a 4-D
+    floating tensor of at least one window, dense in one layout (where the op's output layout is
+    torch's)."""
+    return (is_2x2(pool) and isinstance(x, Tensor) and x.device.type in OP_DEVICES and x.dim() == 4
+            and x.dtype in POOLED_DTYPES
+            and x.shape[2] >= 2 and x.shape[3] >= 2
+            and x.is_contiguous() != x.is_contiguous(memory_format=torch.channels_last))
+
+
+class MaxPool2d(nn.MaxPool2d):
+    """torch's nn.MaxPool2d whose 2x2 calls run max_pool2x2 (module docstring)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if torch.jit.is_scripting():
+            return self._torch_forward(input)
+        return self._eager_forward(input)
+
+    @torch.jit.unused
+    def _eager_forward(self, input: Tensor) -> Tensor:
+        # Compiled code gets torch's op, which its compiler knows.
+        if not torch.compiler.is_compiling() and takes_the_op(self, input) and fused_call_stands_for((self,)):
+            return max_pool2x2(input)
+        return self._torch_forward(input)
+
+    def _torch_forward(self, input: Tensor) -> Tensor:
+        return F.max_pool2d(input, self.kernel_size, self.stride, self.padding, self.dilation,
+                            ceil_mode=self.ceil_mode, return_indices=self.return_indices)
+
+
+def fuse_pools_in_place(module: nn.Module) -> List[nn.Module]:
+    """Every `nn.MaxPool2d` of `module` (the class exactly: a subclass of theirs is left alone)
+    given the stand-in's class; those swapped, for unfuse_pools()."""
+    pools = [m for m in module.modules() if type(m) is nn.MaxPool2d]
+    for pool in pools:
+        pool.__class__ = MaxPool2d
+    return pools
+
+
+def unfuse_pools(pools: List[nn.Module]) -> None:
+    """The pools of fuse_pools_in_place given torch's class back (those still the stand-in's)."""
+    for pool in pools:
+        if type(pool) is MaxPool2d:
+            pool.__class__ = nn.MaxPool2d
