@@ -3,7 +3,9 @@ bit for bit, one launch each way on CUDA where torch's channels_last kernels too
 of a GPU and wrote int64 indices, and nothing saved for backward but the input.
 
 The op runs on the devices of `OP_DEVICES`: CUDA. On the CPU torch's vectorised kernels are
-faster than the op's C kernel (docs/benchmarks.md, "The U-Net's max pools"), and torch's run.
+faster than the op's C kernel (docs/benchmarks.md, "Expected: the U-Net's max pools in one launch
+each way"), and torch's run; inside `as_on_cuda()` the CPU takes the op as CUDA does, for `plan`,
+which measures on the CPU what a GPU's step keeps (no indices).
 
 `MaxPool2d` stands in for a users' `nn.MaxPool2d` (the switch: `fuse_pools_in_place`): the very
 object, its class swapped for this subclass of torch's, named as torch's, so that their
@@ -13,6 +15,8 @@ forward (no hook) and no mode, transform or trace of the caller's would see othe
 torch's forward runs, as it would. `unfuse_pools` gives the class back.
 """
 
+import contextlib
+import threading
 from typing import List
 
 import torch
@@ -23,6 +27,18 @@ from .ops import fused_call_stands_for
 from .ops.max_pool import POOLED_DTYPES, max_pool2x2
 
 OP_DEVICES = frozenset({"cuda"})
+_as_on = threading.local()
+
+
+@contextlib.contextmanager
+def as_on_cuda():
+    """Pools take the op on any device, as on CUDA, in this thread while this is active."""
+    previous = getattr(_as_on, "cuda", False)
+    _as_on.cuda = True
+    try:
+        yield
+    finally:
+        _as_on.cuda = previous
 
 
 def is_2x2(pool: nn.MaxPool2d) -> bool:
@@ -36,8 +52,8 @@ def takes_the_op(pool: nn.MaxPool2d, x: Tensor) -> bool:
     """max_pool2x2(x) is pool's forward on x, on a device of OP_DEVICES: a 2x2 pool, x a 4-D
     floating tensor of at least one window, dense in one layout (where the op's output layout is
     torch's)."""
-    return (is_2x2(pool) and isinstance(x, Tensor) and x.device.type in OP_DEVICES and x.dim() == 4
-            and x.dtype in POOLED_DTYPES
+    return (is_2x2(pool) and isinstance(x, Tensor) and (x.device.type in OP_DEVICES or getattr(_as_on, "cuda", False))
+            and x.dim() == 4 and x.dtype in POOLED_DTYPES
             and x.shape[2] >= 2 and x.shape[3] >= 2
             and x.is_contiguous() != x.is_contiguous(memory_format=torch.channels_last))
 
@@ -52,8 +68,9 @@ class MaxPool2d(nn.MaxPool2d):
 
     @torch.jit.unused
     def _eager_forward(self, input: Tensor) -> Tensor:
-        # Compiled code gets torch's op, which its compiler knows.
-        if not torch.compiler.is_compiling() and takes_the_op(self, input) and fused_call_stands_for((self,)):
+        # Compiled code gets torch's op, which its compiler knows. The caller's context first: under
+        # a torch.func transform x's layout cannot be asked.
+        if not torch.compiler.is_compiling() and fused_call_stands_for((self,)) and takes_the_op(self, input):
             return max_pool2x2(input)
         return self._torch_forward(input)
 

@@ -79,7 +79,8 @@ class UNetUnitary(nn.Module):
 
 class StockForward(nn.Module):
     """The stock U-Net forward over a qca_lowmem.UNetUnitary's own layers: every block runs its
-    plain `conv_block` Sequential (Conv2d, GroupNorm, ELU), keeping what stock autograd keeps.
+    plain `conv_block` Sequential (Conv2d, GroupNorm, ELU) and every pool torch's max_pool2d,
+    keeping what stock autograd keeps.
     Same Parameters; the baseline of `bench` and `plan`. Not a "UNetUnitary" by type name, so
     pass `multiplicative=True` to `step`."""
 
@@ -88,7 +89,7 @@ class StockForward(nn.Module):
         self.unet = unet
 
     def forward(self, x):
-        return self.unet.forward_with(x, lambda block, h: block.conv_block(h))
+        return self.unet.forward_with(x, lambda block, h: block.conv_block(h), fused_pools=False)
 
 
 def is_multiplicative(operator) -> bool:

@@ -128,12 +128,14 @@ class UNetUnitary(nn.Module):
         with calls_checked_by_caller():
             return self.forward_with(x, run_block)
 
-    def forward_with(self, x: torch.Tensor, run_block) -> torch.Tensor:
+    def forward_with(self, x: torch.Tensor, run_block, fused_pools: bool = True) -> torch.Tensor:
         """The stock U-Net forward with `run_block(block, h)` applying each ConvBlock, so that the
-        stock computation (`block.conv_block(h)`) and the fused one share the wiring."""
+        stock computation (`block.conv_block(h)`, torch's pools: `fused_pools=False`) and the fused
+        one share the wiring."""
+        pool = _pooled if fused_pools else call_layer_unwatched
         x1 = run_block(self.inc, x)
-        x2 = run_block(self.down1[1], _pooled(self.down1[0], x1))
-        x3 = run_block(self.down2[1], _pooled(self.down2[0], x2))
+        x2 = run_block(self.down1[1], pool(self.down1[0], x1))
+        x3 = run_block(self.down2[1], pool(self.down2[0], x2))
         b = run_block(self.bot, x3)
         c1 = run_block(self.conv_up1, call_unwatched(_cat_channels, (_unfused(self.up1, b), x2)))
         c2 = run_block(self.conv_up2, call_unwatched(_cat_channels, (_unfused(self.up2, c1), x1)))

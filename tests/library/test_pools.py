@@ -14,7 +14,7 @@ from torch import nn
 
 import qca_lowmem
 from helpers import DEVICES
-from qca_lowmem import pools
+from qca_lowmem import pools, stock
 
 OP = "qca_lowmem::max_pool2x2"
 
@@ -171,3 +171,29 @@ def test_the_fused_unet_takes_the_op_for_its_pools(device):
     x = torch.randn(1, 4, 8, 8, device=device)
     names = ops_run(lambda: model(x).sum().backward())
     assert OP in names and "aten::max_pool2d_with_indices" not in names
+
+
+def test_under_vmap_torchs_forward_runs():
+    """A torch.func transform: the stand-in asks the caller's context first (x's layout cannot be
+    asked under vmap) and runs torch's forward."""
+    pool = fused(nn.MaxPool2d(2))
+    x = torch.randn(3, 2, 4, 6, 6)
+    assert torch.equal(torch.func.vmap(pool)(x), torch.func.vmap(nn.MaxPool2d(2))(x))
+
+
+def test_the_stock_baseline_runs_torchs_pools():
+    """StockForward (bench's and plan's stock) keeps what stock keeps: torch's pools, indices and all."""
+    model = qca_lowmem.UNetUnitary(d_state=2, hidden_channels=8)
+    x = torch.randn(1, 4, 8, 8)
+    names = ops_run(lambda: stock.StockForward(model)(x).sum().backward())
+    assert OP not in names and "aten::max_pool2d_with_indices" in names
+
+
+def test_as_on_cuda_takes_the_op_on_the_cpu(monkeypatch):
+    """What plan measures a GPU's step with."""
+    monkeypatch.setattr(pools, "OP_DEVICES", frozenset({"cuda"}))
+    pool = fused(nn.MaxPool2d(2))
+    x = torch.randn(1, 4, 6, 6)
+    with pools.as_on_cuda():
+        assert_pools_alike(pool, nn.MaxPool2d(2), x, uses_op=True)
+    assert_pools_alike(pool, nn.MaxPool2d(2), x, uses_op=False)

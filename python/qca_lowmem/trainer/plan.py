@@ -21,6 +21,7 @@ A step's graph is measured on the CPU with `saved_bytes` at two small grids of t
 runs on the GPU.
 """
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -30,6 +31,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .. import stock
+from ..pools import as_on_cuda
 from ..precision import autocast, native_amp_dtype, parse_amp_dtype
 from ..recompute import Policy, keep_block_intermediates
 from ..recompute.memory import SAFETY, saved_storage_sizes
@@ -118,8 +120,10 @@ def _measure_one(model, config: TrainConfig, variant: str, amp_dtype, grid: int)
         step = model_step(model, config)
 
     def run_step():
-        # The lowmem step as the rollout recomputes it: blocks keep their intermediates.
-        with autocast("cpu", amp_dtype), keep_block_intermediates(variant != "stock"):
+        # The lowmem step as the rollout recomputes it on a GPU: blocks keep their intermediates,
+        # pools take qca_lowmem's op (which keeps no indices).
+        with autocast("cpu", amp_dtype), keep_block_intermediates(variant != "stock"), \
+                as_on_cuda() if variant != "stock" else contextlib.nullcontext():
             step(psi)
 
     return saved_storage_sizes(run_step)
