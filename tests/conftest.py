@@ -57,3 +57,10 @@ def fused_ops_counted(monkeypatch):
         return original(*args)
     monkeypatch.setattr(blocks, "conv_block_forward", counted)
     return calls
+
+
+@pytest.fixture
+def max_pool_op_on_the_cpu(monkeypatch):
+    """The pools take max_pool2x2 on the CPU too, as on a GPU (pools.OP_DEVICES: CUDA alone)."""
+    from qca_lowmem import pools
+    monkeypatch.setattr(pools, "OP_DEVICES", frozenset({"cpu", "cuda"}))

@@ -272,6 +272,22 @@ def host_waits(fn) -> int:
     return sum(event.name in HOST_WAIT_OPS for event in profile.events())
 
 
+def op_names(fn) -> set:
+    """The names of the ops the profiler records while fn() runs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        fn()
+    return {event.name for event in profile.events()}
+
+
+def pool_specials(shape, dtype, channels_last=False, generator=None):
+    """A max pooling's input where its rules decide: small integers, so windows tie, with NaN and
+    -infinity among them (-3 and -2: some windows hold four -infinities)."""
+    x = torch.randint(-3, 3, shape, generator=generator).to(torch.float64)
+    x[x == 2] = float("nan")
+    x[x <= -2] = float("-inf")
+    return x.to(dtype).contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
 def inside(event, name: str) -> bool:
     """Whether a profiler event ran inside an op of this name."""
     event = event.cpu_parent

@@ -24,8 +24,7 @@ static int window_pick(const void* x, qca_dtype dtype, const int64_t elements[4]
 
 static qca_status check(const qca_max_pool_shape* s, qca_dtype dtype, int64_t begin, int64_t end) {
   const int64_t windows = s->batch * s->channels * (s->height / 2) * (s->width / 2);
-  if (s->batch < 0 || s->channels < 0 || s->height < 2 || s->width < 2 ||
-      !qca_dtype_is_valid(dtype) || begin < 0 || end < begin || end > windows)
+  if (!qca_pool_arguments_ok(s, dtype) || begin < 0 || end < begin || end > windows)
     return QCA_ERR_INVALID_ARGUMENT;
   return QCA_OK;
 }

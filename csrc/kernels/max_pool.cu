@@ -81,9 +81,7 @@ template <typename Params>
 qca_status launch_over_windows(void (*kernel)(Params), const Params& p, void* stream,
                                qca_cuda_error* err) {
   const qca_max_pool_shape& s = p.shape;
-  if (s.batch < 0 || s.channels < 0 || s.height < 2 || s.width < 2 ||
-      (p.dtype != QCA_F32 && p.dtype != QCA_F64 && p.dtype != QCA_F16 && p.dtype != QCA_BF16))
-    return QCA_ERR_INVALID_ARGUMENT;
+  if (!qca_pool_arguments_ok(&s, p.dtype)) return QCA_ERR_INVALID_ARGUMENT;
   const int64_t count = s.batch * s.channels * (s.height / 2) * (s.width / 2);
   if (count == 0) return QCA_OK;
   return qca_lowmem_cuda::finish_launch(

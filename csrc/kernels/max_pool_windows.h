@@ -9,6 +9,13 @@
 #include "qca_lowmem/max_pool.h"
 #include "qca_shared.h"
 
+/* The arguments every launch checks first: a shape of at least one window a plane and a dtype of
+ * the four. Host code, for the C and CUDA launchers alike. */
+static inline int qca_pool_arguments_ok(const qca_max_pool_shape* s, qca_dtype dtype) {
+  return s->batch >= 0 && s->channels >= 0 && s->height >= 2 && s->width >= 2 &&
+         (dtype == QCA_F32 || dtype == QCA_F64 || dtype == QCA_F16 || dtype == QCA_BF16);
+}
+
 /* A window or element's place: sample, channel, row, column. */
 typedef struct qca_pool_place {
   int64_t n, c, h, w;

@@ -62,8 +62,9 @@ class MaxPool2d(nn.MaxPool2d):
     """torch's nn.MaxPool2d whose 2x2 calls run max_pool2x2 (module docstring)."""
 
     def forward(self, input: Tensor) -> Tensor:
-        if torch.jit.is_scripting():
-            return self._torch_forward(input)
+        if torch.jit.is_scripting():  # TorchScript compiles torch's forward, written out
+            return F.max_pool2d(input, self.kernel_size, self.stride, self.padding, self.dilation,
+                                ceil_mode=self.ceil_mode, return_indices=self.return_indices)
         return self._eager_forward(input)
 
     @torch.jit.unused
@@ -72,11 +73,7 @@ class MaxPool2d(nn.MaxPool2d):
         # a torch.func transform x's layout cannot be asked.
         if not torch.compiler.is_compiling() and fused_call_stands_for((self,)) and takes_the_op(self, input):
             return max_pool2x2(input)
-        return self._torch_forward(input)
-
-    def _torch_forward(self, input: Tensor) -> Tensor:
-        return F.max_pool2d(input, self.kernel_size, self.stride, self.padding, self.dilation,
-                            ceil_mode=self.ceil_mode, return_indices=self.return_indices)
+        return nn.MaxPool2d.forward(self, input)
 
 
 def fuse_pools_in_place(module: nn.Module) -> List[nn.Module]:

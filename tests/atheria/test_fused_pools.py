@@ -4,29 +4,18 @@ the runs equal stock's, bit for bit, test_families.py shows for every family and
 with torch's pools on the CPU, where the op does not run by default: here it does, as on a GPU)."""
 
 import pytest
-import torch
 from torch import nn
 
 import qca_lowmem
 from fixtures.model_families import assert_same_run, make_trainer, run
+from helpers import op_names
 from qca_lowmem import pools
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def op_on_the_cpu(monkeypatch):
-    monkeypatch.setattr(pools, "OP_DEVICES", frozenset({"cpu", "cuda"}))
+pytestmark = pytest.mark.usefixtures("one_thread", "max_pool_op_on_the_cpu")
 
 
 def operator_pools(trainer):
     return [m for m in trainer.motor.operator.modules() if isinstance(m, nn.MaxPool2d)]
-
-
-def ops_in(fn):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    return {event.name for event in prof.events()}
 
 
 def test_enable_swaps_the_pools_and_disable_gives_them_back():
@@ -35,7 +24,7 @@ def test_enable_swaps_the_pools_and_disable_gives_them_back():
     assert len(found) == 2 and all(type(m) is nn.MaxPool2d for m in found)
     qca_lowmem.enable(trainer, checkpoint="step")
     assert operator_pools(trainer) == found and all(type(m) is pools.MaxPool2d for m in found)
-    names = ops_in(lambda: run(trainer, episodes=range(1)))
+    names = op_names(lambda: run(trainer, episodes=range(1)))
     assert "qca_lowmem::max_pool2x2" in names and "aten::max_pool2d_with_indices" not in names
     qca_lowmem.disable(trainer)
     assert operator_pools(trainer) == found and all(type(m) is nn.MaxPool2d for m in found)
@@ -52,4 +41,4 @@ def test_without_fused_blocks_the_pools_stay_torchs():
     trainer = make_trainer("unet_groupnorm")
     qca_lowmem.enable(trainer, checkpoint="step", fused_blocks=False)
     assert all(type(m) is nn.MaxPool2d for m in operator_pools(trainer))
-    assert "qca_lowmem::max_pool2x2" not in ops_in(lambda: run(trainer, episodes=range(1)))
+    assert "qca_lowmem::max_pool2x2" not in op_names(lambda: run(trainer, episodes=range(1)))

@@ -25,6 +25,13 @@ void copy4(int64_t* to, const int64_t* from) { memcpy(to, from, 4 * sizeof(int64
 
 int64_t cells(const qca_grid& g) { return g.batch * g.height * g.width; }
 
+// A max pooling's input (batch, channels, height, width), and its 2x2 windows: y's elements.
+qca_max_pool_shape pool_shape(const int64_t* sizes, int channels_last) {
+  return qca_max_pool_shape{sizes[0], sizes[1], sizes[2], sizes[3], channels_last};
+}
+
+int64_t windows(const int64_t* sizes) { return sizes[0] * sizes[1] * (sizes[2] / 2) * (sizes[3] / 2); }
+
 }  // namespace
 
 extern "C" {
@@ -59,8 +66,7 @@ int emu_qca_pack(int backend, const emu_tensor* psi, const emu_tensor* x, int* c
 }
 
 // x (B, 2d, H, W) -> psi (B, H, W, d) contiguous
-int emu_qca_pack_backward(int backend, const emu_tensor* x, const emu_tensor* psi,
-                          int* cuda_error) {
+int emu_qca_pack_backward(int backend, const emu_tensor* x, const emu_tensor* psi, int* cuda_error) {
   qca_pack_backward_params p = {
       .grid = grid_of(psi->sizes, psi->sizes[3]),
       .x_dtype = (qca_dtype)x->dtype,
@@ -77,8 +83,8 @@ int emu_qca_pack_backward(int backend, const emu_tensor* x, const emu_tensor* ps
   return s;
 }
 
-static qca_update_params update_params(const emu_tensor* psi, const emu_tensor* delta, double gamma,
-                                       int multiplicative, double eps, void* out) {
+static qca_update_params update_params(const emu_tensor* psi, const emu_tensor* delta,
+                                       double gamma, int multiplicative, double eps, void* out) {
   qca_update_params p = {
       .grid = grid_of(psi->sizes, psi->sizes[3]),
       .state_dtype = (qca_dtype)psi->dtype,
@@ -141,19 +147,16 @@ int emu_noise(int backend, int kind, const emu_tensor* psi, double rate, uint64_
   };
   copy4(p.psi_stride, psi->strides);
   if (backend == kC) {
-    return kind == 0 ? qca_phase_flip_cpu(&p, 0, cells(p.grid))
-                     : qca_bit_flip_cpu(&p, 0, cells(p.grid));
+    return kind == 0 ? qca_phase_flip_cpu(&p, 0, cells(p.grid)) : qca_bit_flip_cpu(&p, 0, cells(p.grid));
   }
   qca_cuda_error err{};
-  const int s =
-      kind == 0 ? qca_phase_flip_cuda(&p, nullptr, &err) : qca_bit_flip_cuda(&p, nullptr, &err);
+  const int s = kind == 0 ? qca_phase_flip_cuda(&p, nullptr, &err) : qca_bit_flip_cuda(&p, nullptr, &err);
   *cuda_error = err.code;
   return s;
 }
 
 static qca_groupnorm_elu_shape gn_shape(const emu_tensor* x, int64_t groups, int channels_last) {
-  return qca_groupnorm_elu_shape{x->sizes[0], x->sizes[1], x->sizes[2],
-                                 x->sizes[3], groups,      channels_last};
+  return qca_groupnorm_elu_shape{x->sizes[0], x->sizes[1], x->sizes[2], x->sizes[3], groups, channels_last};
 }
 
 int64_t emu_gn_workspace_bytes(const emu_tensor* x, int64_t groups, int channels_last,
@@ -249,8 +252,7 @@ int emu_unscale(int backend, int64_t dtype, int64_t n_tensors, void* const* tens
       const int s = qca_unscale_range_cpu(&p, t, begin, end, &r);
       if (s != QCA_OK) return s;
       if (r.nonfinite && found_inf) *found_inf = 1.0f;
-      if (sumsq)
-        sumsq[t] = r.nonfinite ? std::numeric_limits<double>::quiet_NaN() : sumsq[t] + r.sumsq;
+      if (sumsq) sumsq[t] = r.nonfinite ? std::numeric_limits<double>::quiet_NaN() : sumsq[t] + r.sumsq;
     }
   }
   return QCA_OK;
@@ -348,14 +350,12 @@ int emu_step_difference(int backend, int64_t dtype, int complex_elements, int64_
 int emu_max_pool(int backend, int64_t dtype, const int64_t* sizes, int channels_last, const void* x,
                  void* y, int* cuda_error) {
   const qca_max_pool_params p = {
-      .shape = {sizes[0], sizes[1], sizes[2], sizes[3], channels_last},
+      .shape = pool_shape(sizes, channels_last),
       .dtype = (qca_dtype)dtype,
       .x = x,
       .y = y,
   };
-  if (backend == kC)
-    return qca_max_pool2x2_forward_cpu(&p, 0,
-                                       sizes[0] * sizes[1] * (sizes[2] / 2) * (sizes[3] / 2));
+  if (backend == kC) return qca_max_pool2x2_forward_cpu(&p, 0, windows(sizes));
   qca_cuda_error err{};
   const int s = qca_max_pool2x2_forward_cuda(&p, nullptr, &err);
   *cuda_error = err.code;
@@ -366,16 +366,14 @@ int emu_max_pool_backward(int backend, int64_t dtype, const int64_t* sizes, int 
                           const void* grad_y, const void* x, void* grad_x, int unpicked_to_origin,
                           int* cuda_error) {
   const qca_max_pool_backward_params p = {
-      .shape = {sizes[0], sizes[1], sizes[2], sizes[3], channels_last},
+      .shape = pool_shape(sizes, channels_last),
       .dtype = (qca_dtype)dtype,
       .grad_y = grad_y,
       .x = x,
       .grad_x = grad_x,
       .unpicked_to_origin = unpicked_to_origin,
   };
-  if (backend == kC)
-    return qca_max_pool2x2_backward_cpu(&p, 0,
-                                        sizes[0] * sizes[1] * (sizes[2] / 2) * (sizes[3] / 2));
+  if (backend == kC) return qca_max_pool2x2_backward_cpu(&p, 0, windows(sizes));
   qca_cuda_error err{};
   const int s = qca_max_pool2x2_backward_cuda(&p, nullptr, &err);
   *cuda_error = err.code;

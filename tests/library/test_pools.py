@@ -13,22 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import qca_lowmem
-from helpers import DEVICES
+from helpers import DEVICES, op_names, pool_specials
 from qca_lowmem import pools, stock
 
 OP = "qca_lowmem::max_pool2x2"
 
 
-@pytest.fixture(autouse=True)
-def op_on_the_cpu(monkeypatch):
-    monkeypatch.setattr(pools, "OP_DEVICES", frozenset({"cpu", "cuda"}))
-
-
-def ops_run(fn):
-    """The op names the profiler records while fn() runs."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    return {event.name for event in prof.events()}
+pytestmark = pytest.mark.usefixtures("max_pool_op_on_the_cpu")
 
 
 def fused(pool):
@@ -36,21 +27,12 @@ def fused(pool):
     return pool
 
 
-def specials(shape, dtype=torch.float32, channels_last=False):
-    g = torch.Generator().manual_seed(4)
-    x = torch.randint(-3, 3, shape, generator=g).to(torch.float64)
-    x[x == 2] = float("nan")
-    x[x <= -2] = float("-inf")
-    x = x.to(dtype)
-    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
-
-
 def assert_pools_alike(pool, reference, x, uses_op):
     """pool(x) and reference(x) on copies of x: the same values, strides and gradient bits; pool
     ran max_pool2x2 exactly when `uses_op`."""
     ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
     out = {}
-    names = ops_run(lambda: out.update(y=pool(ours)))
+    names = op_names(lambda: out.update(y=pool(ours)))
     assert (OP in names) == uses_op, names
     y, expected = out["y"], reference(theirs)
     assert y.stride() == expected.stride() and torch.equal(y.nan_to_num(0.0), expected.nan_to_num(0.0))
@@ -65,8 +47,8 @@ def assert_pools_alike(pool, reference, x, uses_op):
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_stand_in_takes_the_op_and_gives_torchs_bits(dtype, channels_last, device):
-    pool = fused(nn.MaxPool2d(2))
-    assert_pools_alike(pool, nn.MaxPool2d(2), specials((2, 8, 6, 7), dtype, channels_last).to(device), uses_op=True)
+    x = pool_specials((2, 8, 6, 7), dtype, channels_last, torch.Generator().manual_seed(4)).to(device)
+    assert_pools_alike(fused(nn.MaxPool2d(2)), nn.MaxPool2d(2), x, uses_op=True)
 
 
 @pytest.mark.parametrize("settings", [dict(kernel_size=3), dict(kernel_size=2, stride=1), dict(kernel_size=2, padding=1),
@@ -97,7 +79,7 @@ def test_a_strided_input_runs_torchs_forward():
     pool = fused(nn.MaxPool2d(2))
     base = torch.randn(1, 3, 8, 10)
     ours, theirs = base.clone().requires_grad_(), base.clone().requires_grad_()
-    names = ops_run(lambda: pool(ours[..., 1:9]).sum().backward())
+    names = op_names(lambda: pool(ours[..., 1:9]).sum().backward())
     F.max_pool2d(theirs[..., 1:9], 2).sum().backward()
     assert OP not in names and torch.equal(ours.grad, theirs.grad)
 
@@ -169,7 +151,7 @@ def test_the_fused_unet_takes_the_op_for_its_pools(device):
     torch.manual_seed(0)
     model = qca_lowmem.UNetUnitary(d_state=2, hidden_channels=8).to(device)
     x = torch.randn(1, 4, 8, 8, device=device)
-    names = ops_run(lambda: model(x).sum().backward())
+    names = op_names(lambda: model(x).sum().backward())
     assert OP in names and "aten::max_pool2d_with_indices" not in names
 
 
@@ -185,7 +167,7 @@ def test_the_stock_baseline_runs_torchs_pools():
     """StockForward (bench's and plan's stock) keeps what stock keeps: torch's pools, indices and all."""
     model = qca_lowmem.UNetUnitary(d_state=2, hidden_channels=8)
     x = torch.randn(1, 4, 8, 8)
-    names = ops_run(lambda: stock.StockForward(model)(x).sum().backward())
+    names = op_names(lambda: stock.StockForward(model)(x).sum().backward())
     assert OP not in names and "aten::max_pool2d_with_indices" in names
 
 

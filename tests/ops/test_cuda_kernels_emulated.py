@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from cuda_emu import CUDA, QCA_DTYPE, C, describe, emulator
+from helpers import pool_specials
 
 pytestmark = pytest.mark.slow  # the emulator builds every kernel and runs each thread as a fiber
 
@@ -958,16 +959,6 @@ def test_step_difference(emu, dtype):
             assert math.isnan(c.item())
 
 
-def pool_input(shape, dtype, channels_last, generator):
-    """Small integers, so windows tie, with NaN and -infinity among them (windows of four
-    -infinities too)."""
-    x = torch.randint(-3, 3, shape, generator=generator).to(torch.float64)
-    x[x == 2] = float("nan")
-    x[x <= -2] = float("-inf")
-    x = x.to(dtype)
-    return x.contiguous(memory_format=torch.channels_last) if channels_last else x.contiguous()
-
-
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
 @pytest.mark.parametrize("dtype", REALS, ids=str)
 def test_max_pool(emu, dtype, channels_last):
@@ -976,7 +967,7 @@ def test_max_pool(emu, dtype, channels_last):
     the C forward is torch's max_pool2d."""
     g = torch.Generator().manual_seed(5)
     for shape in [(1, 3, 2, 2), (2, 5, 7, 9), (1, 40, 6, 11)]:
-        x = pool_input(shape, dtype, channels_last, g)
+        x = pool_specials(shape, dtype, channels_last, g)
         sizes = torch.tensor(shape, dtype=torch.int64)
         memory = torch.channels_last if channels_last else torch.contiguous_format
         pooled = (shape[0], shape[1], shape[2] // 2, shape[3] // 2)

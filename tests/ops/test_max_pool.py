@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import DEVICES
+from helpers import DEVICES, pool_specials
 from qca_lowmem.ops.max_pool import layout, max_pool2x2
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -32,25 +32,6 @@ def same_as_torch(x, grad_y_of):
     assert torch.equal(bits(ours.grad), bits(theirs.grad))
 
 
-def ties_and_specials(shape, dtype, generator):
-    x = torch.randint(-3, 3, shape, generator=generator).to(torch.float64)
-    x[x == 2] = float("nan")
-    x[x <= -2] = float("-inf")  # -3 and -2: some windows hold four
-    return x.to(dtype)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_random_inputs_equal_torch(dtype, channels_last, device):
-    g = torch.Generator().manual_seed(1)
-    for shape in SHAPES:
-        x = torch.randn(shape, generator=g).to(dtype).to(device)
-        if channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        same_as_torch(x, lambda y: torch.randn(y.shape, generator=g).to(dtype).to(device))
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -59,9 +40,7 @@ def test_ties_nan_infinities_and_negative_zero_gradients_equal_torch(dtype, chan
     the device and layout sends its gradient) and -0 gradients (+0 after torch's 0 + grad)."""
     g = torch.Generator().manual_seed(2)
     for shape in SHAPES:
-        x = ties_and_specials(shape, dtype, g).to(device)
-        if channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
+        x = pool_specials(shape, dtype, channels_last, g).to(device)
 
         def grad_y_of(y):
             grad = torch.randn(y.shape, generator=g).to(dtype).to(device)

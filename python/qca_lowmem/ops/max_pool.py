@@ -47,7 +47,7 @@ def _check_input(x, op):
 
 def _pooled(x):
     n, c, h, w = x.shape
-    return x.new_empty((n, c, h // 2, w // 2)).contiguous(memory_format=layout(x))
+    return torch.empty((n, c, h // 2, w // 2), dtype=x.dtype, device=x.device, memory_format=layout(x))
 
 
 @torch.library.register_fake("qca_lowmem::max_pool2x2")

@@ -21,7 +21,6 @@ A step's graph is measured on the CPU with `saved_bytes` at two small grids of t
 runs on the GPU.
 """
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -121,9 +120,8 @@ def _measure_one(model, config: TrainConfig, variant: str, amp_dtype, grid: int)
 
     def run_step():
         # The lowmem step as the rollout recomputes it on a GPU: blocks keep their intermediates,
-        # pools take qca_lowmem's op (which keeps no indices).
-        with autocast("cpu", amp_dtype), keep_block_intermediates(variant != "stock"), \
-                as_on_cuda() if variant != "stock" else contextlib.nullcontext():
+        # pools take qca_lowmem's op (which keeps no indices; stock's StockForward keeps torch's).
+        with autocast("cpu", amp_dtype), keep_block_intermediates(variant != "stock"), as_on_cuda():
             step(psi)
 
     return saved_storage_sizes(run_step)
