@@ -35,6 +35,18 @@ def same_as_torch(x, grad_y_of):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_random_inputs_equal_torch(dtype, channels_last, device):
+    g = torch.Generator().manual_seed(1)
+    for shape in SHAPES:
+        x = torch.randn(shape, generator=g).to(dtype).to(device)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        same_as_torch(x, lambda y: torch.randn(y.shape, generator=g).to(dtype).to(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_ties_nan_infinities_and_negative_zero_gradients_equal_torch(dtype, channels_last, device):
     """The first of equal maxima, the last NaN, a window of -infinities (where torch's kernel for
     the device and layout sends its gradient) and -0 gradients (+0 after torch's 0 + grad)."""
