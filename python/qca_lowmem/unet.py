@@ -56,7 +56,7 @@ class UNetUnitary(nn.Module):
         # ConvBlocks then fused in place around the same layers.
         for name, module in stock.UNetUnitary(d_state, hidden_channels).named_children():
             self.add_module(name, module)
-        convert(self)
+        convert(self, fuse_pools=False)  # its wiring runs the pools (_pooled); StockForward's, torch's
 
     def extra_repr(self) -> str:
         return f"recompute={self.recompute!r}"
@@ -219,15 +219,20 @@ def _runs_fused_forward(block) -> bool:
 
 @dataclasses.dataclass
 class ConversionReport:
-    """What `convert` did: qualified names of the blocks it replaced, and of the modules with a
-    `conv_block` it left alone, each with the reason."""
+    """What `convert` did: qualified names of the blocks it replaced, of the modules with a
+    `conv_block` it left alone, each with the reason, and of the max pools it gave the fused
+    pool's class."""
 
     converted: List[str] = dataclasses.field(default_factory=list)
     skipped: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
+    pools: List[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"converted {len(self.converted)} ConvBlock(s) to FusedConvBlock"]
         lines += [f"  {name or '<root>'}" for name in self.converted]
+        if self.pools:
+            lines.append(f"gave {len(self.pools)} nn.MaxPool2d layer(s) the fused 2x2 pool on CUDA")
+            lines += [f"  {name or '<root>'}" for name in self.pools]
         if self.skipped:
             lines.append(f"left {len(self.skipped)} alone:")
             lines += [f"  {name or '<root>'}: {reason}" for name, reason in self.skipped]
@@ -250,8 +255,10 @@ def stock_block_mismatch(module: nn.Module) -> Optional[str]:
     return stock_block_call(type(module))
 
 
-def convert(module: nn.Module, *, recompute: bool = True) -> Tuple[nn.Module, ConversionReport]:
-    """Replace every stock-shaped ConvBlock inside `module` by a `FusedConvBlock`, in place.
+def convert(module: nn.Module, *, recompute: bool = True,
+            fuse_pools: bool = True) -> Tuple[nn.Module, ConversionReport]:
+    """Replace every stock-shaped ConvBlock inside `module` by a `FusedConvBlock`, in place, and
+    (`fuse_pools`) give its `nn.MaxPool2d` layers the class of `pools.MaxPool2d`.
 
     A ConvBlock is any module whose `conv_block` is Sequential(Conv2d(3x3, padding 1, no bias),
     GroupNorm, ELU(alpha=1), Conv2d(3x3, padding 1, no bias), GroupNorm, ELU(alpha=1)), that
@@ -261,8 +268,15 @@ def convert(module: nn.Module, *, recompute: bool = True) -> Tuple[nn.Module, Co
     state_dict keys are unchanged. Modules with a `conv_block` of another shape (other norms,
     other activations...) are left alone and reported. Returns `(module, report)`; when
     `module` itself is a ConvBlock, the returned module is its fused replacement.
+
+    A pool stays the same object, of torch's class but for its forward, which runs the library's
+    2x2 max pool (torch's values and gradient, bit for bit, no indices kept) where it is 2x2 with
+    stride 2 and on CUDA, and torch's forward otherwise (pools.py).
     """
     report = ConversionReport()
+    if fuse_pools:
+        swapped = {id(pool) for pool in pools.fuse_pools_in_place(module)}
+        report.pools = [name for name, child in module.named_modules() if id(child) in swapped]
     result = module
     fused_of = {}  # a block shared by several parents becomes one fused block
     for name, child in list(module.named_modules(remove_duplicate=False)):

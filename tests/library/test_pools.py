@@ -155,6 +155,34 @@ def test_the_fused_unet_takes_the_op_for_its_pools(device):
     assert OP in names and "aten::max_pool2d_with_indices" not in names
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_convert_gives_a_stock_unets_pools_the_op(device):
+    """convert() fuses a stock U-Net's pools with its blocks: the same objects, named in its
+    report, the values and gradients of the model with torch's pools bit for bit."""
+    torch.manual_seed(0)
+    model = stock.UNetUnitary(2, 8).to(device)
+    reference, reference_report = qca_lowmem.convert(copy.deepcopy(model), fuse_pools=False)
+    assert reference_report.pools == [] and type(reference.down1[0]) is nn.MaxPool2d
+    down_pools = [model.down1[0], model.down2[0]]
+    _, report = qca_lowmem.convert(model)
+    assert report.pools == ["down1.0", "down2.0"] and "gave 2 nn.MaxPool2d" in str(report)
+    assert [model.down1[0], model.down2[0]] == down_pools and all(type(p) is pools.MaxPool2d for p in down_pools)
+    x = torch.randn(1, 4, 8, 8, device=device)
+    names = op_names(lambda: model(x).sum().backward())
+    assert OP in names and "aten::max_pool2d_with_indices" not in names
+    reference(x).sum().backward()
+    assert torch.equal(model(x), reference(x))
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert qca_lowmem.convert(model)[1].pools == []  # already fused
+
+
+def test_the_fused_unet_keeps_torchs_pool_class():
+    """Its wiring takes the op itself, so StockForward over it can run torch's pools."""
+    model = qca_lowmem.UNetUnitary(d_state=2, hidden_channels=8)
+    assert type(model.down1[0]) is nn.MaxPool2d and type(model.down2[0]) is nn.MaxPool2d
+
+
 def test_under_vmap_torchs_forward_runs():
     """A torch.func transform: the stand-in asks the caller's context first (x's layout cannot be
     asked under vmap) and runs torch's forward."""
