@@ -32,6 +32,13 @@
    max_pool2d and its backward (given its indices), each call timed inside a captured graph; and
    their values and gradients compared bit for bit with torch's autograd, on random inputs and on
    ties, NaN and windows of -infinities.
+9. convolutions: each convolution shape of the U-Net's forward (read off the model with hooks,
+   with how many times a forward runs it), in fp16 channels_last as enable() runs them: the
+   forward, the input's gradient and the weight's at batch 1, and the weight's at batch 8 and 32
+   (what one launch would cost for the weight gradients of 8 or 32 steps' recomputes, were they
+   deferred and batched), each with cuDNN's heuristics and with its benchmark's search
+   (cudnn.benchmark, as the users' engine sets it), timed inside captured graphs; summed to a
+   step's convolutions (the forward twice: the episode's and the recompute's) both ways.
 
 Each section is written to benchmarks/results/probe_<device>.json as soon as it ends (a killed
 run keeps what it had); a section that fails records its error and the next one runs. Without a
@@ -61,10 +68,12 @@ from qca_lowmem.recompute import memory
 from qca_lowmem.recompute.check import ROUNDING_UNITS, _relative_difference
 from qca_lowmem.recompute.cuda_graphs import CaptureFallbackWarning
 
-SECTIONS = ["capture", "fallback", "determinism", "groupnorm", "budget", "noise", "step_kernels", "pools"]
+SECTIONS = ["capture", "fallback", "determinism", "groupnorm", "budget", "noise", "step_kernels", "pools",
+            "convolutions"]
 GRAPH_CALLS = 20  # calls per captured graph when timing a kernel
 AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 CAP_BYTES = int(3.68 * 2**30)
+DEFERRED_STEPS = (8, 32)  # steps whose weight gradients one batched launch would take
 
 
 def parse_args(argv=None):
@@ -455,6 +464,90 @@ def section_pools(args, device):
         print(f"pools {row['shape']} {row['dtype']} {row['layout']}: {short(row)}")
         rows.append(row)
     return {"all_bitwise": all(r["bitwise_random"] and r["bitwise_ties_nan_infinities"] for r in rows), "rows": rows}
+
+
+def unet_convolution_shapes(args, device):
+    """[(layer, input shape, count)] of the stock U-Net's convolutions, in forward order,
+    deduplicated by their settings and input shape; count: the calls a forward makes of them."""
+    net = stock.UNetUnitary(args.d_state, args.hidden).to(device)
+    seen = {}
+
+    def hook(module, inputs, output):
+        key = (repr(module), tuple(inputs[0].shape))
+        layer, shape, count = seen.get(key, (module, tuple(inputs[0].shape), 0))
+        seen[key] = (layer, shape, count + 1)
+
+    handles = [m.register_forward_hook(hook) for m in net.modules()
+               if isinstance(m, (torch.nn.Conv2d, torch.nn.ConvTranspose2d))]
+    with torch.no_grad():
+        net(torch.randn(1, 2 * args.d_state, args.grid, args.grid, device=device))
+    for h in handles:
+        h.remove()
+    return list(seen.values())
+
+
+def convolution_candidates(layer, shape, dtype, device):
+    """{name: fn} of the layer's forward and gradients at batch 1 and its weight's gradient at
+    the batches of DEFERRED_STEPS, on random channels_last operands of `dtype`."""
+    cl = torch.channels_last
+    weight = layer.weight.detach().to(dtype).contiguous(memory_format=cl)
+    settings = dict(stride=list(layer.stride), padding=list(layer.padding), dilation=list(layer.dilation),
+                    transposed=isinstance(layer, torch.nn.ConvTranspose2d), output_padding=list(layer.output_padding),
+                    groups=layer.groups)
+    ops = torch.ops.aten
+
+    def operands(batch):
+        x = torch.randn((batch, *shape[1:]), device=device).to(dtype).contiguous(memory_format=cl)
+        y = ops.convolution(x, weight, None, **settings)
+        return x, torch.randn_like(y)
+
+    def gradient(x, grad_y, mask):
+        return lambda: ops.convolution_backward(grad_y, x, weight, None, **settings, output_mask=mask)
+
+    x, grad_y = operands(1)
+    candidates = {
+        "forward": lambda: ops.convolution(x, weight, None, **settings),
+        "input_grad": gradient(x, grad_y, [True, False, False]),
+        "weight_grad": gradient(x, grad_y, [False, True, False]),
+    }
+    for steps in DEFERRED_STEPS:
+        candidates[f"weight_grad_batch{steps}"] = gradient(*operands(steps), [False, True, False])
+    return candidates
+
+
+def with_cudnn_benchmark(fn, on):
+    """fn with cudnn.benchmark set to `on` for its calls (its search runs in in_graph's warm-up;
+    a replay runs the algorithm captured)."""
+    def run():
+        with torch.backends.cudnn.flags(enabled=True, benchmark=on, deterministic=False,
+                                        allow_tf32=torch.backends.cudnn.allow_tf32):
+            return fn()
+    return run
+
+
+def section_convolutions(args, device):
+    rows, dtype = [], torch.float16
+    step_ms = {"heuristics": {}, "benchmark": {}}
+    for layer, shape, count in unet_convolution_shapes(args, device):
+        candidates = {}
+        for name, fn in convolution_candidates(layer, shape, dtype, device).items():
+            candidates[name] = with_cudnn_benchmark(fn, False)
+            candidates[f"{name}_benchmark"] = with_cudnn_benchmark(fn, True)
+        calls = {}
+        times = common.interleaved_medians(candidates, device, warmup=5, reps=30, calls=GRAPH_CALLS, timed_in=calls)
+        row = {"layer": repr(layer), "input": list(shape), "calls_per_forward": count, "dtype": "float16",
+               "layout": "channels_last", "calls_per_timed_graph": calls, **{f"{k}_us": v * 1e6 for k, v in times.items()}}
+        print(f"convolution {row['layer']} {row['input']} x{count}: {short(row)}")
+        rows.append(row)
+        for search, suffix in (("heuristics", ""), ("benchmark", "_benchmark")):
+            # a step: the episode's forward, the recompute's, then both gradients
+            parts = {"now": 2 * times["forward" + suffix] + times["input_grad" + suffix] + times["weight_grad" + suffix],
+                     **{f"weight_grads_deferred_over_{k}": 2 * times["forward" + suffix] + times["input_grad" + suffix]
+                        + times[f"weight_grad_batch{k}" + suffix] / k for k in DEFERRED_STEPS}}
+            for part, seconds in parts.items():
+                step_ms[search][part] = step_ms[search].get(part, 0.0) + count * seconds * 1e3
+    print(f"convolutions a step (ms): {step_ms}")
+    return {"step_ms": step_ms, "rows": rows}
 
 
 def short(row):
