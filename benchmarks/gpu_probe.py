@@ -519,9 +519,12 @@ def with_cudnn_benchmark(fn, on):
     """fn with cudnn.benchmark set to `on` for its calls (its search runs in in_graph's warm-up;
     a replay runs the algorithm captured)."""
     def run():
-        with torch.backends.cudnn.flags(enabled=True, benchmark=on, deterministic=False,
-                                        allow_tf32=torch.backends.cudnn.allow_tf32):
+        before = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = on
+        try:
             return fn()
+        finally:
+            torch.backends.cudnn.benchmark = before
     return run
 
 
