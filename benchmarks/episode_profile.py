@@ -3,13 +3,17 @@ episode's count over its steps, so what an episode does once (the loss's reads, 
 spread over them. Measured under the profiler, which slows the host: an eager episode's busy
 fraction is a floor.
 
-- host_wait_ops_per_step: the ops after which the host waits for a GPU (HOST_WAIT_OPS; counted on
-  any device, on the CPU they wait for nothing).
+- host_wait_ops_per_step: the ops after which the host may wait for a GPU (HOST_WAIT_OPS; counted
+  on any device, on the CPU they wait for nothing; a read of a CPU tensor, such as AdamW's step
+  counts, counts too).
 
 The rest are None off CUDA. The device's events are its kernels and its memory operations
 (Memcpy, Memset); torch's GPU user annotations (ranges such as `Optimizer.step#AdamW.step` laid
 over the kernels they hold) are not events here.
 
+- device_syncs_per_step: the CUDA runtime's calls that block the host until the GPU is done
+  (SYNC_CALLS), the benchmark's own three around the profiled episode included: the host waits
+  there were.
 - kernels_per_step: kernels, the memory operations left out.
 - layout_conversions_per_step: cuDNN's layout conversion kernels (LAYOUT_CONVERSION).
 - gpu_busy_fraction: the union of the device's events over the episode's span (host events
@@ -32,6 +36,7 @@ import common
 
 # A boolean index or mask (nonzero, masked_select) and a scalar read (.item()).
 HOST_WAIT_OPS = ("aten::nonzero", "aten::masked_select", "aten::_local_scalar_dense")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 LAYOUT_CONVERSION = re.compile(r"nchwToNhwc|nhwcToNchw", re.IGNORECASE)
 MEMORY_OPS = ("Memcpy", "Memset")
 # A kernel's family by its name as the profiler gives it (demangled, with its parameter types):
@@ -102,7 +107,8 @@ def device_counts(events, steps) -> dict:
         if len(top[family]) < TOP_KERNELS:
             top[family].append([name[:NAME_CHARS], n / steps, ms / steps])
     span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / 1e6
-    return {"kernels_per_step": sum(not e.name.startswith(MEMORY_OPS) for e in device_events) / steps,
+    return {"device_syncs_per_step": sum(e.name in SYNC_CALLS for e in events) / steps,
+            "kernels_per_step": sum(not e.name.startswith(MEMORY_OPS) for e in device_events) / steps,
             "gpu_busy_fraction": busy_seconds((e.time_range.start, e.time_range.end) for e in device_events) / span,
             "layout_conversions_per_step": launches["layout"] / steps,
             "kernel_ms_per_step_by_family": {family: ms / steps for family, ms in milliseconds.items()},
@@ -121,7 +127,8 @@ def episode_counts(run, steps=None) -> dict:
         common.synchronize(run.device)
     events = profile.events()
     counts = {"profiled_steps": steps, "host_wait_ops_per_step": sum(e.name in HOST_WAIT_OPS for e in events) / steps,
-              **dict.fromkeys(("kernels_per_step", "gpu_busy_fraction", "layout_conversions_per_step",
+              **dict.fromkeys(("device_syncs_per_step", "kernels_per_step", "gpu_busy_fraction",
+                               "layout_conversions_per_step",
                                "kernel_ms_per_step_by_family", "kernels_per_step_by_family",
                                "top_kernels_per_step_by_family"))}
     if on_cuda:
@@ -135,7 +142,7 @@ def summary(result) -> str:
         return ""
     text = f"   waits/step {result['host_wait_ops_per_step']:.2f}"
     if result["kernels_per_step"] is not None:
-        text += (f"   kernels/step {result['kernels_per_step']:.0f} (layout {result['layout_conversions_per_step']:.0f})"
+        text += (f" (device syncs {result['device_syncs_per_step']:.2f})   kernels/step {result['kernels_per_step']:.0f} (layout {result['layout_conversions_per_step']:.0f})"
                  f"   GPU busy {result['gpu_busy_fraction']:.0%}")
     return text
 

@@ -234,7 +234,8 @@ def test_kernel_time_and_launches_per_step_by_family_add_up_to_the_device_events
         event("Memcpy DtoD (Device -> Device)", 610, 618),
         event("void at_cuda_detail::cub::detail::select::DeviceSelectSweepKernel<...>(...)", 700, 704),
     ]
-    counts = profile.device_counts(events, steps=2)
+    counts = profile.device_counts(events + [event("cudaStreamSynchronize", 950, 1000, DeviceType.CPU)], steps=2)
+    assert counts["device_syncs_per_step"] == 0.5  # the host's one wait for the device, per step
     expected_ms = dict.fromkeys(profile.FAMILY_NAMES, 0.0) | {
         "convolution": 0.2, "layout": 0.01, "groupnorm_elu": 0.02, "qca": 0.005, "fills": 0.002, "copies": 0.004,
         "other": 0.002}
@@ -270,7 +271,8 @@ def test_off_cuda_the_profile_has_no_device_fields():
                                 steps_set=lambda steps: contextlib.nullcontext(),
                                 episode=lambda seed: torch.ones(3).sin().sum().item())
     counts = profile.episode_counts(run, steps=2)
-    assert counts == {"profiled_steps": 2, "host_wait_ops_per_step": 0.5, "kernels_per_step": None,
+    assert counts == {"profiled_steps": 2, "host_wait_ops_per_step": 0.5, "device_syncs_per_step": None,
+                      "kernels_per_step": None,
                       "gpu_busy_fraction": None, "layout_conversions_per_step": None,
                       "kernel_ms_per_step_by_family": None, "kernels_per_step_by_family": None,
                       "top_kernels_per_step_by_family": None}
