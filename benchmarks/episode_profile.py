@@ -142,7 +142,8 @@ def summary(result) -> str:
         return ""
     text = f"   waits/step {result['host_wait_ops_per_step']:.2f}"
     if result["kernels_per_step"] is not None:
-        text += (f" (device syncs {result['device_syncs_per_step']:.2f})   kernels/step {result['kernels_per_step']:.0f} (layout {result['layout_conversions_per_step']:.0f})"
+        text += (f" (device syncs {result['device_syncs_per_step']:.2f})"
+                 f"   kernels/step {result['kernels_per_step']:.0f} (layout {result['layout_conversions_per_step']:.0f})"
                  f"   GPU busy {result['gpu_busy_fraction']:.0%}")
     return text
 
