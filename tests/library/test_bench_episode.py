@@ -236,6 +236,8 @@ def test_kernel_time_and_launches_per_step_by_family_add_up_to_the_device_events
     ]
     counts = profile.device_counts(events + [event("cudaStreamSynchronize", 950, 1000, DeviceType.CPU)], steps=2)
     assert counts["device_syncs_per_step"] == 0.5  # the host's one wait for the device, per step
+    assert profile.summary({**counts, "host_wait_ops_per_step": 1.0}) == \
+        "   waits/step 1.00 (device syncs 0.50)   kernels/step 4 (layout 0)   GPU busy 49%"
     expected_ms = dict.fromkeys(profile.FAMILY_NAMES, 0.0) | {
         "convolution": 0.2, "layout": 0.01, "groupnorm_elu": 0.02, "qca": 0.005, "fills": 0.002, "copies": 0.004,
         "other": 0.002}
