@@ -185,6 +185,19 @@ def test_the_oracle_compares_the_scalers_state():
     assert first_difference(stepped, plain, BF16).startswith("episode 0: the scaler's state")
 
 
+def test_a_compiled_operator_sees_a_global_hook_added_since():
+    """Found by seed 93: torch.compile reuses a graph traced for an earlier run's operator of the
+    same classes though a global module hook was registered since (torch guards nothing on the
+    global hooks), so stock's run after another skipped the hook its code asks for and the oracle
+    called the switch's right answer wrong. Each run now compiles afresh (switch_variants.outcome):
+    a run's result does not depend on the runs before it."""
+    hooked = Variant(version="v3", policy="none", hook="global_forward", attribute="compiled")
+    alone = outcome(hooked, False)
+    outcome(dataclasses.replace(hooked, hook="none"), False)
+    assert bitwise_equal(outcome(hooked, False), alone)
+    assert verdict(hooked) is None
+
+
 def test_a_clear_refusal_names_who_refused():
     assert is_clear(TypeError("enable(): Sub.train_episode is x.y (its class's), not a stock episode"))
     assert is_clear(ValueError("LOWMEM section: unknown keys ['checkpiont']"))
