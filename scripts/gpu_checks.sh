@@ -6,7 +6,8 @@
 #   bash scripts/gpu_checks.sh sanitize cap             # third
 # build:    pip install with the CUDA kernels (QCA_LOWMEM_CUDA=1: fails loudly if it cannot)
 # probe:    benchmarks/gpu_probe.py: capture per dtype and layout, the state after a failed
-#           capture, forward determinism, GroupNorm at the U-Net's shapes, budget="free" (2 min)
+#           capture, forward determinism, GroupNorm at the U-Net's shapes, budget="free", the
+#           QCA step's kernels, the pools, the convolutions (2-3 min)
 # test:     the tests marked `cuda` (conftest marks every test that runs on a GPU), on
 #           TEST_WORKERS workers (pytest-xdist) with a per-test TEST_TIMEOUT (pytest-timeout)
 # sanitize: compute-sanitizer memcheck (caching allocator off, so a write into a neighbouring
