@@ -250,22 +250,23 @@ def section_determinism(args, device):
     return rows
 
 
-def unet_groupnorm_shapes(args, device):
-    """(shape of x, groups) of every GroupNorm in the stock U-Net's forward, in order, deduplicated."""
+def unet_layer_calls(args, device, layer_types):
+    """[(layer, shape of its input)] of each call the stock U-Net's forward makes of its layers of
+    `layer_types`, in order."""
     net = stock.UNetUnitary(args.d_state, args.hidden).to(device)
-    seen = []
-
-    def hook(module, inputs, output):
-        key = (tuple(inputs[0].shape), module.num_groups)
-        if key not in seen:
-            seen.append(key)
-
-    handles = [m.register_forward_hook(hook) for m in net.modules() if isinstance(m, torch.nn.GroupNorm)]
+    calls = []
+    handles = [m.register_forward_hook(lambda module, inputs, output: calls.append((module, tuple(inputs[0].shape))))
+               for m in net.modules() if isinstance(m, layer_types)]
     with torch.no_grad():
         net(torch.randn(1, 2 * args.d_state, args.grid, args.grid, device=device))
     for h in handles:
         h.remove()
-    return seen
+    return calls
+
+
+def unet_groupnorm_shapes(args, device):
+    """(shape of x, groups) of every GroupNorm in the stock U-Net's forward, in order, deduplicated."""
+    return list(dict.fromkeys((shape, norm.num_groups) for norm, shape in unet_layer_calls(args, device, torch.nn.GroupNorm)))
 
 
 def fused_groupnorm_elu(x, w, b, groups):
@@ -469,20 +470,10 @@ def section_pools(args, device):
 def unet_convolution_shapes(args, device):
     """[(layer, input shape, count)] of the stock U-Net's convolutions, in forward order,
     deduplicated by their settings and input shape; count: the calls a forward makes of them."""
-    net = stock.UNetUnitary(args.d_state, args.hidden).to(device)
     seen = {}
-
-    def hook(module, inputs, output):
-        key = (repr(module), tuple(inputs[0].shape))
-        layer, shape, count = seen.get(key, (module, tuple(inputs[0].shape), 0))
-        seen[key] = (layer, shape, count + 1)
-
-    handles = [m.register_forward_hook(hook) for m in net.modules()
-               if isinstance(m, (torch.nn.Conv2d, torch.nn.ConvTranspose2d))]
-    with torch.no_grad():
-        net(torch.randn(1, 2 * args.d_state, args.grid, args.grid, device=device))
-    for h in handles:
-        h.remove()
+    for layer, shape in unet_layer_calls(args, device, (torch.nn.Conv2d, torch.nn.ConvTranspose2d)):
+        first, _, count = seen.get((repr(layer), shape), (layer, shape, 0))
+        seen[repr(layer), shape] = (first, shape, count + 1)
     return list(seen.values())
 
 
