@@ -307,6 +307,22 @@ def gradient_casts_in(episode) -> int:
                and e.input_dtypes[0] == "c10::BFloat16")
 
 
+def casts_in(fn, tensors) -> int:
+    """aten::_to_copy calls of a tensor shaped as one of `tensors` (parameters: their casts and
+    their gradients') while fn() runs, by the profiler: not those inside torch's CPU convolutions,
+    one made under a dispatch mode (listed twice) counted once."""
+    shapes = [[list(t.shape)] for t in tensors]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+
+    def ancestors(event):
+        while (event := event.cpu_parent) is not None:
+            yield event.name
+
+    return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes[:1] in shapes
+               and not any(name == "PythonDispatchMode" or "convolution" in name for name in ancestors(e)))
+
+
 @qca_lowmem.keeps_values  # so the fused paths run under it, as without it
 class RecordingMode(torch.utils._python_dispatch.TorchDispatchMode):
     """A dispatch mode that is not a watcher: it sees each op (its name in `seen`) and runs it."""

@@ -5,13 +5,13 @@ import functools
 from typing import List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import _torch_private as torch_private
 from . import pools, stock
 from .blocks import FusedConvBlock, fused_in_place, layers_mismatch
+from .convs import cast_convs_in_place, conv_with_cast_weights
 from .ops import (
     calls_are_forwards,
     calls_checked_by_caller,
@@ -26,7 +26,7 @@ from .ops.max_pool import max_pool2x2
 from .ops.watchers import call_layer_unwatched, call_unwatched
 from .precision import autocast_dtype
 from .recompute.intermediates import block_keeps_intermediates
-from .recompute.weight_casts import cast_weight, checkpoint_kwargs
+from .recompute.weight_casts import checkpoint_kwargs
 
 RECOMPUTE_MODES = ("unet", "blocks", "none")
 
@@ -56,7 +56,8 @@ class UNetUnitary(nn.Module):
         # ConvBlocks then fused in place around the same layers.
         for name, module in stock.UNetUnitary(d_state, hidden_channels).named_children():
             self.add_module(name, module)
-        convert(self, fuse_pools=False)  # its wiring runs the pools (_pooled); StockForward's, torch's
+        # its wiring runs the pools (_pooled) and casts the other convs' weights (_unfused); StockForward's, torch's
+        convert(self, fuse_pools=False, cast_convs=False)
 
     def extra_repr(self) -> str:
         return f"recompute={self.recompute!r}"
@@ -177,12 +178,7 @@ def _unfused_run(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if compute_dtype is None or type(layer) is nn.MaxPool2d or not plain_torch_layer(layer) \
             or layer.weight.dtype == torch.float64:
         return layer(x)
-    weight = cast_weight(layer.weight, compute_dtype)
-    bias = None if layer.bias is None else cast_weight(layer.bias, compute_dtype)
-    if isinstance(layer, nn.ConvTranspose2d):
-        return F.conv_transpose2d(x, weight, bias, layer.stride, layer.padding, layer.output_padding, layer.groups,
-                                  layer.dilation)
-    return layer._conv_forward(x, weight, bias)
+    return conv_with_cast_weights(layer, x, compute_dtype)
 
 
 def input_dtype(operator: nn.Module, psi: torch.Tensor) -> Optional[torch.dtype]:
@@ -220,12 +216,13 @@ def _runs_fused_forward(block) -> bool:
 @dataclasses.dataclass
 class ConversionReport:
     """What `convert` did: qualified names of the blocks it replaced, of the modules with a
-    `conv_block` it left alone, each with the reason, and of the max pools it gave the fused
-    pool's class."""
+    `conv_block` it left alone, each with the reason, of the max pools it gave the fused pool's
+    class, and of the convs outside the blocks it gave the episode's weight copies."""
 
     converted: List[str] = dataclasses.field(default_factory=list)
     skipped: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
     pools: List[str] = dataclasses.field(default_factory=list)
+    convs: List[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"converted {len(self.converted)} ConvBlock(s) to FusedConvBlock"]
@@ -233,6 +230,9 @@ class ConversionReport:
         if self.pools:
             lines.append(f"gave {len(self.pools)} nn.MaxPool2d layer(s) the fused 2x2 pool on CUDA")
             lines += [f"  {name or '<root>'}" for name in self.pools]
+        if self.convs:
+            lines.append(f"gave {len(self.convs)} conv layer(s) outside the blocks the episode's weight copies")
+            lines += [f"  {name or '<root>'}" for name in self.convs]
         if self.skipped:
             lines.append(f"left {len(self.skipped)} alone:")
             lines += [f"  {name or '<root>'}: {reason}" for name, reason in self.skipped]
@@ -256,9 +256,11 @@ def stock_block_mismatch(module: nn.Module) -> Optional[str]:
 
 
 def convert(module: nn.Module, *, recompute: bool = True,
-            fuse_pools: bool = True) -> Tuple[nn.Module, ConversionReport]:
-    """Replace every stock-shaped ConvBlock inside `module` by a `FusedConvBlock`, in place, and
-    (`fuse_pools`) give its `nn.MaxPool2d` layers the class of `pools.MaxPool2d`.
+            fuse_pools: bool = True, cast_convs: bool = True) -> Tuple[nn.Module, ConversionReport]:
+    """Replace every stock-shaped ConvBlock inside `module` by a `FusedConvBlock`, in place, give
+    its `nn.MaxPool2d` layers the class of `pools.MaxPool2d` (`fuse_pools`), and its other
+    `nn.Conv2d` and `nn.ConvTranspose2d` layers those of `convs.Conv2d` and `convs.ConvTranspose2d`
+    (`cast_convs`).
 
     A ConvBlock is any module whose `conv_block` is Sequential(Conv2d(3x3, padding 1, no bias),
     GroupNorm, ELU(alpha=1), Conv2d(3x3, padding 1, no bias), GroupNorm, ELU(alpha=1)), that
@@ -271,7 +273,10 @@ def convert(module: nn.Module, *, recompute: bool = True,
 
     A pool stays the same object, of torch's class but for its forward, which runs the library's
     2x2 max pool (torch's values and gradient, bit for bit, no indices kept) where it is 2x2 with
-    stride 2 and on CUDA, and torch's forward otherwise (pools.py).
+    stride 2 and on CUDA, and torch's forward otherwise (pools.py). A conv outside the fused blocks
+    stays the same object too; in a rollout's step under autocast it takes its weight and bias from
+    the episode's half-precision copies, as the blocks do (cast once an episode, not at every
+    step: the same values, its gradient summed in fp32), and torch's forward otherwise (convs.py).
     """
     report = ConversionReport()
     if fuse_pools:
@@ -299,4 +304,7 @@ def convert(module: nn.Module, *, recompute: bool = True,
             parent_name, _, attr = name.rpartition(".")
             setattr(module.get_submodule(parent_name), attr, fused)
         report.converted.append(name)
+    if cast_convs:
+        swapped = {id(conv) for conv in cast_convs_in_place(result)}
+        report.convs = [name for name, child in result.named_modules() if id(child) in swapped]
     return result, report

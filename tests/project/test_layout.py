@@ -138,10 +138,10 @@ def test_the_checker_sees_upward_imports_and_circles(tmp_path, monkeypatch):
     assert circles_in(graph) == [[f"{NAME}.trainer.cli", f"{NAME}.trainer.run", f"{NAME}.trainer.cli"]]
 
 
-# The top level: the package faces, the model (blocks, pools, U-Net, the stock reference), the precision
+# The top level: the package faces, the model (blocks, pools, convs, U-Net, the stock reference), the precision
 # switches and the scaler, the byte units, the build and the private torch APIs; the rest lives in
 # the package folders (ops/, recompute/, atheria/, trainer/, examples/, configs).
-TOP_LEVEL = {"__init__", "__main__", "_version", "_build_info", "_torch_private", "stock", "blocks", "pools", "unet",
+TOP_LEVEL = {"__init__", "__main__", "_version", "_build_info", "_torch_private", "stock", "blocks", "pools", "convs", "unet",
              "amp", "precision", "units"}
 
 

@@ -60,8 +60,9 @@ class Options:
         "(emulated there) becomes fp16 with the loss scaler, with a warning.",
         "one of None, 'fp32', 'bf16', 'fp16' (or a torch dtype)", _is_amp_dtype, lowmem_key=True, positional=True)
     fused_blocks: bool = option(
-        True, "fuse the operator's ConvBlocks in place (the same modules and Parameters), and run its 2x2 "
-        "nn.MaxPool2d layers on qca_lowmem's op (torch's bits, no indices kept).",
+        True, "fuse the operator's ConvBlocks in place (the same modules and Parameters), run its 2x2 "
+        "nn.MaxPool2d layers on qca_lowmem's op (torch's bits, no indices kept), and under autocast give its "
+        "other convs the episode's half-precision weight copies (cast once an episode, autocast's values).",
         lowmem_key=True, positional=True)
     # slots and budget: their ranges, and which checkpoint reads them, are Policy.of's
     slots: Optional[int] = option(

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..convs import cast_convs_in_place, uncast_convs
 from ..pools import fuse_pools_in_place, unfuse_pools
 from .captures import StepCaptures
 from .code_identity import ATHERIA, not_recorded
@@ -40,6 +41,7 @@ class _Undo:
     motor: Any  # the engine enable() changed, which every trainer sharing this state must still hold
     blocks: Swapped = field(default_factory=list)  # the users' blocks fused blocks stand in for
     pools: list = field(default_factory=list)  # their nn.MaxPool2d given the stand-in's class (pools.py)
+    convs: list = field(default_factory=list)  # their convs outside ConvBlocks given the stand-ins' (convs.py)
     evolve_step: Any = None
     had_evolve_step_attr: bool = False
     train_episode: Any = None
@@ -232,6 +234,7 @@ def _enabled(trainer, given: Options) -> _Saved:
     if options.fused_blocks:
         undo.blocks = swap_in(trainer.motor.operator)
         undo.pools = fuse_pools_in_place(trainer.motor.operator)
+        undo.convs = cast_convs_in_place(trainer.motor.operator)
     if options.channels_last:
         undo.made_channels_last = to_channels_last(trainer.motor.operator)
     _swap_step(trainer, undo, evolve_step)
@@ -329,6 +332,7 @@ def _restore_engine(undo: _Undo):
     """The engine's stock blocks, layouts and step."""
     put_back(undo.blocks)
     unfuse_pools(undo.pools)
+    uncast_convs(undo.convs)
     motor = undo.motor
     layouts_put_back(undo.made_channels_last)
     if undo.had_evolve_step_attr:

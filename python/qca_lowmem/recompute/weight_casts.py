@@ -172,6 +172,11 @@ def _active():
     return None if torch.compiler.is_compiling() else getattr(_state, "casts", None)
 
 
+def episode_casts_active() -> bool:
+    """Whether a rollout's step runs now with its episode's copies (outside compiled code)."""
+    return _active() is not None
+
+
 def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """weight.to(dtype), from the active episode's copies when there are any."""
     casts = _active()
