@@ -56,6 +56,17 @@ def refused(trainer, match):
     assert not hasattr(trainer, "_qca_lowmem_state") and "evolve_step" not in vars(trainer.motor)
 
 
+def test_under_the_environment_an_edited_episode_trains_on_stock_said_in_one_line(monkeypatch, caplog):
+    monkeypatch.setenv("QCA_LOWMEM", "1")
+    caplog.set_level("INFO", logger="qca_lowmem")
+    trainer = trainer_of(Overriding)
+    assert qca_lowmem.enable_from_config(trainer) is False
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == ("off, Overriding trains on stock: Overriding.train_episode is test_train_episode.Overriding."
+                    "train_episode (its class's), not a stock episode qca_lowmem follows (edited, or a version it has "
+                    "not recorded); unset QCA_LOWMEM for it to silence this")
+
+
 def test_an_episode_of_its_own_is_refused_naming_it():
     refused(trainer_of(Overriding), r"Overriding.train_episode is test_train_episode.Overriding.train_episode "
                                     r"\(its class's\), not a stock episode qca_lowmem follows")

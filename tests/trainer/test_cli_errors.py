@@ -158,6 +158,7 @@ def test_ctrl_c_saves_and_exits_130(tmp_path):
     assert episode >= 2
     assert f"interrupted at episode {episode}; episodes 0-{episode - 1} are in" in stderr
     assert f"continues at episode {episode}" in stderr
+    assert f"; continue with: qca-lowmem train --no-progress --config {config} --out {out} --resume" in stderr
     rows = (out / "metrics.csv").read_text().splitlines()[1:]
     assert len(rows) == episode  # the checkpoint holds every episode metrics.csv reports
 

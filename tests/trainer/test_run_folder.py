@@ -53,6 +53,36 @@ def test_a_folder_that_holds_a_run_is_refused_without_resume_or_overwrite(tiny, 
     assert train(tiny, out) == 2  # metrics.csv alone is a run too (one killed before its first save)
 
 
+def test_a_checkpoint_resumed_without_out_continues_in_its_own_folder(tmp_path, capsys):
+    """The config's folder holds another, finished run: a resume of a checkpoint kept elsewhere
+    continues that run where it is and leaves the config's run as it was."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({**TINY, "output": {"save_every": 1, "out_dir": str(tmp_path / "qca")}}))
+    assert cli.main(["train", "--config", str(config), "--no-progress"]) == 0
+    finished = snapshot(tmp_path / "qca")
+    other = tmp_path / "x"
+    assert train(config, other, "--stop-after", 1) == 0
+    capsys.readouterr()
+    assert cli.main(["train", "--config", str(config), "--no-progress", "--resume", str(other / "checkpoint.pt"),
+                     "--episodes", "3"]) == 0
+    err, out = capsys.readouterr()[::-1]
+    assert f"continuing the run in {other}" in err and f"metrics in {other / 'metrics.csv'}" in out
+    assert snapshot(tmp_path / "qca") == finished
+    assert len((other / "metrics.csv").read_text().splitlines()) == 1 + 3
+
+
+def test_a_resume_into_a_folder_holding_another_run_is_refused(tiny, tmp_path, capsys):
+    held, other = tmp_path / "held", tmp_path / "x"
+    assert train(tiny, held) == 0 and train(tiny, other, "--stop-after", 1) == 0
+    before = snapshot(held)
+    capsys.readouterr()
+    assert train(tiny, held, "--resume", other / "checkpoint.pt") == 2
+    err = capsys.readouterr().err
+    assert f"--out {held} holds a run of its own" in err and f"--out {other} to continue it where it is" in err
+    assert snapshot(held) == before
+    assert train(tiny, held, "--resume") == 0  # its own checkpoint: continued
+
+
 def test_overwrite_keeps_the_old_files_aside(tiny, tmp_path, capsys):
     out = tmp_path / "run"
     assert train(tiny, out) == 0

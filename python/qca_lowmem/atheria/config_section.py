@@ -140,7 +140,7 @@ def enable_from_config(trainer, cfg=None, **overrides):
         if asked_by_config:
             raise
         # What and why, without enable()'s advice: the environment reaches none of its settings.
-        why = str(error).splitlines()[0].removeprefix("enable(): ").split("; ")[0]
+        why = str(error).splitlines()[0].removeprefix("enable(): ").split("; ")[0].rstrip(".")
         say(logging.WARNING, f"off, {type(trainer).__name__} trains on stock: {why}; "
                              f"unset {_ENV_FLAG} for it to silence this")
         return False

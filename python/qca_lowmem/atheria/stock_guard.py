@@ -50,7 +50,7 @@ def check_stock_episode(trainer, origin: Optional[str], assume_stock_episode: bo
         where += ", a wrapper (it has __wrapped__)"
     why = not_recorded()
     reason = (f"{type(trainer).__name__}.train_episode is {name} ({where}), not a stock episode qca_lowmem follows"
-              + (f": {why}" if why else ""))
+              + (f": {why}" if why else " (edited, or a version it has not recorded)" if where == "its class's" else ""))
     if assume_stock_episode:
         return reason
     raise TypeError(f"enable(): {reason}.\nenable() replaces train_episode by qca_lowmem's episode, which repeats the "

@@ -241,7 +241,7 @@ def _train(args) -> int:
     import dataclasses
 
     from .checkpoint import CHECKPOINT_NAME
-    from .errors import UsageError
+    from .errors import Interrupted, UsageError
     from .run_checks import check_run, device_note
     from .run_folder import free_run_folder
     from .say import message
@@ -258,6 +258,12 @@ def _train(args) -> int:
     resume = args.resume
     if resume == RESUME_LATEST:
         resume = os.path.join(config.out_dir, CHECKPOINT_NAME)
+    elif resume is not None and args.out_dir is None:
+        # the run goes on where its checkpoint is, not in the config's folder (which may hold another)
+        where = str(Path(resume).parent)
+        if os.path.abspath(where) != os.path.abspath(config.out_dir):
+            message(f"--resume {resume}: continuing the run in {where}")
+            config = dataclasses.replace(config, out_dir=where)
     if args.stop_after is not None and args.stop_after < 1:
         raise UsageError(f"--stop-after must be a positive number of episodes, got {args.stop_after}")
     if args.check:
@@ -266,8 +272,13 @@ def _train(args) -> int:
               f"hidden {config.hidden}, checkpoint={config.checkpoint}, amp_dtype={config.amp_dtype or 'fp32'}, "
               f"out {config.out_dir}, {device_note(config)}")
         return 0
-    results = train(config, resume=resume, ddp=args.ddp, progress=not args.no_progress, stop_after=args.stop_after,
-                    overwrite=args.overwrite)
+    try:
+        results = train(config, resume=resume, ddp=args.ddp, progress=not args.no_progress,
+                        stop_after=args.stop_after, overwrite=args.overwrite)
+    except Interrupted as stop:
+        if not stop.saved:
+            raise
+        raise Interrupted(f"{stop}; continue with: {resume_command(args, config.out_dir)}", stop.status, True) from None
     if results and int(os.environ.get("RANK", "0")) == 0:
         last = results[-1]
         done = last["episode"] + 1

@@ -19,8 +19,10 @@ def error_text(error: BaseException) -> str:
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C, SIGTERM or SIGHUP stopped training; the message says where the progress is.
-    `status`: the exit status, 128 + the signal's number."""
+    `status`: the exit status, 128 + the signal's number; `saved`: whether a checkpoint holds the
+    progress (so --resume continues it)."""
 
-    def __init__(self, text: str, status: int = 130):
+    def __init__(self, text: str, status: int = 130, saved: bool = False):
         super().__init__(text)
         self.status = status
+        self.saved = saved

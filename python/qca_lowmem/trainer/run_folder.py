@@ -20,11 +20,16 @@ def check_run_folder(out_dir, resume: Optional[str], overwrite: bool):
     """Refuse to start a new run over one in `out_dir` unless told which of the two to keep."""
     if resume and overwrite:
         raise UsageError("--resume continues the run in the folder and --overwrite starts a new one: give one of them")
-    if resume or overwrite:
+    if overwrite:
         return
     out = Path(out_dir)
     held = [name for name in RUN_MARKS if (out / name).exists()]
-    if held:
+    if resume and held and Path(resume).resolve().parent != out.resolve():
+        # a resume rewrites the folder's metrics from the checkpoint's episode on: not another run's
+        raise UsageError(f"--out {out} holds a run of its own ({', '.join(held)}), not the one --resume {resume} "
+                         f"continues: give --out {Path(resume).parent} to continue it where it is, or --out "
+                         f"{free_run_folder(out)} (which holds none) to continue it there")
+    if held and not resume:
         raise UsageError(f"--out {out} holds a run ({', '.join(held)}): continue it with --resume, or start over "
                          f"with --overwrite (its files are kept in {out / 'replaced-<date>'}), or give another --out "
                          f"(--out {free_run_folder(out)} holds none)")

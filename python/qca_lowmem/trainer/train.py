@@ -326,7 +326,8 @@ class Trainer:
                 f"{self.next_episode}"
                 if self.next_episode else "no episode finished, nothing saved")
         by = f" by {stop.args[0]}" if isinstance(stop, Stop) and stop.signum != signal.SIGINT else ""
-        return Interrupted(f"interrupted{by} at episode {self.next_episode}; {done}", getattr(stop, "status", 130))
+        return Interrupted(f"interrupted{by} at episode {self.next_episode}; {done}", getattr(stop, "status", 130),
+                           saved=self.next_episode > 0)
 
     def policy_label(self) -> str:
         """How the episodes run now, as metrics.csv's policy column says: the policy, the batch, the
@@ -338,7 +339,7 @@ class Trainer:
         seconds = max(row[-1] for row in rows)
         per_step = seconds / self.config.qca_steps
         return (f"first episode {duration_text(seconds)} ({duration_text(per_step)} a step, warm-up included); "
-                f"about {duration_text(seconds * left / len(rows))} for the {left} episodes left")
+                f"about {duration_text(seconds * left / len(rows))} for the {left} episode{'s' * (left != 1)} left")
 
     def replica_difference(self) -> float:
         """Largest |parameter difference| between this rank and rank 0 over all ranks (DDP check)."""
