@@ -30,7 +30,10 @@ from .recompute.weight_casts import cast_weight, episode_casts_active
 def conv_with_cast_weights(layer: nn.Module, x: Tensor, compute_dtype: torch.dtype) -> Tensor:
     """A torch Conv2d or ConvTranspose2d (called without `output_size`) applied to x with its weight
     and bias cast to `compute_dtype` by cast_weight: from the active episode's copies where there
-    are any."""
+    are any; x cast as autocast casts it (here, so that autocast's cache keeps no cast of an input
+    past the step)."""
+    if x.is_floating_point() and x.dtype not in (torch.float64, compute_dtype):
+        x = x.to(compute_dtype)
     weight = cast_weight(layer.weight, compute_dtype)
     bias = None if layer.bias is None else cast_weight(layer.bias, compute_dtype)
     if isinstance(layer, nn.ConvTranspose2d):
@@ -39,15 +42,22 @@ def conv_with_cast_weights(layer: nn.Module, x: Tensor, compute_dtype: torch.dty
     return layer._conv_forward(x, weight, bias)
 
 
+def _autocast_casts(t: Tensor) -> bool:
+    """Whether autocast casts t for a convolution: real floating point, not float64 (it leaves
+    complex and double tensors as they are)."""
+    return t.is_floating_point() and t.dtype != torch.float64
+
+
 def _episode_dtype(layer: nn.Module, x: Tensor) -> Optional[torch.dtype]:
-    """Autocast's dtype where layer(x) can take the episode's copies: inside a rollout's step, its
-    weight and bias parameters that autocast casts (not float64), its call plain (no hook, no
-    mode or transform of the caller's); else None."""
+    """Autocast's dtype where layer(x) can take the episode's copies: inside a rollout's step, x,
+    the weight and the bias all tensors autocast casts (the weight and bias parameters), its call
+    plain (no hook, no mode or transform of the caller's); else None."""
     if torch.compiler.is_compiling() or not episode_casts_active() or not isinstance(x, Tensor):
         return None
     dtype = autocast_dtype(x.device.type)
     params = [p for p in (layer.weight, layer.bias) if p is not None]
-    if dtype is None or not all(type(p) is nn.Parameter and p.dtype != torch.float64 for p in params):
+    if dtype is None or not _autocast_casts(x) or not all(type(p) is nn.Parameter and _autocast_casts(p)
+                                                           for p in params):
         return None
     return dtype if fused_call_stands_for((layer,)) else None
 
@@ -107,8 +117,12 @@ def cast_convs_in_place(module: nn.Module) -> List[nn.Module]:
 
 
 def uncast_convs(convs: List[nn.Module]) -> None:
-    """The convs of cast_convs_in_place given torch's class back (those still the stand-in's)."""
+    """The convs of cast_convs_in_place given torch's class back (those still the stand-in's, and
+    those that torch.nn.utils.parametrize gave a class of its own on top of it since)."""
     for conv in convs:
+        cls = type(conv)
         for torch_class, stand_in in _STAND_INS.items():
-            if type(conv) is stand_in:
+            if cls is stand_in:
                 conv.__class__ = torch_class
+            elif cls.__bases__ == (stand_in,) and getattr(conv, "parametrizations", None) is not None:
+                cls.__bases__ = (torch_class,)  # parametrize's class, made for this module alone

@@ -155,6 +155,84 @@ def episode(model, steps):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
+def real_episode(model, step, psi0, steps=3, **options):
+    """A bf16 episode (rollout `options`) of a state (B, C, H, W) through `step(model, psi)`: the
+    loss, psi_T and the gradients."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        psi, history = qca_lowmem.rollout(lambda p: step(model, p), psi0, steps, record_every=1, **options)
+    loss = sum(h.abs().square().sum() for h in history)
+    loss.backward()
+    return loss.detach(), psi.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def assert_episodes_equal(model, step, psi0, gradients_bitwise=True, **options):
+    """The episode with the stand-ins: torch's loss and psi_T, bit for bit, and its gradients (or,
+    where autocast sums several steps' gradients of one cached cast in bf16, to that rounding)."""
+    ours = copy.deepcopy(model)
+    assert convs.cast_convs_in_place(ours)
+    got, expected = real_episode(ours, step, psi0, **options), real_episode(model, step, psi0, **options)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    for g, e in zip(got[2], expected[2], strict=True):
+        # bf16 sums of a few steps' gradients that nearly cancel (the loss is a norm): 1% of the largest
+        assert torch.equal(g, e) if gradients_bitwise else (g - e).abs().max() <= 0.05 * e.abs().max()
+
+
+def residual_step(model, psi):
+    y = psi + 0.1 * model(psi).to(psi.dtype)
+    return y / y.abs().square().sum().sqrt()
+
+
+@pytest.mark.parametrize("checkpoint", ["step", "revolve", "auto"])
+def test_a_conv_on_the_float32_state_takes_the_copies_and_autocasts_bits(checkpoint):
+    """The state itself in float32, a leaf the no-grad forward hands each step: its cast is the
+    stand-in's own (autocast's cache would keep it past the step, an escape the rollout refuses).
+    "auto" keeps whole steps, where autocast's one cast of a weight sums their gradients in bf16."""
+    torch.manual_seed(0)
+    options = {"revolve": dict(slots=2), "auto": dict(budget=2**20, gradients_bitwise=False)}.get(checkpoint, {})
+    assert_episodes_equal(nn.Conv2d(2, 2, 3, padding=1), residual_step, torch.randn(1, 2, 6, 6),
+                          checkpoint=checkpoint, **options)
+
+
+def test_complex_weights_run_torchs_forward():
+    """autocast casts no complex tensor: a complex conv on the complex state is left to torch."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 2, 3, padding=1, dtype=torch.complex64)
+    assert_episodes_equal(conv, residual_step, torch.randn(1, 2, 6, 6, dtype=torch.complex64))
+
+
+def test_half_weights_get_autocasts_gradient_bits():
+    """An fp16 weight under bf16 autocast: its gradient rounded to fp16 before it is added, as
+    torch's cast does, not added from bf16 in one rounding."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 2, 1).half())
+    assert_episodes_equal(model, residual_step, torch.randn(1, 2, 6, 6))
+
+
+def test_a_parameter_changed_in_place_during_the_episode_is_refused():
+    """autocast's cache keeps the first cast for the episode; the copies would follow the change:
+    neither computes the other's answer, so the episode stops, saying why."""
+    torch.manual_seed(0)
+    model = swapped(nn.Conv2d(2, 2, 1))
+
+    def decaying(model, psi):
+        out = residual_step(model, psi)
+        with torch.no_grad():
+            model.weight.mul_(0.5)
+        return out
+
+    with pytest.raises(RuntimeError, match=r"a \(2, 2, 1, 1\) float32 parameter changed in place during the episode"):
+        real_episode(model, decaying, torch.randn(1, 2, 6, 6), checkpoint="none")
+
+
+def test_uncast_gives_a_parametrized_conv_torchs_class_too():
+    conv = swapped(nn.Conv2d(2, 2, 1))
+    torch.nn.utils.parametrizations.weight_norm(conv)
+    convs.uncast_convs([conv])
+    assert convs.Conv2d not in type(conv).__mro__ and nn.Conv2d in type(conv).__mro__
+    torch.nn.utils.parametrize.remove_parametrizations(conv, "weight")
+    assert type(conv) is nn.Conv2d
+
+
 def test_convert_gives_a_stock_unets_other_convs_the_copies():
     """convert() casts the transposed convs and the output conv from the episode's copies: a bf16
     episode of the step recompute casts their weights once (not at every step's recompute and

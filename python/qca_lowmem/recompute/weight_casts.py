@@ -6,8 +6,8 @@ Under autocast a fused block casts its conv weights to the compute dtype. Cast a
 an episode of T steps reads and writes every weight 2T times (forward and recompute), outside
 autocast's own cache, which lives only as long as one autocast context. The rollout keeps one
 `WeightCasts` per episode, active around each step: the first call casts a weight and every
-later step, recompute and backward reuses the copy while the weight's version is unchanged
-(the rollout refuses parameters changed in place within an episode anyway).
+later step, recompute and backward reuses the copy. A weight changed in place after a step of
+the episode used its copy stops the episode: autocast's cache would go on with the first cast.
 
 With gradient accumulation the weights do not change between the episodes of one optimizer
 step either: inside `with qca_lowmem.shared_weight_casts():` every rollout uses the scope's one
@@ -50,7 +50,8 @@ class WeightCasts:
     compute dtype."""
 
     def __init__(self):
-        self._copies: Dict[tuple, tuple] = {}
+        self._copies: Dict[tuple, tuple] = {}  # (id, dtype) -> (weight, its stamp, copy, the episode that cast it)
+        self.episode = 0  # the rollouts that used these copies so far (one, outside a shared scope)
 
     def active(self) -> "_Active":
         """A context inside which cast_weight uses these copies; it may be entered again, and
@@ -64,9 +65,18 @@ class WeightCasts:
     def copy_of(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         key = (id(weight), dtype)
         entry = self._copies.get(key)
-        if entry is None or entry[0] is not weight or entry[1] != (weight._version, weight.data_ptr()):
+        stamp = (weight._version, weight.data_ptr())
+        if entry is None or entry[0] is not weight or entry[1] != stamp:
+            if entry is not None and entry[0] is weight and entry[3] == self.episode:
+                # autocast's own cache would keep the first cast for the rest of the episode, and
+                # the copy the new values: neither is what the other computes
+                raise RuntimeError(
+                    f"qca_lowmem: a {tuple(weight.shape)} {str(weight.dtype).removeprefix('torch.')} parameter changed in "
+                    f"place during the episode, after a step used its {str(dtype).removeprefix('torch.')} cast: under "
+                    "autocast the stock episode goes on with its first cast (autocast's cache), qca_lowmem's would cast "
+                    "the new values; change parameters between episodes (or in an optimizer step)")
             with torch.no_grad():
-                entry = (weight, (weight._version, weight.data_ptr()), weight.to(dtype))
+                entry = (weight, stamp, weight.to(dtype), self.episode)
             self._copies[key] = entry
         return entry[2]
 
@@ -96,13 +106,13 @@ class StaticCasts(WeightCasts):
         entry = self._copies.get(key)
         if entry is None or entry[0] is not weight:
             with torch.no_grad():
-                entry = (weight, None, weight.to(dtype))
+                entry = (weight, None, weight.to(dtype), None)
             self._copies[key] = entry
         return entry[2]
 
     def refresh(self) -> None:
         with torch.no_grad():
-            for weight, _, copy in self._copies.values():
+            for weight, _, copy, _ in self._copies.values():
                 copy.copy_(weight)
 
 
@@ -156,7 +166,9 @@ def _drop_shared_copies(optimizer, args, kwargs) -> None:
 def for_episode() -> WeightCasts:
     """The copies a rollout starting now uses: the open scope's, else its own."""
     shared = getattr(_state, "shared", None)
-    return shared if shared is not None else WeightCasts()
+    casts = shared if shared is not None else WeightCasts()
+    casts.episode += 1
+    return casts
 
 
 def checkpoint_kwargs() -> dict:
@@ -201,6 +213,7 @@ class _CachedCast(torch.autograd.Function):
     def backward(ctx, grad):
         # Inside a recomputing rollout's backward the weight's per-step gradients are summed into
         # an fp32 buffer: added there straight from half precision, with no cast pass before.
-        if deposit(ctx.weight, grad):
+        # (For fp32 and fp64 weights, where the cast of grad is exact: an fp16 weight's is a rounding.)
+        if ctx.weight.dtype in (torch.float32, torch.float64) and deposit(ctx.weight, grad):
             return None, None
         return grad.to(ctx.weight.dtype), None
