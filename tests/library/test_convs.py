@@ -31,6 +31,13 @@ def swapped(layer):
     return layer
 
 
+def swapped_and_torchs(name):
+    """The layer `name` of LAYERS given the stand-in's class, a copy of it left torch's, an input."""
+    torch.manual_seed(0)
+    reference = LAYERS[name]()
+    return swapped(copy.deepcopy(reference)), reference, torch.randn(1, 6, 4, 4)
+
+
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
 @pytest.mark.parametrize("name", LAYERS)
 def test_in_an_episode_autocasts_bits_with_one_cast(name, channels_last):
@@ -65,10 +72,7 @@ def test_in_an_episode_autocasts_bits_with_one_cast(name, channels_last):
 
 @pytest.mark.parametrize("name", LAYERS)
 def test_outside_an_episode_or_autocast_torchs_forward_runs(name):
-    torch.manual_seed(0)
-    reference = LAYERS[name]()
-    layer = swapped(copy.deepcopy(reference))
-    x = torch.randn(1, 6, 4, 4)
+    layer, reference, x = swapped_and_torchs(name)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         params = list(layer.parameters())
         assert casts_in(lambda: layer(x), params) == casts_in(lambda: reference(x), params) == len(params)
@@ -131,10 +135,7 @@ def test_the_swap_keeps_the_object_leaves_blocks_and_gives_the_class_back():
 @pytest.mark.filterwarnings("ignore:`torch.jit.:DeprecationWarning")
 @pytest.mark.parametrize("name", LAYERS)
 def test_copies_pickles_script_and_compile(name):
-    torch.manual_seed(0)
-    reference = LAYERS[name]()
-    layer = swapped(copy.deepcopy(reference))
-    x = torch.randn(1, 6, 4, 4)
+    layer, reference, x = swapped_and_torchs(name)
     expected = reference(x)
     for copied in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
         assert type(copied) is type(layer) and torch.equal(copied(x), expected)
