@@ -32,7 +32,7 @@ def conv_with_cast_weights(layer: nn.Module, x: Tensor, compute_dtype: torch.dty
     and bias cast to `compute_dtype` by cast_weight: from the active episode's copies where there
     are any; x cast as autocast casts it (here, so that autocast's cache keeps no cast of an input
     past the step)."""
-    if x.is_floating_point() and x.dtype not in (torch.float64, compute_dtype):
+    if _autocast_casts(x) and x.dtype != compute_dtype:
         x = x.to(compute_dtype)
     weight = cast_weight(layer.weight, compute_dtype)
     bias = None if layer.bias is None else cast_weight(layer.bias, compute_dtype)
@@ -48,6 +48,12 @@ def _autocast_casts(t: Tensor) -> bool:
     return t.is_floating_point() and t.dtype != torch.float64
 
 
+def autocast_casts_call(layer: nn.Module, x: Tensor) -> bool:
+    """Whether autocast casts all that a conv call of `layer` on x reads: x, the weight and the bias
+    (what conv_with_cast_weights casts in its place)."""
+    return _autocast_casts(x) and all(_autocast_casts(p) for p in (layer.weight, layer.bias) if p is not None)
+
+
 def _episode_dtype(layer: nn.Module, x: Tensor) -> Optional[torch.dtype]:
     """Autocast's dtype where layer(x) can take the episode's copies: inside a rollout's step, x,
     the weight and the bias all tensors autocast casts (the weight and bias parameters), its call
@@ -55,9 +61,8 @@ def _episode_dtype(layer: nn.Module, x: Tensor) -> Optional[torch.dtype]:
     if torch.compiler.is_compiling() or not episode_casts_active() or not isinstance(x, Tensor):
         return None
     dtype = autocast_dtype(x.device.type)
-    params = [p for p in (layer.weight, layer.bias) if p is not None]
-    if dtype is None or not _autocast_casts(x) or not all(type(p) is nn.Parameter and _autocast_casts(p)
-                                                           for p in params):
+    if dtype is None or not autocast_casts_call(layer, x) or type(layer.weight) is not nn.Parameter \
+            or not (layer.bias is None or type(layer.bias) is nn.Parameter):
         return None
     return dtype if fused_call_stands_for((layer,)) else None
 

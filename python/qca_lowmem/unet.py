@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from . import _torch_private as torch_private
 from . import pools, stock
 from .blocks import FusedConvBlock, fused_in_place, layers_mismatch
-from .convs import cast_convs_in_place, conv_with_cast_weights
+from .convs import autocast_casts_call, cast_convs_in_place, conv_with_cast_weights
 from .ops import (
     calls_are_forwards,
     calls_checked_by_caller,
@@ -176,7 +176,7 @@ def _unfused_run(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     as the fused blocks' are) instead of autocast's per-call casts: the same values and gradients."""
     compute_dtype = autocast_dtype(x.device.type)
     if compute_dtype is None or type(layer) is nn.MaxPool2d or not plain_torch_layer(layer) \
-            or layer.weight.dtype == torch.float64:
+            or not autocast_casts_call(layer, x):
         return layer(x)
     return conv_with_cast_weights(layer, x, compute_dtype)
 
