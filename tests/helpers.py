@@ -307,6 +307,18 @@ def gradient_casts_in(episode) -> int:
                and e.input_dtypes[0] == "c10::BFloat16")
 
 
+def weight_casts_in(episode) -> int:
+    """aten::_to_copy calls from float32 3x3 conv weights (the fused blocks'), by the profiler; the
+    gradients' casts back to float32 are not weight casts. A cast made under a dispatch mode (the
+    rollout's probe watches its first step's ops) is one cast that the profiler lists twice, once
+    inside the other."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        episode()
+    return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
+               and len(e.input_shapes[0]) == 4 and e.input_shapes[0][2:] == [3, 3] and e.input_dtypes[0] == "float"
+               and not inside(e, "PythonDispatchMode"))
+
+
 def casts_in(fn, tensors) -> int:
     """aten::_to_copy calls of a tensor shaped as one of `tensors` (parameters: their casts and
     their gradients') while fn() runs, by the profiler: not those inside torch's CPU convolutions,

@@ -32,6 +32,7 @@ from helpers import (
     memory_step,
     noisy_schedule,
     randomize_affine,
+    weight_casts_in,
 )
 from qca_lowmem import NoiseSchedule
 from qca_lowmem.atheria import mask_free_noise
@@ -233,25 +234,6 @@ def _bf16_grads(step, unet, steps=4):
     return [psi_T.detach(), psi0.grad] + [p.grad for p in unet.parameters()]
 
 
-def _weight_casts_in(episode):
-    """aten::_to_copy calls from float32 3x3 conv weights (the fused blocks'), by the profiler; one
-    made under the probe's dispatch mode is listed twice, counted once."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-        episode()
-    return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
-               and len(e.input_shapes[0]) == 4 and e.input_shapes[0][2:] == [3, 3] and e.input_dtypes[0] == "float"
-               and not _under_dispatch_mode(e))
-
-
-def _under_dispatch_mode(event) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name == "PythonDispatchMode":
-            return True
-        parent = parent.cpu_parent
-    return False
-
-
 def test_a_captured_step_casts_its_weights_once_an_episode(replayed_graphs):
     """Inside the graphs the half-precision weights are copies made outside them, written again
     before each episode's replays: bitwise the eager episode's, not a cast at every replay, and
@@ -262,7 +244,7 @@ def test_a_captured_step_casts_its_weights_once_an_episode(replayed_graphs):
     assert max_relative_error(_bf16_grads(graph, unet), eager) == 0  # the capture's episode
     assert max_relative_error(_bf16_grads(graph, unet), eager) == 0  # an episode of replays
     fused_convs = 2 * sum(isinstance(m, qca_lowmem.FusedConvBlock) for m in unet.modules())
-    casts = [_weight_casts_in(lambda: _bf16_grads(graph, unet, steps)) for steps in (3, 9)]
+    casts = [weight_casts_in(lambda: _bf16_grads(graph, unet, steps)) for steps in (3, 9)]
     assert casts == [fused_convs, fused_convs] and replays(replayed_graphs) > 0  # the eager probe step's
     with torch.no_grad():
         for p in unet.parameters():

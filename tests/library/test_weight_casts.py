@@ -11,7 +11,7 @@ import torch
 import yaml
 
 import qca_lowmem
-from helpers import TINY, gradient_casts_in, inside, randomize_affine
+from helpers import TINY, gradient_casts_in, inside, randomize_affine, weight_casts_in
 from qca_lowmem import rollout
 from qca_lowmem.ops.qca_step import fused_step
 from qca_lowmem.recompute import weight_casts
@@ -70,27 +70,15 @@ def test_bitwise_the_same_as_casting_per_call(checkpoint, slots, cast_per_call):
     assert all(torch.equal(a, b) for a, b in zip(cached, per_call))
 
 
-def _weight_casts_in(episode):
-    """aten::_to_copy calls from float32 3x3 conv weights (the fused blocks'), by the profiler; the
-    gradients' casts back to float32, one per use as per call, are not weight casts. A cast made
-    under a dispatch mode (the rollout's probe watches its first step's ops) is one cast that the
-    profiler lists twice, once inside the other."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-        episode()
-    return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
-               and len(e.input_shapes[0]) == 4 and e.input_shapes[0][2:] == [3, 3] and e.input_dtypes[0] == "float"
-               and not inside(e, "PythonDispatchMode"))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpoint,slots", MODES)
 def test_weight_casts_per_episode_do_not_grow_with_steps(checkpoint, slots, cast_per_call):
     unet = fused_unet()
     fused_convs = 2 * sum(isinstance(m, qca_lowmem.FusedConvBlock) for m in unet.modules())
-    counts = [_weight_casts_in(lambda: bf16_episode(unet, steps, checkpoint, slots)) for steps in (3, 9)]
+    counts = [weight_casts_in(lambda: bf16_episode(unet, steps, checkpoint, slots)) for steps in (3, 9)]
     assert counts == [fused_convs, fused_convs]
     cast_per_call()  # the count sees the casts: per call they grow with the steps
-    assert _weight_casts_in(lambda: bf16_episode(unet, 3, checkpoint, slots)) > 3 * fused_convs
+    assert weight_casts_in(lambda: bf16_episode(unet, 3, checkpoint, slots)) > 3 * fused_convs
 
 
 @pytest.mark.parametrize("checkpoint,slots", MODES)
@@ -107,7 +95,7 @@ def test_unfused_layers_weights_are_cast_once_per_episode_too(checkpoint, slots,
 
 
 def _casts_of(shapes, episode):
-    """aten::_to_copy calls from float32 tensors of these shapes, by the profiler (as _weight_casts_in)."""
+    """aten::_to_copy calls from float32 tensors of these shapes, by the profiler (as weight_casts_in)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         episode()
     return sum(1 for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
@@ -145,8 +133,8 @@ def accumulated_episodes(unet, checkpoint, slots, shared, seeds=(3, 4, 5)):
 def test_episodes_accumulated_in_a_shared_scope_cast_once(checkpoint, slots, cast_per_call):
     unet = fused_unet()
     fused_convs = fused_convs_of(unet)
-    assert _weight_casts_in(lambda: accumulated_episodes(unet, checkpoint, slots, shared=True)) == fused_convs
-    assert _weight_casts_in(lambda: accumulated_episodes(unet, checkpoint, slots, shared=False)) == 3 * fused_convs
+    assert weight_casts_in(lambda: accumulated_episodes(unet, checkpoint, slots, shared=True)) == fused_convs
+    assert weight_casts_in(lambda: accumulated_episodes(unet, checkpoint, slots, shared=False)) == 3 * fused_convs
     shared = accumulated_episodes(unet, checkpoint, slots, shared=True)
     cast_per_call()
     per_call = accumulated_episodes(unet, checkpoint, slots, shared=False)
@@ -173,7 +161,7 @@ def test_a_weight_changed_inside_the_scope_is_cast_again(cast_per_call):
             second = accumulate_episode(unet, 4, "step", None, seed=4)
         return first + second + [p.grad for p in unet.parameters()]
 
-    assert _weight_casts_in(two_steps) == 2 * fused_convs_of(unet)
+    assert weight_casts_in(two_steps) == 2 * fused_convs_of(unet)
     stepped = [w.to(torch.bfloat16) for w in convs]
     shared = two_steps()
     unet.load_state_dict(initial)
@@ -232,9 +220,9 @@ def test_trainer_casts_once_per_optimizer_step_with_the_same_weights(tmp_path, m
             rows = [{k: v for k, v in row.items() if k != "seconds"} for row in csv.DictReader(f)]
         runs[out] = state["model_state_dict"], rows
 
-    casts = {"shared": _weight_casts_in(lambda: train("shared"))}
+    casts = {"shared": weight_casts_in(lambda: train("shared"))}
     monkeypatch.setattr(train_mod, "shared_weight_casts", contextlib.nullcontext)  # as before: one per episode
-    casts["per_episode"] = _weight_casts_in(lambda: train("per_episode"))
+    casts["per_episode"] = weight_casts_in(lambda: train("per_episode"))
     assert casts["shared"] == 2 * fused_convs_of(fused_unet(2, 8))  # two optimizer steps
     assert casts["per_episode"] > casts["shared"]
     (shared, shared_rows), (per_episode, per_episode_rows) = runs["shared"], runs["per_episode"]
