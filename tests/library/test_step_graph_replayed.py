@@ -7,6 +7,7 @@ CUDA tests in test_rollout.py and test_rollout_carry.py show."""
 
 import itertools
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -139,6 +140,25 @@ def test_a_captured_step_leaves_batchnorm_statistics_as_plain_autograd(replayed_
         buffers[name] = [b.tolist() for b in norm.buffers()]
     assert buffers["captured"] == buffers["plain"]
     assert replays(replayed_graphs) > 0
+
+
+def test_statistics_replaced_between_rollouts_are_captured_anew(replayed_graphs):
+    """A BatchNorm's running statistics replaced by new tensors between two rollouts (a reset):
+    the second rollout's replays write the new ones, as plain autograd's steps do, not the old."""
+    buffers = {}
+    for name in ("plain", "captured"):
+        _, norm, step = batchnorm_step()
+        graph = qca_lowmem.StepGraph(step)
+        for rollout in range(2):
+            if rollout:
+                norm.running_mean = torch.zeros_like(norm.running_mean)
+                norm.running_var = torch.ones_like(norm.running_var)
+            psi_T, _ = qca_lowmem.rollout(graph if name == "captured" else step, initial_state(), 4,
+                                          checkpoint="step" if name == "captured" else "none")
+            psi_T.abs().sum().backward()
+        buffers[name] = [b.double() for b in norm.buffers()]
+        assert name == "plain" or graph.captures_made == 2
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=0) for a, b in zip(buffers["captured"], buffers["plain"]))
 
 
 def test_the_capture_starts_from_an_empty_autocast_cache(replayed_graphs, monkeypatch):
@@ -372,24 +392,81 @@ def test_enable_runs_the_steps_eagerly_while_the_operator_has_a_hook(replayed_gr
     assert replays(replayed_graphs) > 0
 
 
-def test_a_layer_setting_changed_between_episodes_makes_a_new_capture(replayed_graphs):
-    """A replay keeps the values its capture read (a GroupNorm's eps): changed between episodes,
-    the step is captured again, and the episodes are stock's, not refused."""
+def _first(operator, kind):
+    return next(m for m in operator.modules() if isinstance(m, kind))
+
+
+def _norm_as_batchnorm(operator):
+    """The operator's first GroupNorm replaced by a BatchNorm (running statistics, written by every step)."""
+    parent = next(m for m in operator.modules() if any(isinstance(c, torch.nn.GroupNorm) for c in m.children()))
+    name = next(n for n, c in parent.named_children() if isinstance(c, torch.nn.GroupNorm))
+    setattr(parent, name, torch.nn.BatchNorm2d(getattr(parent, name).num_channels, momentum=0.3).double())
+
+
+def _statistics_reset(operator):
+    norm = _first(operator, torch.nn.BatchNorm2d)
+    norm.running_mean = torch.zeros_like(norm.running_mean)  # a new tensor: the capture's was the old one's memory
+    norm.running_var = torch.ones_like(norm.running_var)
+
+
+def _frozen_weight_replaced(operator):
+    # The second: with the first frozen, torch 2.13's CPU GroupNorm backward after it (channels_last
+    # input, no input gradient asked) crashes stock's episode.
+    conv = [m for m in operator.modules() if isinstance(m, torch.nn.Conv2d)][1]
+    conv.weight = torch.nn.Parameter(conv.weight.detach() * 0.5, requires_grad=False)
+
+
+def _numpy_eps(value):
+    return lambda op: setattr(_first(op, torch.nn.GroupNorm), "eps", numpy.float32(value))
+
+
+def _dilation_as_list(value):
+    def edit(operator):
+        conv = _first(operator, torch.nn.Conv2d)
+        conv.padding, conv.dilation = [value, value], [value, value]  # as a JSON config gives them
+    return edit
+
+
+# (edit before enable(), edit between episodes): what a replay keeps from its capture, changed.
+SETTING_EDITS = {
+    "eps": (None, lambda op: setattr(_first(op, torch.nn.GroupNorm), "eps", 0.5)),
+    "eps_numpy": (_numpy_eps(1e-5), _numpy_eps(0.5)),
+    "dilation_list": (_dilation_as_list(1), _dilation_as_list(2)),
+    "statistics_reset": (_norm_as_batchnorm, _statistics_reset),
+    "frozen_weight_replaced": (None, _frozen_weight_replaced),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(SETTING_EDITS))
+def test_a_layer_setting_changed_between_episodes_makes_a_new_capture(replayed_graphs, edit):
+    """A replay keeps the values its capture read (a GroupNorm's eps, of any number type; a
+    convolution's dilation, as a list) and the memory of the tensors it reads and writes (a buffer
+    or frozen weight replaced, not written in place): changed between episodes, the step is
+    captured again, and the episodes are stock's (parameters, gradients and buffers), not refused."""
+    before, between = SETTING_EDITS[edit]
     results = {}
     for name in ("stock", "captured"):
         trainer = make_trainer("unet_groupnorm")
+        if before is not None:
+            before(trainer.motor.operator)
         if name == "captured":
             qca_lowmem.enable(trainer)
         losses = []
         torch.manual_seed(99)
         for episode in range(2):
             if episode:
-                next(m for m in trainer.motor.operator.modules() if isinstance(m, torch.nn.GroupNorm)).eps = 0.5
+                between(trainer.motor.operator)
             losses.append(trainer.train_episode(episode)[0])
-        results[name] = losses, [p.grad.clone() for p in trainer.motor.operator.parameters()]
+        operator = trainer.motor.operator
+        results[name] = losses, [p.grad.clone() for p in operator.parameters() if p.grad is not None], \
+            [b.clone() for b in operator.buffers()]
     assert getattr(trainer, "_qca_lowmem_state").captures.step_graph.captures_made == 1  # the new one's
+    assert replays(replayed_graphs) > 0
     assert results["captured"][0] == pytest.approx(results["stock"][0], rel=1e-12)
     assert max_relative_error(results["captured"][1], results["stock"][1]) < 1e-9
+    buffers = results["captured"][2], results["stock"][2]
+    assert len(buffers[0]) == len(buffers[1])
+    assert all(torch.allclose(a.double(), b.double(), rtol=1e-9, atol=1e-12) for a, b in zip(*buffers))
 
 
 def test_an_operator_keeping_a_call_counter_on_itself_is_not_captured(replayed_graphs, monkeypatch):

@@ -5,7 +5,11 @@ qca_lowmem does not follow (operator_code.py: a replay runs no Python, so no hoo
 
 import functools
 import logging
+import numbers
 from typing import Any, Callable, Optional
+
+import numpy
+import torch
 
 from ..recompute import StepGraph
 from .engine_step import live_gamma
@@ -45,13 +49,47 @@ class StepCaptures:
         return self.step_graph
 
 
-_PLAIN = (bool, int, float, complex, str, tuple, type(None))
-
-
 def layer_settings(operator) -> tuple:
-    """The plain values each of the operator's modules holds (a GroupNorm's eps, an ELU's alpha, a
-    convolution's padding, `training`), which its forward may read: a capture keeps the ones it
-    read, so a change between episodes makes a new one."""
-    return tuple(tuple(sorted(((name, value) for name, value in vars(module).items()
-                               if not name.startswith("_") and isinstance(value, _PLAIN)), key=lambda item: item[0]))
+    """What each of the operator's modules holds that its forward may read (a GroupNorm's eps, an
+    ELU's alpha, a convolution's padding, `training`, its parameters and buffers): a capture keeps
+    the values it read and the memory its tensors were at, so a change between episodes (a value
+    set, a buffer or frozen weight replaced) makes a new one."""
+    return tuple(tuple(sorted(((name, _comparable(value, depth=1)) for name, value in _held(module)),
+                              key=lambda item: item[0]))
                  for module in operator.modules())
+
+
+def _held(module):
+    """(name, value) of a module's own attributes, parameters and buffers (not its submodules,
+    listed on their own; not torch's hook dicts and other private state)."""
+    for name, value in vars(module).items():
+        if not name.startswith("_"):
+            yield name, value
+    for kind in ("_parameters", "_buffers"):
+        for name, tensor in getattr(module, kind, {}).items():
+            yield f"{kind}.{name}", tensor
+
+
+def _comparable(value, depth: int):
+    """`value` as a key that equals another only where the two read the same: numbers of any type
+    (NumPy's included) by value, sequences and mappings item by item, a tensor by its identity and
+    memory (a replay reads that memory, whatever is written into it), an array by its bytes, any
+    other object by its identity and, one level down, its own attributes."""
+    if value is None or isinstance(value, (bool, str, bytes, type)):
+        return value
+    if isinstance(value, numbers.Number) and not isinstance(value, torch.Tensor):
+        return ("number", value.item() if hasattr(value, "item") else value)
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.is_meta:
+            return ("tensor", id(value), value.layout, value.device)
+        return ("tensor", id(value), value.data_ptr(), tuple(value.shape), value.stride(), value.dtype, value.device)
+    if isinstance(value, numpy.ndarray):
+        return ("array", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_comparable(item, depth) for item in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted(((repr(k), _comparable(v, depth)) for k, v in value.items()), key=lambda i: i[0])))
+    if isinstance(value, torch.nn.Module) or depth == 0 or not hasattr(value, "__dict__"):
+        return ("object", id(value))
+    return ("object", id(value), tuple(sorted(((k, _comparable(v, depth - 1)) for k, v in vars(value).items()
+                                               if not k.startswith("_")), key=lambda i: i[0])))

@@ -142,7 +142,7 @@ class StepGraph:
         from `state`, reaches or writes others is not captured (lanes.py)."""
         if not _captures(state.psi):
             return None
-        key = _capture_key(state, params, autocast_state)
+        key = _capture_key(state, params, autocast_state, writes)
         if key in self.failed_keys:
             return None
         if self.capture is None or self.capture.key != key:
@@ -177,9 +177,13 @@ def on_cuda(device: torch.device) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def _capture_key(state: State, params, autocast_state):
+def _capture_key(state: State, params, autocast_state, writes):
+    """What a capture holds fixed: the state's shapes, autocast's state, and the tensors the step
+    reaches and writes, by identity and memory (a buffer replaced between episodes, not only one
+    written in place, is captured anew)."""
     return (state.signature(), tuple(autocast_state.states),
-            tuple((id(p), p.data_ptr(), tuple(p.shape), p.dtype) for p in params))
+            tuple((id(p), p.data_ptr(), tuple(p.shape), p.dtype) for p in params),
+            tuple((id(w), w.data_ptr(), tuple(w.shape), w.dtype) for w in writes))
 
 
 @contextlib.contextmanager
