@@ -66,6 +66,10 @@ class FusedConvBlock(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, mid_channels: Optional[int] = None, *,
                  recompute: bool = True):
         super().__init__()
+        for name, value in (("in_channels", in_channels), ("out_channels", out_channels), ("mid_channels", mid_channels)):
+            if not (value is None and name == "mid_channels") and (
+                    not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"FusedConvBlock: {name} must be an int >= 1, got {value!r}")
         # The stock block's own layers: its parameters, keys and initialisation by construction.
         self.conv_block = stock.ConvBlock(in_channels, out_channels, mid_channels).conv_block
         self.recompute = recompute

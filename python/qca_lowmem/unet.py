@@ -51,6 +51,9 @@ class UNetUnitary(nn.Module):
         super().__init__()
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"UNetUnitary: recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+        for name, value in (("d_state", d_state), ("hidden_channels", hidden_channels)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"UNetUnitary: {name} must be an int >= 1, got {value!r}")
         self.recompute = recompute
         # The stock model's own modules (parameters, keys and initialisation as stock), its
         # ConvBlocks then fused in place around the same layers.
@@ -278,6 +281,8 @@ def convert(module: nn.Module, *, recompute: bool = True,
     the episode's half-precision copies, as the blocks do (cast once an episode, not at every
     step: the same values, its gradient summed in fp32), and torch's forward otherwise (convs.py).
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"convert: module must be a torch.nn.Module, got {type(module).__name__}")
     report = ConversionReport()
     if fuse_pools:
         swapped = {id(pool) for pool in pools.fuse_pools_in_place(module)}

@@ -1,6 +1,8 @@
 """Byte sizes written for people ('1.50 KiB') and read from them ('3.68GiB', '4GB'): the
 rollout's budget, `qca-lowmem plan` and the trainer's messages say sizes the same way."""
 
+import math
+
 
 def format_bytes(n) -> str:
     """1536 -> '1.50 KiB': binary units up to GiB."""
@@ -11,8 +13,8 @@ def format_bytes(n) -> str:
         n /= 1024
 
 
-def parse_bytes(text: str, allow_zero: bool = False) -> int:
-    """'3.68GiB', '512 MiB', '4GB', '1e9' -> bytes."""
+def parse_bytes(text: str, allow_zero: bool = False, name: str = "memory size") -> int:
+    """'3.68GiB', '512 MiB', '4GB', '1e9' -> bytes; `name` says what was given in the error."""
     units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
              "k": 2**10, "m": 2**20, "g": 2**30}
     s = str(text).strip().lower().replace(" ", "")
@@ -22,8 +24,8 @@ def parse_bytes(text: str, allow_zero: bool = False) -> int:
         value = float(number)
     except ValueError:
         value = None
-    if value is None or unit not in units or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"memory size must look like 3.68GiB, 512MiB or 4GB, got {text!r}")
+    if value is None or unit not in units or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must look like 3.68GiB, 512MiB or 4GB, got {text!r}")
     return int(value * units[unit])
 
 

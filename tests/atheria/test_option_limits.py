@@ -100,3 +100,14 @@ def test_an_operator_that_is_no_model_with_parameters_is_refused_naming_it(wrap)
                                         rf"\(the model the episodes train\); got {got}"):
         qca_lowmem.enable(trainer)
     assert not hasattr(trainer, "_qca_lowmem_state")
+
+
+@pytest.mark.parametrize("option, refused", [
+    (dict(grid_size=6), "UNetUnitary cannot take a 6x6 grid of d_state 2"),
+    (dict(d_state=3), "UNetUnitary cannot take a 8x8 grid of d_state 3"),
+])
+def test_a_grid_or_d_state_the_model_cannot_take_is_refused_naming_them(option, refused):
+    """Found by enable()'s probe call of the operator, not later from inside torch's ops."""
+    trainer = QC_Trainer_v4(config())
+    with pytest.raises(ValueError, match=refused):
+        qca_lowmem.enable(trainer, **option)

@@ -481,6 +481,16 @@ def test_unet_state_dict_is_the_stock_one():
     assert fused.outc.weight.std() < 1e-4  # stock init of the output layer
     with pytest.raises(ValueError, match="recompute must be one of"):
         qca_lowmem.UNetUnitary(3, 8, recompute="sometimes")
+    with pytest.raises(ValueError, match="UNetUnitary: d_state must be an int >= 1, got 0"):
+        qca_lowmem.UNetUnitary(0, 8)
+    with pytest.raises(ValueError, match="UNetUnitary: hidden_channels must be an int >= 1, got 8.0"):
+        qca_lowmem.UNetUnitary(3, 8.0)
+    with pytest.raises(ValueError, match="FusedConvBlock: in_channels must be an int >= 1, got 0"):
+        qca_lowmem.FusedConvBlock(0, 4)
+    with pytest.raises(ValueError, match="FusedConvBlock: mid_channels must be an int >= 1, got 0"):
+        qca_lowmem.FusedConvBlock(4, 4, 0)
+    with pytest.raises(TypeError, match="convert: module must be a torch.nn.Module, got int"):
+        qca_lowmem.convert(5)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -491,6 +491,13 @@ def test_clear_errors():
         rollout(step_fn, psi0, 3, record_every=0)
     with pytest.raises(TypeError, match="step_fn must be callable"):
         rollout(None, psi0, 3)
+    with pytest.raises(ValueError, match="steps must be an int >= 1, got 3.0"):
+        rollout(step_fn, psi0, 3.0)
+    for measure in (qca_lowmem.saved_bytes, qca_lowmem.peak_saved_bytes):
+        with pytest.raises(TypeError, match=f"{measure.__name__}: fn must be callable .*, got int"):
+            measure(5)
+    history = rollout(step_fn, psi0, numpy.int64(3), record_every=1)[1]  # NumPy's ints are ints
+    assert len(history) == len(rollout(step_fn, psi0, 3, record_every=1)[1]) == 3
     with pytest.raises(TypeError, match=r"psi0 must be a complex or floating tensor, got dtype=torch.int64 shape=\(2, 3\)"):
         rollout(step_fn, torch.zeros(2, 3, dtype=torch.int64), 3)
     scaled = op.outc.weight * 2  # requires grad, computed outside step_fn

@@ -292,6 +292,14 @@ def test_bad_input_is_named(call, message):
     assert "shape=" in str(info.value) or "got" in str(info.value)
 
 
+def test_a_gamma_or_eps_that_is_not_a_number_is_named():
+    psi, delta = torch.randn(1, 4, 4, 3, dtype=torch.complex64), torch.randn(1, 6, 4, 4)
+    with pytest.raises(TypeError, match="qca_update: gamma must be a real number, got 'x'"):
+        qca_lowmem.qca_update(psi, delta, gamma="x")
+    with pytest.raises(TypeError, match="qca_update: eps must be a real number, got None"):
+        qca_lowmem.qca_update(psi, delta, eps=None)
+
+
 def test_error_shows_received_tensor():
     with pytest.raises(RuntimeError, match=r"Tensor\(dtype=Float, shape=\[1, 5, 4, 4\], device=cpu, strides="):
         qca_lowmem.qca_update(torch.randn(1, 4, 4, 3, dtype=torch.complex64), torch.randn(1, 5, 4, 4))

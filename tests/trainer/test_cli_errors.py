@@ -4,6 +4,7 @@ what is wrong, the documented exit status, no traceback, and the previous checkp
 import csv
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import yaml
 from helpers import TINY, report_lines, write_config
 from qca_lowmem.trainer import cli
 from qca_lowmem.trainer.checkpoint import CHECKPOINT_NAME, previous_path
+from qca_lowmem.trainer.errors import UsageError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,6 +84,7 @@ ROWS = [
     ("argument-type", ["--config", "{config}", "--batch", "two"], None, None, 2,
      ["argument --batch: invalid int value: 'two'"]),
     ("stop-after-zero", ["--config", "{config}", "--stop-after", "0"], None, None, 2, ["--stop-after", "got 0"]),
+    ("ddp-without-torchrun", ["--config", "{config}", "--ddp"], None, None, 2, ["--ddp needs torchrun's environment"]),
     ("checkpoint-corrupt", ["--config", "{config}", "--resume"], None, _corrupt, 2,
      ["checkpoint.pt is unreadable (truncated?)", "checkpoint.prev.pt (episode 1) is readable: --resume"]),
     ("checkpoint-truncated", ["--config", "{config}", "--resume"], None, _truncate, 2,
@@ -315,3 +318,22 @@ def test_the_new_flags_reach_the_config(tmp_path):
     config = cli._config(args)
     assert (config.lr, config.weight_decay, config.max_grad_norm, config.max_skipped_steps, config.scheduler,
             config.fused_blocks, config.gamma) == (3e-4, 0.0, 2.0, 3, "cosine", False, 0.1)
+
+
+@pytest.mark.parametrize("flags, refused", [
+    (["--checkpoint", "step", "--slots", "4"], "--slots applies only to --checkpoint revolve, got --checkpoint step"),
+    (["--checkpoint", "revolve", "--budget", "1GiB"], "--budget applies only to --checkpoint auto, got --checkpoint revolve"),
+    (["--slots", "4", "--budget", "1GiB"], "--slots (revolve) and --budget (auto) are for two policies"),
+])
+def test_slots_or_budget_a_policy_does_not_read_are_refused(flags, refused):
+    """As enable() and rollout() refuse them, not dropped: the run would not do what they say."""
+    with pytest.raises(UsageError, match=re.escape(refused)):
+        cli._config(cli.build_parser().parse_args(["train", *flags]))
+
+
+def test_a_checkpoint_flag_drops_the_configs_slots_for_its_own_policy(tmp_path):
+    path = write_config(tmp_path / "revolve.yaml", {**TINY, "lowmem": {"checkpoint": "revolve", "slots": 8}})
+    config = cli._config(cli.build_parser().parse_args(["train", "--config", str(path), "--checkpoint", "step"]))
+    assert (config.checkpoint, config.slots) == ("step", None)
+    config = cli._config(cli.build_parser().parse_args(["train", "--config", str(path), "--slots", "3"]))
+    assert (config.checkpoint, config.slots) == ("revolve", 3)

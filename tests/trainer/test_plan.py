@@ -1,6 +1,7 @@
 """`qca-lowmem plan`: its advice runs as printed, it starts from the config's own policy, it
 refuses budgets nothing can fit in, and the bundled configs' comments say what it says."""
 
+import dataclasses
 import re
 import shlex
 from pathlib import Path
@@ -52,6 +53,23 @@ def test_the_printed_command_trains_the_planned_config_from_any_folder(tmp_path,
     assert run_cli(*command[1:], "--out", elsewhere / "run", "--check") == 0
     checked = capsys.readouterr().out
     assert "grid 8" in checked and "hidden 4" in checked  # the planned model, not the embedded one
+
+
+@pytest.mark.parametrize("flags", [["--checkpoint", "revolve", "--slots", 3], ["--slots", 3],
+                                   ["--amp-dtype", "bf16"], ["--no-fused-blocks", "--channels-last"]])
+def test_the_printed_command_trains_the_policy_and_options_plan_was_given(tmp_path, capsys, flags):
+    """Where the recommendation is the policy given by flags, the command spells it out (the
+    config's own is another); the other options plan was given are in it too."""
+    path = write_config(tmp_path, checkpoint="step")
+    assert run_cli("plan", "--config", path, *flags, "--gpu-mem", "1GiB") == 0
+    out = capsys.readouterr().out
+    assert "(config)" in next(line for line in out.splitlines() if line.startswith("lowmem"))
+    command = shlex.split(recommended_command(out))
+    planned = cli._config(cli.build_parser().parse_args(["plan", "--config", str(path), *map(str, flags),
+                                                         "--gpu-mem", "1GiB"]))
+    trained = cli._config(cli.build_parser().parse_args(command[1:]))
+    fp32_spelt = dataclasses.replace(planned, amp_dtype=planned.amp_dtype or "fp32")  # None and "fp32" alike
+    assert trained in (planned, fp32_spelt)
 
 
 def test_a_bundled_config_is_named_in_the_command():
@@ -174,3 +192,17 @@ def test_auto_keeps_what_the_rollouts_own_schedule_keeps():
         schedule = Auto.for_bytes(steps, counted, psi, budget, keeps_final_state=True, probed=1)
         assert isinstance(schedule, Auto)
         assert auto_split(Policy.auto(budget), steps, psi, m) == (steps - schedule.graphs_from, steps)
+
+
+def test_a_model_the_cpu_cannot_hold_to_measure_is_refused_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr("qca_lowmem.trainer.oom.available_cpu_memory", lambda: 2**20)
+    assert run_cli("plan", "--hidden", 64, "--gpu-mem", "4GiB") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qca-lowmem plan: plan measures a step of the model on the CPU: hidden 64")
+    assert err.count("\n") == 1 and "1.00 MiB is available" in err
+
+
+def test_an_episode_of_ten_billion_steps_is_planned_by_counting_not_listing(capsys):
+    """The states an episode keeps are counted by size: planning takes no memory per step."""
+    assert run_cli("plan", "--qca-steps", 10**10, "--gpu-mem", "4GiB") == 0
+    assert "recommended: lowmem revolve" in capsys.readouterr().out

@@ -20,6 +20,7 @@ from qca_lowmem.trainer import cli
 from qca_lowmem.trainer import config as config_mod
 from qca_lowmem.trainer import train as train_mod
 from qca_lowmem.trainer.checkpoint import atomic_save
+from qca_lowmem.trainer.errors import UsageError
 from qca_lowmem.trainer.footprint import LOSS_STATES
 from qca_lowmem.trainer.oom import EXIT_OOM, RunPolicy
 from qca_lowmem.trainer.plan import Estimate, recommend
@@ -385,6 +386,9 @@ def test_parse_bytes():
     assert parse_bytes("512 MiB") == 512 * 2**20
     assert parse_bytes("4GB") == 4 * 10**9
     assert parse_bytes("0", allow_zero=True) == 0
+    for text in ("1e400", "nan", "-1", "3 parsecs"):
+        with pytest.raises(ValueError, match=f"--reserve must look like 3.68GiB, 512MiB or 4GB, got '{text}'"):
+            parse_bytes(text, allow_zero=True, name="--reserve")
 
 
 @pytest.mark.slow
@@ -473,5 +477,26 @@ def test_ddp_on_cuda_with_more_ranks_than_gpus_says_so(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(distributed, "resolve_device", lambda name, local_rank=0: torch.device("cuda", local_rank))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(RuntimeError, match=r"--ddp: local rank 1 has no GPU \(1 visible\)"):
+    with pytest.raises(UsageError, match=r"--ddp: local rank 1 has no GPU \(1 visible\)"):
         distributed.Distributed(True, "cuda")
+
+
+@pytest.mark.parametrize("command", ["bench", "plan"])
+@pytest.mark.parametrize("threads_in_config, flags, expected", [(None, [], 1), (2, [], 2), (2, ["--threads", "1"], 1)])
+def test_bench_and_plan_run_at_the_configs_threads_as_train_does(tmp_path, monkeypatch, command, threads_in_config,
+                                                                   flags, expected):
+    """The embedded config's one thread, a YAML's `threads`, or --threads (not torch's choice)."""
+    seen = []
+    monkeypatch.setattr(f"qca_lowmem.trainer.{command}.main_{command}",
+                        lambda *args, **kwargs: seen.append(torch.get_num_threads()) or 0)
+    config = []
+    if threads_in_config is not None:
+        path = tmp_path / "threads.yaml"
+        path.write_text(yaml.safe_dump({"threads": threads_in_config}))
+        config = ["--config", str(path)]
+    torch.set_num_threads(3)
+    try:
+        assert cli.main([command, *config, *flags, *(["--gpu-mem", "4GiB"] if command == "plan" else [])]) == 0
+    finally:
+        torch.set_num_threads(1)
+    assert seen == [expected]

@@ -108,8 +108,15 @@ def _buffers_kept(module: torch.nn.Module, device):
 
 
 def discontinuity(operator: torch.nn.Module, x: torch.Tensor, memory: bool) -> Optional[str]:
-    """Why the operator's output may jump with its input `x` (the packed probe psi), or None."""
+    """Why the operator's output may jump with its input `x` (the packed probe psi), or None. An
+    operator that cannot take `x` (a grid or d_state the model cannot run) is refused naming them."""
     follow = _Follow(x)
-    with torch.no_grad(), _buffers_kept(operator, x.device), follow:
-        operator(x, None, None) if memory else operator(x)
+    try:
+        with torch.no_grad(), _buffers_kept(operator, x.device), follow:
+            operator(x, None, None) if memory else operator(x)
+    except RuntimeError as error:
+        _, channels, height, width = x.shape
+        raise ValueError(f"enable(): {type(operator).__name__} cannot take a {height}x{width} grid of d_state "
+                         f"{channels // 2} (the grid_size and d_state its episodes run at): "
+                         f"{str(error).splitlines()[0]}") from None
     return follow.found

@@ -54,8 +54,9 @@ class Options:
         lowmem_key=True, positional=True)
     amp_dtype: Optional[Union[str, torch.dtype]] = option(
         None, 'None follows the trainer (fp16 autocast when `trainer.use_amp`, read at enable(): an episode after '
-        'it changes refuses; a train_episode called inside an autocast of the caller\'s, which the trainer\'s '
-        'episode would run in, refuses), else "fp32", "bf16" or "fp16", whatever the caller\'s autocast; '
+        'it changes enables it again, reading it anew, said in one line; a train_episode called inside an '
+        'autocast of the caller\'s, which the trainer\'s episode would run in, refuses), else "fp32", "bf16" '
+        'or "fp16", whatever the caller\'s autocast; '
         "the state and its normalisation stay complex64 either way. bf16 on a GPU below compute capability 8.0 "
         "(emulated there) becomes fp16 with the loss scaler, with a warning.",
         "one of None, 'fp32', 'bf16', 'fp16' (or a torch dtype)", _is_amp_dtype, lowmem_key=True, positional=True)
@@ -94,7 +95,8 @@ class Options:
         "`motor.state.psi`; their V4 also takes a state's psi unreset, or `motor.get_initial_state(batch_size)` "
         "from an engine without one; grid_size and batch_size, which would replace it, are refused), else the "
         "stand-in's stock draw (batch_size, default 1) on the global torch RNG with the grid from trainer.grid_size "
-        "or motor.cfg.GRID_SIZE_TRAINING, read at enable(): an episode after it changes refuses. A V3 trainer "
+        "or motor.cfg.GRID_SIZE_TRAINING, read at enable(): an episode after it changes enables it again at the new "
+        "grid, said in one line. A V3 trainer "
         "draws its own, `motor.get_initial_state(trainer.batch_size)`, and refuses grid_size and batch_size.",
         "an int >= 1, a pair of ints >= 1 or None", lambda v: v is None or _positive_int(v) or isinstance(
             v, (tuple, list)) and len(v) == 2 and all(_positive_int(side) for side in v))

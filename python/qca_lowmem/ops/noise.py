@@ -79,7 +79,10 @@ class NoiseSchedule:
     """
 
     def __init__(self, max_noise: float, episode: int, seed: Optional[int] = None):
-        max_noise = float(max_noise)
+        try:
+            max_noise = float(max_noise)
+        except (TypeError, ValueError):
+            raise ValueError(f"max_noise must be a finite number >= 0, got {max_noise!r}") from None
         if not (math.isfinite(max_noise) and max_noise >= 0.0):
             raise ValueError(f"max_noise must be a finite number >= 0, got {max_noise}")
         if isinstance(episode, bool) or not isinstance(episode, int) or episode < 0:

@@ -41,7 +41,17 @@ def qca_update(
     Differentiable; backward saves only psi and delta and recomputes the rest.
     """
     refuse_func_transforms("qca_lowmem.qca_update", psi, delta)
-    return call_unwatched(_lib.qca_update, (psi, delta), float(gamma), bool(multiplicative), float(eps))
+    return call_unwatched(_lib.qca_update, (psi, delta), _real("qca_update", "gamma", gamma), bool(multiplicative),
+                          _real("qca_update", "eps", eps))
+
+
+def _real(op: str, name: str, value) -> float:
+    """`value` as the float the op takes (a Python or NumPy number, a one-element tensor), else a
+    TypeError naming the argument."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: {name} must be a real number, got {value!r}") from None
 
 
 class fused_step:  # noqa: N801  (a function to its callers; a class so that it copies and pickles)

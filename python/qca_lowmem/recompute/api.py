@@ -8,6 +8,7 @@ for the whole episode: its backward is the reverse pass (reverse.py).
 """
 
 import contextlib
+import numbers
 from typing import Callable, List, Optional, Sequence, Union
 
 import torch
@@ -103,8 +104,9 @@ def rollout(
                          "give a state on the CPU or a GPU")
     if not (psi0.is_complex() or psi0.is_floating_point()):
         raise TypeError(f"rollout: psi0 must be a complex or floating tensor, got dtype={psi0.dtype} shape={tuple(psi0.shape)}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:  # NumPy's ints too
         raise ValueError(f"rollout: steps must be an int >= 1, got {steps!r}")
+    steps = int(steps)
     if isinstance(checkpoint, Policy):
         if slots is not None or budget is not None:
             raise ValueError(f"rollout: checkpoint is a Policy ({checkpoint.describe()}), which holds its own slots and "

@@ -24,6 +24,11 @@ def saved_bytes(fn, *args, **kwargs) -> int:
     return sum(saved_storage_sizes(fn, *args, **kwargs))
 
 
+def _check_callable(fn, caller: str) -> None:
+    if not callable(fn):
+        raise TypeError(f"{caller}: fn must be callable (it is run, its graph measured), got {type(fn).__name__}")
+
+
 def counted_storage(tensor: torch.Tensor):
     """(key, storage) of a saved tensor's storage as saved_bytes counts it, the key telling the
     storage apart while it lives; None for a Parameter (it lives whether or not a graph exists) and
@@ -40,6 +45,7 @@ def peak_saved_bytes(fn, *args, **kwargs) -> int:
     excluded) from when a graph saves it until the graph lets it go. For a training step that runs
     its backward (`train_episode`), the peak of its episode: the forward's graphs and, in the
     backward, what recomputes hold."""
+    _check_callable(fn, "peak_saved_bytes")
     live = {}  # (device, address) -> [references held, bytes]
     held, peak = [0], [0]
 
@@ -88,6 +94,7 @@ def saved_storage_sizes(fn, *args, **kwargs) -> List[int]:
     Storages are held until `fn` returns so that a freed address reused by a later allocation
     cannot be mistaken for the same storage.
     """
+    _check_callable(fn, "saved_bytes")
     storages = {}
 
     def pack(tensor):

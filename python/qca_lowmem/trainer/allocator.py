@@ -17,7 +17,7 @@ well, which makes this a floor: what fragmentation adds on top is part of plan's
 
 import math
 import os
-from typing import Iterable
+from typing import Iterable, Mapping, Union
 
 MiB = 2**20
 BLOCK = 512
@@ -38,19 +38,20 @@ def _share(block: int, segment: int) -> float:
     return segment / (segment // block)
 
 
-def reserved_bytes(sizes: Iterable[int], expandable: bool = False) -> int:
-    """Bytes reserved to hold tensors of these sizes (bytes) at once, from empty pools."""
+def reserved_bytes(sizes: Union[Iterable[int], Mapping[int, int]], expandable: bool = False) -> int:
+    """Bytes reserved to hold tensors of these sizes (bytes; or a mapping of size to how many, for
+    an episode's thousands of states) at once, from empty pools."""
     small = medium = large = 0.0
-    for size in sizes:
+    for size, count in (sizes.items() if isinstance(sizes, Mapping) else ((size, 1) for size in sizes)):
         if size <= 0:
             continue
         block = block_bytes(size)
         if block <= SMALL_BLOCK:
-            small += block if expandable else _share(block, SMALL_SEGMENT)
+            small += count * (block if expandable else _share(block, SMALL_SEGMENT))
         elif expandable or block < OWN_SEGMENT:
-            medium += block if expandable else _share(block, LARGE_SEGMENT)
+            medium += count * (block if expandable else _share(block, LARGE_SEGMENT))
         else:
-            large += -(-block // ROUND_LARGE) * ROUND_LARGE
+            large += count * (-(-block // ROUND_LARGE) * ROUND_LARGE)
     return int(_whole(small, SMALL_SEGMENT) + _whole(medium, LARGE_SEGMENT) + large)
 
 

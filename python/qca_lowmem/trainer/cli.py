@@ -2,9 +2,9 @@
 
 Exit status: 0 done (or nothing to do), 1 a failure while running (the last checkpoint kept), 2 a
 bad argument, config, output folder (another run writing there) or checkpoint (found before the
-first episode), 3 out of memory (progress saved), 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP (progress
-saved). Every failure is one line on stderr; QCA_LOWMEM_TRACEBACK=1 adds
-the traceback of an unexpected one.
+first episode), 3 out of memory (progress saved; before the first episode, nothing ran), 130
+Ctrl-C, 143 SIGTERM, 129 SIGHUP (progress saved). Every failure is one line on stderr;
+QCA_LOWMEM_TRACEBACK=1 adds the traceback of an unexpected one.
 """
 
 import argparse
@@ -89,15 +89,23 @@ CONFIG_FLAGS = ("device", "threads", "grid", "d_state", "hidden", "qca_steps", "
 
 def _config(args):
     from .config import load_config
+    from .errors import UsageError
 
     overrides = {name: getattr(args, name, None) for name in CONFIG_FLAGS}
-    # --slots alone means revolve, --budget alone auto; a --checkpoint that takes neither drops them.
+    # --slots alone means revolve, --budget alone auto; given with a --checkpoint that takes neither,
+    # refused; the config's own, with such a --checkpoint, dropped (they were for its policy).
+    if overrides.get("slots") is not None and overrides.get("budget") is not None:
+        raise UsageError(f"--slots ({REVOLVE}) and --budget ({AUTO}) are for two policies: give one")
+    unset = []
     for option, mode in (("slots", REVOLVE), ("budget", AUTO)):
-        if overrides.get(option) is not None and overrides.get("checkpoint") is None:
+        checkpoint = overrides.get("checkpoint")
+        if overrides.get(option) is not None and checkpoint is None:
             overrides["checkpoint"] = mode
-        if overrides.get("checkpoint") not in (None, mode):
-            overrides[option] = None
-    return load_config(args.config, flags={name: _flag(name) for name in overrides}, **overrides)
+        elif overrides.get(option) is not None and checkpoint != mode:
+            raise UsageError(f"{_flag(option)} applies only to --checkpoint {mode}, got --checkpoint {checkpoint}")
+        elif checkpoint not in (None, mode):
+            unset.append(option)
+    return load_config(args.config, flags={name: _flag(name) for name in overrides}, unset=unset, **overrides)
 
 
 def build_parser():
@@ -200,7 +208,7 @@ def _run(args) -> int:
 
         return main_doctor()
     config = _config(args)
-    if args.threads:  # train takes it from its config
+    if config.threads:  # as train sets it (the embedded config's 1, a YAML's, --threads)
         import torch
 
         torch.set_num_threads(config.threads)
@@ -216,19 +224,25 @@ def _run(args) -> int:
         return main_bench(config, steps, args.out, args.repeats)
     from .plan import main_plan
 
-    return main_plan(config, args.gpu_mem, args.reserve, args.json, args.half, _train_flags(args))
+    return main_plan(config, args.gpu_mem, args.reserve, args.json, args.half, _train_flags(args),
+                     policy_flags_given=any(getattr(args, name) is not None for name in POLICY_FLAGS))
+
+
+# The options that pick the rollout policy and precision: plan's recommendation spells them out.
+POLICY_FLAGS = ("checkpoint", "slots", "budget", "amp_dtype")
 
 
 def _train_flags(args) -> List[str]:
     """The options `args` gave that `train` reads the same way, the --config as it resolves from
-    any folder (a file by its absolute path, a bundled config by name); not the policy, which
-    plan recommends."""
+    any folder (a file by its absolute path, a bundled config by name); not the policy's
+    (POLICY_FLAGS), which plan's recommendation gives."""
     import shlex
 
     from .config import config_reference
 
     flags = ["--config", shlex.quote(config_reference(args.config))] if args.config is not None else []
-    for name in ("device", "threads", "grid", "d_state", "hidden", "qca_steps", "batch", "cuda_graph"):
+    for name in ("device", "threads", "grid", "d_state", "hidden", "qca_steps", "batch", "gamma", "fused_blocks",
+                 "cuda_graph", "channels_last"):
         value = getattr(args, name, None)
         if isinstance(value, bool):
             flags.append(_flag(name) if value else "--no-" + _flag(name)[2:])

@@ -7,7 +7,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
@@ -16,7 +16,7 @@ from ..atheria import config_section
 from ..ops.qca_step import fused_step
 from ..precision import nhwc_faster, parse_amp_dtype
 from ..recompute import Policy
-from ..recompute.policy import STEP
+from ..recompute.policy import AUTO, STEP
 from ..unet import UNetUnitary, input_dtype
 from .errors import UsageError, error_text
 
@@ -105,7 +105,11 @@ class TrainConfig:
             refuse("device", "auto, cpu, cuda or cuda:N")
         if not isinstance(self.out_dir, str) or not self.out_dir:
             refuse("out_dir", "a folder name")
+        if self.slots is not None and (not _is_int(self.slots) or self.slots < 1):
+            refuse("slots", "a positive integer (states kept, psi0 included) or null")
         try:
+            if self.budget is not None:  # its own flag or key named, whichever policy it is for
+                Policy.of(AUTO, budget=self.budget, caller=label("budget"))
             self.policy(label("checkpoint"))
         except ValueError as error:
             raise UsageError(str(error)) from None
@@ -258,14 +262,16 @@ def read_config_file(path: str):
     return {} if document is None else document
 
 
-def load_config(path: Optional[str] = None, *, flags: Optional[dict] = None, **overrides) -> TrainConfig:
+def load_config(path: Optional[str] = None, *, flags: Optional[dict] = None, unset: Sequence[str] = (),
+                **overrides) -> TrainConfig:
     """The embedded default, a YAML file, or a bundled config by name (`small_gpu`), with keyword
-    overrides (None values ignored). `flags` maps an override to the CLI flag that set it, for
-    messages."""
+    overrides (None values ignored) and the fields in `unset` set to None. `flags` maps an override
+    to the CLI flag that set it, for messages."""
     config = TrainConfig()
     if path is not None:
         config = config_from_dict(read_config_file(path), base=TrainConfig(threads=None), where=f"config {path}")
     changes = {k: v for k, v in overrides.items() if v is not None}
+    changes.update({name: None for name in unset})
     if not changes:
         return config.validate()
     names = flags or {}

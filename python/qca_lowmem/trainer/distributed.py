@@ -6,6 +6,8 @@ from typing import List
 
 import torch
 
+from .errors import UsageError
+
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """'auto' (this rank's GPU when CUDA is available, else the CPU) or a device that must exist."""
@@ -27,7 +29,7 @@ class Distributed:
             import torch.distributed as dist
 
             if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-                raise RuntimeError("--ddp needs torchrun's environment (RANK, WORLD_SIZE, ...): "
+                raise UsageError("--ddp needs torchrun's environment (RANK, WORLD_SIZE, ...): "
                                    "torchrun --nproc_per_node=N -m qca_lowmem train --ddp ...")
             self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
             if not dist.is_initialized():
@@ -36,7 +38,7 @@ class Distributed:
                 if on_cuda:
                     visible = torch.cuda.device_count()
                     if self.local_rank >= visible:
-                        raise RuntimeError(f"--ddp: local rank {self.local_rank} has no GPU ({visible} visible): "
+                        raise UsageError(f"--ddp: local rank {self.local_rank} has no GPU ({visible} visible): "
                                            f"use --nproc_per_node <= {visible}, or --device cpu")
                     torch.cuda.set_device(self.local_rank)
                 # Imported before the group exists: its functions bind group.WORLD as default

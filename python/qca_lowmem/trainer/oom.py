@@ -12,6 +12,7 @@ import torch
 
 from ..recompute import Policy
 from ..units import format_bytes
+from .errors import UsageError
 from .footprint import kept_bytes, model_state_bytes, psi_bytes
 
 EXIT_OOM = 3
@@ -81,8 +82,10 @@ def check_cpu_memory(config, parameters: int, available: Optional[int] = None):
     if state_bytes + kept <= available:
         return
     lower = policy.lowered(config.qca_steps)
-    advice = [" ".join(lower.cli_arguments())] if kept > state_bytes and lower is not None and \
-        lower.kept_states(config.qca_steps) < policy.kept_states(config.qca_steps) else []
+    # the lower policy only where it fits (at an absurd grid each would name the next)
+    advice = [" ".join(lower.cli_arguments())] if lower is not None and \
+        lower.kept_states(config.qca_steps) < policy.kept_states(config.qca_steps) and \
+        state_bytes + kept_bytes(lower, config.qca_steps, psi) <= available else []
     advice += [f"a smaller --batch (now {config.batch})"] * (config.batch > 1)
     advice.append(f"a smaller --grid (now {config.grid}), --qca-steps (now {config.qca_steps}) or --hidden "
                   f"(now {config.hidden})")
@@ -91,6 +94,16 @@ def check_cpu_memory(config, parameters: int, available: Optional[int] = None):
         f"(model state {format_bytes(state_bytes)}, kept states {format_bytes(kept)} with "
         f"{policy.describe()}) but {format_bytes(available)} is available: lower it with "
         + "; ".join(advice) + " (`qca-lowmem plan` shows the peak)")
+
+
+def check_cpu_holds_model(config, parameters: int) -> None:
+    """Refuse to measure a step of a model (`qca-lowmem plan`) whose weights and gradients alone
+    exceed the CPU memory available."""
+    needed, available = 8 * parameters, available_cpu_memory()
+    if available is not None and needed > available:
+        raise UsageError(f"plan measures a step of the model on the CPU: hidden {config.hidden}, d_state "
+                         f"{config.d_state} needs at least {format_bytes(needed)} of CPU memory for its weights and "
+                         f"gradients, {format_bytes(available)} is available")
 
 
 def release_cached_memory():

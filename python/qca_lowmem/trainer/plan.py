@@ -24,6 +24,7 @@ runs on the GPU.
 import dataclasses
 import functools
 import json
+from collections import Counter
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -37,9 +38,10 @@ from ..recompute.memory import SAFETY, saved_storage_sizes
 from ..recompute.schedule import budget_split
 from ..units import format_bytes, parse_bytes
 from .allocator import expandable_in_environment, reserved_bytes
-from .config import TrainConfig, build_model, model_step
+from .config import TrainConfig, build_model, model_step, parameter_count
 from .errors import UsageError
 from .footprint import LOSS_STATES, MODEL_STATE_BYTES_PER_PARAMETER, model_state_bytes, psi_bytes
+from .oom import check_cpu_holds_model
 
 _PROBE_GRIDS = (8, 16)
 MiB = 2**20
@@ -194,16 +196,19 @@ def auto_split(policy: Policy, steps: int, psi: int, m: StepMeasure, captured: b
     return (0, slots) if slots is not None else (full, steps)
 
 
-def kept_sizes(policy: Optional[Policy], steps: int, psi: int, m: StepMeasure, captured: bool = True) -> List[int]:
-    """The tensors an episode keeps across its steps, and the loss's states. A full graph step
-    keeps its activations and its output state."""
+def kept_sizes(policy: Optional[Policy], steps: int, psi: int, m: StepMeasure, captured: bool = True) -> Counter:
+    """The tensors an episode keeps across its steps, and the loss's states, as how many of each
+    size. A full graph step keeps its activations and its output state."""
+    def graphs(count: int) -> Counter:
+        return Counter({size: n * count for size, n in Counter(m.activation_sizes).items()})
+
     if policy is None or not policy.recomputes:  # plain autograd keeps every step's graph
-        return list(m.activation_sizes) * steps
+        return graphs(steps)
     if policy.byte_budget is not None:
         full, states = auto_split(policy, steps, psi, m, captured)
-        return list(m.activation_sizes) * full + [psi] * (states + LOSS_STATES)
+        return graphs(full) + Counter({psi: states + LOSS_STATES})
     # ("auto" with budget "free" adapts to what is free: at least one state per step)
-    return [psi] * (policy.kept_states(steps) + LOSS_STATES)
+    return Counter({psi: policy.kept_states(steps) + LOSS_STATES})
 
 
 def margin_bytes(parameters: int, m: StepMeasure, amp: Optional[str], captured: bool) -> int:
@@ -224,9 +229,10 @@ def estimate(config: TrainConfig, name: str, policy: Optional[Policy], amp: Opti
     kept = kept_sizes(policy, config.qca_steps, psi, m, captured)
     parameters = sum(numels)
     model_state = [4 * n for n in numels] * (MODEL_STATE_BYTES_PER_PARAMETER // 4)
-    tensors = sum(model_state) + sum(kept) + sum(working) + sum(pool)
-    reserved = reserved_bytes(model_state + kept + working, expandable) + reserved_bytes(pool)
-    return Estimate(name, policy, amp, model_state_bytes(parameters), sum(kept), sum(working) + sum(pool),
+    kept_total = sum(size * count for size, count in kept.items())
+    tensors = sum(model_state) + kept_total + sum(working) + sum(pool)
+    reserved = reserved_bytes(Counter(model_state) + kept + Counter(working), expandable) + reserved_bytes(pool)
+    return Estimate(name, policy, amp, model_state_bytes(parameters), kept_total, sum(working) + sum(pool),
                     from_config=from_config, full_graph_bytes=m.saved_bytes + psi, graph_pool_bytes=sum(pool),
                     rounding_bytes=reserved - tensors, margin_bytes=margin_bytes(parameters, m, amp, bool(pool)))
 
@@ -294,6 +300,7 @@ def plan(config: TrainConfig, gpu_mem: int, reserve: int, half: Optional[str] = 
         half = "fp16" if native == torch.float16 else half
     if half not in ("bf16", "fp16"):
         raise ValueError(f"half must be 'bf16' or 'fp16', got {half!r}")
+    check_cpu_holds_model(config, parameter_count(config))  # plan measures a step on the CPU
     model = build_model(dataclasses.replace(config, device="cpu"), "cpu")
     numels = [p.numel() for p in model.parameters()]
     parameters = sum(numels)
@@ -315,19 +322,20 @@ def advice_when_nothing_fits(config: TrainConfig, estimates: List[Estimate], gpu
             f"(now hidden {config.hidden}, grid {config.grid}, batch {config.batch}).")
 
 
-def train_command(estimate: Estimate, config: TrainConfig, config_flags: List[str]) -> str:
+def train_command(estimate: Estimate, config_flags: List[str], policy_flags_given: bool = False) -> str:
     """The `train` command line of the recommendation: `config_flags` (the --config and the other
-    options plan was given, which train reads the same way), plus the policy where it is not the
-    config's own."""
+    options plan was given, which train reads the same way), plus the policy, unless it is the
+    config file's own (the config's, with no policy flag given to plan)."""
     policy = []
-    if not estimate.from_config:
+    if policy_flags_given or not estimate.from_config:
         policy = estimate.policy.cli_arguments() + ["--amp-dtype", estimate.amp_dtype or "fp32"]
     return " ".join(["qca-lowmem", "train", *config_flags, *policy])
 
 
 def usable_memory(gpu_mem_text: str, reserve_text: str):
     """(gpu_mem, reserve) in bytes; a budget that leaves nothing after the reserve is refused."""
-    gpu_mem, reserve = parse_bytes(gpu_mem_text), parse_bytes(reserve_text, allow_zero=True)
+    gpu_mem = parse_bytes(gpu_mem_text, name="--gpu-mem")
+    reserve = parse_bytes(reserve_text, allow_zero=True, name="--reserve")
     if gpu_mem <= reserve:
         raise UsageError(f"--gpu-mem {gpu_mem_text} is no more than --reserve {reserve_text}, the memory the CUDA "
                          f"context takes. Give the GPU's whole memory (e.g. 3.68GiB). Or, for a budget already inside "
@@ -336,13 +344,14 @@ def usable_memory(gpu_mem_text: str, reserve_text: str):
 
 
 def main_plan(config: TrainConfig, gpu_mem_text: str, reserve_text: str, as_json: bool, half: Optional[str] = None,
-              config_flags: Optional[List[str]] = None) -> int:
-    """`config_flags`: how the `train` command it prints names this config (e.g. ["--config", "default"])."""
+              config_flags: Optional[List[str]] = None, policy_flags_given: bool = False) -> int:
+    """`config_flags`: how the `train` command it prints names this config (e.g. ["--config", "default"])
+    and the other options given; `policy_flags_given`: whether the policy came from flags."""
     gpu_mem, reserve = usable_memory(gpu_mem_text, reserve_text)
     # As `train` runs: with expandable_segments unless the environment's allocator settings say otherwise.
     result = plan(config, gpu_mem, reserve, half, expandable=expandable_in_environment(unset=True))
     estimates, choice = result["estimates"], result["recommendation"]
-    command = train_command(choice, config, config_flags or []) if choice else None
+    command = train_command(choice, config_flags or [], policy_flags_given) if choice else None
     if as_json:
         print(json.dumps({
             **{k: v for k, v in result.items() if k not in ("estimates", "recommendation")},
@@ -380,7 +389,7 @@ def auto_advice(auto: Estimate, config: TrainConfig, config_flags: List[str]) ->
     """What the memory left buys. "auto" runs the steps it keeps whole as plain autograd: with
     cuda_graph, step's captured replays skip the launches those pay for (on an H200 at batch 1 an
     episode of step with cuda_graph took 0.76x stock's time, auto with every step kept 0.99x)."""
-    command = train_command(auto, config, config_flags)
+    command = train_command(auto, config_flags)
     if config.cuda_graph is not False:  # unset: on, on the GPU planned for
         return ("With the memory left, auto could keep steps whole instead of recomputing them. "
                 "Those steps run without cuda_graph's captured replays, so auto is faster only where "
