@@ -307,6 +307,25 @@ def gradient_casts_in(episode) -> int:
                and e.input_dtypes[0] == "c10::BFloat16")
 
 
+@contextlib.contextmanager
+def classes_in_episodes(trainer):
+    """A list that gets, at each enabled episode of `trainer`, the classes of its operator's modules
+    as the episode runs (the stand-ins' there: fused blocks, pools, convs; theirs between episodes)."""
+    from qca_lowmem.atheria import switch
+
+    seen, real = [], switch.train_episode
+
+    def recording(enabled, *args, **kwargs):
+        seen.append([type(m) for m in enabled.motor.operator.modules()])
+        return real(enabled, *args, **kwargs)
+
+    switch.train_episode = recording
+    try:
+        yield seen
+    finally:
+        switch.train_episode = real
+
+
 def weight_casts_in(episode) -> int:
     """aten::_to_copy calls from float32 3x3 conv weights (the fused blocks'), by the profiler; the
     gradients' casts back to float32 are not weight casts. A cast made under a dispatch mode (the

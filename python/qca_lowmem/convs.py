@@ -116,9 +116,17 @@ def cast_convs_in_place(module: nn.Module) -> List[nn.Module]:
     uncast_convs()."""
     inside_blocks = {id(m) for block in module.modules() if hasattr(block, "conv_block") for m in block.modules()}
     convs = [m for m in module.modules() if type(m) in _STAND_INS and id(m) not in inside_blocks]
-    for conv in convs:
-        conv.__class__ = _STAND_INS[type(conv)]
+    cast_convs(convs)
     return convs
+
+
+def cast_convs(convs: List[nn.Module]) -> None:
+    """These convs given the stand-ins' classes (those of torch's classes exactly: one given
+    another class since, by torch.nn.utils.parametrize say, is left alone)."""
+    for conv in convs:
+        stand_in = _STAND_INS.get(type(conv))
+        if stand_in is not None:
+            conv.__class__ = stand_in
 
 
 def uncast_convs(convs: List[nn.Module]) -> None:

@@ -80,9 +80,16 @@ def fuse_pools_in_place(module: nn.Module) -> List[nn.Module]:
     """Every `nn.MaxPool2d` of `module` (the class exactly: a subclass of theirs is left alone)
     given the stand-in's class; those swapped, for unfuse_pools()."""
     pools = [m for m in module.modules() if type(m) is nn.MaxPool2d]
-    for pool in pools:
-        pool.__class__ = MaxPool2d
+    fuse_pools(pools)
     return pools
+
+
+def fuse_pools(pools: List[nn.Module]) -> None:
+    """These pools given the stand-in's class (those of torch's class exactly: one given another
+    class since is left alone)."""
+    for pool in pools:
+        if type(pool) is nn.MaxPool2d:
+            pool.__class__ = MaxPool2d
 
 
 def unfuse_pools(pools: List[nn.Module]) -> None:

@@ -1,6 +1,6 @@
 """enable() gives the operator's convs outside its ConvBlocks (the stock U-Net's transposed convs and
-output conv) the stand-ins' classes (convs.py) with its fused blocks, and disable() gives torch's
-back. Under autocast their weights are cast once an episode, eager and captured, where autocast
+output conv) the stand-ins' classes (convs.py) with its fused blocks while its episodes run, and
+torch's between them. Under autocast their weights are cast once an episode, eager and captured, where autocast
 cast them at every step's recompute and its gradient: the same run bit for bit."""
 
 import contextlib
@@ -12,7 +12,7 @@ from torch import nn
 import qca_lowmem
 from fixtures import replayed_graphs as stand_in
 from fixtures.model_families import assert_same_run, run
-from helpers import casts_in
+from helpers import casts_in, classes_in_episodes
 from qca_lowmem import convs
 from qca_lowmem.atheria import switch
 from qca_lowmem.examples import QC_Trainer_v4, make_config
@@ -35,15 +35,43 @@ def others(t):
     return [unet.up1, unet.up2, unet.outc]
 
 
-def test_enable_swaps_the_convs_outside_the_blocks_and_disable_gives_them_back():
+def test_the_episodes_swap_the_convs_outside_the_blocks_and_give_them_back():
+    """The stand-ins' classes while an episode runs; torch's between episodes and after disable()."""
     t = trainer()
     layers = others(t)
+    torch_classes = [nn.ConvTranspose2d, nn.ConvTranspose2d, nn.Conv2d]
     qca_lowmem.enable(t, amp_dtype=torch.bfloat16)
-    assert others(t) == layers and [type(m) for m in layers] == [convs.ConvTranspose2d, convs.ConvTranspose2d,
-                                                                    convs.Conv2d]
-    assert all(type(m) is nn.Conv2d for m in t.motor.operator.inc.modules() if isinstance(m, nn.Conv2d))
+    assert others(t) == layers and [type(m) for m in layers] == torch_classes
+    modules = list(t.motor.operator.modules())
+    with classes_in_episodes(t) as classes:
+        t.train_episode(0)
+    during = {id(m): cls for m, cls in zip(modules, classes[0], strict=True)}
+    assert [during[id(m)] for m in layers] == [convs.ConvTranspose2d, convs.ConvTranspose2d, convs.Conv2d]
+    assert all(during[id(m)] is nn.Conv2d for m in t.motor.operator.inc.modules() if isinstance(m, nn.Conv2d))
+    assert [type(m) for m in layers] == torch_classes
     qca_lowmem.disable(t)
-    assert [type(m) for m in layers] == [nn.ConvTranspose2d, nn.ConvTranspose2d, nn.Conv2d]
+    assert [type(m) for m in layers] == torch_classes
+
+
+def test_their_init_by_exact_class_between_episodes_reaches_every_layer():
+    """A re-initialisation between episodes that picks layers by `type(m) == nn.Conv2d` (an idiom of
+    torch's tutorials): every layer of theirs, as in stock (it once skipped the stand-ins')."""
+    runs = {}
+    for name in ("stock", "lowmem"):
+        t = trainer()
+        if name == "lowmem":
+            qca_lowmem.enable(t)
+        losses = []
+        for episode in range(3):
+            if episode:
+                torch.manual_seed(episode)
+                for m in t.motor.operator.modules():
+                    if type(m) == nn.Conv2d or type(m) == nn.ConvTranspose2d:  # noqa: E721 (their idiom)
+                        nn.init.normal_(m.weight, std=0.05)
+            losses.append(t.train_episode(episode)[0])
+        runs[name] = losses, [p.detach().clone() for p in t.motor.operator.parameters()]
+    assert runs["lowmem"][0] == pytest.approx(runs["stock"][0], rel=1e-5)
+    assert max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(runs["lowmem"][1], runs["stock"][1])) < 1e-4
 
 
 def test_without_fused_blocks_the_convs_stay_torchs():

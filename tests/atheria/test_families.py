@@ -20,6 +20,7 @@ from fixtures.model_families import (
     make_trainer,
     run,
 )
+from helpers import classes_in_episodes
 from qca_lowmem import RecomputeMismatchError, saved_bytes
 from qca_lowmem.atheria.engine_step import FusedMemoryStep
 
@@ -45,9 +46,12 @@ def test_family_matches_stock(family, checkpoint, slots, fused_blocks, fused_ste
     trainer = make_trainer(family)
     qca_lowmem.enable(trainer, checkpoint=checkpoint, slots=slots, fused_blocks=fused_blocks,
                       fused_step_ops=fused_step_ops)
-    converted = any(isinstance(m, qca_lowmem.FusedConvBlock) for m in trainer.motor.operator.modules())
+    theirs = [type(m) for m in trainer.motor.operator.modules()]
+    with classes_in_episodes(trainer) as classes:
+        result = run(trainer)
+    converted = any(issubclass(cls, qca_lowmem.FusedConvBlock) for cls in classes[0])
     assert converted == (fused_blocks and family in ("unet_groupnorm", "deep_stack", "convlstm"))
-    result = run(trainer)
+    assert [type(m) for m in trainer.motor.operator.modules()] == theirs  # their classes between episodes
     if family in MEMORY_FAMILIES:
         assert len(result[0][-1][2]) == 2  # the memory is on motor.state after each episode
     assert_same_run(result, stock_run(family))

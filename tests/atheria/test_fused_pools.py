@@ -8,7 +8,7 @@ from torch import nn
 
 import qca_lowmem
 from fixtures.model_families import assert_same_run, make_trainer, run
-from helpers import op_names
+from helpers import classes_in_episodes, op_names
 from qca_lowmem import pools
 
 pytestmark = pytest.mark.usefixtures("one_thread", "max_pool_op_on_the_cpu")
@@ -18,14 +18,18 @@ def operator_pools(trainer):
     return [m for m in trainer.motor.operator.modules() if isinstance(m, nn.MaxPool2d)]
 
 
-def test_enable_swaps_the_pools_and_disable_gives_them_back():
+def test_the_episodes_swap_the_pools_and_give_them_back():
+    """The stand-in's class while an episode runs, torch's between episodes and after disable()."""
     trainer = make_trainer("unet_groupnorm")
     found = operator_pools(trainer)
     assert len(found) == 2 and all(type(m) is nn.MaxPool2d for m in found)
     qca_lowmem.enable(trainer, checkpoint="step")
-    assert operator_pools(trainer) == found and all(type(m) is pools.MaxPool2d for m in found)
-    names = op_names(lambda: run(trainer, episodes=range(1)))
+    assert operator_pools(trainer) == found and all(type(m) is nn.MaxPool2d for m in found)
+    with classes_in_episodes(trainer) as classes:
+        names = op_names(lambda: run(trainer, episodes=range(1)))
     assert "qca_lowmem::max_pool2x2" in names and "aten::max_pool2d_with_indices" not in names
+    assert classes[0].count(pools.MaxPool2d) == 2 and nn.MaxPool2d not in classes[0]
+    assert operator_pools(trainer) == found and all(type(m) is nn.MaxPool2d for m in found)
     qca_lowmem.disable(trainer)
     assert operator_pools(trainer) == found and all(type(m) is nn.MaxPool2d for m in found)
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import qca_lowmem
-from helpers import follow
+from helpers import classes_in_episodes, follow
 from qca_lowmem import stock
 from qca_lowmem.atheria import code_identity
 from qca_lowmem.atheria.operator_code import class_unfollowed, operator_unfollowed, unfollowed_code
@@ -124,11 +124,12 @@ def test_a_block_class_edited_after_enable_runs_as_written(caplog):
         trainer = trainer_with(lambda: with_blocks(blocks))
         if name == "lowmem":
             qca_lowmem.enable(trainer)
-            assert sum(isinstance(m, qca_lowmem.FusedConvBlock) for m in trainer.motor.operator.modules()) == 6
         caplog.clear()
-        with caplog.at_level("WARNING", logger="qca_lowmem"):
+        with caplog.at_level("WARNING", logger="qca_lowmem"), classes_in_episodes(trainer) as classes:
             runs[name] = losses(trainer, 3, between=lambda b=blocks: setattr(b, "forward", ScaledBlock.forward))
     assert_same(runs["lowmem"], runs["stock"])
+    fused = [sum(issubclass(cls, qca_lowmem.FusedConvBlock) for cls in episode) for episode in classes]
+    assert fused[0] == 6 and fused[-1] == 0  # the edit comes after the first episode
     assert [line for line in said(caplog) if "changed since enable()" in line] == [
         "the call of ConvBlock changed since enable() (its forward (ConvBlock.forward) is not `return "
         "self.conv_block(x)`, which a fused block computes): the episodes run those 6 blocks as written, unfused"]
@@ -145,25 +146,29 @@ class Described(stock.ConvBlock):
 
 
 def test_the_switch_fuses_their_blocks_in_place(fused_ops_counted):
-    """The very block objects, of their class by isinstance and name, with their methods (and
-    type(block) makes one as theirs does); the fused op runs in the episode; disable() gives the class
-    back; a deep copy and a pickle of the operator keep them fused (and compute the same)."""
+    """While an episode runs, the very block objects, fused, of their class by isinstance and name,
+    with their methods (and their class makes one as theirs does); the fused op runs. Between
+    episodes and after disable(), their class exactly: a deep copy and a pickle of the operator are
+    their model, as they built it (no class of qca_lowmem's), and compute what it computes."""
     trainer = trainer_with(lambda: with_blocks(Described))
     before = [m for m in trainer.motor.operator.modules() if isinstance(m, Described)]
     qca_lowmem.enable(trainer)
     now = [m for m in trainer.motor.operator.modules() if isinstance(m, Described)]
     assert len(before) == 6 and all(a is b for a, b in zip(now, before, strict=True))
-    assert all(isinstance(m, qca_lowmem.FusedConvBlock) and type(m).__name__ == "Described" for m in now)
-    assert now[0].describe() == "4 channels" and repr(trainer.motor.operator).count("Described(") == 6
-    fresh = type(now[0])(4, 8)  # a fresh block made from its class, as theirs makes it
-    assert isinstance(fresh, Described) and fresh.describe() == "8 channels"
-    trainer.train_episode(0)
+    assert all(type(m) is Described for m in now) and repr(trainer.motor.operator).count("Described(") == 6
+    with classes_in_episodes(trainer) as classes:
+        trainer.train_episode(0)
     assert fused_ops_counted
+    fused = [cls for cls in classes[0] if issubclass(cls, qca_lowmem.FusedConvBlock)]
+    assert len(fused) == 6 and all(issubclass(cls, Described) and cls.__name__ == "Described" for cls in fused)
+    fresh = fused[0](4, 8)  # a fresh block made from its class, as theirs makes it
+    assert isinstance(fresh, Described) and fresh.describe() == "8 channels"
+    assert all(type(m) is Described for m in before)
     x = torch.randn(1, 4, 8, 8, dtype=torch.float64)
     with torch.no_grad():
         for copied in (copy.deepcopy(trainer.motor.operator), pickle.loads(pickle.dumps(trainer.motor.operator))):
-            assert sum(isinstance(m, qca_lowmem.FusedConvBlock) and isinstance(m, Described)
-                       for m in copied.modules()) == 6
+            assert [type(m) for m in copied.modules()] == [type(m) for m in trainer.motor.operator.modules()]
+            assert not any(isinstance(m, qca_lowmem.FusedConvBlock) for m in copied.modules())
             assert torch.equal(copied(x), trainer.motor.operator(x))
     qca_lowmem.disable(trainer)
     assert all(type(m) is Described for m in before) and not any(

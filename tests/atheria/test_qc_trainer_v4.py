@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qca_lowmem
-from helpers import cuda_only, randomize_affine
+from helpers import classes_in_episodes, cuda_only, randomize_affine
 from qca_lowmem.examples import QC_Trainer_v3, QC_Trainer_v4, make_config
 from qca_lowmem.stock import ConvBlock, UNetUnitary
 
@@ -62,14 +62,16 @@ def test_three_episodes_match_stock(checkpoint, slots, tmp_path):
     qca_lowmem.enable(lowmem, checkpoint=checkpoint, slots=slots)
 
     assert [id(p) for p in lowmem.motor.operator.parameters()] == params_before
-    assert not any(type(m) is ConvBlock for m in lowmem.motor.operator.modules())
     assert isinstance(lowmem.scaler, qca_lowmem.amp.GradScaler)
     assert lowmem.scaler.get_scale() == 1024.0
     assert list(lowmem.motor.operator.state_dict()) == list(stock.motor.operator.state_dict())
 
     stock_out = run_episodes(stock, range(3))
-    lowmem_out = run_episodes(lowmem, range(3))
+    with classes_in_episodes(lowmem) as classes:
+        lowmem_out = run_episodes(lowmem, range(3))
     assert_same_runs(lowmem, stock, lowmem_out, stock_out)
+    assert len(classes) == 3 and not any(cls is ConvBlock for cls in classes[0])  # fused while they run
+    assert [type(m) for m in lowmem.motor.operator.modules()] == [type(m) for m in stock.motor.operator.modules()]
     # The trainer's own checkpointing still works on the converted model.
     lowmem.save_checkpoint(2, lowmem_out[-1][1], lowmem_out[-1][0], path=str(tmp_path / "ckpt.pth"))
     saved = torch.load(tmp_path / "ckpt.pth")

@@ -1,6 +1,7 @@
-"""torch.jit.script of the operator of a trainer after enable(), as a researcher scripts a model
-to export it or to train on the script: TorchScript compiles the stock layers' calls of the blocks
-fused in place (their class's, where its call changed since), on the same Parameters, and a
+"""torch.jit.script of the operator of a trainer, as a researcher scripts a model to export it or
+to train on the script: after enable() it is their model between episodes (the blocks are fused
+only while an episode runs); a block fused in place (what an episode runs) scripts to the stock
+layers' calls (their class's, where its call changed since), on the same Parameters; and a
 scripted operator set on the engine runs the engine's own step: episodes equal stock's."""
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 import qca_lowmem
 from qca_lowmem import stock
+from qca_lowmem.atheria.fused_blocks import swap_in
 from qca_lowmem.blocks import fused_in_place
 from qca_lowmem.examples import QC_Trainer_v4, make_config
 
@@ -36,9 +38,19 @@ def make_trainer(block_class=stock.ConvBlock):
     return trainer
 
 
-def test_a_script_of_the_enabled_operator_computes_stocks_on_the_same_parameters():
-    stock_trainer, trainer = make_trainer(), make_trainer()
+def test_a_script_of_the_enabled_operator_is_their_model():
+    trainer = make_trainer()
     qca_lowmem.enable(trainer)
+    trainer.train_episode(0)
+    scripted = torch.jit.script(trainer.motor.operator)
+    x = torch.randn(1, 4, 8, 8, dtype=torch.float64)
+    assert not any(fused_in_place(type(m)) for m in trainer.motor.operator.modules())
+    assert torch.equal(scripted(x), trainer.motor.operator(x))
+
+
+def test_a_script_of_blocks_fused_in_place_computes_stocks_on_the_same_parameters():
+    stock_trainer, trainer = make_trainer(), make_trainer()
+    swap_in(trainer.motor.operator)  # as an episode runs them
     fused = [m for m in trainer.motor.operator.modules() if fused_in_place(type(m))]
     assert len(fused) == 6
     scripted = torch.jit.script(trainer.motor.operator)
@@ -48,9 +60,9 @@ def test_a_script_of_the_enabled_operator_computes_stocks_on_the_same_parameters
     assert all(fused_in_place(type(m)) for m in fused), "scripting gave a block its class back"
 
 
-def test_a_script_compiles_their_block_forward_edited_after_enable(monkeypatch):
+def test_a_script_compiles_their_block_forward_edited_after_fusing(monkeypatch):
     stock_trainer, trainer = make_trainer(TheirBlock), make_trainer(TheirBlock)
-    qca_lowmem.enable(trainer)
+    swap_in(trainer.motor.operator)  # as an episode runs them
     assert any(fused_in_place(type(m)) is TheirBlock for m in trainer.motor.operator.modules())
     x = torch.randn(1, 4, 8, 8, dtype=torch.float64)
     unedited = stock_trainer.motor.operator(x)

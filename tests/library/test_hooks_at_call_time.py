@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import qca_lowmem
-from helpers import randomize_affine
+from helpers import classes_in_episodes, randomize_affine
 from qca_lowmem import stock as R
 
 
@@ -248,10 +248,11 @@ def test_enable_with_a_global_hook_registered_before_and_removed_after_an_episod
         try:
             if switched:
                 qca_lowmem.enable(trainer, checkpoint=checkpoint)
-                assert any(isinstance(m, qca_lowmem.FusedConvBlock) for m in trainer.motor.operator.modules())
-            first = run(trainer, range(1))
+            with classes_in_episodes(trainer) as classes:
+                first = run(trainer, range(1))
         finally:
             handle.remove()
+        assert any(issubclass(cls, qca_lowmem.FusedConvBlock) for cls in classes[0]) if switched else not classes
         second = run(trainer, range(1, 2))
         runs.append(([*first[0], *second[0]], second[1], second[2]))
     assert_same_run(runs[1], runs[0])

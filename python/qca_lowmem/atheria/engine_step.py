@@ -37,7 +37,6 @@ from .discontinuity import discontinuity
 from .engine_probe import check_engine_state, check_engine_step, probe_shape
 from .engine_state import SideStateRead
 from .episode_refusals import ProofStale
-from .fused_blocks import still_stock
 from .operator_code import RECOMPUTED_COMPILED, compiled_draws, compiled_in, first_hook, operator_unfollowed
 from .say import say
 from .state_drift import code_of, own_classes
@@ -95,17 +94,14 @@ class _LiveStep:
         # each step then only keeps references, where a call outside one (their inference) writes it.
         self.deferred, self.pending = False, None
         self.in_episode, self.identity = False, None  # identity: the EngineIdentity enable() recognised
-        self.undo = None  # the switch's undo record, holding the users' blocks fused blocks stand in for
 
     def engine_changed(self) -> Optional[Callable]:
         """Outside an episode (their inference; another trainer's episode: a copy's wrapper holding
-        this step), at every call: the fused blocks proved again (a block whose class changed is put
-        back), then the engine's own step where its code is no longer the one recognised or the
-        caller's context rules a fused path out (ops.stands_for_stock), else None."""
+        this step), at every call (the blocks there are theirs, unfused): the engine's own step where
+        its code is no longer the one recognised or the caller's context rules a fused path out
+        (ops.stands_for_stock), else None."""
         if self.in_episode or self.identity is None:
             return None
-        if self.undo is not None:
-            self.undo.blocks = still_stock(self.undo.blocks)
         own = self.identity.own_step(self.motor, True)
         return own if own is not None or stands_for_stock() else type(self.motor).evolve_step.__get__(self.motor)
 

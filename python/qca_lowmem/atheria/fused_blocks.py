@@ -40,6 +40,14 @@ def proved_for_the_episode(undo):
         yield
 
 
+def fuse_again(swapped: Swapped) -> None:
+    """The blocks swap_in() fused, given back their class, fused in place again (proved again by
+    still_stock at the episode)."""
+    for block in swapped:
+        if fused_in_place(type(block)) is None:
+            fuse_in_place(block)
+
+
 def put_back(swapped: Swapped) -> None:
     for block in swapped:
         unfuse(block)

@@ -7,6 +7,7 @@ An engine with memory (`motor.has_memory`, a ConvLSTM) has its memory carried by
 (engine_step.py). `disable(trainer)` puts everything back.
 """
 
+import contextlib
 import copyreg
 import logging
 from dataclasses import dataclass, field
@@ -14,15 +15,15 @@ from typing import Any, Optional
 
 import torch
 
-from ..convs import cast_convs_in_place, uncast_convs
-from ..pools import fuse_pools_in_place, unfuse_pools
+from ..convs import cast_convs, cast_convs_in_place, uncast_convs
+from ..pools import fuse_pools, fuse_pools_in_place, unfuse_pools
 from .captures import StepCaptures
 from .code_identity import ATHERIA, not_recorded
 from .engine_step import EngineIdentity, fused_of, lowmem_steps
 from .episode import checked_before, train_episode
 from .episode_options import EpisodeOptions, resolve_options
 from .episode_refusals import EpisodeRefused, ProofStale
-from .fused_blocks import Swapped, proved_for_the_episode, put_back, swap_in
+from .fused_blocks import Swapped, fuse_again, proved_for_the_episode, put_back, swap_in
 from .options import Options, enable_signature, options_doc
 from .say import say
 from .scaler_swap import lowmem_scaler_for, scales_for_fp16
@@ -39,7 +40,7 @@ class _Undo:
     """What enable() changed on the trainer and its engine, for disable() to put back."""
 
     motor: Any  # the engine enable() changed, which every trainer sharing this state must still hold
-    blocks: Swapped = field(default_factory=list)  # the users' blocks fused blocks stand in for
+    blocks: Swapped = field(default_factory=list)  # the users' blocks fused in place while an episode runs
     pools: list = field(default_factory=list)  # their nn.MaxPool2d given the stand-in's class (pools.py)
     convs: list = field(default_factory=list)  # their convs outside ConvBlocks given the stand-ins' (convs.py)
     evolve_step: Any = None
@@ -100,8 +101,13 @@ class LowmemEpisode:
         if state is None or isinstance(installed, LowmemEpisode) and installed is not self and installed.trainer is trainer:
             return trainer.train_episode(episode_num)
         theirs = state.episode_identity.changed(trainer, self) if state.episode_identity else None
-        if theirs is not None:  # their train_episode is no longer the one recognised: it runs as written
-            return theirs(episode_num)
+        with _stand_ins_for_the_episode(state.undo):
+            if theirs is not None:  # their train_episode is no longer the one recognised: it runs as written
+                return theirs(episode_num)
+            return self._run(trainer, state, episode_num)
+
+    @staticmethod
+    def _run(trainer, state: "_Saved", episode_num):
         again, state.enabled_again = state.enabled_again, False  # set by _enable_again for the call it makes
         try:
             model, own = checked_before(trainer, state)
@@ -125,6 +131,28 @@ class LowmemEpisode:
         finally:  # an episode that raised leaves the step as their code and inference call it
             if state.fused is not None:
                 state.fused.end_episode()
+
+
+@contextlib.contextmanager
+def _stand_ins_for_the_episode(undo: _Undo):
+    """The stand-ins' classes (fused blocks, pools, convs) on the users' modules while an episode
+    runs, theirs between episodes: their code there (an init loop testing `type(m) is nn.Conv2d`,
+    a pickle, a deepcopy, a print) sees their model as they built it."""
+    fuse_again(undo.blocks)
+    fuse_pools(undo.pools)
+    cast_convs(undo.convs)
+    try:
+        yield
+    finally:
+        _park(undo)
+
+
+def _park(undo: _Undo) -> None:
+    """The users' modules given their classes back (the stand-ins' are kept on `undo` for the next
+    episode)."""
+    put_back(undo.blocks)
+    unfuse_pools(undo.pools)
+    uncast_convs(undo.convs)
 
 
 def _enable_again(trainer, state: _Saved, stale: ProofStale, episode_num):
@@ -242,12 +270,13 @@ def _enabled(trainer, given: Options) -> _Saved:
                    engine_identity=EngineIdentity(trainer.motor, evolve_step, memory_step is not None),
                    edited_episode=edited_episode)
     if state.fused is not None:  # outside episodes (their code, inference) the step checks at each call
-        state.fused.identity, state.fused.undo = state.engine_identity, undo
+        state.fused.identity = state.engine_identity
     state.episode_identity = EpisodeIdentity(trainer, unrecorded) if edited_episode is None else None
     _swap_episode(trainer, undo)
     _swap_scaler(trainer, undo, new_scaler)
     state.said.compiled = compiled_module(trainer.motor.operator) is not trainer.motor.operator
     setattr(trainer, _STATE_ATTR, state)
+    _park(undo)  # the stand-ins come in at each episode
     return state
 
 
@@ -330,9 +359,7 @@ def disable(trainer):
 
 def _restore_engine(undo: _Undo):
     """The engine's stock blocks, layouts and step."""
-    put_back(undo.blocks)
-    unfuse_pools(undo.pools)
-    uncast_convs(undo.convs)
+    _park(undo)
     motor = undo.motor
     layouts_put_back(undo.made_channels_last)
     if undo.had_evolve_step_attr:
