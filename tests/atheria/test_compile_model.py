@@ -4,6 +4,8 @@ step and runs the module it wraps, uncompiled (a compiled graph would run withou
 forward and with grad in the recompute, which can round differently), says so once, and the
 results equal stock compiled."""
 
+import functools
+
 import pytest
 import torch
 
@@ -97,17 +99,29 @@ def test_a_compiled_operator_is_not_the_uncompiled_one():
 
 
 @pytest.mark.parametrize("checkpoint", ["step", "none"])
-def test_a_compiled_train_episode_runs_the_lowmem_episode_eagerly(checkpoint):
-    """torch.compile(trainer.train_episode) of an enabled trainer: the episode's rollout and
-    reverse pass keep Python state a trace would lose (dynamo tracing into them crashed), so it
-    runs as the eager episode does, to the bit."""
-    eager, compiled = make_trainer(), make_trainer()
-    for trainer in (eager, compiled):
+@pytest.mark.parametrize("wrap", ["torch.compile", "functools.wraps"])
+def test_a_wrapped_train_episode_runs_the_lowmem_episode_eagerly(checkpoint, wrap, caplog):
+    """torch.compile(trainer.train_episode) of an enabled trainer, or a decorator of theirs around
+    it: the low-memory episode runs inside (it once ran their episode as written, at stock's memory,
+    taking the wrapper for an edit). Its rollout and reverse pass keep Python state a trace would
+    lose (dynamo tracing into them crashed), so it runs as the eager episode does, to the bit."""
+    eager, wrapped = make_trainer(), make_trainer()
+    for trainer in (eager, wrapped):
         qca_lowmem.enable(trainer, checkpoint=checkpoint)
-    compiled.train_episode = torch.compile(compiled.train_episode, backend=counting_backend)
+    episode, timed = wrapped.train_episode, []
+    if wrap == "torch.compile":
+        wrapped.train_episode = torch.compile(episode, backend=counting_backend)
+    else:
+        @functools.wraps(episode)
+        def timing(episode_num):
+            timed.append(episode_num)
+            return episode(episode_num)
+        wrapped.train_episode = timing
     eager_losses, eager_weights, _ = run(eager)
-    losses, weights, calls = run(compiled)
-    assert calls == 0 and losses == eager_losses
+    with caplog.at_level("WARNING", logger="qca_lowmem"):
+        losses, weights, calls = run(wrapped)
+    assert not [r for r in caplog.records if "not the stock episode recognised" in r.getMessage()]
+    assert calls == 0 and losses == eager_losses and timed == ([] if wrap == "torch.compile" else list(EPISODES))
     assert all(torch.equal(w, e) for w, e in zip(weights, eager_weights))
 
 

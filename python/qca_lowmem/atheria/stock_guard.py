@@ -8,9 +8,12 @@ function the trainer resolves `train_episode` to, digested from its code object,
 version followed for the trainer's version. The check is made again at every episode (a few
 microseconds: the static part of the digest is cached per code object): where the code the
 trainer would run has changed since enable() (a wrapper set on the class, a module reloaded),
-that episode runs the users' own train_episode, with one line.
+that episode runs the users' own train_episode, with one line. A wrapper of theirs on the
+instance around the installed episode (torch.compile's, a decorator with functools.wraps) runs it
+still, and is not such a change.
 """
 
+import inspect
 import logging
 import types
 from typing import Optional
@@ -24,6 +27,8 @@ def episode_function(trainer, installed=None):
     class's functions bound to this trainer on the instance; None for anything else. `installed`:
     what enable() set on the instance, looked through."""
     own = vars(trainer).get("train_episode", installed)
+    if own is not installed and installed is not None and inspect.unwrap(own) is installed:
+        installed = own  # a wrapper of theirs around it (torch.compile's, functools.wraps'): it still runs
     if own is not installed and isinstance(own, types.MethodType) and own.__self__ is trainer:
         return own.__func__ if own.__func__ is resolved(trainer, "train_episode", own) else None
     return resolved(trainer, "train_episode", installed)
