@@ -197,11 +197,15 @@ def test_a_hand_edited_metrics_csv_keeps_its_edits(run_dir):
     assert lines[4].startswith("2;") and lines[4].split(";")[len(edited[1].split(";")) - 1] == ""
 
 
-def test_a_metrics_csv_without_an_episode_column_is_refused_by_name(run_dir, capsys):
+@pytest.mark.parametrize("check", [False, True], ids=["train", "check"])
+def test_a_metrics_csv_without_an_episode_column_is_refused_by_name(run_dir, capsys, check):
+    """Refused before anything is said of the run (`--check` too), in its one line."""
     (run_dir / "metrics.csv").write_text("step,loss\n0,1.0\n")
-    assert train("--config", run_dir.parent / "tiny.yaml", "--out", run_dir, "--resume", "--episodes", 3) == 2
+    args = ["--config", run_dir.parent / "tiny.yaml", "--out", run_dir, "--resume", "--episodes", 3]
+    assert train(*args, *(["--check"] if check else [])) == 2
     err = capsys.readouterr().err
-    assert f"{run_dir / 'metrics.csv'}: its header (line 1) has no 'episode' column" in err, err
+    assert err.splitlines() == [f"qca-lowmem train: {run_dir / 'metrics.csv'}: its header (line 1) has no 'episode' "
+                                "column, which says which rows a resume keeps; restore it, or move the file away"], err
 
 
 # -- a full disk ----------------------------------------------------------------------------------

@@ -135,6 +135,14 @@ def _tensorboard_writer(path: Path) -> Optional[object]:
     return SummaryWriter(str(path))
 
 
+def check_metrics_file(out_dir: Path, next_episode: int) -> None:
+    """Refuse, before a resumed run's first episode, a metrics.csv it could not keep rows of (its
+    reasons are _MetricsFile.read's)."""
+    path = Path(out_dir) / METRICS_NAME
+    if path.exists():
+        _MetricsFile.read(path, next_episode)
+
+
 class _MetricsFile:
     """The lines of a metrics.csv to keep: its header, comment lines and rows of episodes before
     the resumed one, verbatim."""

@@ -12,6 +12,7 @@ from . import checkpoint, oom
 from .config import TrainConfig, parameter_count
 from .distributed import resolve_device
 from .errors import UsageError
+from .metrics import check_metrics_file
 from .run_folder import check_run_folder, set_aside
 from .runlock import FolderLock
 from .say import message
@@ -52,6 +53,8 @@ def check_run(config: TrainConfig, resume: Optional[str] = None, create: bool = 
     parameters = parameter_count(config)
     if state is not None:
         checkpoint.check_resumable(state, resume, config, config.accumulate * world_size)
+        if rank == 0:
+            check_metrics_file(Path(config.out_dir), state["episode"])
     elif device.type == "cpu":  # (a resumed run has fit already)
         oom.check_cpu_memory(config, parameters)
     aside = set_aside(config.out_dir) if overwrite and create and rank == 0 else None
