@@ -77,7 +77,7 @@ def _comparable(value, depth: int):
     other object by its identity and, one level down, its own attributes."""
     if value is None or isinstance(value, (bool, str, bytes, type)):
         return value
-    if isinstance(value, numbers.Number) and not isinstance(value, torch.Tensor):
+    if isinstance(value, numbers.Number):
         return ("number", value.item() if hasattr(value, "item") else value)
     if isinstance(value, torch.Tensor):
         if value.layout != torch.strided or value.is_meta:

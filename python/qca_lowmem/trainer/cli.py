@@ -241,8 +241,7 @@ def _train_flags(args) -> List[str]:
     from .config import config_reference
 
     flags = ["--config", shlex.quote(config_reference(args.config))] if args.config is not None else []
-    for name in ("device", "threads", "grid", "d_state", "hidden", "qca_steps", "batch", "gamma", "fused_blocks",
-                 "cuda_graph", "channels_last"):
+    for name in (name for name in CONFIG_FLAGS if name not in POLICY_FLAGS):  # those plan's parser has
         value = getattr(args, name, None)
         if isinstance(value, bool):
             flags.append(_flag(name) if value else "--no-" + _flag(name)[2:])
