@@ -16,6 +16,7 @@ The kernels' wrappers (`unscale_`, `mul_`, `update_scale_`) are qca_lowmem.ops.s
 
 from __future__ import annotations
 
+import numbers
 from collections import defaultdict
 from typing import Any, Iterable, Optional, Union
 
@@ -48,6 +49,56 @@ class _Unscaled:
         self.groups: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         self.where: dict[int, tuple] = {}
         self.clippable = True
+
+
+class _Skipped:
+    """What overflow_report needs of a skipped step: no gradient, parameter or optimizer, so the
+    step's gradients are freed when the caller drops them, as with torch's scaler.
+
+    sums: per group of `_Unscaled.groups`, its sums of squares (NaN where a value was not finite).
+    entries: (default name, id of the parameter, group index, index), in the optimizer's order.
+    """
+
+    __slots__ = ("sums", "entries")
+
+    def __init__(self, opt_index: int, result: _Unscaled, optimizer: torch.optim.Optimizer):
+        self.sums = [sumsq for _, sumsq in result.groups]
+        self.entries = [
+            (f"optimizer[{opt_index}].param_groups[{g}].params[{i}]", id(param), *entry[3:])
+            for g, group in enumerate(optimizer.param_groups)
+            for i, param in enumerate(group["params"])
+            if (entry := result.where.get(id(param))) is not None
+        ]
+
+
+def _runs_our_kernels(device: Any) -> bool:
+    """Whether a scaler for `device` ("cpu:0" and torch.device("cuda", 1) included) runs our kernels;
+    another backend, a build without CUDA or a name torch cannot read runs torch's."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        return False
+    return kind == "cpu" or (kind == "cuda" and has_cuda_kernels())
+
+
+def _check_update_settings(growth_factor: Any, backoff_factor: Any, growth_interval: Any) -> None:
+    """The types torch's update() takes (its op's float, float and int; TypeError otherwise): our
+    kernel's wrapper converts its arguments, which would truncate a growth_interval of 2.5."""
+    for name, value in (("growth_factor", growth_factor), ("backoff_factor", backoff_factor)):
+        number = isinstance(value, numbers.Real) or (
+            isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex() and not value.requires_grad
+        )
+        if not number:
+            raise TypeError(f"GradScaler.update: {name} must be a real number, got {value!r}")
+    integer = (isinstance(growth_interval, numbers.Integral) and not isinstance(growth_interval, bool)) or (
+        isinstance(growth_interval, torch.Tensor)
+        and growth_interval.dim() == 0
+        and not growth_interval.is_floating_point()
+        and not growth_interval.is_complex()
+        and growth_interval.dtype is not torch.bool
+    )
+    if not integer:
+        raise TypeError(f"GradScaler.update: growth_interval must be an int, got {growth_interval!r}")
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -87,19 +138,18 @@ class GradScaler(torch.amp.GradScaler):
     ) -> None:
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self._allow_fp16_grads = allow_fp16_grads
-        # Devices without our kernels (another backend, or a build without CUDA) use torch's.
-        self._native = device == "cpu" or (device == "cuda" and has_cuda_kernels())
-        self._overflow_pending: list[tuple[int, Optional[_Unscaled], torch.optim.Optimizer]] = []
-        self._overflow_last: list[tuple[int, Optional[_Unscaled], torch.optim.Optimizer]] = []
+        self._native = _runs_our_kernels(device)
+        self._overflow_pending: list[_Skipped] = []
+        self._overflow_last: list[_Skipped] = []
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_overflow_pending"], state["_overflow_last"] = [], []  # they hold optimizers and grads
+        state["_overflow_pending"], state["_overflow_last"] = [], []  # ids of this process's parameters
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._native = self._device == "cpu" or (self._device == "cuda" and has_cuda_kernels())
+        self._native = _runs_our_kernels(self._device)
 
     # torch's unscale_ (allow_fp16=False) and _check_inf_per_device (allow_fp16=True, grads stay
     # scaled) both come here; only the former leaves gradients a clip can reuse.
@@ -159,7 +209,9 @@ class GradScaler(torch.amp.GradScaler):
             total = torch.stack([f.to(target, non_blocking=True) for f in found]).sum()
         if not total.item():
             return optimizer.step(*args, **kwargs)
-        self._overflow_pending.append((self._optimizer_index(optimizer), optimizer_state.get("qca"), optimizer))
+        result = optimizer_state.get("qca")
+        if result is not None:  # None: found_inf from torch's kernels, which keep no sums
+            self._overflow_pending.append(_Skipped(self._optimizer_index(optimizer), result, optimizer))
         return None
 
     def _optimizer_index(self, optimizer) -> int:
@@ -195,6 +247,7 @@ class GradScaler(torch.amp.GradScaler):
                     raise AssertionError(reason)
                 self._scale.copy_(new_scale)
         else:
+            _check_update_settings(self._growth_factor, self._backoff_factor, self._growth_interval)
             found_infs = [
                 found_inf.to(device=_scale.device, non_blocking=True)
                 for state in self._per_optimizer_states.values()
@@ -326,13 +379,9 @@ class GradScaler(torch.amp.GradScaler):
         skipped = self._overflow_pending or self._overflow_last
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         report = []
-        for opt_index, result, optimizer in skipped:
-            if result is None:
-                continue
-            nonfinite = [torch.isnan(sumsq).tolist() for _, sumsq in result.groups]
-            for g, group in enumerate(optimizer.param_groups):
-                for i, param in enumerate(group["params"]):
-                    entry = result.where.get(id(param))
-                    if entry is not None and nonfinite[entry[3]][entry[4]]:
-                        report.append(names.get(id(param), f"optimizer[{opt_index}].param_groups[{g}].params[{i}]"))
+        for record in skipped:
+            nonfinite = [torch.isnan(sumsq).tolist() for sumsq in record.sums]
+            for default_name, param_id, group_index, index in record.entries:
+                if nonfinite[group_index][index]:
+                    report.append(names.get(param_id, default_name))
         return report

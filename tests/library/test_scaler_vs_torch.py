@@ -4,8 +4,10 @@ gradients and a build without native kernels."""
 
 import pickle
 import warnings
+import weakref
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -311,3 +313,73 @@ def test_without_native_kernels_falls_back_to_torch():
     assert scales == run_training(twin, twin_opt, theirs, 20, INJECT, True, True)
     assert all(bits_equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
     assert ours.overflow_report() == []
+
+
+# ----------------------------------------------------------------------------------------------
+# what torch's scaler does that a wrapper's conversions or bookkeeping could change
+
+
+def test_skipped_step_keeps_no_gradient_alive_after_update():
+    """torch's scaler holds no gradient past update(); held ones would double the gradients'
+    memory in the next iteration after every skipped step."""
+    p = nn.Parameter(torch.randn(8))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = GradScaler("cpu")
+    scaler.scale(p.sum()).backward()
+    p.grad[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    skipped_grad = weakref.ref(p.grad)
+    opt.zero_grad(set_to_none=True)
+    assert skipped_grad() is None
+    assert scaler.overflow_report() == ["optimizer[0].param_groups[0].params[0]"]
+
+
+@pytest.mark.parametrize("setting,value", [("growth_interval", 2.5), ("growth_interval", True),
+                                           ("growth_interval", "3"), ("growth_factor", "3"),
+                                           ("backoff_factor", None)])
+def test_update_refuses_settings_of_a_wrong_type_as_torch(setting, value):
+    """torch's update() raises TypeError for these; converting them would truncate 2.5 to 2."""
+    for cls in (GradScaler, torch.amp.GradScaler):
+        scaler = cls("cpu", init_scale=4.0, growth_interval=1)
+        getattr(scaler, f"set_{setting}")(value)
+        p = nn.Parameter(torch.randn(3))
+        opt = torch.optim.SGD([p], lr=0.1)
+        scaler.scale(p.sum()).backward()
+        scaler.step(opt)
+        with pytest.raises(TypeError, match=setting):
+            scaler.update()
+        assert (scaler.get_scale(), scaler._get_growth_tracker()) == (4.0, 0)
+
+
+@pytest.mark.parametrize("settings", [dict(growth_interval=np.int64(1)), dict(growth_interval=torch.tensor(1)),
+                                      dict(growth_factor=3), dict(backoff_factor=torch.tensor(0.25))])
+def test_update_takes_the_numbers_torch_takes(settings):
+    states = []
+    for cls in (GradScaler, torch.amp.GradScaler):
+        scaler = cls("cpu", init_scale=4.0, growth_interval=1)
+        for name, value in settings.items():
+            getattr(scaler, f"set_{name}")(value)
+        p = nn.Parameter(torch.randn(3))
+        opt = torch.optim.SGD([p], lr=0.1)
+        for bad in (False, True):
+            scaler.scale(p.sum()).backward()
+            if bad:
+                p.grad[0] = float("nan")
+            scaler.step(opt)
+            scaler.update()
+        states.append((scaler.get_scale(), scaler._get_growth_tracker()))
+    assert states[0] == states[1]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", torch.device("cpu")])
+def test_any_spelling_of_the_cpu_runs_our_kernels(device):
+    """torch.device("cpu") and "cpu:0" are the CPU to torch's scaler: ours keeps its complex
+    gradients for them (torch's kernel refuses those)."""
+    p = nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    scaler = GradScaler(device, init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    p.grad = torch.full((3,), 2 + 4j, dtype=torch.complex64)
+    scaler.unscale_(torch.optim.SGD([p], lr=0.1))
+    assert torch.equal(p.grad, torch.full((3,), 0.5 + 1j, dtype=torch.complex64))
+    assert pickle.loads(pickle.dumps(GradScaler(device)))._native

@@ -7,7 +7,7 @@ from .. import amp
 
 
 def lowmem_scaler_from(scaler):
-    """A qca_lowmem.amp.GradScaler with the same settings and state as `scaler`."""
+    """A qca_lowmem.amp.GradScaler with the same settings and state as `scaler` (carry_state)."""
     new = amp.GradScaler(
         getattr(scaler, "_device", "cuda"),
         init_scale=getattr(scaler, "_init_scale", 2.0**16),
@@ -15,11 +15,27 @@ def lowmem_scaler_from(scaler):
         backoff_factor=getattr(scaler, "_backoff_factor", 0.5),
         growth_interval=getattr(scaler, "_growth_interval", 2000),
         enabled=scaler.is_enabled(),
+        allow_fp16_grads=getattr(scaler, "_allow_fp16_grads", False),
     )
-    state = scaler.state_dict()
-    if state:
-        new.load_state_dict(state)
+    carry_state(scaler, new)
     return new
+
+
+def carry_state(source, target) -> None:
+    """Give GradScaler `target` the state of `source` at any point of an iteration: its state_dict,
+    the scale scale() made and each optimizer's stage and inf flags, so step and update go on as
+    `source`'s would (no second unscale). Our scaler's kept sums stay behind: a clip after a
+    swap measures the norm again."""
+    state = source.state_dict()
+    if not state:  # disabled
+        return
+    target.load_state_dict(state)
+    if getattr(source, "_scale", None) is not None:
+        target._scale, target._growth_tracker = source._scale.clone(), source._growth_tracker.clone()
+    target._per_optimizer_states.clear()
+    for optimizer_id, progress in getattr(source, "_per_optimizer_states", {}).items():
+        found_inf = {device: flag.clone() for device, flag in progress["found_inf_per_device"].items()}
+        target._per_optimizer_states[optimizer_id] = {"stage": progress["stage"], "found_inf_per_device": found_inf}
 
 
 def scales_for_fp16(opts) -> bool:
