@@ -5,6 +5,8 @@ settings on the engine it shares, as stock's copy does, and refuses where that e
 
 import copy
 import pickle
+import pickletools
+from unittest import mock
 
 import numpy
 import pytest
@@ -12,6 +14,7 @@ import torch
 
 import qca_lowmem
 from fixtures.model_families import make_trainer
+from qca_lowmem.atheria import switch
 from qca_lowmem.examples import QC_Trainer_v3, QC_Trainer_v4, make_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,6 +65,36 @@ def test_a_copy_of_an_enabled_engine_steps_its_own_operator():
     snapshot.evolve_step(psi).abs().sum().backward()
     assert all(p.grad is None for p in trainer.motor.operator.parameters())
     assert all(p.grad is not None for p in snapshot.operator.parameters())
+
+
+def library_globals(pickled: bytes) -> set:
+    """The qca_lowmem modules a pickle names, aside from the stand-ins of the users' code (the
+    examples' trainers, stock's model)."""
+    names = {arg.split(" ")[0] if op.name == "GLOBAL" else arg
+             for op, arg, _ in pickletools.genops(pickled) if op.name in ("GLOBAL", "SHORT_BINUNICODE", "BINUNICODE")}
+    return {name for name in names if isinstance(name, str) and name.startswith("qca_lowmem")
+            and not name.startswith(("qca_lowmem.examples", "qca_lowmem.stock"))}
+
+
+@pytest.mark.parametrize("kind", TRAINERS)
+def test_the_engine_between_episodes_is_theirs_and_pickles_without_the_library(kind):
+    """The fused step is on the engine while an episode runs and its own step between episodes, so
+    torch.save of the engine (or of their model) loads where qca_lowmem is not installed."""
+    torch.manual_seed(0)
+    trainer = qca_lowmem.enable(TRAINERS[kind]())
+    installed = trainer._qca_lowmem_state.undo.installed_step
+    seen, real = [], switch.train_episode
+
+    def recording(enabled, *args, **kwargs):
+        seen.append(vars(enabled.motor).get("evolve_step"))
+        return real(enabled, *args, **kwargs)
+
+    with mock.patch.object(switch, "train_episode", recording):
+        episode(trainer)
+    assert seen == [installed] and installed is not None
+    assert "evolve_step" not in vars(trainer.motor)
+    for saved in (trainer.motor, trainer.motor.operator):
+        assert library_globals(pickle.dumps(saved)) == set()
 
 
 @pytest.mark.parametrize("how", [*COPIES, "copy"])

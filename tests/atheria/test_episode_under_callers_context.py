@@ -30,6 +30,13 @@ CHANGING = [name for name in sorted(CALLER_CONTEXTS) if name not in VALUE_KEEPIN
 NAMED = {"rounding": "_through_bf16", "dispatch_mode": "BendConvolutions", "function_mode": "BendConv2d"}
 
 
+def installed_step(trainer):
+    """The fused step the switch puts on the engine while an episode runs."""
+    step = trainer._qca_lowmem_state.undo.installed_step
+    assert type(step).__module__.startswith("qca_lowmem")
+    return step
+
+
 def model_of(trainer):
     return trainer.motor.operator if hasattr(trainer, "loss_fn") else trainer.motor.get_model_for_params()
 
@@ -63,20 +70,23 @@ def test_an_episode_under_torchs_own_context_runs_lowmem_and_gives_stocks_result
 @pytest.mark.parametrize("context", CHANGING)
 def test_the_installed_step_under_the_context_outside_episodes_is_the_engines_own(context):
     """Their inference or analysis code calling the engine's step with grad under the context gets
-    the engine's own step (the fused blocks put in standing for their blocks run those), bitwise."""
+    the engine's own step, bitwise: between episodes the engine holds no other, and the installed
+    step called outside one (held from an episode) runs the engine's own."""
     stock, lowmem = build(Variant(), TRAINERS["v4"]), build(Variant(), TRAINERS["v4"])
     qca_lowmem.enable(lowmem)
-    assert type(vars(lowmem.motor).get("evolve_step")).__module__.startswith("qca_lowmem")  # the fused step installed
+    assert "evolve_step" not in vars(lowmem.motor)
     psi = R.initial_state(2, 8, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(5))
     runs = []
-    for trainer in (stock, lowmem):
+    for trainer, step in ((stock, stock.motor.evolve_step), (lowmem, lowmem.motor.evolve_step),
+                          (lowmem, installed_step(lowmem))):
         with caller_context(Variant(caller_context=context)):
-            out = trainer.motor.evolve_step(psi)
+            out = step(psi)
             params = list(trainer.motor.operator.parameters())
             runs.append((out.detach(), torch.autograd.grad(out.abs().square().sum(), params)))
-    (out_stock, grads_stock), (out_lowmem, grads_lowmem) = runs
-    assert torch.equal(out_lowmem, out_stock)
-    assert all(torch.equal(a, b) for a, b in zip(grads_lowmem, grads_stock))
+    (out_stock, grads_stock), *lowmem_runs = runs
+    for out_lowmem, grads_lowmem in lowmem_runs:
+        assert torch.equal(out_lowmem, out_stock)
+        assert all(torch.equal(a, b) for a, b in zip(grads_lowmem, grads_stock))
 
 
 @pytest.mark.parametrize("transform", ["jacrev", "vmap"])
@@ -88,13 +98,14 @@ def test_the_installed_step_under_a_torch_func_transform_is_the_engines_own(vers
     no rule for a transform); an episode then still trains on the fused step."""
     stock, lowmem = build(Variant(version=version), TRAINERS[version]), build(Variant(version=version), TRAINERS[version])
     qca_lowmem.enable(lowmem)
-    assert type(vars(lowmem.motor).get("evolve_step")).__module__.startswith("qca_lowmem")  # the fused step installed
     psi = R.initial_state(2, 8, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(5))
 
-    def analysed(motor):
+    def analysed(evolve_step):
         def step(x):
-            return torch.view_as_real(motor.evolve_step(torch.view_as_complex(x)))
+            return torch.view_as_real(evolve_step(torch.view_as_complex(x)))
         x = torch.view_as_real(psi).contiguous()
         return torch.func.jacrev(step)(x[:1]) if transform == "jacrev" else torch.func.vmap(step)(x.unsqueeze(1))
-    assert torch.equal(analysed(lowmem.motor), analysed(stock.motor))
+    expected = analysed(stock.motor.evolve_step)
+    assert torch.equal(analysed(lowmem.motor.evolve_step), expected)
+    assert torch.equal(analysed(installed_step(lowmem)), expected)
     assert first_difference(outcome(Variant(version=version), True), outcome(Variant(version=version), False)) is None

@@ -96,7 +96,8 @@ def test_disable_restores_a_memory_engine():
     engine_step = trainer.motor.evolve_step
     blocks_before = [type(m) for m in trainer.motor.operator.modules()]
     qca_lowmem.enable(trainer)
-    assert trainer.motor.evolve_step != engine_step
+    assert trainer.motor.evolve_step == engine_step  # the fused step only while an episode runs
+    assert trainer._qca_lowmem_state.undo.installed_step is not None
     lowmem_first = run(trainer, range(2))
     stock_first = run(stock, range(2))
     assert_same_run(lowmem_first, stock_first)

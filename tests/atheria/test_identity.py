@@ -247,6 +247,20 @@ def test_an_engine_step_changed_after_enable_runs_as_the_engines_own(caplog):
     assert_same(run(trainer), run(stock))
 
 
+
+def test_a_wrapper_set_on_the_engine_after_enable_runs_their_step_named(caplog):
+    """Between episodes the engine holds its own step, so a wrapper set then wraps theirs: the
+    episodes run it (the fused step is not put over it), said naming it, stock's results."""
+    trainer, stock = trainer_of(steps=5), trainer_of(steps=5)
+    enabled(trainer)
+    for wrapped in (trainer, stock):
+        own = wrapped.motor.evolve_step
+        wrapped.motor.evolve_step = functools.wraps(own)(lambda psi, own=own: own(psi))
+    with caplog.at_level("WARNING", logger="qca_lowmem"):
+        assert_same(run(trainer), run(stock))
+    assert "a function set as motor.evolve_step: Motor.evolve_step" in caplog.text
+    assert not isinstance(vars(trainer.motor)["evolve_step"], FusedEngineStep)
+
 # 4. An allowlist of ops, generators left as found.
 
 def operator_of(forward):

@@ -213,9 +213,10 @@ STEP_STATE_EDITS = {
 }
 
 
-def logged_step(trainer):
-    """A wrapper set on the engine's step (after enable(), it wraps the installed one) logging its calls."""
-    own, log = trainer.motor.evolve_step, []
+def logged_step(trainer, own=None):
+    """A wrapper set on the engine's step logging its calls, around `own` (by default the engine's
+    step between episodes: its own, the fused one being there only while an episode runs)."""
+    own, log = own or trainer.motor.evolve_step, []
 
     def evolve_step(psi):
         log.append(None)
@@ -607,11 +608,12 @@ def test_a_monitor_split_as_the_refusal_advises_trains_as_stock(policy, backward
     assert gradients == pytest.approx(stock_gradients, rel=1e-10, abs=0)
 
 
-def test_a_wrapper_set_after_enable_runs_around_the_installed_step_once():
-    """The wrapper holds the installed fused step; called by it, that step stands for the class's
-    (it used to hand the call back to the wrapper, without end)."""
+def test_a_wrapper_around_the_installed_step_runs_it_once():
+    """A wrapper holding the installed fused step (taken from the engine while an episode ran):
+    called by it, that step stands for the class's (it used to hand the call back to the wrapper,
+    without end)."""
     trainer = qca_lowmem.enable(make_trainer(), checkpoint="none")
-    read = logged_step(trainer)
+    read = logged_step(trainer, trainer._qca_lowmem_state.undo.installed_step)
     psi = torch.randn(1, 8, 8, 2, dtype=torch.complex128)
     out = trainer.motor.evolve_step(psi)
     assert read(trainer) == 1 and out.shape == psi.shape
@@ -619,7 +621,7 @@ def test_a_wrapper_set_after_enable_runs_around_the_installed_step_once():
 
 def test_followed_engine_and_injector_are_not_read():
     trainer = qca_lowmem.enable(make_trainer())
-    installed = vars(trainer.motor)["evolve_step"]
+    installed = trainer._qca_lowmem_state.undo.installed_step
     assert engine_code(trainer.motor, installed) is None
     assert injector_code(trainer.noise_injector) is None
     STEP_STATE_EDITS["engine counting its calls"][0](trainer)

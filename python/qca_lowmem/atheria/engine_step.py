@@ -91,15 +91,15 @@ class _LiveStep:
     def __init__(self, motor, side_state: bool = False):
         self.motor, self.side_state, self.fixed_gamma = motor, side_state, None
         # In an episode the side state is written once, from the forward's last step (flush()):
-        # each step then only keeps references, where a call outside one (their inference) writes it.
+        # each step then only keeps references, where a call outside one writes it.
         self.deferred, self.pending = False, None
         self.in_episode, self.identity = False, None  # identity: the EngineIdentity enable() recognised
 
     def engine_changed(self) -> Optional[Callable]:
-        """Outside an episode (their inference; another trainer's episode: a copy's wrapper holding
-        this step), at every call (the blocks there are theirs, unfused): the engine's own step where
-        its code is no longer the one recognised or the caller's context rules a fused path out
-        (ops.stands_for_stock), else None."""
+        """Called outside the switch's episode (their own train_episode run as written; a wrapper
+        their code set on the engine while an episode ran, holding this step), at every call: the
+        engine's own step where its code is no longer the one recognised or the caller's context
+        rules a fused path out (ops.stands_for_stock), else None."""
         if self.in_episode or self.identity is None:
             return None
         own = self.identity.own_step(self.motor, True)
@@ -365,7 +365,9 @@ class EngineIdentity:
         if engine_kind(motor, held if called else self.installed) != self.kind:
             if not self.said:
                 self.said = True
-                say(logging.WARNING, f"{type(motor).__name__}'s step changed since enable() ({unknown_engine(motor)}): "
+                why = (f"a {type(held).__name__} set as motor.evolve_step: {getattr(held, '__qualname__', '')}"
+                       if held is not None and not called else unknown_engine(motor))
+                say(logging.WARNING, f"{type(motor).__name__}'s step changed since enable() ({why}): "
                                      "the episodes run the engine's own step")
         else:
             why = self.operator_differs(motor.operator)

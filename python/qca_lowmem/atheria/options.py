@@ -78,7 +78,8 @@ class Options:
         "enable()'s line says which on CUDA.",
         "True, False or None (on where it can run)", lowmem_key=True, positional=True)
     fused_step_ops: bool = option(
-        True, "replace `motor.evolve_step` by the fused pack/update ops. Only where that is exact: an engine "
+        True, "replace `motor.evolve_step` by the fused pack/update ops while an episode runs (between episodes the "
+        "engine has its own). Only where that is exact: an engine "
         "whose state psi is not a complex tensor is refused naming its class; one whose evolve_step is not, by "
         "the identity of its code, a Cartesian step qca_lowmem follows (checked again at each episode), whose "
         "operator runs code it does not follow (a class of the user's not recorded: never called to probe it) "

@@ -26,7 +26,7 @@ from .episode_refusals import EpisodeRefused, ProofStale
 from .fused_blocks import Swapped, fuse_again, proved_for_the_episode, put_back, swap_in
 from .options import Options, enable_signature, options_doc
 from .say import say
-from .scaler_swap import lowmem_scaler_for, scales_for_fp16
+from .scaler_swap import carry_state, lowmem_scaler_for, scales_for_fp16
 from .stock_guard import EpisodeIdentity, check_stock_episode, stock_origin
 from .trainers import TrainerVersion, adapter_for
 from .user_modules import compiled_module
@@ -43,8 +43,7 @@ class _Undo:
     blocks: Swapped = field(default_factory=list)  # the users' blocks fused in place while an episode runs
     pools: list = field(default_factory=list)  # their nn.MaxPool2d given the stand-in's class (pools.py)
     convs: list = field(default_factory=list)  # their convs outside ConvBlocks given the stand-ins' (convs.py)
-    evolve_step: Any = None
-    had_evolve_step_attr: bool = False
+    installed_step: Any = None  # the fused step on the engine while an episode runs, else None (the engine's own)
     train_episode: Any = None
     had_train_episode_attr: bool = False
     scaler: Any = None
@@ -135,9 +134,12 @@ class LowmemEpisode:
 
 @contextlib.contextmanager
 def _stand_ins_for_the_episode(undo: _Undo):
-    """The stand-ins' classes (fused blocks, pools, convs) on the users' modules while an episode
-    runs, theirs between episodes: their code there (an init loop testing `type(m) is nn.Conv2d`,
-    a pickle, a deepcopy, a print) sees their model as they built it."""
+    """The stand-ins' classes (fused blocks, pools, convs) on the users' modules and the fused step
+    on the engine while an episode runs, theirs between episodes: their code there (an init loop
+    testing `type(m) is nn.Conv2d`, a pickle of the model or the engine, a deepcopy, a print,
+    inference) sees their model and engine as they built them."""
+    if undo.installed_step is not None and undo.live and "evolve_step" not in vars(undo.motor):
+        undo.motor.evolve_step = undo.installed_step  # a step their code set there since runs instead
     fuse_again(undo.blocks)
     fuse_pools(undo.pools)
     cast_convs(undo.convs)
@@ -148,8 +150,10 @@ def _stand_ins_for_the_episode(undo: _Undo):
 
 
 def _park(undo: _Undo) -> None:
-    """The users' modules given their classes back (the stand-ins' are kept on `undo` for the next
-    episode)."""
+    """The users' modules given their classes back and the engine its own step (the stand-ins are
+    kept on `undo` for the next episode)."""
+    if undo.installed_step is not None and vars(undo.motor).get("evolve_step") is undo.installed_step:
+        del undo.motor.evolve_step
     put_back(undo.blocks)
     unfuse_pools(undo.pools)
     uncast_convs(undo.convs)
@@ -265,11 +269,11 @@ def _enabled(trainer, given: Options) -> _Saved:
         undo.convs = cast_convs_in_place(trainer.motor.operator)
     if options.channels_last:
         undo.made_channels_last = to_channels_last(trainer.motor.operator)
-    _swap_step(trainer, undo, evolve_step)
+    undo.installed_step = evolve_step
     state = _Saved(options, version, undo, memory_step=memory_step, fused=fused_of(evolve_step, memory_step),
                    engine_identity=EngineIdentity(trainer.motor, evolve_step, memory_step is not None),
                    edited_episode=edited_episode)
-    if state.fused is not None:  # outside episodes (their code, inference) the step checks at each call
+    if state.fused is not None:  # called outside an episode (held from one), the step checks at each call
         state.fused.identity = state.engine_identity
     state.episode_identity = EpisodeIdentity(trainer, unrecorded) if edited_episode is None else None
     _swap_episode(trainer, undo)
@@ -306,17 +310,6 @@ def _summary(state: _Saved) -> str:
     return ", ".join(parts)
 
 
-def _swap_step(trainer, undo: _Undo, evolve_step):
-    """motor.evolve_step -> `evolve_step` (the fused pack/update, engine_step.lowmem_steps) unless
-    None; an original set on the engine is kept (the class's needs no keeping: a copy of a bound
-    method would bind the original engine, and a pickled one is looked up again at loading)."""
-    motor = trainer.motor
-    undo.had_evolve_step_attr = "evolve_step" in vars(motor)
-    undo.evolve_step = vars(motor).get("evolve_step")
-    if evolve_step is not None:
-        motor.evolve_step = evolve_step
-
-
 def _swap_episode(trainer, undo: _Undo):
     undo.had_train_episode_attr = "train_episode" in vars(trainer)
     undo.train_episode = vars(trainer).get("train_episode")
@@ -349,7 +342,7 @@ def disable(trainer):
         del trainer.train_episode
     if getattr(trainer, "scaler", None) is not undo.scaler:
         if undo.scaler is not None:
-            undo.scaler.load_state_dict(trainer.scaler.state_dict())
+            carry_state(trainer.scaler, undo.scaler)
         trainer.scaler = undo.scaler
     if not undo.had_scaler_attr and hasattr(trainer, "scaler"):
         del trainer.scaler
@@ -360,9 +353,4 @@ def disable(trainer):
 def _restore_engine(undo: _Undo):
     """The engine's stock blocks, layouts and step."""
     _park(undo)
-    motor = undo.motor
     layouts_put_back(undo.made_channels_last)
-    if undo.had_evolve_step_attr:
-        motor.evolve_step = undo.evolve_step
-    elif "evolve_step" in vars(motor):
-        del motor.evolve_step
