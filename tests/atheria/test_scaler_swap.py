@@ -9,37 +9,48 @@ from torch import nn
 from qca_lowmem.amp import GradScaler
 from qca_lowmem.atheria.scaler_swap import carry_state, lowmem_scaler_from
 
+STAGES = ["scaled", "unscaled", "stepped"]
 
-@pytest.mark.parametrize("stage", ["scaled", "unscaled", "stepped"])
+
+def swapped_at(stage, scaler, opt, p, swap):
+    """The iteration of `scaler` (its backward done) up to `stage`, then `swap(scaler)` goes on to
+    update(); the state and parameter it ends with."""
+    if stage != "scaled":
+        scaler.unscale_(opt)
+    if stage == "stepped":
+        scaler.step(opt)
+    scaler = swap(scaler)
+    if stage != "stepped":
+        scaler.step(opt)
+    scaler.update()
+    return scaler.state_dict(), p.detach().clone()
+
+
+def kept(scaler):
+    return scaler
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_swap_mid_iteration_goes_on_as_torch_scaler(stage):
     """A scaler swapped between scale() and update() steps and updates as theirs would, without
     unscaling a second time."""
 
-    def finish(convert):
+    def finish(swap):
         torch.manual_seed(0)
         p = nn.Parameter(torch.randn(4))
         opt = torch.optim.SGD([p], lr=0.1)
         scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1)
         scaler.scale((p * 2).sum()).backward()
-        if stage != "scaled":
-            scaler.unscale_(opt)
-        if stage == "stepped":
-            scaler.step(opt)
-        if convert:
-            scaler = lowmem_scaler_from(scaler)
-            assert isinstance(scaler, GradScaler)
-        if stage != "stepped":
-            scaler.step(opt)
-        scaler.update()
-        return scaler.state_dict(), p.detach().clone()
+        return swapped_at(stage, scaler, opt, p, swap)
 
-    (theirs_state, theirs_p), (ours_state, ours_p) = finish(False), finish(True)
+    (theirs_state, theirs_p), (ours_state, ours_p) = finish(kept), finish(lowmem_scaler_from)
     assert ours_state == theirs_state and ours_state["scale"] == 16.0
     assert torch.equal(ours_p, theirs_p)
 
 
 def test_swap_keeps_allow_fp16_grads():
     swapped = lowmem_scaler_from(GradScaler("cpu", init_scale=4.0, allow_fp16_grads=True))
+    assert isinstance(swapped, GradScaler)
     p = nn.Parameter(torch.randn(3).half())
     swapped.scale(torch.ones(()))
     p.grad = torch.ones(3, dtype=torch.float16)
@@ -47,7 +58,7 @@ def test_swap_keeps_allow_fp16_grads():
     assert torch.equal(p.grad, torch.full((3,), 0.25, dtype=torch.float16))
 
 
-@pytest.mark.parametrize("stage", ["scaled", "unscaled", "stepped"])
+@pytest.mark.parametrize("stage", STAGES)
 def test_state_carried_back_mid_iteration_replaces_stale_progress(stage):
     """disable() gives their scaler ours's state: their scaler's own progress, from the iteration
     in which enable() swapped it, must not survive (a stale "unscaled" would refuse the unscale_)."""
@@ -64,18 +75,11 @@ def test_state_carried_back_mid_iteration_replaces_stale_progress(stage):
         ours.update()
         opt.zero_grad()
         ours.scale((p * 2).sum()).backward()
-        if stage != "scaled":
-            ours.unscale_(opt)
-        if stage == "stepped":
-            ours.step(opt)
-        scaler = ours
-        if back:
-            carry_state(ours, theirs)
-            scaler = theirs
-        if stage != "stepped":
-            scaler.step(opt)
-        scaler.update()
-        return scaler.state_dict(), p.detach().clone()
+
+        def carried_back(scaler):
+            carry_state(scaler, theirs)
+            return theirs
+        return swapped_at(stage, ours, opt, p, carried_back if back else kept)
 
     (kept_state, kept_p), (back_state, back_p) = finish(False), finish(True)
     assert back_state == kept_state and back_state["scale"] == 32.0
