@@ -258,7 +258,7 @@ def test_a_wrapper_set_on_the_engine_after_enable_runs_their_step_named(caplog):
         wrapped.motor.evolve_step = functools.wraps(own)(lambda psi, own=own: own(psi))
     with caplog.at_level("WARNING", logger="qca_lowmem"):
         assert_same(run(trainer), run(stock))
-    assert "a function set as motor.evolve_step: Motor.evolve_step" in caplog.text
+    assert "motor.evolve_step set to Motor.evolve_step" in caplog.text
     assert not isinstance(vars(trainer.motor)["evolve_step"], FusedEngineStep)
 
 # 4. An allowlist of ops, generators left as found.

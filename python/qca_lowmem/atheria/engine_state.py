@@ -10,6 +10,17 @@ import torch
 SIDE_STATE = ("last_psi_input", "last_delta_psi", "last_delta_psi_decay")  # their CartesianEngine's, for their plots
 
 
+def values_of(tensor: torch.Tensor) -> tuple:
+    """A step's tensor held by its memory, not as a tensor: the rollout refuses a tensor a step made
+    that outlives it (a graph it may hold would be lost, escapes.py); these values carry none."""
+    return tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device
+
+
+def tensor_of(values: tuple) -> torch.Tensor:
+    storage, offset, shape, stride, dtype, device = values
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
+
+
 def memory_of(motor) -> Optional[tuple]:
     return motor.state.h_state, motor.state.c_state
 
@@ -47,6 +58,15 @@ class SideStateRead:
                     read = value.detach().requires_grad_().clone()  # not a leaf: written in place as stock's may be
                     read.register_hook(functools.partial(self._reach, name))
                     setattr(motor, name, read)
+
+    def release(self, motor) -> None:
+        """The side state put back without this check's hooks, once it is done (a torch.save of the
+        engine warns of hooks it cannot save)."""
+        with torch.enable_grad():
+            for name in SIDE_STATE:
+                value = getattr(motor, name, None)
+                if isinstance(value, torch.Tensor) and value._backward_hooks:
+                    setattr(motor, name, value.detach().requires_grad_().clone())
 
     def _reach(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         self.reached = self.reached or name

@@ -35,7 +35,7 @@ from ..unet import input_dtype
 from .code_identity import followed, not_recorded, resolved
 from .discontinuity import discontinuity
 from .engine_probe import check_engine_state, check_engine_step, probe_shape
-from .engine_state import SideStateRead
+from .engine_state import SideStateRead, tensor_of, values_of
 from .episode_refusals import ProofStale
 from .operator_code import RECOMPUTED_COMPILED, compiled_draws, compiled_in, first_hook, operator_unfollowed
 from .say import say
@@ -119,7 +119,7 @@ class _LiveStep:
         if not self.side_state:
             return
         if self.deferred:
-            self.pending = (_values_of(psi), _values_of(delta), gamma, multiplicative)
+            self.pending = (values_of(psi), values_of(delta), gamma, multiplicative)
             return
         with torch.no_grad():
             real = psi.real.dtype
@@ -141,24 +141,22 @@ class _LiveStep:
     def flush(self) -> Optional[SideStateRead]:
         """Write the side state of the last step called (the forward's last, before any recompute)
         for the loss to read, as stock's loss finds it (SideStateRead); None where no step recorded."""
+        return SideStateRead(self.motor) if self.write_pending() else None
+
+    def write_pending(self) -> bool:
+        """Write the side state of the last step called, as their engine's step left it (also where
+        the forward raised); whether one had."""
         pending, self.pending, deferred = self.pending, None, self.deferred
         if pending is None:
-            return None
+            return False
         self.deferred = False
-        self.record(_tensor_of(pending[0]), _tensor_of(pending[1]), *pending[2:])
+        self.record(tensor_of(pending[0]), tensor_of(pending[1]), *pending[2:])
         self.deferred = deferred
-        return SideStateRead(self.motor)
+        return True
 
-
-def _values_of(tensor: torch.Tensor) -> tuple:
-    """A step's tensor held by its memory, not as a tensor: the rollout refuses a tensor a step made
-    that outlives it (a graph it may hold would be lost, escapes.py); these values carry none."""
-    return tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device
-
-
-def _tensor_of(values: tuple) -> torch.Tensor:
-    storage, offset, shape, stride, dtype, device = values
-    return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
+    def __getstate__(self):
+        # A copy (one made inside an episode too) is in none: its calls check the engine, write the side state.
+        return {**vars(self), "fixed_gamma": None, "deferred": False, "pending": None, "in_episode": False}
 
 
 class FusedMemoryStep(_LiveStep):
@@ -365,7 +363,7 @@ class EngineIdentity:
         if engine_kind(motor, held if called else self.installed) != self.kind:
             if not self.said:
                 self.said = True
-                why = (f"a {type(held).__name__} set as motor.evolve_step: {getattr(held, '__qualname__', '')}"
+                why = (f"motor.evolve_step set to {getattr(held, '__qualname__', None) or 'a ' + type(held).__name__}"
                        if held is not None and not called else unknown_engine(motor))
                 say(logging.WARNING, f"{type(motor).__name__}'s step changed since enable() ({why}): "
                                      "the episodes run the engine's own step")

@@ -13,7 +13,7 @@ from ..recompute import rollout
 from ..recompute.history_grads import history_grads_guarded
 from ..recompute.policy import NONE
 from ..recompute.replay import around_each_recompute
-from .engine_state import memory_of, put_side_state, side_state_of
+from .engine_state import memory_of, put_side_state, side_state_of, store_memory
 from .engine_step import EngineMemoryStep, engine_code, live_gamma
 from .episode_options import check_reads
 from .episode_refusals import EpisodeRefused
@@ -72,11 +72,13 @@ def train_episode(trainer, state, episode_num, model, own):
     step = _episode_step(trainer, state, own)
     # The memory the episode starts from: what the engine holds (zeroed by V4's state reset, None after V3's episodes).
     memory = {} if state.memory_step is None else dict(carry=memory_of(trainer.motor))
-    with autocast(device.type, opts.amp_dtype):
+    left = _Left()
+    with _engine_as_stock_leaves_it(trainer, state, own, left), autocast(device.type, opts.amp_dtype):
         psi, history, *carry_T = rollout(step, psi0, trainer.qca_steps, checkpoint=opts.policy, noise=noise,
                                          record_every=version.record_every(trainer), **memory)
         # The engine as the forward's steps leave it, for the loss to read: the memory, the side state.
-        memory_T = carry_T[0] if carry_T else None
+        memory_T = left.memory_T = carry_T[0] if carry_T else None
+        left.forward_done = True
         version.leave_memory(trainer, memory_T)
         side_state_read = state.fused.flush() if state.fused is not None else None
         with history_grads_guarded(history, "qca_lowmem", opts.policy.checkpoint):
@@ -91,13 +93,16 @@ def train_episode(trainer, state, episode_num, model, own):
     parameters = [] if model is None else list(model.parameters())
     scaler = getattr(trainer, "scaler", None)
     scaled = scaler is not None and scaler.is_enabled() and (version.scales(trainer) or scales_for_fp16(opts))
-    with around_each_recompute(drift.note_recompute) if drift is not None else contextlib.nullcontext():
+    with _engine_as_stock_leaves_it(trainer, state, own, left), \
+            around_each_recompute(drift.note_recompute) if drift is not None else contextlib.nullcontext():
         (scaler.scale(loss) if scaled else loss).backward()
     # After the backward, whose recomputes ran the steps again.
     rebind(bound)  # a buffer each recompute bound again (snntorch's membrane): as the forward left it
     put_side_state(trainer.motor, side_state)
+    version.leave_memory(trainer, memory_T)
     if side_state_read is not None:
         side_state_read.check()
+        side_state_read.release(trainer.motor)
     if drift is not None:
         drift.check()  # the rest of the steps' state as the forward left it, or the episode refused
     max_norm = _max_norm(trainer, opts, version) if model is not None else None
@@ -111,8 +116,36 @@ def train_episode(trainer, state, episode_num, model, own):
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         trainer.optimizer.step()
-    version.leave_memory(trainer, memory_T)
     return version.result(trainer, episode_num, loss, details, psi)
+
+
+class _Left:
+    """How far the episode went, for what an exception out of it leaves on the engine."""
+
+    forward_done = False
+    memory_T = None  # the memory the forward's last step left
+
+
+@contextlib.contextmanager
+def _engine_as_stock_leaves_it(trainer, state, own, left: _Left):
+    """On an exception out of the episode's forward or backward (an error, a KeyboardInterrupt): the
+    engine's memory and side state as stock's episode would leave them there, not the rollout's
+    (its memory leaves require grad: the next episode's in-place reset would fail)."""
+    try:
+        yield
+    except BaseException:
+        motor = trainer.motor
+        if left.forward_done:  # the recomputes may have written the engine: the forward's last step's
+            state.version.leave_memory(trainer, left.memory_T)
+        else:
+            if state.fused is not None:
+                state.fused.write_pending()
+            if own is not None or isinstance(state.memory_step, EngineMemoryStep):
+                store_memory(motor, memory_of(motor))  # the engine's own step's, or the step's input memory
+            elif state.memory_step is not None:  # the fused step carries the memory, not written on the engine
+                say(logging.WARNING, f"the episode raised during its steps: {type(motor).__name__}.state's memory is "
+                                     "left as the episode found it, where stock's would hold the last step's")
+        raise
 
 
 def _step_drift(trainer, state, noise):

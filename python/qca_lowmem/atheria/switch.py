@@ -49,6 +49,7 @@ class _Undo:
     scaler: Any = None
     had_scaler_attr: bool = True
     live: bool = True  # False once disable() put the engine back, for a shallow copy still holding this state
+    training: bool = False  # while the switch's episode trains (its forward, loss, backward, optimizer step)
     made_channels_last: Made = field(default_factory=list)  # the weights channels_last=True made NHWC
 
 
@@ -120,6 +121,7 @@ class LowmemEpisode:
                 raise
             return _on_stock(trainer, episode_num, str(refused).removeprefix("qca_lowmem: "))
         try:
+            state.undo.training = True
             with proved_for_the_episode(state.undo):
                 return train_episode(trainer, state, episode_num, model, own)
         except NotImplementedError as error:
@@ -128,6 +130,7 @@ class LowmemEpisode:
                 raise
             raise said from error
         finally:  # an episode that raised leaves the step as their code and inference call it
+            state.undo.training = False
             if state.fused is not None:
                 state.fused.end_episode()
 
@@ -332,6 +335,10 @@ def disable(trainer):
     if state is None:
         raise RuntimeError("disable(): qca_lowmem is not enabled on this trainer")
     undo = state.undo
+    if undo.live and undo.training:
+        raise RuntimeError("disable(): called while an episode of this trainer (or of one sharing its engine) trains, "
+                           "from its loss or a hook: the backward would recompute its steps on other code than they "
+                           "ran; call it between episodes")
     if undo.live:
         _restore_engine(undo)
         undo.live = False
