@@ -296,3 +296,42 @@ def test_a_section_is_told_the_setting_that_trains_an_engine_it_cannot_run_on_st
     with pytest.raises(TypeError, match=r"^enable\(\): Motor\.state\.psi is a MagnitudePhase.*; no setting changes "
                                         r"that: train this engine on stock, with LOWMEM: false\n"):
         qca_lowmem.enable_from_config(polar_trainer(), {"LOWMEM": True})
+
+
+class FrozenMotor(Motor):
+    """An engine refusing attribute writes once built (a frozen dataclass's way)."""
+
+    def __setattr__(self, name, value):
+        if getattr(self, "frozen", False):
+            raise AttributeError(f"frozen engine: cannot set {name}")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        raise AttributeError(f"frozen engine: cannot delete {name}")
+
+
+def test_a_frozen_engine_takes_the_fused_step_for_its_episodes():
+    """The fused step goes on the engine for an episode and off after it past the engine's own
+    __setattr__ (the episodes failed with its AttributeError, which named no library)."""
+    trainers = [make_trainer(FrozenMotor) for _ in range(2)]
+    for trainer in trainers:
+        trainer.motor.frozen = True
+    trainer, stock = trainers
+    qca_lowmem.enable(trainer)
+    assert_same_runs(run(trainer), run(stock))
+    assert "evolve_step" not in vars(trainer.motor)
+
+
+def test_an_engine_without_an_instance_dict_is_refused_naming_it():
+    class SlottedMotor:
+        __slots__ = ("operator", "cfg", "state")
+        evolve_step = Motor.evolve_step
+
+        def __init__(self, operator, cfg, state):
+            self.operator, self.cfg, self.state = operator, cfg, state
+
+    trainer = make_trainer()
+    trainer.motor = SlottedMotor(trainer.motor.operator, trainer.motor.cfg, trainer.motor.state)
+    with pytest.raises(TypeError, match=r"^enable\(\): SlottedMotor keeps its attributes in __slots__"):
+        qca_lowmem.enable(trainer)
+    assert "train_episode" not in vars(trainer) and not hasattr(trainer, "_qca_lowmem_state")

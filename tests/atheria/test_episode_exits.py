@@ -11,6 +11,7 @@ import torch
 
 import qca_lowmem
 from fixtures.model_families import make_operator, make_trainer, relative
+from qca_lowmem.atheria import switch
 from qca_lowmem.examples import QC_Trainer_v3, make_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -166,3 +167,47 @@ def test_a_copy_of_the_engine_made_inside_an_episode_is_in_none():
     assert (step.in_episode, step.deferred, step.pending, step.fixed_gamma) == (False, False, None, None)
     psi = torch.randn(1, 8, 8, 2, dtype=torch.complex128)
     assert torch.allclose(step(psi), copies[0].evolve_step(psi)) and step.motor is copies[0]
+
+
+def test_an_episode_called_from_another_on_its_engine_refuses_naming_it():
+    """A trainer sharing the engine (a copy.copy) trained from inside an episode: its steps would
+    leave the engine other than the outer episode's backward recomputes them on."""
+    trainer = make_trainer("unet_groupnorm")
+    qca_lowmem.enable(trainer)
+    inner, own = copy.copy(trainer), trainer.loss_fn
+
+    def loss(*args, **kwargs):
+        inner.train_episode(7)
+        return own(*args, **kwargs)
+    trainer.loss_fn = loss
+    with pytest.raises(RuntimeError, match=r"an episode on this engine \(Motor\) is training, and this one was called"):
+        trainer.train_episode(0)
+    trainer.loss_fn = own
+    trainer.train_episode(1)
+    inner.train_episode(2)
+    assert "evolve_step" not in vars(trainer.motor)
+
+
+@pytest.mark.parametrize("interrupted", ["fuse_pools", "put_back"])
+def test_a_ctrl_c_while_the_stand_ins_come_or_go_leaves_the_rest_theirs(interrupted, monkeypatch):
+    """Interrupted as the episode gives its stand-ins (at its start) or takes them back (at its
+    end): the engine's step and every layer the interrupt did not stop are theirs after it."""
+    trainer = make_trainer("unet_groupnorm")
+    qca_lowmem.enable(trainer)
+    theirs = [type(m) for m in trainer.motor.operator.modules()]
+    real = getattr(switch, interrupted)
+
+    def interrupting(*args):
+        monkeypatch.setattr(switch, interrupted, real)
+        raise KeyboardInterrupt("Ctrl-C")
+    monkeypatch.setattr(switch, interrupted, interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train_episode(0)
+    assert "evolve_step" not in vars(trainer.motor)
+    left = [(type(m), cls) for m, cls in zip(trainer.motor.operator.modules(), theirs) if type(m) is not cls]
+    if interrupted == "fuse_pools":
+        assert left == []
+    else:  # the blocks' put_back was the part interrupted: they come back at the next episode's end
+        assert left and all(cls.__name__ == "ConvBlock" for _, cls in left)
+    trainer.train_episode(1)
+    assert [type(m) for m in trainer.motor.operator.modules()] == theirs

@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+import qca_lowmem
+from fixtures.model_families import make_trainer
 from qca_lowmem.amp import GradScaler
 from qca_lowmem.atheria.scaler_swap import carry_state, lowmem_scaler_from
 
@@ -84,3 +86,50 @@ def test_state_carried_back_mid_iteration_replaces_stale_progress(stage):
     (kept_state, kept_p), (back_state, back_p) = finish(False), finish(True)
     assert back_state == kept_state and back_state["scale"] == 32.0
     assert torch.equal(back_p, kept_p)
+
+
+def enabled_with(scaler):
+    trainer = make_trainer("unet_groupnorm")
+    trainer.scaler = scaler
+    return qca_lowmem.enable(trainer)
+
+
+def test_a_scaler_class_of_their_own_is_kept():
+    """A subclass of theirs (an update() capping the scale, say) is their code: enable() keeps it."""
+    class Capped(torch.amp.GradScaler):
+        def update(self, new_scale=None):
+            super().update(new_scale)
+            self._scale.clamp_(max=16.0)
+
+    theirs = Capped("cpu", init_scale=8.0)
+    assert enabled_with(theirs).scaler is theirs
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    assert type(enabled_with(torch_scaler).scaler) is GradScaler
+
+
+@pytest.mark.parametrize("since", ["none", "deleted", "their_own"])
+def test_disable_leaves_a_scaler_they_set_since_enable(since):
+    """disable() gives their scaler back where the trainer holds the one enable() set; one they set
+    since (None, deleted, another) stays, and disable() completes (it raised half-way, leaving the
+    trainer neither enabled nor disabled)."""
+    original = torch.amp.GradScaler("cpu", init_scale=8.0)
+    trainer = enabled_with(original)
+    installed = trainer.scaler
+    assert installed is not original
+    another = torch.amp.GradScaler("cpu", enabled=False)
+    if since == "deleted":
+        del trainer.scaler
+    else:
+        trainer.scaler = None if since == "none" else another
+    qca_lowmem.disable(trainer)
+    assert not hasattr(trainer, "_qca_lowmem_state") and "train_episode" not in vars(trainer)
+    assert getattr(trainer, "scaler", "deleted") == {"none": None, "deleted": "deleted", "their_own": another}[since]
+
+
+def test_disable_puts_their_scaler_back_with_the_state_it_reached():
+    trainer = enabled_with(torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1))
+    original = trainer._qca_lowmem_state.undo.scaler
+    trainer.scaler.scale(torch.ones(()))
+    trainer.scaler.update(32.0)
+    qca_lowmem.disable(trainer)
+    assert trainer.scaler is original and original.get_scale() == 32.0

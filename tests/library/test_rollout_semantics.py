@@ -10,6 +10,7 @@ import torch
 
 import qca_lowmem
 from helpers import batchnorm_step
+from qca_lowmem import _torch_private as torch_private
 from qca_lowmem import stock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -324,3 +325,39 @@ def test_a_gradient_hook_a_step_registers_runs_as_plain_autograd_or_is_refused_b
     with pytest.raises(RuntimeError, match=r"^rollout: step \d+ runs without grad here .* step_fn registers a hook "
                                            r"on a tensor \(Tensor\.register_hook\); register it only where"):
         qca_lowmem.rollout(unguarded, psi0, 5, **policy)
+
+
+@pytest.mark.parametrize("interrupted_at", [1, 3, 5])
+def test_a_backward_interrupted_while_the_parameters_hooks_are_set_aside_puts_them_back(interrupted_at, monkeypatch):
+    """A Ctrl-C in the backward as it sets each parameter's hooks aside for its gradient buffers:
+    every parameter keeps its own hooks after it (one kept the buffer's hook, whose gradients it
+    swallowed, silently, from then on), and the next backward is plain autograd's."""
+    params, _, step = unet_and_conv()
+    seen = []
+    params[0].register_hook(lambda grad: seen.append(None))
+    hooks_before = [dict(p._backward_hooks or {}) for p in params]
+    psi0 = stock.initial_state(1, 8, 2, dtype=torch.complex64, generator=torch.Generator().manual_seed(2))
+    real, calls = torch_private.backward_hooks, []
+
+    def interrupting(tensor):
+        calls.append(None)
+        if len(calls) == interrupted_at:
+            raise KeyboardInterrupt("Ctrl-C")
+        return real(tensor)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch_private, "backward_hooks", interrupting)
+        psi, _ = qca_lowmem.rollout(step, psi0, 3, checkpoint="step")
+        with pytest.raises(KeyboardInterrupt):
+            weighted(psi).backward()
+    assert [dict(p._backward_hooks or {}) for p in params] == hooks_before
+    for p in params:
+        p.grad = None
+    psi, _ = qca_lowmem.rollout(step, psi0, 3, checkpoint="step")
+    weighted(psi).backward()
+    got = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    psi, _ = qca_lowmem.rollout(step, psi0, 3, checkpoint="none")
+    weighted(psi).backward()
+    assert all(torch.allclose(g, p.grad, rtol=1e-4, atol=1e-6) and g.abs().max() > 0 for g, p in zip(got, params))
+    assert len(seen) == 2

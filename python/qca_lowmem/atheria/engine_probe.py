@@ -32,6 +32,10 @@ def _engine_state(motor):
 def check_engine_state(motor) -> None:
     """Refuse, naming the engine class, an engine whose state the rollout cannot carry: psi must
     be a complex (B, H, W, d) tensor (or None before the first reset), the memory tensors."""
+    if not hasattr(motor, "__dict__"):
+        raise TypeError(f"enable(): {type(motor).__name__} keeps its attributes in __slots__, not an instance "
+                        "__dict__: the switch cannot put its step on it for an episode nor put back what a probe "
+                        "of its step changes; qca_lowmem.rollout(motor.evolve_step, ...) rolls its episodes out")
     state = _engine_state(motor)
     wanted = {"psi": "a complex (B, H, W, d) tensor", "h_state": "a tensor", "c_state": "a tensor"}
     for name, kind in wanted.items():

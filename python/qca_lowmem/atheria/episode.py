@@ -80,7 +80,7 @@ def train_episode(trainer, state, episode_num, model, own):
         memory_T = left.memory_T = carry_T[0] if carry_T else None
         left.forward_done = True
         version.leave_memory(trainer, memory_T)
-        side_state_read = state.fused.flush() if state.fused is not None else None
+        side_state_read = left.side_state_read = state.fused.flush() if state.fused is not None else None
         with history_grads_guarded(history, "qca_lowmem", opts.policy.checkpoint):
             loss, details = version.loss(trainer, psi0, psi, history)
     bound = buffer_bindings(compiled_module(operator))  # as the forward left them
@@ -124,6 +124,7 @@ class _Left:
 
     forward_done = False
     memory_T = None  # the memory the forward's last step left
+    side_state_read = None  # the check on the side state the forward's last step left
 
 
 @contextlib.contextmanager
@@ -137,6 +138,8 @@ def _engine_as_stock_leaves_it(trainer, state, own, left: _Left):
         motor = trainer.motor
         if left.forward_done:  # the recomputes may have written the engine: the forward's last step's
             state.version.leave_memory(trainer, left.memory_T)
+            if left.side_state_read is not None:
+                left.side_state_read.release(motor)
         else:
             if state.fused is not None:
                 state.fused.write_pending()

@@ -88,7 +88,9 @@ class Options:
         "rolls out the engine's own step, which needs only the complex tensor state (and, for a compiled operator, "
         'checkpoint="none": a recompute would run another compiled graph than its forward).')
     lowmem_scaler: bool = option(
-        True, "replace `trainer.scaler` by qca_lowmem.amp.GradScaler carrying its state. The loss is scaled "
+        True, "replace `trainer.scaler` (torch's GradScaler; a subclass of theirs is kept) by "
+        "qca_lowmem.amp.GradScaler carrying its state, and back at disable() unless they set another since. The "
+        "loss is scaled "
         "where their episode would scale it (V4: `use_amp` and a scaler; V3: never), or for an fp16 amp_dtype.")
     grid_size: Optional[Union[int, Tuple[int, int]]] = option(
         None, "how a V4 trainer's psi0 is drawn, with batch_size, d_state and initial_state. By default the "

@@ -45,13 +45,16 @@ def scales_for_fp16(opts) -> bool:
     return opts.given.amp_dtype is not None and opts.amp_dtype == torch.float16
 
 
+_SWAPPED = (torch.amp.GradScaler, torch.cuda.amp.GradScaler, amp.GradScaler)  # torch's own, and ours
+
+
 def lowmem_scaler_for(trainer, for_fp16: bool):
-    """The trainer's scaler as a qca_lowmem.amp.GradScaler with its state; a new one when the
-    trainer has none but fp16 on CUDA asked of enable() needs one (`for_fp16`, scales_for_fp16);
-    else None (nothing to swap)."""
+    """The trainer's scaler (torch's class exactly) as a qca_lowmem.amp.GradScaler with its state;
+    a new one when the trainer has none but fp16 on CUDA asked of enable() needs one (`for_fp16`,
+    scales_for_fp16); else None (nothing to swap)."""
     scaler = getattr(trainer, "scaler", None)
-    if scaler is not None:
-        return lowmem_scaler_from(scaler)
+    if scaler is not None:  # a class of their own (a subclass changing update(), say) is kept
+        return lowmem_scaler_from(scaler) if type(scaler) in _SWAPPED else None
     if for_fp16 and next(trainer.motor.operator.parameters()).device.type == "cuda":
         return amp.GradScaler("cuda")
     return None

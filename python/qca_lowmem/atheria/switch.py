@@ -49,7 +49,7 @@ class _Undo:
     scaler: Any = None
     had_scaler_attr: bool = True
     live: bool = True  # False once disable() put the engine back, for a shallow copy still holding this state
-    training: bool = False  # while the switch's episode trains (its forward, loss, backward, optimizer step)
+    installed_scaler: Any = None  # the qca_lowmem.amp.GradScaler enable() set as trainer.scaler, if any
     made_channels_last: Made = field(default_factory=list)  # the weights channels_last=True made NHWC
 
 
@@ -100,6 +100,10 @@ class LowmemEpisode:
         # Held from before an episode enabled it again (installing another) or put it on stock: what the trainer runs now.
         if state is None or isinstance(installed, LowmemEpisode) and installed is not self and installed.trainer is trainer:
             return trainer.train_episode(episode_num)
+        if id(trainer.motor) in _TRAINING:
+            raise RuntimeError(f"qca_lowmem: an episode on this engine ({type(trainer.motor).__name__}) is training, "
+                               "and this one was called from it (its loss or a hook): its backward would recompute "
+                               "the steps on the engine this one leaves; run the episodes one after the other")
         theirs = state.episode_identity.changed(trainer, self) if state.episode_identity else None
         with _stand_ins_for_the_episode(state.undo):
             if theirs is not None:  # their train_episode is no longer the one recognised: it runs as written
@@ -120,8 +124,9 @@ class LowmemEpisode:
             if not state.stock_on_refusal:
                 raise
             return _on_stock(trainer, episode_num, str(refused).removeprefix("qca_lowmem: "))
+        engine = id(trainer.motor)
         try:
-            state.undo.training = True
+            _TRAINING.add(engine)
             with proved_for_the_episode(state.undo):
                 return train_episode(trainer, state, episode_num, model, own)
         except NotImplementedError as error:
@@ -130,7 +135,7 @@ class LowmemEpisode:
                 raise
             raise said from error
         finally:  # an episode that raised leaves the step as their code and inference call it
-            state.undo.training = False
+            _TRAINING.discard(engine)
             if state.fused is not None:
                 state.fused.end_episode()
 
@@ -141,12 +146,13 @@ def _stand_ins_for_the_episode(undo: _Undo):
     on the engine while an episode runs, theirs between episodes: their code there (an init loop
     testing `type(m) is nn.Conv2d`, a pickle of the model or the engine, a deepcopy, a print,
     inference) sees their model and engine as they built them."""
-    if undo.installed_step is not None and undo.live and "evolve_step" not in vars(undo.motor):
-        undo.motor.evolve_step = undo.installed_step  # a step their code set there since runs instead
-    fuse_again(undo.blocks)
-    fuse_pools(undo.pools)
-    cast_convs(undo.convs)
     try:
+        held = vars(undo.motor)
+        if undo.installed_step is not None and undo.live and "evolve_step" not in held:
+            held["evolve_step"] = undo.installed_step  # a step their code set there since runs instead
+        fuse_again(undo.blocks)
+        fuse_pools(undo.pools)
+        cast_convs(undo.convs)
         yield
     finally:
         _park(undo)
@@ -154,12 +160,19 @@ def _stand_ins_for_the_episode(undo: _Undo):
 
 def _park(undo: _Undo) -> None:
     """The users' modules given their classes back and the engine its own step (the stand-ins are
-    kept on `undo` for the next episode)."""
-    if undo.installed_step is not None and vars(undo.motor).get("evolve_step") is undo.installed_step:
-        del undo.motor.evolve_step
-    put_back(undo.blocks)
-    unfuse_pools(undo.pools)
-    uncast_convs(undo.convs)
+    kept on `undo` for the next episode); each part whatever interrupts another (a Ctrl-C)."""
+    try:
+        held = vars(undo.motor)
+        if undo.installed_step is not None and held.get("evolve_step") is undo.installed_step:
+            del held["evolve_step"]
+    finally:
+        try:
+            put_back(undo.blocks)
+        finally:
+            try:
+                unfuse_pools(undo.pools)
+            finally:
+                uncast_convs(undo.convs)
 
 
 def _enable_again(trainer, state: _Saved, stale: ProofStale, episode_num):
@@ -190,6 +203,7 @@ def _on_stock(trainer, episode_num, why: str):
 
 
 _COPY_HOOK = "__reduce_ex__"  # copy.copy, copy.deepcopy and pickle read it off the instance
+_TRAINING: set = set()  # id() of the engines an episode of the switch is training on (its forward to its optimizer step)
 
 
 class _CopyHook:
@@ -324,7 +338,7 @@ def _swap_scaler(trainer, undo: _Undo, new_scaler):
     undo.had_scaler_attr = hasattr(trainer, "scaler")  # a V3 trainer has none
     undo.scaler = getattr(trainer, "scaler", None)
     if new_scaler is not None:
-        trainer.scaler = new_scaler
+        trainer.scaler = undo.installed_scaler = new_scaler
 
 
 def disable(trainer):
@@ -335,10 +349,18 @@ def disable(trainer):
     if state is None:
         raise RuntimeError("disable(): qca_lowmem is not enabled on this trainer")
     undo = state.undo
-    if undo.live and undo.training:
+    if undo.live and id(undo.motor) in _TRAINING:
         raise RuntimeError("disable(): called while an episode of this trainer (or of one sharing its engine) trains, "
                            "from its loss or a hook: the backward would recompute its steps on other code than they "
                            "ran; call it between episodes")
+    # Their scaler back where the trainer still holds the one enable() set (one they set since stays).
+    if undo.installed_scaler is not None and getattr(trainer, "scaler", None) is undo.installed_scaler:
+        if undo.scaler is not None:
+            carry_state(undo.installed_scaler, undo.scaler)
+        if undo.had_scaler_attr:
+            trainer.scaler = undo.scaler
+        else:
+            del trainer.scaler
     if undo.live:
         _restore_engine(undo)
         undo.live = False
@@ -347,12 +369,6 @@ def disable(trainer):
         trainer.train_episode = undo.train_episode
     else:
         del trainer.train_episode
-    if getattr(trainer, "scaler", None) is not undo.scaler:
-        if undo.scaler is not None:
-            carry_state(trainer.scaler, undo.scaler)
-        trainer.scaler = undo.scaler
-    if not undo.had_scaler_attr and hasattr(trainer, "scaler"):
-        del trainer.scaler
     delattr(trainer, _STATE_ATTR)
     return trainer
 

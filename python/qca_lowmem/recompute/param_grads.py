@@ -103,18 +103,22 @@ class ParamGradSink(_PendingAdds):
         self._zeros: List[Optional[torch.Tensor]] = [None] * len(self.params)  # a scalar zero broadcast to each
 
     def __enter__(self):
-        for i, p in enumerate(self.params):
-            self._collect(i, p)
+        try:
+            for i, p in enumerate(self.params):
+                self._collect(i, p)
+        except BaseException:  # a Ctrl-C midway: the parameters set aside so far get their hooks back
+            self.__exit__()
+            raise
         return self
 
     def _collect(self, i: int, p: torch.Tensor) -> None:
         hooks = torch_private.backward_hooks(p)
-        original = list(hooks.items())
+        # Noted before anything changes, so that __exit__ puts back whatever an interrupt left.
+        self._set_aside.append((hooks, list(hooks.items()), _collecting.get(id(p))))
+        _collecting[id(p)] = (self, i)
         hooks.clear()
         handle = RemovableHandle(hooks)
         hooks[handle.id] = functools.partial(self._accumulate, i)
-        self._set_aside.append((hooks, original, _collecting.get(id(p))))
-        _collecting[id(p)] = (self, i)
 
     def __exit__(self, *exc):
         for p, (hooks, original, outer) in zip(self.params, self._set_aside):
