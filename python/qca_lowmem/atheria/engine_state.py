@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from .. import _torch_private as torch_private
+
 SIDE_STATE = ("last_psi_input", "last_delta_psi", "last_delta_psi_decay")  # their CartesianEngine's, for their plots
 
 
@@ -65,7 +67,7 @@ class SideStateRead:
         with torch.enable_grad():
             for name in SIDE_STATE:
                 value = getattr(motor, name, None)
-                if isinstance(value, torch.Tensor) and value._backward_hooks:
+                if isinstance(value, torch.Tensor) and torch_private.has_hooks(value):
                     setattr(motor, name, value.detach().requires_grad_().clone())
 
     def _reach(self, name: str, grad: torch.Tensor) -> torch.Tensor:
