@@ -20,6 +20,7 @@ import numbers
 from collections import defaultdict
 from typing import Any, Iterable, Optional, Union
 
+import numpy
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
@@ -83,9 +84,10 @@ def _runs_our_kernels(device: Any) -> bool:
 
 def _check_update_settings(growth_factor: Any, backoff_factor: Any, growth_interval: Any) -> None:
     """The types torch's update() takes (its op's float, float and int; TypeError otherwise): our
-    kernel's wrapper converts its arguments, which would truncate a growth_interval of 2.5."""
+    kernel's wrapper converts its arguments, which would truncate a growth_interval of 2.5. Torch's
+    float arguments take a NumPy bool too (not a numbers.Real)."""
     for name, value in (("growth_factor", growth_factor), ("backoff_factor", backoff_factor)):
-        number = isinstance(value, numbers.Real) or (
+        number = isinstance(value, (numbers.Real, numpy.bool_)) or (
             isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex() and not value.requires_grad
         )
         if not number:

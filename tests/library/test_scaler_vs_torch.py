@@ -353,7 +353,8 @@ def test_update_refuses_settings_of_a_wrong_type_as_torch(setting, value):
 
 
 @pytest.mark.parametrize("settings", [dict(growth_interval=np.int64(1)), dict(growth_interval=torch.tensor(1)),
-                                      dict(growth_factor=3), dict(backoff_factor=torch.tensor(0.25))])
+                                      dict(growth_factor=3), dict(backoff_factor=torch.tensor(0.25)),
+                                      dict(growth_factor=np.bool_(True)), dict(backoff_factor=np.float32(0.5))])
 def test_update_takes_the_numbers_torch_takes(settings):
     states = []
     for cls in (GradScaler, torch.amp.GradScaler):
