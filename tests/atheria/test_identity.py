@@ -338,6 +338,32 @@ def test_side_state_is_left_as_the_forwards_last_step_left_it(checkpoint):
         assert torch.allclose(mine, theirs.detach(), rtol=1e-10, atol=1e-12), name
 
 
+def interrupt_at_the_gradient_of(parameter):
+    """A KeyboardInterrupt from a hook on `parameter`'s gradient, once: in the backward, after the
+    recomputes ran the steps again."""
+    handle = []
+
+    def hook(grad):
+        handle.pop().remove()
+        raise KeyboardInterrupt("stopped in the backward")
+    handle.append(parameter.register_hook(hook))
+
+
+@pytest.mark.parametrize("checkpoint", ["step", "revolve"])
+def test_a_backward_that_raises_leaves_the_forwards_side_state(checkpoint):
+    """Stock's backward writes no side state: an interrupted one leaves the forward's last step's,
+    not what the recomputes wrote."""
+    trainer, stock = trainer_of(engine=Recording), trainer_of(engine=Recording)
+    enabled(trainer, checkpoint=checkpoint, **({"slots": 2} if checkpoint == "revolve" else {}))
+    for each in (trainer, stock):
+        interrupt_at_the_gradient_of(next(each.motor.operator.parameters()))
+        with pytest.raises(KeyboardInterrupt):
+            run(each, range(1))
+    for name in ("last_psi_input", "last_delta_psi"):
+        mine, theirs = getattr(trainer.motor, name), getattr(stock.motor, name)
+        assert torch.allclose(mine, theirs.detach(), rtol=1e-10, atol=1e-12), name
+
+
 @pytest.mark.parametrize("multiplicative", [True, False])
 def test_the_fused_step_writes_the_side_state_as_their_engine_step(multiplicative):
     """What their CartesianEngine._evolve_logic keeps: its input, the unitary part of the update

@@ -73,29 +73,30 @@ def train_episode(trainer, state, episode_num, model, own):
     # The memory the episode starts from: what the engine holds (zeroed by V4's state reset, None after V3's episodes).
     memory = {} if state.memory_step is None else dict(carry=memory_of(trainer.motor))
     left = _Left()
-    with _engine_as_stock_leaves_it(trainer, state, own, left), autocast(device.type, opts.amp_dtype):
-        psi, history, *carry_T = rollout(step, psi0, trainer.qca_steps, checkpoint=opts.policy, noise=noise,
-                                         record_every=version.record_every(trainer), **memory)
-        # The engine as the forward's steps leave it, for the loss to read: the memory, the side state.
-        memory_T = left.memory_T = carry_T[0] if carry_T else None
-        left.forward_done = True
-        version.leave_memory(trainer, memory_T)
-        side_state_read = left.side_state_read = state.fused.flush() if state.fused is not None else None
-        with history_grads_guarded(history, "qca_lowmem", opts.policy.checkpoint):
-            loss, details = version.loss(trainer, psi0, psi, history)
-    bound = buffer_bindings(compiled_module(operator))  # as the forward left them
-    side_state = side_state_of(trainer.motor, copy=opts.cuda_graph)  # the forward's last step's, as stock leaves it
+    with _engine_as_stock_leaves_it(trainer, state, own, left):
+        with autocast(device.type, opts.amp_dtype):
+            psi, history, *carry_T = rollout(step, psi0, trainer.qca_steps, checkpoint=opts.policy, noise=noise,
+                                             record_every=version.record_every(trainer), **memory)
+            # The engine as the forward's steps leave it, for the loss to read: the memory, the side state.
+            memory_T = left.memory_T = carry_T[0] if carry_T else None
+            left.forward_done = True
+            version.leave_memory(trainer, memory_T)
+            side_state_read = left.side_state_read = state.fused.flush() if state.fused is not None else None
+            with history_grads_guarded(history, "qca_lowmem", opts.policy.checkpoint):
+                loss, details = version.loss(trainer, psi0, psi, history)
+        bound = left.bound = buffer_bindings(compiled_module(operator))  # as the forward left them
+        # The forward's last step's, as stock leaves it.
+        side_state = left.side_state = side_state_of(trainer.motor, copy=opts.cuda_graph)
 
-    # The state the steps' unfollowed code keeps, as the forward left it (the recomputes run it again).
-    drift = _step_drift(trainer, state, noise) if opts.policy.checkpoint != NONE else None
+        # The state the steps' unfollowed code keeps, as the forward left it (the recomputes run it again).
+        drift = _step_drift(trainer, state, noise) if opts.policy.checkpoint != NONE else None
 
-    # All of them, as their clipping reads them: a frozen one's gradient left from before counts in the norm.
-    parameters = [] if model is None else list(model.parameters())
-    scaler = getattr(trainer, "scaler", None)
-    scaled = scaler is not None and scaler.is_enabled() and (version.scales(trainer) or scales_for_fp16(opts))
-    with _engine_as_stock_leaves_it(trainer, state, own, left), \
-            around_each_recompute(drift.note_recompute) if drift is not None else contextlib.nullcontext():
-        (scaler.scale(loss) if scaled else loss).backward()
+        # All of them, as their clipping reads them: a frozen one's gradient left from before counts in the norm.
+        parameters = [] if model is None else list(model.parameters())
+        scaler = getattr(trainer, "scaler", None)
+        scaled = scaler is not None and scaler.is_enabled() and (version.scales(trainer) or scales_for_fp16(opts))
+        with around_each_recompute(drift.note_recompute) if drift is not None else contextlib.nullcontext():
+            (scaler.scale(loss) if scaled else loss).backward()
     # After the backward, whose recomputes ran the steps again.
     rebind(bound)  # a buffer each recompute bound again (snntorch's membrane): as the forward left it
     put_side_state(trainer.motor, side_state)
@@ -124,13 +125,15 @@ class _Left:
 
     forward_done = False
     memory_T = None  # the memory the forward's last step left
+    bound = None  # the buffer bindings the forward left, once read
+    side_state = None  # the side state the forward's last step left, once read
     side_state_read = None  # the check on the side state the forward's last step left
 
 
 @contextlib.contextmanager
 def _engine_as_stock_leaves_it(trainer, state, own, left: _Left):
     """On an exception out of the episode's forward or backward (an error, a KeyboardInterrupt): the
-    engine's memory and side state as stock's episode would leave them there, not the rollout's
+    engine's memory, side state and buffer bindings as stock's episode would leave them there, not the rollout's
     (its memory leaves require grad: the next episode's in-place reset would fail)."""
     try:
         yield
@@ -138,6 +141,10 @@ def _engine_as_stock_leaves_it(trainer, state, own, left: _Left):
         motor = trainer.motor
         if left.forward_done:  # the recomputes may have written the engine: the forward's last step's
             state.version.leave_memory(trainer, left.memory_T)
+            if left.bound is not None:
+                rebind(left.bound)
+            if left.side_state is not None:
+                put_side_state(motor, left.side_state)
             if left.side_state_read is not None:
                 left.side_state_read.release(motor)
         else:
