@@ -63,6 +63,11 @@ def has_hooks(tensor: torch.Tensor) -> bool:
     return bool(tensor._backward_hooks)
 
 
+def gradient_hook_count(tensor: torch.Tensor) -> int:
+    """The hooks on the tensor's gradient: `register_hook`'s and `register_post_accumulate_grad_hook`'s."""
+    return len(tensor._backward_hooks or ()) + len(getattr(tensor, "_post_accumulate_grad_hooks", None) or ())
+
+
 def global_module_hooks() -> bool:
     """Whether hooks registered for every module (`register_module_forward_hook`, ...) exist."""
     return bool(torch.nn.modules.module._has_any_global_hook())

@@ -327,6 +327,43 @@ def test_a_gradient_hook_a_step_registers_runs_as_plain_autograd_or_is_refused_b
         qca_lowmem.rollout(unguarded, psi0, 5, **policy)
 
 
+def halving_hook_step(on_input: bool):
+    """A step halving a gradient in the backward (per-step clipping through time): on its input
+    psi, or on its output."""
+    torch.manual_seed(0)
+    weight = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def step(psi):
+        if on_input and psi.requires_grad:
+            psi.register_hook(lambda grad: grad * 0.5)
+        out = torch.tanh(psi @ weight)
+        if not on_input and out.requires_grad:
+            out.register_hook(lambda grad: grad * 0.5)
+        return out
+    return weight, step
+
+
+@pytest.mark.parametrize("on_input", [True, False], ids=["on_input", "on_output"])
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_a_hook_a_step_sets_on_its_input_is_refused_on_its_output_runs(policy, on_input):
+    """Each step runs on a copy of its input state: a hook set there would see that step's share
+    of psi's gradient alone, not the history's (the weight's gradient 2.7 off plain's, silently)."""
+    psi0 = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    results = []
+    for options in (dict(checkpoint="none"), policy):
+        weight, step = halving_hook_step(on_input)
+        if on_input and options is policy:
+            with pytest.raises(RuntimeError, match=rf"^rollout\(checkpoint='{policy['checkpoint']}'\): step_fn "
+                                                   r"registered a hook on its input psi at step 0 .* register it on "
+                                                   r"the step's output"):
+                qca_lowmem.rollout(step, psi0, 4, record_every=1, **options)
+            return
+        psi, history = qca_lowmem.rollout(step, psi0, 4, record_every=1, **options)
+        results.append(torch.autograd.grad(psi.sum() + sum(h.sum() for h in history[:-1]), (weight, psi0)))
+    for got, expected in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("interrupted_at", [1, 3, 5])
 def test_a_backward_interrupted_while_the_parameters_hooks_are_set_aside_puts_them_back(interrupted_at, monkeypatch):
     """A Ctrl-C in the backward as it sets each parameter's hooks aside for its gradient buffers:

@@ -163,7 +163,7 @@ def _episode(unit: StepUnit, state0: State, steps: int, policy: Policy, recorded
 def _run_plain(unit: StepUnit, state0: State, schedule: PlainAutograd, steps: int, recorded: List[int]):
     """The stock loop, on from the steps the schedule has run, under the current grad mode:
     (psi_T, history, carry_T); history[-1] is psi_T. Nothing is recomputed, so nothing is watched."""
-    unit.refuse_in_place = None
+    unit.refuse_in_place = unit.refuse_input_hooks = None
     done = schedule.done
     history = [state.psi for t, state in enumerate(done) if t in recorded and t != steps - 1]
     state = done[-1] if done else state0

@@ -72,6 +72,9 @@ class StepUnit:
         # While a recomputing episode runs its forward (the probe included): its policy, for the
         # refusal of a step that changes its input in place (the state the backward starts from).
         self.refuse_in_place: Optional[Policy] = None
+        # While an episode that runs its steps on copies of their input state (every policy but plain
+        # autograd) runs them with grad: its policy, for the refusal of a hook a step sets on its input.
+        self.refuse_input_hooks: Optional[Policy] = None
         # The episode's half-precision weights, cast once (or once per shared_weight_casts() scope).
         self.weight_casts = weight_casts.for_episode()
 
@@ -101,10 +104,15 @@ class StepUnit:
             # rollout nor the cause); a copy can, so that its change is seen and refused below.
             given = State(_modifiable(state.psi), tuple(map(_modifiable, state.carry)))
             versions = [None if x is None else x._version for x in given.tensors()]
+        hooks = None
+        if self.refuse_input_hooks is not None and torch.is_grad_enabled():
+            hooks = [None if x is None else torch_private.gradient_hook_count(x) for x in given.tensors()]
         with self.weight_casts.active(), _without_grad_said(t):
             out, carry = self.step(*given, t)
         if self.refuse_in_place is not None:
             self._refuse_changed_input(given, versions, t)
+        if hooks is not None:
+            self._refuse_input_hooks(given, hooks, t)
         check_like_psi(out, state.psi, "step_fn", t)
         return State(self.add_noise(out, t), carry)
 
@@ -115,6 +123,16 @@ class StepUnit:
                     f"rollout(checkpoint={self.refuse_in_place.checkpoint!r}): step_fn changed its input {name} in place at step "
                     f"{t} (an in-place op such as {name}.mul_()); the episode keeps that state to recompute the step in "
                     f"backward: compute out of place ({name} = {name} * 0.9), or use checkpoint='none'")
+
+    def _refuse_input_hooks(self, given: State, hooks: list, t: int) -> None:
+        for (name, x), count in zip(given.entries(), hooks):
+            if x is not None and torch_private.gradient_hook_count(x) != count:
+                raise RuntimeError(
+                    f"rollout(checkpoint={self.refuse_input_hooks.checkpoint!r}): step_fn registered a hook on its input "
+                    f"{name} at step {t} ({name}.register_hook): the episode runs each step on a copy of its input "
+                    f"state, whose hook would see only that step's share of {name}'s gradient, not the history's: "
+                    "register it on the step's output (the next step's input, the whole gradient), or use "
+                    "checkpoint='none'")
 
     def add_noise(self, out: torch.Tensor, t: int) -> torch.Tensor:
         if self.noise is None:

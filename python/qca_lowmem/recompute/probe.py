@@ -57,7 +57,7 @@ class EpisodeStart:
         With `measure` they count a step's full graph and, where the episode may turn out to be
         plain autograd from step 0's graph, keep it: their inputs are copies of the state, so only
         a state that needs no gradient, and a step that is not a `StepGraph`, allow that."""
-        self.unit.refuse_in_place = policy
+        self.unit.refuse_in_place = self.unit.refuse_input_hooks = policy
         keep_graphs = measure and not isinstance(self.unit.step_fn, StepGraph) and not any(self.state0.needs_grad())
         self.probed = _probe(self.unit, self.state0, self.steps, self.rng, measure, keep_graphs)
         return self.probed
