@@ -36,7 +36,8 @@ ROUNDING_UNITS = 16  # of the compute precision, relative to a step's change, al
 WHAT_IT_SEES = ("The check compares what each recomputed step changed with what its forward changed: on the "
                 "CPU bit for bit, on a GPU within 16 units of rounding of the precision the step computes in, "
                 "relative to the change; a difference smaller than that (or in a step the schedule does not "
-                "check) is not seen.")
+                "check) is not seen, nor one in the gradient alone (a detach, no_grad or custom Function's "
+                "backward switched by state kept outside the step).")
 
 
 def _tolerance(tensor: torch.Tensor, compute_dtype: Optional[torch.dtype]) -> float:
