@@ -14,9 +14,10 @@ from typing import Callable, List, Optional, Sequence, Union
 import torch
 
 from .. import _torch_private as torch_private
+from .compiled import compiled_in_step
 from .episode import Episode, EpisodeFunction, StepUnit
 from .intermediates import keep_block_intermediates
-from .policy import STEP, Policy
+from .policy import NONE, STEP, Policy
 from .probe import EpisodeStart
 from .replay import RngStates
 from .schedule import PlainAutograd, choose
@@ -115,6 +116,12 @@ def rollout(
     else:
         policy = Policy.of(checkpoint, slots, budget)
     policy.check_device(psi0.device)
+    compiled = compiled_in_step(step_fn) if policy.checkpoint != NONE and torch.is_grad_enabled() else None
+    if compiled is not None:
+        raise RuntimeError(
+            f"rollout(checkpoint={policy.checkpoint!r}): {compiled}, which this episode would run uncompiled: it runs its steps under hooks of its own that torch.compile does not trace, so they would "
+            "round and draw random numbers otherwise than plain autograd's compiled graph. Pass the step uncompiled "
+            "(qca_lowmem.StepGraph(step) replays it as CUDA graphs), or use checkpoint='none'")
     if record_every is None:
         record_every = max(1, steps // 10)
     elif isinstance(record_every, bool) or not isinstance(record_every, int) or record_every < 1:
