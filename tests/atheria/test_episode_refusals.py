@@ -166,3 +166,16 @@ def test_a_change_after_an_episode_enabled_again_and_refused_enables_it_again(ca
     trainer.grid_size = 12
     assert trainer.train_episode(0)[2].shape == (1, 12, 12, 2)
     assert said(caplog)[-1].startswith("the trainer's grid is 12x12 now (16x16 at enable()): on again")
+
+
+def test_an_episode_under_inference_mode_is_refused_naming_it():
+    """Stock's fails at its backward with autograd's "does not require grad"; the fused step failed
+    earlier, inside its side state's check, naming neither the mode nor the fix."""
+    trainer = make_trainer()
+    qca_lowmem.enable(trainer, checkpoint="step")
+    weights = [p.detach().clone() for p in trainer.motor.operator.parameters()]
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"^qca_lowmem: train_episode was called under "
+                                                                   r"torch\.inference_mode\(\), .*call it outside"):
+        trainer.train_episode(0)
+    assert all(torch.equal(p, w) for p, w in zip(trainer.motor.operator.parameters(), weights))
+    assert math.isfinite(trainer.train_episode(1)[0])

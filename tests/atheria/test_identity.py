@@ -157,6 +157,37 @@ def test_the_mask_free_noise_decides_by_the_same_identity():
     assert not follows(changed)
 
 
+TORCH_PATCHES = {  # a researcher's edit of a torch function their step or their blocks call
+    "torch.complex": (torch, "complex", lambda own: lambda real, imag, **kw: own(real, -imag, **kw)),
+    "Tensor.permute": (torch.Tensor, "permute", lambda own: lambda self, *dims: own(self, *dims) * 1.1),
+    "torch.group_norm": (torch, "group_norm", lambda own: lambda *args, **kw: own(*args, **kw) * 1.1),
+}
+
+
+@pytest.mark.parametrize("patched", TORCH_PATCHES)
+def test_a_torch_function_replaced_between_episodes_runs_their_code(patched, monkeypatch, caplog):
+    """The fused step and blocks compute what torch's functions compute: one replaced after
+    enable() (`torch.complex = ...`) changes stock's episodes, so theirs run, said in one line."""
+    owner, name, patch = TORCH_PATCHES[patched]
+    own = getattr(owner, name)
+
+    def between(trainer, episode):
+        if episode == 1:
+            monkeypatch.setattr(owner, name, patch(own))
+    results = []
+    for enable in (False, True):
+        trainer = trainer_of()
+        if enable:
+            enabled(trainer, checkpoint="step")
+        with caplog.at_level("WARNING", logger="qca_lowmem"):
+            results.append(run(trainer, range(3), between))
+        monkeypatch.undo()
+    assert_same(results[1], results[0])
+    assert results[0][2][0] != pytest.approx(run(trainer_of(), range(3))[2][0], rel=1e-9)  # the patch tells
+    if name != "group_norm":
+        assert f"{patched} is not torch's since qca_lowmem was imported" in caplog.text
+
+
 # 2. Values their engine reads at every step.
 
 def set_gamma(value):

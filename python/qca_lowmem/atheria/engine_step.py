@@ -29,7 +29,7 @@ import torch
 
 from .. import _torch_private as torch_private
 from .. import stock
-from ..ops import stands_for_stock
+from ..ops import stands_for_stock, step_function_replaced
 from ..ops.qca_step import fused_step_once, qca_pack, qca_update
 from ..unet import input_dtype
 from .code_identity import followed, not_recorded, resolved
@@ -253,6 +253,8 @@ def engine_kind(motor, installed=None) -> Optional[str]:
     "CartesianEngine" (theirs, writing the side state), "Motor" (the stand-in's), else None.
     `installed`: the step enable() set on the engine, looked through."""
     evolve = resolved(motor, "evolve_step", installed)
+    if step_function_replaced() is not None:  # their step's calls are not torch's: not the step followed
+        return None
     if followed("CartesianEngine.evolve_step", evolve) is not None:
         logic = resolved(motor, "_evolve_logic")
         return "CartesianEngine" if followed("CartesianEngine._evolve_logic", logic) is not None else None
@@ -269,7 +271,8 @@ def engine_code(motor, installed=None) -> Optional[list]:
 
 
 def unknown_engine(motor) -> str:
-    why = not_recorded()
+    why = not_recorded() or (f"{replaced} is not torch's since qca_lowmem was imported"
+                             if (replaced := step_function_replaced()) else None)
     return (f"{type(motor).__name__}.evolve_step is not, by its code, a Cartesian engine step qca_lowmem follows"
             + (f" ({why})" if why else ""))
 
@@ -364,7 +367,7 @@ class EngineIdentity:
             if not self.said:
                 self.said = True
                 why = (f"motor.evolve_step set to {getattr(held, '__qualname__', None) or 'a ' + type(held).__name__}"
-                       if held is not None and not called else unknown_engine(motor))
+                       if held is not None and held is not self.installed and not called else unknown_engine(motor))
                 say(logging.WARNING, f"{type(motor).__name__}'s step changed since enable() ({why}): "
                                      "the episodes run the engine's own step")
         else:

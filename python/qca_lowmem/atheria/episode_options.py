@@ -178,6 +178,9 @@ def _check_caller_context():
     """A mode or saved-tensors hook the caller entered around train_episode: their episode runs its
     ops and saves its tensors under it, the lowmem episode others (its fused ops, its recomputes,
     one psi a step), so one that changes values would give another result than theirs."""
+    if torch.is_inference_mode_enabled():
+        raise EpisodeRefused("qca_lowmem: train_episode was called under torch.inference_mode(), under which no "
+                             "gradient can be taken (your episode's backward fails there too): call it outside")
     what = foreign_context()
     if what is not None:
         raise EpisodeRefused(f"qca_lowmem: train_episode was called under the {what}, which may change values (a "

@@ -45,6 +45,7 @@ from ._forwards import (  # noqa: E402
     refuse_foreign_mode_in_backward,
     same_code,
     stands_for_stock,
+    step_function_replaced,
     stock_block_call,
     stock_forward_call,
     torch_layers_unchanged,
@@ -70,6 +71,7 @@ __all__ = [
     "second_order_requested",
     "stands_for_stock",
     "stock_block_call",
+    "step_function_replaced",
     "stock_forward_call",
     "torch_layers_unchanged",
 ]

@@ -23,12 +23,30 @@ _STOCK_METHODS = tuple((owner, name, getattr(owner, name)) for owner, name in (
     (nn.Module, "__call__"), (nn.Module, "_call_impl"), (nn.Sequential, "forward"), (nn.Conv2d, "forward"),
     (nn.Conv2d, "_conv_forward"), (nn.ConvTranspose2d, "forward"), (nn.MaxPool2d, "forward"),
     (nn.GroupNorm, "forward"), (nn.ELU, "forward"), (F, "conv2d"), (F, "conv_transpose2d"), (F, "max_pool2d"),
-    (F, "group_norm"), (F, "elu")))
+    (F, "group_norm"), (F, "elu"),
+    # What those functions look up at each call.
+    (torch, "group_norm"), (torch, "max_pool2d"), (torch._C._nn, "elu")))
 # Replaced before this module was imported (a wrapper, a function of another module): never stood in for.
 _STOCK_AT_IMPORT = all(getattr(fn, "__module__", "").startswith("torch") and not hasattr(fn, "__wrapped__")
                        for _, _, fn in _STOCK_METHODS)
 # The torch layers of the stock U-Net besides its ConvBlocks.
 _TORCH_LAYERS = (nn.MaxPool2d, nn.Conv2d, nn.ConvTranspose2d)
+
+
+# The torch functions and Tensor methods the QCA step runs (the users' CartesianEngine._evolve_logic,
+# stock.pack and update): the fused step stands in for them only while each is still torch's own.
+_STEP_METHODS = tuple((owner, name, getattr(owner, name)) for owner, name in (
+    *((torch, name) for name in ("cat", "chunk", "complex", "sqrt", "sum", "abs")),
+    *((torch.Tensor, name) for name in ("real", "imag", "permute", "abs", "pow", "__pow__", "__mul__", "__rmul__",
+                                        "__add__", "__radd__", "__sub__", "__neg__", "__truediv__", "clone", "to",
+                                        "detach"))))
+
+
+def step_function_replaced() -> Optional[str]:
+    """The first torch function or Tensor method the QCA step runs that was replaced since import
+    (`torch.complex = ...`), named; else None."""
+    return next((f"{'Tensor' if owner is torch.Tensor else 'torch'}.{name}"
+                 for owner, name, fn in _STEP_METHODS if getattr(owner, name) is not fn), None)
 
 
 def torch_layers_unchanged() -> bool:

@@ -119,7 +119,8 @@ def rollout(
     compiled = compiled_in_step(step_fn) if policy.checkpoint != NONE and torch.is_grad_enabled() else None
     if compiled is not None:
         raise RuntimeError(
-            f"rollout(checkpoint={policy.checkpoint!r}): {compiled}, which this episode would run uncompiled: it runs its steps under hooks of its own that torch.compile does not trace, so they would "
+            f"rollout(checkpoint={policy.checkpoint!r}): {compiled}, which this episode would run uncompiled: it runs "
+            "its steps under hooks of its own that torch.compile does not trace, so they would "
             "round and draw random numbers otherwise than plain autograd's compiled graph. Pass the step uncompiled "
             "(qca_lowmem.StepGraph(step) replays it as CUDA graphs), or use checkpoint='none'")
     if record_every is None:
