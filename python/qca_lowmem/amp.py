@@ -281,7 +281,8 @@ class GradScaler(torch.amp.GradScaler):
             for state in self._per_optimizer_states.values()
             if state["stage"] is OptState.UNSCALED and "qca" in state and state["qca"].clippable
         ]
-        if not unscaled:
+        # A parameter listed twice counts twice in torch's norm and is clipped twice: torch's path then.
+        if not unscaled or len({id(p) for p in params}) != len(params):
             return None
         picked: dict[tuple[int, int], list[int]] = {}
         first_grad = None

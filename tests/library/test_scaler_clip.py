@@ -196,6 +196,25 @@ def test_clip_grad_norm_subsets_and_several_optimizers():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
 
 
+def test_clip_grad_norm_of_a_parameter_listed_twice_is_torchs():
+    """Torch counts it twice and clips it twice; the kept sums took its whole optimizer group (the
+    norm 21.3 against 15.9, a parameter not passed clipped)."""
+    model, twin = scaled_grads_twice()
+    for p in twin.parameters():
+        p.grad.mul_(2.0**-10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(opt)
+    # as many as the float32 gradients unscale_ kept sums of, b.bias not among them
+    listed, twin_listed = ([m.a.weight, m.a.bias, m.b.weight, m.a.weight] for m in (model, twin))
+    ours = scaler.clip_grad_norm_(listed, 0.5, reuse_unscale_norm=True)
+    theirs = torch.nn.utils.clip_grad_norm_(twin_listed, 0.5)
+    torch.testing.assert_close(ours, theirs, rtol=2e-7, atol=0)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+
+
 def test_clip_grad_norm_measures_by_default_a_gradient_changed_through_data():
     """Old-style value clipping edits gradients through .data, which keeps their versions: only
     measuring them again sees it, so that is the default; reuse_unscale_norm=True is the caller's
