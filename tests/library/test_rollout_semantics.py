@@ -4,6 +4,7 @@ name. Here: rollouts inside one autocast block, the step called by nobody but th
 a weight."""
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -392,6 +393,29 @@ def test_a_compiled_step_is_refused_where_the_episode_would_run_it_uncompiled(po
         qca_lowmem.rollout(steps[called], psi0, 3, **policy)
     psi, _ = qca_lowmem.rollout(steps[called], psi0, 3, checkpoint="none")
     assert psi.requires_grad
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_a_leaf_the_step_makes_itself_is_plain_autograds_or_refused_naming_it(policy):
+    """`x = psi.detach().requires_grad_()` (a local derivative): a leaf made at each run of the step,
+    another one at its recompute, which the recompute cannot tell from a parameter it never saw."""
+    torch.manual_seed(0)
+    weight = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    psi0 = torch.randn(3, 4, dtype=torch.float64)
+
+    def step(psi):
+        return psi + 0.1 * torch.tanh(psi.detach().requires_grad_(True) @ weight)
+    plain = torch.autograd.grad(qca_lowmem.rollout(step, psi0, 4, checkpoint="none")[0].sum(), weight)[0]
+    psi, _ = qca_lowmem.rollout(step, psi0, 4, **policy)
+    try:
+        grad = torch.autograd.grad(psi.sum(), weight)[0]
+    except RuntimeError as refused:
+        assert re.match(rf"rollout\(checkpoint='{policy['checkpoint']}'\): the recompute of step 3 reached a tensor "
+                        r"requiring grad .* a leaf it makes itself \(x = psi\.detach\(\)\.requires_grad_\(\)\) is "
+                        r"read only by checkpoint='none'", str(refused))
+        assert policy["checkpoint"] != "auto" or policy["budget"] == 0  # keeping the graphs, it answers
+        return
+    torch.testing.assert_close(grad, plain, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("interrupted_at", [1, 3, 5])

@@ -186,7 +186,8 @@ class StepReverser:
         if found:
             raise RuntimeError(f"rollout(checkpoint={self.policy.checkpoint!r}): the recompute of step {t} reached a tensor "
                                f"requiring grad (shape {tuple(found[0].shape)}) that no step of the forward read: "
-                               "step_fn must compute the same function of (psi, carry) each time it runs")
+                               "step_fn must compute the same function of (psi, carry) each time it runs, and a leaf "
+                               "it makes itself (x = psi.detach().requires_grad_()) is read only by checkpoint='none'")
 
     def _replayed(self, t: int, state: State, upcoming: Optional[State]):
         """Step t on the capture's graphs: its forward replayed (or run ahead), the noise after it
