@@ -418,6 +418,26 @@ def test_a_leaf_the_step_makes_itself_is_plain_autograds_or_refused_naming_it(po
     torch.testing.assert_close(grad, plain, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_a_buffer_written_through_data_is_replayed_as_plain_autograd_sees_it(policy):
+    """`count.data += 1`: each `.data` is another tensor of the same memory, which the episode kept
+    once per step seen, each with other values before it (refused as a mismatch, plain answering)."""
+    results = []
+    for options in (dict(checkpoint="none"), policy):
+        torch.manual_seed(0)
+        weight = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+        count = torch.zeros((), dtype=torch.float64)
+
+        def step(psi):
+            count.data += 1
+            return torch.tanh(psi @ weight) * (1 + 0.01 * count)
+        psi, history = qca_lowmem.rollout(step, torch.randn(3, 4, dtype=torch.float64), 5, **options)
+        results.append((torch.autograd.grad(psi.sum() + sum(h.sum() for h in history), weight)[0], count.item()))
+    (plain, plain_count), (grad, counted) = results
+    assert counted == plain_count == 5
+    torch.testing.assert_close(grad, plain, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("interrupted_at", [1, 3, 5])
 def test_a_backward_interrupted_while_the_parameters_hooks_are_set_aside_puts_them_back(interrupted_at, monkeypatch):
     """A Ctrl-C in the backward as it sets each parameter's hooks aside for its gradient buffers:

@@ -24,21 +24,28 @@ import torch
 from .. import _torch_private as torch_private
 
 
+def region(tensor: torch.Tensor) -> tuple:
+    """The memory a tensor names: one key for every alias of it (`buffer.data` is a new tensor at
+    each access, so its id would count one buffer many times, each with other values before)."""
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+            tensor.dtype, tensor.device)
+
+
 class _WriteFinder(torch_private.TorchDispatchMode):
     """Copies each tensor an op reads that no op inside made, at its first read."""
 
     def __init__(self):
         super().__init__()
         self.made: Dict[int, weakref.ref] = {}
-        self.before: Dict[int, tuple] = {}
+        self.before: Dict[tuple, tuple] = {}  # region -> (tensor, its value before)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for tensor in torch_private.argument_tensors(args, kwargs):
             # Tensors requiring grad (parameters, the step's inputs) cannot be written in place.
-            if not tensor.requires_grad and id(tensor) not in self.before \
-                    and not self._made(tensor) and tensor.device.type != "meta":
-                self.before[id(tensor)] = (tensor, tensor.clone())
+            if not tensor.requires_grad and tensor.device.type != "meta" and not self._made(tensor) \
+                    and region(tensor) not in self.before:
+                self.before[region(tensor)] = (tensor, tensor.clone())
         out = func(*args, **kwargs)
         for tensor in torch_private.result_tensors(out):
             self.made[id(tensor)] = weakref.ref(tensor)
@@ -75,12 +82,12 @@ class StepBuffers:
     def of_probes(cls, writes: List[list]) -> "StepBuffers":
         """From each probed step's written() (steps 0, 1, ...): the tensors any of them wrote, with
         their values before each probed step."""
-        tensors = list({id(x): x for step in writes for x, _ in step}.values())
+        tensors = list({region(x): x for step in writes for x, _ in step}.values())
         buffers = cls(tensors)
         later = buffers._values()  # after the last probed step: now
         for t in reversed(range(len(writes))):
-            old = {id(x): value for x, value in writes[t]}
-            later = [old.get(id(x), value) for x, value in zip(tensors, later)]  # unwritten: as after it
+            old = {region(x): value for x, value in writes[t]}
+            later = [old.get(region(x), value) for x, value in zip(tensors, later)]  # unwritten: as after it
             buffers.record(t, later)
         return buffers
 

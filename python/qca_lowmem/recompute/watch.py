@@ -26,6 +26,7 @@ import torch
 
 from .. import _torch_private as torch_private
 from ..ops.watchers import WatchingDispatchMode
+from .buffers import region
 
 _aten = torch.ops.aten
 # Ops that update running statistics (arguments 3 and 4) when `training` (argument 5), undeclared.
@@ -48,7 +49,7 @@ class StepWatch(WatchingDispatchMode):
     def __init__(self, known_leaves: set, known_writes: set, inputs: set):
         super().__init__()
         self.known_leaves = known_leaves  # ids of the leaves the episode already has
-        self.known_writes = known_writes  # ids of the tensors whose values it already keeps
+        self.known_writes = known_writes  # the regions (buffers.region) whose values it already keeps
         self.inputs = inputs  # ids of the step's state tensors
         self.fresh = set()  # data pointers of the storages the step's ops made
         self.made: List[weakref.ref] = []  # the tensors they made (escapes.Leftovers)
@@ -73,11 +74,11 @@ class StepWatch(WatchingDispatchMode):
             self.made.append(weakref.ref(tensor))
 
     def _written(self, tensor) -> None:
-        if not isinstance(tensor, torch.Tensor) or id(tensor) in self.known_writes or id(tensor) in self.inputs \
-                or tensor.requires_grad or tensor.numel() == 0 or tensor.device.type == "meta" \
-                or tensor.untyped_storage().data_ptr() in self.fresh:
+        if not isinstance(tensor, torch.Tensor) or id(tensor) in self.inputs or tensor.requires_grad \
+                or tensor.numel() == 0 or tensor.device.type == "meta" or tensor.untyped_storage().data_ptr() in self.fresh \
+                or region(tensor) in self.known_writes:
             return
-        self.known_writes.add(id(tensor))
+        self.known_writes.add(region(tensor))
         self.writes.append((tensor, tensor.detach().clone()))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
