@@ -134,6 +134,7 @@ class RecomputeCheck:
             f"rollout(checkpoint={self.policy.checkpoint!r}): the recompute of step {t} in backward does not reproduce the "
             f"forward: {what}. The step is not a function of its inputs alone, so its gradients would be wrong. "
             "Likely causes: state kept outside psi (a memory such as ConvLSTM h/c read from and written to an "
-            "object, a counter): pass it through rollout(..., carry=...); or a nondeterministic kernel. "
+            "object, a counter): pass it through rollout(..., carry=...); a nondeterministic kernel; or another "
+            "thread drawing from the global generators the recompute replays (rollouts in two threads). "
             "checkpoint='none' recomputes nothing; check_recompute=False switches this check off. " + WHAT_IT_SEES
         )
