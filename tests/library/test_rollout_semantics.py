@@ -438,6 +438,22 @@ def test_a_buffer_written_through_data_is_replayed_as_plain_autograd_sees_it(pol
     torch.testing.assert_close(grad, plain, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("policy", POLICIES[:4], ids=IDS[:4])
+def test_a_parameter_a_step_changes_in_place_is_refused_naming_it(policy):
+    """`w.mul_(0.99)` under no_grad inside the step: plain autograd's backward refuses it with a
+    version error; the recompute saw another w than its forward, refused as a mismatch blaming state
+    kept outside psi."""
+    weight = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def step(psi):
+        with torch.no_grad():
+            weight.mul_(0.99)
+        return torch.tanh(psi @ weight)
+    with pytest.raises(RuntimeError, match=r"^rollout: step_fn changed a tensor requiring grad in place \(shape "
+                                           r"\(4, 4\); a parameter changed under torch\.no_grad\(\)\)"):
+        qca_lowmem.rollout(step, torch.randn(3, 4, dtype=torch.float64), 4, **policy)
+
+
 @pytest.mark.parametrize("interrupted_at", [1, 3, 5])
 def test_a_backward_interrupted_while_the_parameters_hooks_are_set_aside_puts_them_back(interrupted_at, monkeypatch):
     """A Ctrl-C in the backward as it sets each parameter's hooks aside for its gradient buffers:

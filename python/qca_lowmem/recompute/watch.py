@@ -74,6 +74,13 @@ class StepWatch(WatchingDispatchMode):
             self.made.append(weakref.ref(tensor))
 
     def _written(self, tensor) -> None:
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad and tensor.is_leaf and id(tensor) not in self.inputs \
+                and tensor.untyped_storage().data_ptr() not in self.fresh:
+            raise RuntimeError(
+                f"rollout: step_fn changed a tensor requiring grad in place (shape {tuple(tensor.shape)}; a parameter "
+                "changed under torch.no_grad()): the recompute in backward would run the step on another value "
+                "than its forward did, and plain autograd refuses it too once an op saved it. Change it outside the "
+                "episode (as an optimizer step does), or compute a new tensor from it inside the step")
         if not isinstance(tensor, torch.Tensor) or id(tensor) in self.inputs or tensor.requires_grad \
                 or tensor.numel() == 0 or tensor.device.type == "meta" or tensor.untyped_storage().data_ptr() in self.fresh \
                 or region(tensor) in self.known_writes:
