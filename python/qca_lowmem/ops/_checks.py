@@ -4,6 +4,8 @@ A CPU or CUDA tensor mixed with a meta tensor dispatches to the Meta kernel, whi
 kernel: without these checks it would hand back uninitialised memory on the other device.
 """
 
+import math
+
 import torch
 from torch.autograd import forward_ad
 
@@ -17,11 +19,33 @@ _SCALAR_TYPE_NAMES = {
 }
 
 
+# glue.h's is_real_float: the real dtypes the kernels take.
+REAL_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as the C glue prints an at::ScalarType ("Float")."""
+    return _SCALAR_TYPE_NAMES.get(dtype, str(dtype))
+
+
 def describe(t: torch.Tensor) -> str:
     """What was received, as glue.h's describe(): dtype, shape, device, strides."""
-    dtype = _SCALAR_TYPE_NAMES.get(t.dtype, str(t.dtype))
     strides = list(t.stride()) if t.layout == torch.strided else "n/a"
-    return f"Tensor(dtype={dtype}, shape={list(t.shape)}, device={t.device}, strides={strides})"
+    return f"Tensor(dtype={dtype_name(t.dtype)}, shape={list(t.shape)}, device={t.device}, strides={strides})"
+
+
+def check_state(psi: torch.Tensor, op: str) -> None:
+    """glue.h's check_state: psi, the complex (B, H, W, d) state of the QCA step and noise ops."""
+    torch._check(psi.is_complex(),
+                 lambda: f"{op}: psi must be complex64 or complex128 with shape (B, H, W, d), got {describe(psi)}")
+    torch._check(psi.dim() == 4, lambda: f"{op}: psi must have 4 dimensions (B, H, W, d), got {describe(psi)}")
+    torch._check(psi.shape[3] >= 1, lambda: f"{op}: psi's last dimension d must be at least 1, got {describe(psi)}")
+
+
+def check_eps(eps: float, name: str, op: str) -> None:
+    """The glue's eps check; `:g` prints a double as its TORCH_CHECK does."""
+    if not (math.isfinite(eps) and eps >= 0):
+        raise RuntimeError(f"{op}: {name} must be finite and >= 0, got {eps:g}")
 
 
 def check_same_device(ref: torch.Tensor, ref_name: str, t: torch.Tensor, name: str, op: str) -> None:

@@ -7,6 +7,7 @@ the block is torch's convs around this package's C/CUDA ops. The module around t
 """
 
 import functools
+from contextlib import nullcontext
 from typing import Tuple
 
 import torch
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _torch_private as torch_private
-from ._checks import check_same_device
+from ._checks import REAL_FLOATS, check_eps, check_same_device, describe, dtype_name
 from ._double_backward import reference_backward, second_order_requested
 from ._forwards import refuse_foreign_mode_in_backward
 from .groupnorm_elu import output_layout, stat_dtype
@@ -25,9 +26,10 @@ _lib = torch.ops.qca_lowmem
 
 
 # ---- The whole block as custom ops: one that recomputes, one that keeps its intermediates. ----
-# Both take the conv weights already in the compute dtype (the autocast dtype when autocast is
-# on) and the GroupNorm affine in its own dtype, so backward replays exactly the forward's
-# precision whatever autocast state it runs under.
+# Both take x and the conv weights already in the compute dtype (the autocast dtype when autocast
+# is on; weights in another are refused) and the GroupNorm affine in its own dtype, and run their
+# convs with autocast off, so backward replays exactly the forward's precision whatever autocast
+# state either runs under.
 
 
 def _conv3x3(x: Tensor, weight: Tensor) -> Tensor:
@@ -58,11 +60,58 @@ def _check_block_devices(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight
         check_same_device(x, "x", t, name, "conv_block")
 
 
+def _check_block_args(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias,
+                      groups1, groups2, eps1, eps2):
+    """What the block's forward (eager) and its fake both refuse, naming the argument: the ops
+    inside would name theirs, or nothing (a 1x1 conv gives a bigger output in eager, another shape
+    on meta); conv weights in a dtype other than x's, which autocast would cast in the forward
+    alone. Plain `if`s: torch._check costs 1.4 us a call on a CPU, 20 calls here, where a small
+    block's forward takes about 50 us."""
+    op = "conv_block"
+    _check_block_devices(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias)
+    if x.dtype not in REAL_FLOATS:
+        raise RuntimeError(f"{op}: x must be float32, float64, float16 or bfloat16, got {describe(x)}")
+    if x.dim() != 4:
+        raise RuntimeError(f"{op}: x must have 4 dimensions (N, C, H, W), got {describe(x)}")
+    channels = x.shape[1]
+    for i, conv_weight, norm_weight, norm_bias, groups, eps, source in (
+            (1, conv1_weight, norm1_weight, norm1_bias, groups1, eps1, "x"),
+            (2, conv2_weight, norm2_weight, norm2_bias, groups2, eps2, "conv1_weight's output")):
+        shape = conv_weight.shape
+        if not (len(shape) == 4 and shape[0] >= 1 and shape[1] == channels and shape[2] == 3 and shape[3] == 3):
+            raise RuntimeError(f"{op}: conv{i}_weight must have shape (C{i}, {channels}, 3, 3) with C{i} >= 1, 3x3 kernels "
+                               f"over the {channels} channels of {source}, got {describe(conv_weight)}")
+        if conv_weight.dtype != x.dtype:
+            raise RuntimeError(f"{op}: conv{i}_weight must have the dtype of x ({dtype_name(x.dtype)}), got "
+                               f"{describe(conv_weight)}")
+        channels = shape[0]
+        for name, t in ((f"norm{i}_weight", norm_weight), (f"norm{i}_bias", norm_bias)):
+            if t.dtype not in REAL_FLOATS:
+                raise RuntimeError(f"{op}: {name} must be float32, float64, float16 or bfloat16, got {describe(t)}")
+            if t.shape != (channels,):
+                raise RuntimeError(f"{op}: {name} must have shape ({channels},), the output channels of conv{i}_weight, "
+                                   f"got {describe(t)}")
+        if norm_bias.dtype != norm_weight.dtype:
+            raise RuntimeError(f"{op}: norm{i}_weight and norm{i}_bias must have the same dtype, got "
+                               f"{describe(norm_weight)} and {describe(norm_bias)}")
+        if not (groups >= 1 and channels % groups == 0):
+            raise RuntimeError(f"{op}: groups{i} must be positive and divide the output channels of conv{i}_weight "
+                               f"({channels}), got {groups}")
+        check_eps(eps, f"eps{i}", op)
+
+
+def _convs_without_autocast(device_type: str):
+    """The block's convs in the dtypes given, as the backward's recompute runs them: a caller's
+    autocast would cast in the forward alone. Entered only where autocast is on (4 us a call)."""
+    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext()
+
+
 def _block_forward(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias,
                    groups1, groups2, eps1, eps2):
-    _check_block_devices(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias)
+    _check_block_args(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias,
+                      groups1, groups2, eps1, eps2)
     layout = output_layout(x)
-    with _below_autograd():
+    with _convs_without_autocast(x.device.type), _below_autograd():
         h1 = _conv3x3(x, conv1_weight).contiguous(memory_format=layout)
         a1, mean1, rstd1 = _lib.groupnorm_elu(h1, norm1_weight, norm1_bias, groups1, eps1)
         h2 = _conv3x3(a1, conv2_weight).contiguous(memory_format=layout)
@@ -97,10 +146,8 @@ conv_block_keep = torch.library.custom_op("qca_lowmem::conv_block_keep", mutates
 
 def _block_fake(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias,
                 groups1, groups2, eps1, eps2):
-    _check_block_devices(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias)
-    torch._check(x.dim() == 4, lambda: f"conv_block: x must have 4 dimensions (N, C, H, W), got shape {tuple(x.shape)}")
-    torch._check(conv1_weight.shape[1] == x.shape[1],
-                 lambda: f"conv_block: conv1_weight expects {conv1_weight.shape[1]} input channels, x has {x.shape[1]}")
+    _check_block_args(x, conv1_weight, norm1_weight, norm1_bias, conv2_weight, norm2_weight, norm2_bias,
+                      groups1, groups2, eps1, eps2)
     n, _, h, w = x.shape
     layout = output_layout(x)
     h1 = x.new_empty((n, conv1_weight.shape[0], h, w)).contiguous(memory_format=layout)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_same_device, describe, refuse_func_transforms
+from ._checks import REAL_FLOATS, check_eps, check_same_device, describe, dtype_name, refuse_func_transforms
 from ._double_backward import reference_backward, second_order_requested
 
 _lib = torch.ops.qca_lowmem
@@ -38,23 +38,55 @@ def stat_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _check_gn_args(x, weight, bias, groups, op, **others):
-    for name, t in dict(weight=weight, bias=bias, **others).items():
-        check_same_device(x, "x", t, name, op)
-    torch._check(x.dim() == 4, lambda: f"{op}: x must have 4 dimensions (N, C, H, W), got shape {tuple(x.shape)}")
-    torch._check(x.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16),
-                 lambda: f"{op}: x must be float32, float64, float16 or bfloat16, got {x.dtype}")
+# The glue's checks (groupnorm_elu.cpp: checked_input, check_groups, checked_affine, checked_stats)
+# with its messages, each fake calling them in its op's order, so meta refuses what the kernels refuse.
+
+
+def _check_input(x, op):
+    torch._check(x.dtype in REAL_FLOATS, lambda: f"{op}: x must be float32, float64, float16 or bfloat16, got {describe(x)}")
+    torch._check(x.dim() == 4, lambda: f"{op}: x must have 4 dimensions (N, C, H, W), got {describe(x)}")
+    torch._check(x.shape[1] >= 1, lambda: f"{op}: x must have at least one channel, got {describe(x)}")
+
+
+def _check_groups(x, groups, op):
     channels = x.shape[1]
-    torch._check(weight.shape == (channels,) and bias.shape == (channels,),
-                 lambda: f"{op}: weight and bias must have shape ({channels},), got {tuple(weight.shape)} and "
-                         f"{tuple(bias.shape)}")
     torch._check(groups >= 1 and channels % groups == 0,
                  lambda: f"{op}: groups must be positive and divide the channels of x ({channels}), got {groups}")
 
 
+def _check_affine(x, weight, bias, op):
+    channels = x.shape[1]
+    for name, t in (("weight", weight), ("bias", bias)):
+        check_same_device(x, "x", t, name, op)
+        torch._check(t.dtype in REAL_FLOATS,
+                     lambda: f"{op}: {name} must be float32, float64, float16 or bfloat16, got {describe(t)}")
+        torch._check(t.dim() == 1 and t.shape[0] == channels,
+                     lambda: f"{op}: {name} must have shape (C,) with C = {channels} (the channels of x), got {describe(t)}")
+    torch._check(bias.dtype == weight.dtype,
+                 lambda: f"{op}: weight and bias must have the same dtype, got weight {describe(weight)} and bias "
+                         f"{describe(bias)}")
+
+
+def _check_stats(x, mean, rstd, op):
+    stat = stat_dtype(x)
+    for name, t in (("mean", mean), ("rstd", rstd)):
+        check_same_device(x, "x", t, name, op)
+        torch._check(t.dtype == stat, lambda: f"{op}: {name} must be {dtype_name(stat)} (statistics of a "
+                                              f"{dtype_name(x.dtype)} x), got {describe(t)}")
+        torch._check(t.dim() == 2 and t.shape[0] == x.shape[0] and t.shape[1] >= 1,
+                     lambda: f"{op}: {name} must have shape (N, groups) with N = {x.shape[0]}, got {describe(t)}")
+        _check_groups(x, t.shape[1], op)
+    torch._check(mean.shape == rstd.shape,
+                 lambda: f"{op}: mean and rstd must have the same shape, got {describe(mean)} and {describe(rstd)}")
+
+
 @torch.library.register_fake("qca_lowmem::groupnorm_elu")
 def _groupnorm_elu_fake(x, weight, bias, groups, eps=1e-5):
-    _check_gn_args(x, weight, bias, groups, "groupnorm_elu")
+    op = "groupnorm_elu"
+    check_eps(eps, "eps", op)
+    _check_input(x, op)
+    _check_affine(x, weight, bias, op)
+    _check_groups(x, groups, op)
     y = torch.empty_like(x, memory_format=output_layout(x))
     mean = x.new_empty((x.shape[0], groups), dtype=stat_dtype(x))
     return y, mean, torch.empty_like(mean)
@@ -62,16 +94,22 @@ def _groupnorm_elu_fake(x, weight, bias, groups, eps=1e-5):
 
 @torch.library.register_fake("qca_lowmem::groupnorm_elu_apply")
 def _groupnorm_elu_apply_fake(x, weight, bias, mean, rstd):
-    _check_gn_args(x, weight, bias, mean.shape[1], "groupnorm_elu_apply", mean=mean, rstd=rstd)
+    op = "groupnorm_elu_apply"
+    _check_input(x, op)
+    _check_stats(x, mean, rstd, op)
+    _check_affine(x, weight, bias, op)
     return torch.empty_like(x, memory_format=output_layout(x))
 
 
 @torch.library.register_fake("qca_lowmem::groupnorm_elu_backward")
 def _groupnorm_elu_backward_fake(grad_y, x, weight, bias, mean, rstd):
     op = "groupnorm_elu_backward"
-    _check_gn_args(x, weight, bias, mean.shape[1], op, mean=mean, rstd=rstd, grad_y=grad_y)
+    _check_input(x, op)
+    check_same_device(x, "x", grad_y, "grad_y", op)
     torch._check(grad_y.shape == x.shape and grad_y.dtype == x.dtype,
                  lambda: f"{op}: grad_y must have the shape and dtype of x ({describe(x)}), got {describe(grad_y)}")
+    _check_affine(x, weight, bias, op)
+    _check_stats(x, mean, rstd, op)
     return torch.empty_like(x, memory_format=output_layout(x)), torch.empty_like(weight), torch.empty_like(bias)
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from .. import stock
-from ._checks import refuse_func_transforms
+from ._checks import check_state, describe, refuse_func_transforms
 from .watchers import call_unwatched
 
 _lib = torch.ops.qca_lowmem
@@ -125,17 +125,30 @@ def episode_noise(max_noise: float, episode: int, seed: int) -> Optional[NoiseSc
     return schedule if schedule.active else None
 
 
+# QCA_NOISE_MAX_D and QCA_NOISE_MAX_CELLS (include/qca_lowmem/noise.h): the Philox counter's room
+# for a cell's words and for the cell index.
+_MAX_D = 16379
+_MAX_CELLS = 2**48
+
+
+def _check_noise_args(psi, rate, op):
+    """noise.cpp's prepare_noise, with its messages."""
+    check_state(psi, op)
+    torch._check(psi.shape[3] <= _MAX_D, lambda: f"{op}: psi's last dimension d must be at most {_MAX_D}, got {describe(psi)}")
+    torch._check(psi.shape[0] * psi.shape[1] * psi.shape[2] <= _MAX_CELLS,
+                 lambda: f"{op}: psi has more than 2^48 cells: {describe(psi)}")
+    torch._check(math.isfinite(rate) and 0.0 <= rate <= 1.0, lambda: f"{op}: rate must be a probability in [0, 1], got {rate:g}")
+
+
 @torch.library.register_fake("qca_lowmem::phase_flip")
 def _phase_flip_fake(psi, rate, seed, step, conjugate=False):
-    torch._check(psi.dim() == 4, lambda: f"phase_flip: psi must have 4 dimensions (B, H, W, d), got shape {tuple(psi.shape)}")
-    torch._check(psi.is_complex(), lambda: f"phase_flip: psi must be complex64 or complex128, got {psi.dtype}")
+    _check_noise_args(psi, rate, "phase_flip")
     return torch.empty_like(psi, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("qca_lowmem::bit_flip")
 def _bit_flip_fake(psi, rate, seed, step):
-    torch._check(psi.dim() == 4, lambda: f"bit_flip: psi must have 4 dimensions (B, H, W, d), got shape {tuple(psi.shape)}")
-    torch._check(psi.is_complex(), lambda: f"bit_flip: psi must be complex64 or complex128, got {psi.dtype}")
+    _check_noise_args(psi, rate, "bit_flip")
     return torch.empty_like(psi, memory_format=torch.contiguous_format)
 
 

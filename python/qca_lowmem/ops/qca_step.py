@@ -2,12 +2,13 @@
 torch.ops.qca_lowmem.qca_pack / qca_update, and the stock step on them (`fused_step`: pack,
 operator, update), which the reference trainer, plan, the benchmarks and enable() step with."""
 
+import math
 from typing import Callable, Optional
 
 import torch
 
 from .. import stock
-from ._checks import check_same_device, describe, refuse_func_transforms
+from ._checks import REAL_FLOATS, check_eps, check_same_device, check_state, describe, dtype_name, refuse_func_transforms
 from ._double_backward import reference_backward, second_order_requested
 from .watchers import call_unwatched
 
@@ -96,27 +97,30 @@ def _real_dtype_of(complex_dtype: torch.dtype) -> torch.dtype:
 
 @torch.library.register_fake("qca_lowmem::qca_pack")
 def _pack_fake(psi, dtype=None, channels_last=False):
-    torch._check(psi.dim() == 4, lambda: f"qca_pack: psi must have 4 dimensions (B, H, W, d), got shape {tuple(psi.shape)}")
-    torch._check(psi.is_complex(), lambda: f"qca_pack: psi must be complex64 or complex128, got {psi.dtype}")
+    check_state(psi, "qca_pack")
     b, h, w, d = psi.shape
     out_dtype = dtype if dtype is not None else _real_dtype_of(psi.dtype)
+    torch._check(out_dtype in REAL_FLOATS,
+                 lambda: f"qca_pack: dtype must be float32, float64, float16 or bfloat16, got {dtype_name(out_dtype)}")
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     return psi.new_empty((b, 2 * d, h, w), dtype=out_dtype).contiguous(memory_format=memory_format)
 
 
 @torch.library.register_fake("qca_lowmem::qca_pack_backward")
 def _pack_backward_fake(grad_x, psi_dtype):
+    op = "qca_pack_backward"
+    torch._check(grad_x.dim() == 4 and grad_x.shape[1] % 2 == 0 and grad_x.shape[1] >= 2 and grad_x.dtype in REAL_FLOATS,
+                 lambda: f"{op}: grad_x must be a real floating tensor (B, 2d, H, W), got {describe(grad_x)}")
+    torch._check(psi_dtype in (torch.complex64, torch.complex128),
+                 lambda: f"{op}: psi_dtype must be complex64 or complex128, got {dtype_name(psi_dtype)}")
     b, c, h, w = grad_x.shape
     return grad_x.new_empty((b, h, w, c // 2), dtype=psi_dtype)
 
 
-def _check_update_args(psi, delta, op):
+def _check_update_args(psi, delta, gamma, eps, op):
     """The glue's checks and messages (glue.h check_state, qca_step.cpp update_params), so meta
     refuses what the kernels refuse."""
-    torch._check(psi.is_complex(),
-                 lambda: f"{op}: psi must be complex64 or complex128 with shape (B, H, W, d), got {describe(psi)}")
-    torch._check(psi.dim() == 4, lambda: f"{op}: psi must have 4 dimensions (B, H, W, d), got {describe(psi)}")
-    torch._check(psi.shape[3] >= 1, lambda: f"{op}: psi's last dimension d must be at least 1, got {describe(psi)}")
+    check_state(psi, op)
     check_same_device(psi, "psi", delta, "delta", op)
     b, h, w, d = psi.shape
     torch._check(delta.dim() == 4 and tuple(delta.shape) == (b, 2 * d, h, w),
@@ -128,18 +132,20 @@ def _check_update_args(psi, delta, op):
     else:
         torch._check(delta.dtype == torch.float64,
                      lambda: f"{op}: delta must be float64 for a complex128 psi, got {describe(delta)}")
+    torch._check(math.isfinite(gamma), lambda: f"{op}: gamma must be finite, got {gamma:g}")
+    check_eps(eps, "eps", op)
 
 
 @torch.library.register_fake("qca_lowmem::qca_update")
 def _update_fake(psi, delta, gamma=0.0, multiplicative=True, eps=1e-9):
-    _check_update_args(psi, delta, "qca_update")
+    _check_update_args(psi, delta, gamma, eps, "qca_update")
     return torch.empty_like(psi, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("qca_lowmem::qca_update_backward")
 def _update_backward_fake(grad_out, psi, delta, gamma, multiplicative, eps):
     op = "qca_update_backward"
-    _check_update_args(psi, delta, op)
+    _check_update_args(psi, delta, gamma, eps, op)
     torch._check(grad_out.dtype == psi.dtype and grad_out.shape == psi.shape,
                  lambda: f"{op}: grad_out must match psi ({describe(psi)}), got {describe(grad_out)}")
     check_same_device(psi, "psi", grad_out, "grad_out", op)

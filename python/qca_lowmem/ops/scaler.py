@@ -8,28 +8,42 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_one_device, check_same_device, describe
+from ._checks import REAL_FLOATS, check_one_device, check_same_device, describe, dtype_name
 
 _lib = torch.ops.qca_lowmem
 
 
-def _check_list_devices(tensors, list_name, scalars, op):
-    """The scaler glue's device rule: the list on one device, the scalars on the list's."""
+_KERNEL_DTYPES = (*REAL_FLOATS, torch.complex64, torch.complex128)
+
+
+def _check_unscale_args(tensors, list_name, scalars, op):
+    """scaler.cpp's prepare_unscale, with its messages: the list of one dtype the kernels take, on
+    one device; the scalars one-element float32 tensors on the list's device."""
+    if tensors:
+        torch._check(tensors[0].dtype in _KERNEL_DTYPES,
+                     lambda: f"{op}: {list_name} must hold float32, float64, float16, bfloat16, complex64 or complex128 "
+                             f"tensors, got {describe(tensors[0])}")
     check_one_device(tensors, list_name, op)
+    for i, t in enumerate(tensors):
+        torch._check(t.dtype == tensors[0].dtype,
+                     lambda: f"{op}: every tensor of {list_name} must have one dtype ({dtype_name(tensors[0].dtype)}, "
+                             f"from {list_name}[0]); {list_name}[{i}] is {describe(t)}")
     ref_name, ref = ("the first tensor of the list", tensors[0]) if tensors else scalars[0]
     for name, t in scalars:
+        torch._check(t.dtype == torch.float32 and t.numel() == 1,
+                     lambda: f"{op}: {name} must be a one-element Float tensor, got {describe(t)}")
         check_same_device(ref, ref_name, t, name, op)
 
 
 @torch.library.register_fake("qca_lowmem::amp_unscale_")
 def _unscale_fake(grads, found_inf, inv_scale, compute_sumsq=False):
-    _check_list_devices(grads, "grads", [("inv_scale", inv_scale), ("found_inf", found_inf)], "amp_unscale_")
+    _check_unscale_args(grads, "grads", [("inv_scale", inv_scale), ("found_inf", found_inf)], "amp_unscale_")
     return inv_scale.new_empty((len(grads) if compute_sumsq else 0,), dtype=torch.float64)
 
 
 @torch.library.register_fake("qca_lowmem::amp_mul_")
 def _mul_fake(tensors, factor):
-    _check_list_devices(tensors, "tensors", [("factor", factor)], "amp_mul_")
+    _check_unscale_args(tensors, "tensors", [("factor", factor)], "amp_mul_")
     return None
 
 
@@ -42,13 +56,21 @@ def _update_scale_fake(scale, growth_tracker, found_inf, growth_factor, backoff_
 
 @torch.library.register_fake("qca_lowmem::accumulate_")
 def _accumulate_fake(accumulators, grads):
-    torch._check(len(accumulators) == len(grads), lambda: "accumulate_: accumulators and grads must be lists of "
+    """scaler.cpp's prepare_accumulate (check_pair), with its messages."""
+    op = "accumulate_"
+    torch._check(len(accumulators) == len(grads), lambda: f"{op}: accumulators and grads must be lists of "
                  f"one length, got {len(accumulators)} and {len(grads)}")
     for i, (acc, grad) in enumerate(zip(accumulators, grads)):
-        for name, t in ((f"accumulators[{i}]", acc), (f"grads[{i}]", grad)):
-            check_same_device(accumulators[0], "accumulators[0]", t, name, "accumulate_")
-        torch._check(acc.shape == grad.shape, lambda: f"accumulate_: grads[{i}] must have the shape of "
+        for name, t in (("accumulators", acc), ("grads", grad)):
+            torch._check(t.dtype in _KERNEL_DTYPES, lambda: f"{op}: {name}[{i}] must be a float32, float64, float16, "
+                         f"bfloat16, complex64 or complex128 tensor, got {describe(t)}")
+            torch._check(t.device == accumulators[0].device,
+                         lambda: f"{op}: every tensor must be on the device of accumulators[0] "
+                                 f"({accumulators[0].device}); {name}[{i}] is {describe(t)}")
+        torch._check(acc.shape == grad.shape, lambda: f"{op}: grads[{i}] must have the shape of "
                      f"accumulators[{i}] ({list(acc.shape)}), got {describe(grad)}")
+        torch._check(acc.is_complex() == grad.is_complex(), lambda: f"{op}: accumulators[{i}] and grads[{i}] must be "
+                     f"both complex or both real, got {describe(acc)} and {describe(grad)}")
     return None
 
 
