@@ -75,7 +75,8 @@ def _accumulate_fake(accumulators, grads):
 
 
 def accumulate_(accumulators: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    """`accumulators[i].add_(grads[i])` for every i, bit for bit (a NaN's payload aside), in one
+    """`accumulators[i].add_(grads[i])` for every i, bit for bit (a NaN's payload aside; a complex
+    sum with a NaN part keeps its other part, where torch's makes both NaN), in one
     pass over the lists (one CUDA launch for up to 64 pairs): each pair of its own floating dtypes
     (a half-precision gradient into a float32 accumulator, say, with no cast before the add), one
     shape, one device for all. The sum is taken in float, or in double where either dtype is
@@ -101,7 +102,8 @@ def unscale_(
 
 def mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     """Multiply every tensor (one device, one dtype, dense) by a one-element float32 tensor in
-    place, as `torch._foreach_mul_` does; a factor of exactly 1 touches no memory."""
+    place, as `torch._foreach_mul_` does (a complex value's parts each by the factor: (inf+0j) * 0.5
+    is inf+0j, where torch's complex product gives inf+nanj); a factor of exactly 1 touches no memory."""
     _lib.amp_mul_(tensors, factor)
 
 
