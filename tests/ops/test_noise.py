@@ -219,6 +219,21 @@ def test_compile_fullgraph():
     assert torch.equal(torch.compile(noisy, fullgraph=True)(psi), noisy(psi))
 
 
+@pytest.mark.slow
+def test_compile_fullgraph_of_a_rate_changing_between_calls():
+    """The second rate compiles the function again with a symbolic rate (the users' noise grows
+    with the episode), which the wrappers' Python check of the rate broke; the fake checks it."""
+    psi = random_psi((1, 4, 4, 2), torch.complex64)
+
+    def noisy(x, rate):
+        return bit_flip(phase_flip(x, rate, 1, 2), rate, 1, 2)
+    compiled = torch.compile(noisy, fullgraph=True, backend="eager")
+    for rate in (0.1, 0.7):
+        assert torch.equal(compiled(psi, rate), noisy(psi, rate))
+    with pytest.raises(RuntimeError, match=r"phase_flip: rate must be a probability in \[0, 1\], got 1\.5"):
+        compiled(psi, 1.5)
+
+
 def test_errors_name_the_argument():
     psi = random_psi((1, 2, 2, 2), torch.complex64)
     with pytest.raises(RuntimeError, match=r"psi must be complex64 or complex128.*Float"):

@@ -32,6 +32,8 @@ def _as_int64(value, name: str) -> int:
 
 
 def _as_rate(rate, name: str = "rate") -> float:
+    if torch.compiler.is_compiling():  # perhaps symbolic (a rate changing between calls): the op's fake checks it
+        return rate
     rate = float(rate)
     if not (math.isfinite(rate) and 0.0 <= rate <= 1.0):
         raise ValueError(f"{name} must be a probability in [0, 1], got {rate}")
