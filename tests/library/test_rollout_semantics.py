@@ -4,6 +4,7 @@ name. Here: rollouts inside one autocast block, the step called by nobody but th
 a weight."""
 
 import contextlib
+import functools
 import re
 
 import pytest
@@ -365,34 +366,70 @@ def test_a_hook_a_step_sets_on_its_input_is_refused_on_its_output_runs(policy, o
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
+class HoldsCompiled:
+    """A callable object whose call reaches a compiled module through its attribute."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __call__(self, psi):
+        return torch.tanh(self.compiled(psi))
+
+
 def compiled_steps():
-    """A compiled step, a step calling a compiled model (its closure's), a StepGraph of the first."""
+    """Steps reaching a compiled function or module as users write them: compiled themselves, a
+    closure's, a partial's, a default argument's, an object's attribute, a StepGraph's step."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.2)).double()
     compiled_model = torch.compile(model, backend="eager")
+    compiled = torch.compile(lambda psi: torch.tanh(model(psi)), backend="eager")
 
     def calls_compiled(psi):
         return torch.tanh(compiled_model(psi))
-    step = torch.compile(lambda psi: torch.tanh(model(psi)), backend="eager")
-    return model, {"step": step, "closure": calls_compiled, "step_graph": qca_lowmem.StepGraph(step)}
+    return model, compiled, {
+        "step": compiled, "closure": calls_compiled, "partial": functools.partial(lambda psi, f: f(psi), f=compiled),
+        "default": lambda psi, f=compiled: f(psi), "attribute": HoldsCompiled(compiled_model),
+        "step_graph": qca_lowmem.StepGraph(compiled)}
 
 
-@pytest.mark.parametrize("called", ["step", "closure", "step_graph"])
+@pytest.mark.parametrize("called", ["step", "closure", "partial", "default", "attribute", "step_graph"])
 @pytest.mark.parametrize("policy", POLICIES, ids=IDS)
 def test_a_compiled_step_is_refused_where_the_episode_would_run_it_uncompiled(policy, called):
     """Under the episode's hooks torch.compile's code does not run: the step ran as eager torch,
     drawing its dropout otherwise than plain autograd's compiled graph (loss 33.59 against 34.20
-    under inductor), silently."""
-    model, steps = compiled_steps()
+    under inductor), silently, and torch.compile marked the function to run eagerly for good."""
+    model, compiled, steps = compiled_steps()
     psi0 = torch.randn(3, 4, dtype=torch.float64)
-    what = "is a torch.compile'd function" if called != "closure" else "calls compiled_model, a torch.compile'd Sequential"
-    with pytest.raises(RuntimeError, match=rf"^rollout\(checkpoint='{policy['checkpoint']}'\): step_fn {what}, "
-                                           r"which this episode would run uncompiled"):
+    with pytest.raises(RuntimeError, match=rf"^rollout\(checkpoint='{policy['checkpoint']}'\): step 0 called a "
+                                           r"torch\.compile'd function or module"):
         qca_lowmem.rollout(steps[called], psi0, 3, **policy)
-    with torch.no_grad():  # nothing recomputed: the plain loop, compiled
-        qca_lowmem.rollout(steps[called], psi0, 3, **policy)
-    psi, _ = qca_lowmem.rollout(steps[called], psi0, 3, checkpoint="none")
-    assert psi.requires_grad
+    torch.manual_seed(1)
+    plain, _ = qca_lowmem.rollout(steps[called], psi0, 3, checkpoint="none")  # nothing recomputed: compiled
+    with torch.no_grad():
+        torch.manual_seed(1)
+        assert torch.equal(qca_lowmem.rollout(steps[called], psi0, 3, **policy)[0], plain)
+    assert compiled(psi0).requires_grad and plain.requires_grad
+
+
+def test_a_refused_compiled_step_stays_compiled():
+    """torch.compile, seeing the episode's dispatch mode, marked the code it was about to compile
+    to run eagerly from then on: after one refused rollout the function no longer ran compiled."""
+    ran = []
+
+    def backend(graph, example_inputs):
+        def compiled_graph(*args):
+            ran.append(None)
+            return graph(*args)
+        return compiled_graph
+    weight = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    compiled = torch.compile(lambda psi: torch.tanh(psi @ weight), backend=backend)
+    psi0 = torch.randn(3, 4, dtype=torch.float64)
+    compiled(psi0)
+    with pytest.raises(RuntimeError, match="step 0 called a torch.compile'd function or module"):
+        qca_lowmem.rollout(functools.partial(compiled), psi0, 3, checkpoint="step")
+    ran.clear()
+    compiled(psi0)
+    assert ran
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=IDS)

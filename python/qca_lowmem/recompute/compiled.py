@@ -1,47 +1,50 @@
-"""A torch.compile'd step, found before an episode that would run it uncompiled.
+"""torch.compile'd code inside a recomputing episode's steps: kept from running, and refused.
 
-Every policy but plain autograd runs its steps under saved-tensors hooks and dispatch modes of its
-own, which torch.compile does not trace: the compiled code does not run there (seen: no compiled
-frame ran in a checkpoint='step' episode, two in plain autograd's), so the step runs as eager
-torch, rounding and drawing random numbers otherwise than the compiled graph plain autograd runs.
+Every policy but plain autograd runs its steps under dispatch modes and saved-tensors hooks of its
+own, which torch.compile does not trace: seeing such a mode, torch.compile marks the code it was
+about to compile to run eagerly from then on, so one episode left a user's compiled function
+uncompiled for good, and the episode ran it as eager torch, rounding and drawing random numbers
+otherwise than plain autograd's compiled graph. So the episode's forward and backward run with
+torch.compile off (`uncompiled`: torch's "force_eager" stance, which touches no compiled code's
+state), and the probed steps are watched for a call of compiled code (`CompiledCalls`), which is
+refused by name: every torch.compile'd function and module runs one wrapper function of torch's.
 """
 
-import types
-from typing import Callable, Iterator, Optional, Tuple
+import contextlib
+import sys
 
 import torch
 
-
-def compiled_in_step(step_fn: Callable) -> Optional[str]:
-    """What of step_fn is torch.compile'd, said: itself, or what it calls directly (a module's
-    layers, a function's closure and the globals its code names); else None."""
-    for name, value in _called_directly(step_fn):
-        where = "step_fn is" if name is None else f"step_fn calls {name},"
-        if isinstance(value, torch.nn.Module):
-            for layer, module in value.named_modules():
-                if hasattr(module, "_orig_mod"):  # an OptimizedModule
-                    held = f" (its {layer})" if layer else ""
-                    return f"{where} a torch.compile'd {type(module._orig_mod).__name__}{held}"
-        elif hasattr(value, "_torchdynamo_orig_callable"):  # what torch.compile returns for a function
-            return f"{where} a torch.compile'd function"
-    return None
+_COMPILED_WRAPPER = torch.compile(lambda: None).__code__  # the code every torch.compile'd callable runs first
 
 
-def _called_directly(step_fn: Callable) -> Iterator[Tuple[Optional[str], object]]:
-    """(name, value): the step itself (no name), a StepGraph's step, what a function reads."""
-    yield None, step_fn
-    inner = getattr(step_fn, "step_fn", None)  # a StepGraph's step
-    if inner is not None and inner is not step_fn:
-        yield from _called_directly(inner)
-    function = step_fn.__func__ if isinstance(step_fn, types.MethodType) else step_fn
-    if not isinstance(function, types.FunctionType):
+@contextlib.contextmanager
+def uncompiled():
+    """torch.compile'd code run as the eager code it wraps, its compiled state untouched (about 60
+    us to enter on a CPU: once for an episode's forward, once for its backward)."""
+    if torch.compiler.is_compiling():
+        yield
         return
-    code = function.__code__
-    for name, cell in zip(code.co_freevars, function.__closure__ or ()):
+    with torch.compiler.set_stance("force_eager"):
+        yield
+
+
+class CompiledCalls:
+    """Whether code run inside `watching()` called a torch.compile'd function or module (a Python
+    profile function, this thread's, set for a probed step and put back after it)."""
+
+    def __init__(self):
+        self.reached = False
+
+    def _profile(self, frame, event, arg):
+        if event == "call" and frame.f_code is _COMPILED_WRAPPER:
+            self.reached = True
+
+    @contextlib.contextmanager
+    def watching(self):
+        previous = sys.getprofile()
+        sys.setprofile(self._profile)
         try:
-            yield name, cell.cell_contents
-        except ValueError:  # a cell not bound yet
-            continue
-    for name in code.co_names:
-        if name in function.__globals__:
-            yield name, function.__globals__[name]
+            yield
+        finally:
+            sys.setprofile(previous)
