@@ -24,11 +24,23 @@ import torch
 from .. import _torch_private as torch_private
 
 
-def region(tensor: torch.Tensor) -> tuple:
-    """The memory a tensor names: one key for every alias of it (`buffer.data` is a new tensor at
-    each access, so its id would count one buffer many times, each with other values before)."""
-    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
-            tensor.dtype, tensor.device)
+def storage_key(tensor: torch.Tensor) -> tuple:
+    """One key for every alias of a tensor's memory (`buffer.data` is a new tensor at each access)."""
+    return tensor.untyped_storage().data_ptr(), tensor.device
+
+
+def whole_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of the tensor's whole storage, one uint8 tensor: a step writing it through two
+    aliases (the buffer, then a slice of its `.data`) is kept, loaded and put back at once, each
+    alias's value before the step the one the step saw."""
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),))
+
+
+def kept_by_value(tensor: torch.Tensor) -> bool:
+    """Whether a tensor a step's op reads or writes may be a buffer the episode keeps: strided, with
+    data, not requiring grad (parameters and the step's inputs cannot be written in place)."""
+    return tensor.layout == torch.strided and not tensor.requires_grad and tensor.device.type != "meta"
 
 
 class _WriteFinder(torch_private.TorchDispatchMode):
@@ -37,15 +49,14 @@ class _WriteFinder(torch_private.TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.made: Dict[int, weakref.ref] = {}
-        self.before: Dict[tuple, tuple] = {}  # region -> (tensor, its value before)
+        self.before: Dict[tuple, tuple] = {}  # storage_key -> (whole_storage, its bytes before)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for tensor in torch_private.argument_tensors(args, kwargs):
-            # Tensors requiring grad (parameters, the step's inputs) cannot be written in place.
-            if not tensor.requires_grad and tensor.device.type != "meta" and not self._made(tensor) \
-                    and region(tensor) not in self.before:
-                self.before[region(tensor)] = (tensor, tensor.clone())
+            if kept_by_value(tensor) and not self._made(tensor) and storage_key(tensor) not in self.before:
+                whole = whole_storage(tensor)
+                self.before[storage_key(tensor)] = (whole, whole.clone())
         out = func(*args, **kwargs)
         for tensor in torch_private.result_tensors(out):
             self.made[id(tensor)] = weakref.ref(tensor)
@@ -82,12 +93,12 @@ class StepBuffers:
     def of_probes(cls, writes: List[list]) -> "StepBuffers":
         """From each probed step's written() (steps 0, 1, ...): the tensors any of them wrote, with
         their values before each probed step."""
-        tensors = list({region(x): x for step in writes for x, _ in step}.values())
+        tensors = list({storage_key(x): x for step in writes for x, _ in step}.values())
         buffers = cls(tensors)
         later = buffers._values()  # after the last probed step: now
         for t in reversed(range(len(writes))):
-            old = {region(x): value for x, value in writes[t]}
-            later = [old.get(region(x), value) for x, value in zip(tensors, later)]  # unwritten: as after it
+            old = {storage_key(x): value for x, value in writes[t]}
+            later = [old.get(storage_key(x), value) for x, value in zip(tensors, later)]  # unwritten: as after it
             buffers.record(t, later)
         return buffers
 

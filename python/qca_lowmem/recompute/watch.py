@@ -26,7 +26,7 @@ import torch
 
 from .. import _torch_private as torch_private
 from ..ops.watchers import WatchingDispatchMode
-from .buffers import region
+from .buffers import kept_by_value, storage_key, whole_storage
 
 _aten = torch.ops.aten
 # Ops that update running statistics (arguments 3 and 4) when `training` (argument 5), undeclared.
@@ -49,12 +49,12 @@ class StepWatch(WatchingDispatchMode):
     def __init__(self, known_leaves: set, known_writes: set, inputs: set):
         super().__init__()
         self.known_leaves = known_leaves  # ids of the leaves the episode already has
-        self.known_writes = known_writes  # the regions (buffers.region) whose values it already keeps
+        self.known_writes = known_writes  # the storages (buffers.storage_key) whose values it already keeps
         self.inputs = inputs  # ids of the step's state tensors
         self.fresh = set()  # data pointers of the storages the step's ops made
         self.made: List[weakref.ref] = []  # the tensors they made (escapes.Leftovers)
         self.leaves: List[torch.Tensor] = []
-        self.writes: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its value before the step)
+        self.writes: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (its whole storage, its bytes before the step)
 
     def read(self, tensor) -> None:
         key = id(tensor)
@@ -81,12 +81,13 @@ class StepWatch(WatchingDispatchMode):
                 "changed under torch.no_grad()): the recompute in backward would run the step on another value "
                 "than its forward did, and plain autograd refuses it too once an op saved it. Change it outside the "
                 "episode (as an optimizer step does), or compute a new tensor from it inside the step")
-        if not isinstance(tensor, torch.Tensor) or id(tensor) in self.inputs or tensor.requires_grad \
-                or tensor.numel() == 0 or tensor.device.type == "meta" or tensor.untyped_storage().data_ptr() in self.fresh \
-                or region(tensor) in self.known_writes:
+        if not isinstance(tensor, torch.Tensor) or id(tensor) in self.inputs or not kept_by_value(tensor) \
+                or tensor.numel() == 0 or tensor.untyped_storage().data_ptr() in self.fresh \
+                or storage_key(tensor) in self.known_writes:
             return
-        self.known_writes.add(region(tensor))
-        self.writes.append((tensor, tensor.detach().clone()))
+        self.known_writes.add(storage_key(tensor))
+        whole = whole_storage(tensor)
+        self.writes.append((whole, whole.clone()))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
