@@ -36,10 +36,22 @@ REQUIRED = [
     ("torch._C", "_current_graph_task_id"),
     ("torch._C._autograd", "_top_saved_tensors_default_hooks"),
     ("torch.nn.utils.stateless", "_reparametrize_module"),
+    ("torch._C._nn", "elu"),
 ]
 REQUIRED_WITH_CUDA = [("torch._C", "_cuda_endAllocateToPool")]
 # The autograd node of a dtype cast (`tensor.to(dtype)`), by its class name.
 TO_COPY_NODE = "ToCopyBackward0"
+# The module whose functions torch.nn.functional's call, looked up at each call (`elu`).
+NN_KERNELS = torch._C._nn
+
+
+def sparse_parts(tensor: torch.Tensor) -> tuple:
+    """The strided tensors holding a sparse tensor's data (its indices and values), uncoalesced too."""
+    if tensor.layout == torch.sparse_coo:
+        return tensor._indices(), tensor._values()
+    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return tensor.crow_indices(), tensor.col_indices(), tensor.values()
+    return tensor.ccol_indices(), tensor.row_indices(), tensor.values()
 
 
 def sequence_nr(node) -> int:

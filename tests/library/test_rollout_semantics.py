@@ -500,6 +500,31 @@ def test_a_buffer_written_through_two_aliases_is_replayed_whole(policy, threshol
     assert (grad is None and plain is None) or torch.equal(grad, plain)
 
 
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_a_step_reading_a_sparse_matrix_is_plain_autograds(policy):
+    """A constant sparse operator (a lattice Laplacian): the probe copied every tensor a step reads,
+    and a sparse one has no storage to copy (NotImplementedError from inside the probe)."""
+    n = 8
+    rows = list(range(n)) + list(range(n - 1))
+    laplacian = torch.sparse_coo_tensor(torch.tensor([rows, list(range(n)) + list(range(1, n))]),
+                                        torch.linspace(-1.0, 1.0, 2 * n - 1, dtype=torch.float64), (n, n)).coalesce()
+    weight = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+    psi0 = torch.randn(n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    grads = [torch.autograd.grad(qca_lowmem.rollout(lambda psi: torch.sparse.mm(laplacian, psi) * weight, psi0, 3,
+                                                    **options)[0].square().sum(), weight)[0]
+             for options in (dict(checkpoint="none"), policy)]
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+def test_a_sparse_tensor_saved_is_counted_by_its_indices_and_values():
+    """saved_bytes raised (a sparse tensor has no storage of its own)."""
+    laplacian = torch.sparse_coo_tensor(torch.tensor([[0, 1, 2], [1, 2, 0]]), torch.ones(3), (3, 3))
+    x = torch.ones(3, 2, requires_grad=True)
+    expected = laplacian._indices().nbytes + laplacian._values().nbytes  # sparse.mm saves the matrix alone
+    assert qca_lowmem.saved_bytes(lambda: torch.sparse.mm(laplacian, x)) == expected
+    assert qca_lowmem.peak_saved_bytes(lambda: torch.sparse.mm(laplacian, x).sum().backward()) == expected
+
+
 @pytest.mark.parametrize("policy", POLICIES[:4], ids=IDS[:4])
 def test_a_parameter_a_step_changes_in_place_is_refused_naming_it(policy):
     """`w.mul_(0.99)` under no_grad inside the step: plain autograd's backward refuses it with a

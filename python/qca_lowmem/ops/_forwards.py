@@ -25,7 +25,7 @@ _STOCK_METHODS = tuple((owner, name, getattr(owner, name)) for owner, name in (
     (nn.GroupNorm, "forward"), (nn.ELU, "forward"), (F, "conv2d"), (F, "conv_transpose2d"), (F, "max_pool2d"),
     (F, "group_norm"), (F, "elu"),
     # What those functions look up at each call.
-    (torch, "group_norm"), (torch, "max_pool2d"), (torch._C._nn, "elu")))
+    (torch, "group_norm"), (torch, "max_pool2d"), (torch_private.NN_KERNELS, "elu")))
 # Replaced before this module was imported (a wrapper, a function of another module): never stood in for.
 _STOCK_AT_IMPORT = all(getattr(fn, "__module__", "").startswith("torch") and not hasattr(fn, "__wrapped__")
                        for _, _, fn in _STOCK_METHODS)

@@ -25,7 +25,7 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from .memory import counted_storage
+from .memory import counted_storages
 from .state import State
 
 
@@ -98,9 +98,8 @@ class StepFrame:
         return inputs if self.keep else self.trap.set_on(inputs)
 
     def _pack(self, tensor):
-        counted = counted_storage(tensor) if self.sizes is not None else None
-        if counted is not None:
-            self.storages[counted[0]] = counted[1]
+        if self.sizes is not None:
+            self.storages.update(counted_storages(tensor))
         if self.keep:
             self.kept[id(tensor)] = self.kept.get(id(tensor), 0) + 1
             return tensor

@@ -9,6 +9,8 @@ from typing import List
 
 import torch
 
+from .. import _torch_private as torch_private
+
 # What `qca-lowmem plan` leaves beyond its predicted reserved peak (which counts the allocator's
 # rounding and a calibrated margin, within 10% of the peaks measured), and what budget="free"
 # leaves unused.
@@ -29,14 +31,14 @@ def _check_callable(fn, caller: str) -> None:
         raise TypeError(f"{caller}: fn must be callable (it is run, its graph measured), got {type(fn).__name__}")
 
 
-def counted_storage(tensor: torch.Tensor):
-    """(key, storage) of a saved tensor's storage as saved_bytes counts it, the key telling the
-    storage apart while it lives; None for a Parameter (it lives whether or not a graph exists) and
-    a meta tensor (no data)."""
+def counted_storages(tensor: torch.Tensor) -> list:
+    """(key, storage) of each storage of a saved tensor as saved_bytes counts them, the key telling
+    the storage apart while it lives: its own, or a sparse tensor's indices' and values'; none for a
+    Parameter (it lives whether or not a graph exists) and a meta tensor (no data)."""
     if isinstance(tensor, torch.nn.Parameter) or tensor.device.type == "meta":
-        return None
-    storage = tensor.untyped_storage()
-    return (tensor.device, storage.data_ptr()), storage
+        return []
+    parts = (tensor,) if tensor.layout == torch.strided else torch_private.sparse_parts(tensor)
+    return [((part.device, part.untyped_storage().data_ptr()), part.untyped_storage()) for part in parts]
 
 
 def peak_saved_bytes(fn, *args, **kwargs) -> int:
@@ -58,9 +60,7 @@ def peak_saved_bytes(fn, *args, **kwargs) -> int:
 
     def pack(tensor):
         holder = _Held(tensor)  # holds the storage alive, so its address stays its key
-        counted = counted_storage(tensor)
-        if counted is not None:
-            key, storage = counted
+        for key, storage in counted_storages(tensor):
             entry = live.get(key)
             if entry is None:
                 live[key] = entry = [0, storage.nbytes()]
@@ -98,9 +98,9 @@ def saved_storage_sizes(fn, *args, **kwargs) -> List[int]:
     storages = {}
 
     def pack(tensor):
-        counted = counted_storage(tensor)
-        if counted is not None and counted[1].nbytes() > 0:
-            storages[counted[0]] = counted[1]
+        for key, storage in counted_storages(tensor):
+            if storage.nbytes() > 0:
+                storages[key] = storage
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
