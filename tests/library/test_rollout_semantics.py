@@ -525,6 +525,30 @@ def test_a_sparse_tensor_saved_is_counted_by_its_indices_and_values():
     assert qca_lowmem.peak_saved_bytes(lambda: torch.sparse.mm(laplacian, x).sum().backward()) == expected
 
 
+@pytest.fixture
+def one_process_group(tmp_path):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_a_static_graph_ddp_module_in_the_step_is_refused_naming_it(policy, one_process_group):
+    """DDP(static_graph=True) queues its all-reduce at its first backward, which the episode's
+    recompute runs and ends before the parameters get their gradients: DDP then took every
+    parameter for unused and never reduced them (two ranks kept their own gradients, silently)."""
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4).double(), static_graph=True)
+    psi0 = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=rf"^rollout\(checkpoint='{policy['checkpoint']}'\): the step runs a "
+                                           r"DistributedDataParallel module with static_graph=True"):
+        qca_lowmem.rollout(lambda psi: torch.tanh(model(psi)), psi0, 3, **policy)
+    dynamic = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4).double())
+    psi, _ = qca_lowmem.rollout(lambda psi: torch.tanh(dynamic(psi)), psi0, 3, **policy)
+    psi.sum().backward()
+    assert all(p.grad is not None for p in dynamic.parameters())
+
+
 @pytest.mark.parametrize("policy", POLICIES[:4], ids=IDS[:4])
 def test_a_parameter_a_step_changes_in_place_is_refused_naming_it(policy):
     """`w.mul_(0.99)` under no_grad inside the step: plain autograd's backward refuses it with a

@@ -15,9 +15,9 @@ def next_sequence_nr() -> int:
     return torch_private.sequence_nr(node) + 1
 
 
-def leaves_reached(outputs, inputs: set, marker: int, node_names: Optional[set] = None) -> List[torch.Tensor]:
+def leaves_reached(outputs, inputs: set, marker: int, node_names: Optional[dict] = None) -> List[torch.Tensor]:
     """The leaf tensors requiring grad that the graphs of `outputs` reach, other than the
-    tensors whose ids are in `inputs`; `node_names` collects the names of the nodes walked."""
+    tensors whose ids are in `inputs`; `node_names` collects the nodes walked, a node by its name."""
     leaves, seen_leaves, visited = [], set(), set()
     stack = [out.grad_fn for out in outputs]
     while stack:
@@ -26,7 +26,7 @@ def leaves_reached(outputs, inputs: set, marker: int, node_names: Optional[set] 
             continue
         visited.add(node)
         if node_names is not None:
-            node_names.add(node.name())
+            node_names.setdefault(node.name(), node)
         variable = getattr(node, "variable", None)  # AccumulateGrad: the edge into a leaf
         if variable is not None:
             if id(variable) not in inputs and id(variable) not in seen_leaves:

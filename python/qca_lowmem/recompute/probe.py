@@ -84,7 +84,7 @@ class EpisodeStart:
 
 
 def _probe(unit, state0: State, steps: int, rng: RngStates, measure: bool, keep_graphs: bool) -> Probe:
-    probed, params, step_bytes, writes, leftovers, node_names = [], [], 0, [], Leftovers(), set()
+    probed, params, step_bytes, writes, leftovers, node_names = [], [], 0, [], Leftovers(), {}
     graphs = [] if keep_graphs else None
     state = state0
     for t in range(steps):
@@ -109,6 +109,7 @@ def _probe(unit, state0: State, steps: int, rng: RngStates, measure: bool, keep_
         params += [leaf for leaf in leaves_reached([x for x in outputs.tensors() if x is not None],
                                                     {id(x) for x in inputs.tensors()}, marker, node_names)
                    if id(leaf) not in found]
+        _refuse_static_ddp(node_names, unit.refuse_in_place)
         state = outputs.detached()
         probed.append(state)
         if keep_graphs:
@@ -118,3 +119,17 @@ def _probe(unit, state0: State, steps: int, rng: RngStates, measure: bool, keep_
             break
     return Probe(probed, params, step_bytes, StepBuffers.of_probes(writes), graphs, leftovers,
                  "BackwardHookFunctionBackward" in node_names)
+
+
+def _refuse_static_ddp(node_names: dict, policy) -> None:
+    """A DistributedDataParallel(static_graph=True) module in the step: its first backward, met
+    inside the episode's recompute, queues the gradients' all-reduce there, and that backward ends
+    before the episode hands the parameters theirs, so DDP takes them for unused and never reduces
+    them (each rank kept its own gradients, silently)."""
+    sink = node_names.get("_DDPSinkBackward")
+    ddp = getattr(sink, "ddp_weakref", lambda: None)() if sink is not None else None
+    if ddp is not None and getattr(ddp, "static_graph", False):
+        raise RuntimeError(
+            f"rollout(checkpoint={policy.checkpoint!r}): the step runs a DistributedDataParallel module with "
+            "static_graph=True, whose all-reduce of the gradients the episode's recomputes would leave undone: "
+            "use static_graph=False (find_unused_parameters=True works too), or checkpoint='none'")
