@@ -481,6 +481,23 @@ def test_ddp_on_cuda_with_more_ranks_than_gpus_says_so(monkeypatch):
         distributed.Distributed(True, "cuda")
 
 
+def test_ddp_ranks_with_other_settings_than_rank_0s_refuse_naming_them(monkeypatch):
+    """A seed of a rank's own trained other replicas (a warning at the end), another grid silently,
+    another hidden size aborted inside gloo, another episode count hung."""
+    import torch.distributed as dist
+
+    from qca_lowmem.trainer import distributed
+
+    group = distributed.Distributed(False)
+    group.enabled, group.world_size = True, 2
+    rank_1 = {"seed": 2, "grid": 8}
+    monkeypatch.setattr(dist, "all_gather_object", lambda gathered, mine: gathered.__setitem__(slice(None), [mine, rank_1]))
+    group.refuse_other_settings({"seed": 2, "grid": 8})
+    with pytest.raises(UsageError, match=r"^--ddp: every rank must run rank 0's settings: seed is 2 on rank 1, 1 on "
+                                         r"rank 0; grid is 8 on rank 1, 16 on rank 0$"):
+        group.refuse_other_settings({"seed": 1, "grid": 16})
+
+
 @pytest.mark.parametrize("command", ["bench", "plan"])
 @pytest.mark.parametrize("threads_in_config, flags, expected", [(None, [], 1), (2, [], 2), (2, ["--threads", "1"], 1)])
 def test_bench_and_plan_run_at_the_configs_threads_as_train_does(tmp_path, monkeypatch, command, threads_in_config,

@@ -50,6 +50,21 @@ class Distributed:
                 dist.init_process_group("nccl" if on_cuda else "gloo")
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
+    def refuse_other_settings(self, settings: dict) -> None:
+        """Every rank's run settings are rank 0's: a seed, grid or episode count of a rank's own
+        trained other replicas silently, aborted inside gloo or hung at the last step. Else every
+        rank refuses, naming what differs."""
+        if not (self.enabled and self.world_size > 1):
+            return
+        import torch.distributed as dist
+
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, settings)
+        differ = [f"{name} is {value!r} on rank {rank}, {gathered[0][name]!r} on rank 0"
+                  for rank, other in enumerate(gathered[1:], 1) for name, value in other.items() if value != gathered[0][name]]
+        if differ:
+            raise UsageError(f"--ddp: every rank must run rank 0's settings: {'; '.join(differ)}")
+
     def all_reduce_(self, tensor, op="sum"):
         if self.enabled and self.world_size > 1:
             import torch.distributed as dist

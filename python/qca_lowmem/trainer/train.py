@@ -361,6 +361,9 @@ def train(config: TrainConfig, resume: Optional[str] = None, ddp: bool = False, 
     distributed = Distributed(ddp, config.device)
     lock = FolderLock(config.out_dir)  # (rank 0's)
     try:
+        per_rank = ("device", "threads")
+        distributed.refuse_other_settings({**{k: v for k, v in vars(config).items() if k not in per_rank},
+                                           "resume": resume, "stop_after": stop_after, "overwrite": overwrite})
         state = check_run(config, resume, rank=distributed.rank, world_size=distributed.world_size, lock=lock,
                           overwrite=overwrite)
         if state is not None and state["episode"] >= config.episodes:
