@@ -498,6 +498,20 @@ def test_ddp_ranks_with_other_settings_than_rank_0s_refuse_naming_them(monkeypat
         group.refuse_other_settings({"seed": 1, "grid": 16})
 
 
+def test_a_rank_other_than_0_stopped_claims_no_checkpoint_of_its_own(tiny_config, tmp_path):
+    """SIGTERM to rank 1 alone: it said 'episodes 0-97 are in checkpoint.pt' where rank 0, which
+    writes the checkpoints, had saved none since episode 0."""
+    from qca_lowmem.trainer import distributed
+
+    group = distributed.Distributed(False)
+    group.rank = 1
+    trainer = train_mod.Trainer(config_mod.load_config(tiny_config, out_dir=str(tmp_path / "run")), group, progress=False)
+    trainer.next_episode = trainer.saved_episode = 3
+    said = str(trainer._interrupted(KeyboardInterrupt()))
+    assert said == (f"interrupted at episode 3; rank 1; rank 0 writes {tmp_path / 'run' / 'checkpoint.pt'}, --resume "
+                    f"{tmp_path / 'run' / 'checkpoint.pt'} continues from its last episode")
+
+
 @pytest.mark.parametrize("command", ["bench", "plan"])
 @pytest.mark.parametrize("threads_in_config, flags, expected", [(None, [], 1), (2, [], 2), (2, ["--threads", "1"], 1)])
 def test_bench_and_plan_run_at_the_configs_threads_as_train_does(tmp_path, monkeypatch, command, threads_in_config,

@@ -325,6 +325,8 @@ class Trainer:
         done = (f"episodes 0-{self.next_episode - 1} are in {path}; --resume {path} continues at episode "
                 f"{self.next_episode}"
                 if self.next_episode else "no episode finished, nothing saved")
+        if self.dist.rank != 0:  # it writes nothing: rank 0, stopped or not, holds the run's last checkpoint
+            done = f"rank {self.dist.rank}; rank 0 writes {path}, --resume {path} continues from its last episode"
         by = f" by {stop.args[0]}" if isinstance(stop, Stop) and stop.signum != signal.SIGINT else ""
         return Interrupted(f"interrupted{by} at episode {self.next_episode}; {done}", getattr(stop, "status", 130),
                            saved=self.next_episode > 0)
