@@ -160,6 +160,7 @@ def test_the_mask_free_noise_decides_by_the_same_identity():
 TORCH_PATCHES = {  # a researcher's edit of a torch function their step or their blocks call
     "torch.complex": (torch, "complex", lambda own: lambda real, imag, **kw: own(real, -imag, **kw)),
     "Tensor.permute": (torch.Tensor, "permute", lambda own: lambda self, *dims: own(self, *dims) * 1.1),
+    "Tensor.__getitem__": (torch.Tensor, "__getitem__", lambda own: lambda self, index: own(self, index) * 1.1),
     "torch.group_norm": (torch, "group_norm", lambda own: lambda *args, **kw: own(*args, **kw) * 1.1),
 }
 

@@ -38,8 +38,8 @@ _TORCH_LAYERS = (nn.MaxPool2d, nn.Conv2d, nn.ConvTranspose2d)
 _STEP_METHODS = tuple((owner, name, getattr(owner, name)) for owner, name in (
     *((torch, name) for name in ("cat", "chunk", "complex", "sqrt", "sum", "abs")),
     *((torch.Tensor, name) for name in ("real", "imag", "permute", "abs", "pow", "__pow__", "__mul__", "__rmul__",
-                                        "__add__", "__radd__", "__sub__", "__neg__", "__truediv__", "clone", "to",
-                                        "detach"))))
+                                        "__add__", "__radd__", "__sub__", "__neg__", "__truediv__", "__getitem__",
+                                        "clone", "to", "detach"))))
 
 
 def step_function_replaced() -> Optional[str]:
