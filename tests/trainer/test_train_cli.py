@@ -498,6 +498,21 @@ def test_ddp_ranks_with_other_settings_than_rank_0s_refuse_naming_them(monkeypat
         group.refuse_other_settings({"seed": 1, "grid": 16})
 
 
+@pytest.mark.parametrize("world, local, head", [("2", "2", "torchrun --nproc_per_node=2"),
+                                                ("4", "2", "torchrun --nnodes=2 --nproc_per_node=2"),
+                                                ("2", None, "torchrun --nproc_per_node=2")])
+def test_the_resume_command_of_a_ddp_run_is_torchruns(monkeypatch, world, local, head):
+    """Two nodes of one process each printed --nproc_per_node=2 (the world size)."""
+    monkeypatch.setenv("WORLD_SIZE", world)
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    args = cli.build_parser().parse_args(["train", "--ddp", "--grid", "8"])
+    args.argv = ["train", "--ddp", "--grid", "8"]
+    assert cli.resume_command(args, "runs/a") == f"{head} -m qca_lowmem train --ddp --grid 8 --out runs/a --resume"
+
+
 def test_a_rank_other_than_0_stopped_claims_no_checkpoint_of_its_own(tiny_config, tmp_path):
     """SIGTERM to rank 1 alone: it said 'episodes 0-97 are in checkpoint.pt' where rank 0, which
     writes the checkpoints, had saved none since episode 0."""

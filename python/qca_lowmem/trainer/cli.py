@@ -317,8 +317,11 @@ def resume_command(args, out_dir: str) -> str:
         elif word.split("=")[0] not in ("--stop-after", "--overwrite", "--resume", "--out"):
             words.append(word)
     head = "qca-lowmem"
-    if args.ddp:
-        head = f"torchrun --nproc_per_node={os.environ.get('WORLD_SIZE', '1')} -m qca_lowmem"
+    if args.ddp:  # torchrun's own numbers: its processes on this node, and the nodes
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        nodes = f" --nnodes={world // local}" if world != local else ""
+        head = f"torchrun{nodes} --nproc_per_node={local} -m qca_lowmem"
     return f"{head} {shlex.join(words)} --out {shlex.quote(str(out_dir))} --resume"
 
 
