@@ -557,12 +557,17 @@ def test_a_parameter_a_step_changes_in_place_is_refused_naming_it(policy):
     weight = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
 
     def step(psi):
-        with torch.no_grad():
-            weight.mul_(0.99)
+        if through_data:
+            weight.data.mul_(0.99)
+        else:
+            with torch.no_grad():
+                weight.mul_(0.99)
         return torch.tanh(psi @ weight)
-    with pytest.raises(RuntimeError, match=r"^rollout: step_fn changed a tensor requiring grad in place \(shape "
-                                           r"\(4, 4\); a parameter changed under torch\.no_grad\(\)\)"):
-        qca_lowmem.rollout(step, torch.randn(3, 4, dtype=torch.float64), 4, **policy)
+    for through_data in (False, True):
+        with pytest.raises(RuntimeError, match=r"^rollout: step_fn changed a tensor requiring grad in place \(shape "
+                                               r"\(4, 4\); a parameter changed under torch\.no_grad\(\) or through "
+                                               r"\.data\)"):
+            qca_lowmem.rollout(step, torch.randn(3, 4, dtype=torch.float64), 4, **policy)
 
 
 @pytest.mark.parametrize("interrupted_at", [1, 3, 5])

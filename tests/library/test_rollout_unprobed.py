@@ -235,7 +235,7 @@ def test_a_fused_block_only_later_steps_reach_gets_plain_autograds_gradients(pol
 def test_the_watch_sees_a_fused_blocks_reads_and_takes_its_outputs_for_the_steps_own(grad):
     early, late, step, _ = late_block_model(gate=lambda psi, call: True)
     psi = psi0()
-    watch = StepWatch(known_leaves={id(p) for p in early.parameters()}, known_writes=set(), inputs={id(psi)})
+    watch = StepWatch(known_leaves={id(p): p for p in early.parameters()}, known_writes=set(), inputs={id(psi)})
     with torch.set_grad_enabled(grad), watch:
         step(psi)
     assert {id(p) for p in watch.leaves} == {id(p) for p in late.parameters()}
@@ -261,7 +261,7 @@ def test_the_watch_sees_what_the_fused_unets_hidden_layers_read_and_what_a_hook_
         handle = model.down1[0].register_forward_hook(count)
     elif hook == "global":
         handle = torch.nn.modules.module.register_module_forward_hook(count)
-    watch = StepWatch(known_leaves=set(), known_writes=set(), inputs={id(x)})
+    watch = StepWatch(known_leaves={}, known_writes=set(), inputs={id(x)})
     try:
         with torch.no_grad(), watch:
             model(x)
@@ -284,7 +284,7 @@ def test_the_watch_is_told_the_weights_a_step_reads_through_the_episodes_casts(m
     casts = weight_casts.WeightCasts()
     with casts.active(), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         module(x)  # the copies, made before the step
-        watch = StepWatch(known_leaves=set(), known_writes=set(), inputs={id(x)})
+        watch = StepWatch(known_leaves={}, known_writes=set(), inputs={id(x)})
         with watch:
             module(x)
     assert len(casts.copies()) >= 2
@@ -325,7 +325,7 @@ def test_the_step_ops_and_the_unets_cat_run_hidden_from_the_watch_and_tell_it_th
     psi = stock.initial_state(2, 8, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(1))
     drift = (0.01 * torch.randn(2, 4, 8, 8, dtype=torch.float64)).requires_grad_()
     step = noisy_fused_step(model, drift)
-    watch = SeeingWatch(known_leaves=set(), known_writes=set(), inputs={id(psi)})
+    watch = SeeingWatch(known_leaves={}, known_writes=set(), inputs={id(psi)})
     with torch.set_grad_enabled(grad), watch:
         step(psi)
     # Only the step's own op between the fused ones; and with grad, on torch before 2.13, the two

@@ -249,7 +249,7 @@ class Episode:
         schedule, unit, rng, buffers = self.schedule, self.rerun.unit, self.rerun.rng, self.rerun.buffers
         history_steps = set(self.layout.history_steps)
         probed, self.probed = self.probed, None
-        known_leaves = {id(p) for p in self.params}
+        known_leaves = {id(p): p for p in self.params}
         known_writes = {storage_key(x) for x in buffers.tensors}
         with torch.no_grad():
             for t in range(schedule.steps):

@@ -46,9 +46,9 @@ def _schema_info(func) -> Tuple[Tuple[int, ...], Tuple[str, ...], bool]:
 
 
 class StepWatch(WatchingDispatchMode):
-    def __init__(self, known_leaves: set, known_writes: set, inputs: set):
+    def __init__(self, known_leaves: dict, known_writes: set, inputs: set):
         super().__init__()
-        self.known_leaves = known_leaves  # ids of the leaves the episode already has
+        self.known_leaves = known_leaves  # id -> leaf, of the leaves the episode already has
         self.known_writes = known_writes  # the storages (buffers.storage_key) whose values it already keeps
         self.inputs = inputs  # ids of the step's state tensors
         self.fresh = set()  # data pointers of the storages the step's ops made
@@ -60,7 +60,7 @@ class StepWatch(WatchingDispatchMode):
         key = id(tensor)
         if key not in self.known_leaves and key not in self.inputs and tensor.requires_grad and tensor.is_leaf \
                 and tensor.untyped_storage().data_ptr() not in self.fresh:  # not a leaf the step made itself
-            self.known_leaves.add(key)
+            self.known_leaves[key] = tensor
             self.leaves.append(tensor)
 
     def ran_unseen(self, read, made) -> None:
@@ -74,20 +74,30 @@ class StepWatch(WatchingDispatchMode):
             self.made.append(weakref.ref(tensor))
 
     def _written(self, tensor) -> None:
-        if isinstance(tensor, torch.Tensor) and tensor.requires_grad and tensor.is_leaf and id(tensor) not in self.inputs \
-                and tensor.untyped_storage().data_ptr() not in self.fresh:
+        if not isinstance(tensor, torch.Tensor) or id(tensor) in self.inputs:
+            return
+        if self._a_leafs_memory(tensor):
             raise RuntimeError(
                 f"rollout: step_fn changed a tensor requiring grad in place (shape {tuple(tensor.shape)}; a parameter "
-                "changed under torch.no_grad()): the recompute in backward would run the step on another value "
-                "than its forward did, and plain autograd refuses it too once an op saved it. Change it outside the "
-                "episode (as an optimizer step does), or compute a new tensor from it inside the step")
-        if not isinstance(tensor, torch.Tensor) or id(tensor) in self.inputs or not kept_by_value(tensor) \
-                or tensor.numel() == 0 or tensor.untyped_storage().data_ptr() in self.fresh \
+                "changed under torch.no_grad() or through .data): the recompute in backward would run the step on "
+                "another value than its forward did, and plain autograd refuses it too once an op saved it (or, "
+                "through .data, computes with the changed value unseen). Change it outside the episode (as an "
+                "optimizer step does), or compute a new tensor from it inside the step")
+        if not kept_by_value(tensor) or tensor.numel() == 0 or tensor.untyped_storage().data_ptr() in self.fresh \
                 or storage_key(tensor) in self.known_writes:
             return
         self.known_writes.add(storage_key(tensor))
         whole = whole_storage(tensor)
         self.writes.append((whole, whole.clone()))
+
+    def _a_leafs_memory(self, tensor) -> bool:
+        """Whether a written tensor is a leaf requiring grad the step did not make, or an alias of a
+        leaf the episode has (`param.data`)."""
+        if tensor.layout != torch.strided or tensor.device.type == "meta":
+            return False
+        if tensor.requires_grad:
+            return tensor.is_leaf and tensor.untyped_storage().data_ptr() not in self.fresh
+        return any(storage_key(tensor) == storage_key(leaf) for leaf in self.known_leaves.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
