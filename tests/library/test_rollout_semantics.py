@@ -376,6 +376,16 @@ class HoldsCompiled:
         return torch.tanh(self.compiled(psi))
 
 
+class CallsCompiled:
+    """A callable object whose call reaches a compiled function through its module's global."""
+
+    def __call__(self, psi):
+        return torch.tanh(COMPILED_LAYER(psi))
+
+
+COMPILED_LAYER = torch.compile(torch.nn.Linear(4, 4).double(), backend="eager")
+
+
 def compiled_steps():
     """Steps reaching a compiled function or module as users write them: compiled themselves, a
     closure's, a partial's, a default argument's, an object's attribute, a StepGraph's step."""
@@ -389,10 +399,10 @@ def compiled_steps():
     return model, compiled, {
         "step": compiled, "closure": calls_compiled, "partial": functools.partial(lambda psi, f: f(psi), f=compiled),
         "default": lambda psi, f=compiled: f(psi), "attribute": HoldsCompiled(compiled_model),
-        "step_graph": qca_lowmem.StepGraph(compiled)}
+        "method": CallsCompiled(), "step_graph": qca_lowmem.StepGraph(compiled)}
 
 
-@pytest.mark.parametrize("called", ["step", "closure", "partial", "default", "attribute", "step_graph"])
+@pytest.mark.parametrize("called", ["step", "closure", "partial", "default", "attribute", "method", "step_graph"])
 @pytest.mark.parametrize("policy", POLICIES, ids=IDS)
 def test_a_compiled_step_is_refused_where_the_episode_would_run_it_uncompiled(policy, called):
     """Under the episode's hooks torch.compile's code does not run: the step ran as eager torch,
@@ -400,8 +410,13 @@ def test_a_compiled_step_is_refused_where_the_episode_would_run_it_uncompiled(po
     under inductor), silently, and torch.compile marked the function to run eagerly for good."""
     model, compiled, steps = compiled_steps()
     psi0 = torch.randn(3, 4, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match=rf"^rollout\(checkpoint='{policy['checkpoint']}'\): step 0 called a "
-                                           r"torch\.compile'd function or module"):
+    said = {"step": "step_fn is a torch.compile'd function", "closure": "compiled_model (held by step_fn) is a "
+            "torch.compile'd Sequential", "partial": "f (held by step_fn) is a torch.compile'd function",
+            "default": "f (held by step_fn) is a torch.compile'd function", "attribute": "compiled (held by step_fn) is "
+            "a torch.compile'd Sequential", "step_graph": "its step (held by step_fn) is a torch.compile'd function",
+            "method": "its __call__'s COMPILED_LAYER (held by step_fn) is a torch.compile'd Linear"}
+    with pytest.raises(RuntimeError, match=rf"^rollout\(checkpoint='{policy['checkpoint']}'\): "
+                                           rf"{re.escape(said[called])}, which this episode would run uncompiled"):
         qca_lowmem.rollout(steps[called], psi0, 3, **policy)
     torch.manual_seed(1)
     plain, _ = qca_lowmem.rollout(steps[called], psi0, 3, checkpoint="none")  # nothing recomputed: compiled
@@ -412,8 +427,8 @@ def test_a_compiled_step_is_refused_where_the_episode_would_run_it_uncompiled(po
 
 
 def test_a_refused_compiled_step_stays_compiled():
-    """torch.compile, seeing the episode's dispatch mode, marked the code it was about to compile
-    to run eagerly from then on: after one refused rollout the function no longer ran compiled."""
+    """torch.compile, seeing the episode's dispatch mode, marks the code it was about to compile to
+    run eagerly from then on: refused before it runs, the function stays compiled."""
     ran = []
 
     def backend(graph, example_inputs):
@@ -425,7 +440,7 @@ def test_a_refused_compiled_step_stays_compiled():
     compiled = torch.compile(lambda psi: torch.tanh(psi @ weight), backend=backend)
     psi0 = torch.randn(3, 4, dtype=torch.float64)
     compiled(psi0)
-    with pytest.raises(RuntimeError, match="step 0 called a torch.compile'd function or module"):
+    with pytest.raises(RuntimeError, match="its function \\(held by step_fn\\) is a torch.compile'd function"):
         qca_lowmem.rollout(functools.partial(compiled), psi0, 3, checkpoint="step")
     ran.clear()
     compiled(psi0)

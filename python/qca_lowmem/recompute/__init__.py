@@ -12,7 +12,7 @@ modules, one concern each:
 - `episode`: the episode as one autograd Function, its forward loop and what it saves.
 - `reverse`: the reverse pass, one step at a time (recomputed, replayed or kept graphs).
 - `check`: the check that a recomputed step reproduces its forward (`RecomputeMismatchError`).
-- `compiled`: torch.compile'd code in the episode's steps, kept from running (its state untouched) and refused.
+- `compiled`: torch.compile'd code a step holds, which the episode would run uncompiled, found before it runs.
 - `step_graph`: `StepGraph`, one step as two captured CUDA graphs.
 - `lanes`: one copy of a capture's graphs and static tensors, warmed up, checked and captured.
 - `cuda_graphs`: the captures' graphs, pool and side stream; a failed capture undone and explained.

@@ -14,7 +14,7 @@ from typing import Callable, List, Optional, Sequence, Union
 import torch
 
 from .. import _torch_private as torch_private
-from .compiled import uncompiled
+from .compiled import compiled_in_step
 from .episode import Episode, EpisodeFunction, StepUnit
 from .intermediates import keep_block_intermediates
 from .policy import NONE, STEP, Policy
@@ -116,6 +116,14 @@ def rollout(
     else:
         policy = Policy.of(checkpoint, slots, budget)
     policy.check_device(psi0.device)
+    compiled = compiled_in_step(step_fn) if policy.checkpoint != NONE and torch.is_grad_enabled() else None
+    if compiled is not None:
+        raise RuntimeError(
+            f"rollout(checkpoint={policy.checkpoint!r}): {compiled}, which this episode would run uncompiled: it runs "
+            "its steps under hooks of its own that torch.compile does not trace, so they would round and draw random "
+            "numbers otherwise than plain autograd's compiled graph (and torch.compile would run that code eagerly "
+            "from then on). Pass it uncompiled (qca_lowmem.StepGraph(step) replays a step as CUDA graphs), or use "
+            "checkpoint='none'")
     if record_every is None:
         record_every = max(1, steps // 10)
     elif isinstance(record_every, bool) or not isinstance(record_every, int) or record_every < 1:
@@ -152,14 +160,11 @@ def _episode(unit: StepUnit, state0: State, steps: int, policy: Policy, recorded
              preserve_rng_state: bool, check_recompute: bool):
     """(psi_T, history, carry_T) of the episode under `policy`."""
     start = EpisodeStart(unit, state0, steps, RngStates(state0.psi.device, preserve_rng_state))
-    recomputes = policy.checkpoint != NONE and torch.is_grad_enabled()
-    with uncompiled() if recomputes else contextlib.nullcontext():  # the probe, then a recomputing forward
-        schedule = choose(policy, start, check_recompute)
-        if not isinstance(schedule, PlainAutograd):
-            plan = Episode(policy, schedule, start, recorded, check_recompute)
-            plan.run(state0)
+    schedule = choose(policy, start, check_recompute)
     if isinstance(schedule, PlainAutograd):
         return _run_plain(unit, state0, schedule, steps, recorded)
+    plan = Episode(policy, schedule, start, recorded, check_recompute)
+    plan.run(state0)
     result = EpisodeFunction.apply(plan, state0.psi, *state0.carry, *plan.params)
     return plan.layout.results(result)
 

@@ -1,50 +1,69 @@
-"""torch.compile'd code inside a recomputing episode's steps: kept from running, and refused.
+"""torch.compile'd code a recomputing episode's step would reach, found before the episode runs it.
 
 Every policy but plain autograd runs its steps under dispatch modes and saved-tensors hooks of its
-own, which torch.compile does not trace: seeing such a mode, torch.compile marks the code it was
-about to compile to run eagerly from then on, so one episode left a user's compiled function
-uncompiled for good, and the episode ran it as eager torch, rounding and drawing random numbers
-otherwise than plain autograd's compiled graph. So the episode's forward and backward run with
-torch.compile off (`uncompiled`: torch's "force_eager" stance, which touches no compiled code's
-state), and the probed steps are watched for a call of compiled code (`CompiledCalls`), which is
-refused by name: every torch.compile'd function and module runs one wrapper function of torch's.
+own, which torch.compile does not trace: seeing such a mode it runs the code it wraps eagerly, and
+marks that code to run eagerly from then on, so the episode would give eager torch's rounding and
+random draws where plain autograd runs the compiled graph, and leave the user's compiled function
+uncompiled for good. So `rollout` refuses, naming it, a step that is or holds such code where it
+can be read without running the step: the step itself, a StepGraph's step, a partial's function
+and arguments, a function's closure, defaults and the globals its code loads, a callable object's
+`__call__` and attributes, and the layers of any module among those (two levels down: code reached
+only through further calls is not read).
 """
 
-import contextlib
-import sys
+import dis
+import functools
+import types
+from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
-_COMPILED_WRAPPER = torch.compile(lambda: None).__code__  # the code every torch.compile'd callable runs first
+
+def compiled_in_step(step_fn: Callable) -> Optional[str]:
+    """What of step_fn is torch.compile'd, said; else None."""
+    for name, value in _held(step_fn):
+        what = "step_fn" if name is None else f"{name} (held by step_fn)"
+        if isinstance(value, torch.nn.Module):
+            for layer, module in value.named_modules():
+                if hasattr(module, "_orig_mod"):  # an OptimizedModule
+                    compiled = f"a torch.compile'd {type(module._orig_mod).__name__}"
+                    return f"{what} holds {compiled} ({layer})" if layer else f"{what} is {compiled}"
+        elif hasattr(value, "_torchdynamo_orig_callable"):  # what torch.compile returns for a function
+            return f"{what} is a torch.compile'd function"
+    return None
 
 
-@contextlib.contextmanager
-def uncompiled():
-    """torch.compile'd code run as the eager code it wraps, its compiled state untouched (about 60
-    us to enter on a CPU: once for an episode's forward, once for its backward)."""
-    if torch.compiler.is_compiling():
-        yield
+def _held(step_fn: Callable, depth: int = 2) -> Iterator[Tuple[Optional[str], object]]:
+    """(name, value): the callable itself (no name), then what it holds, `depth` levels down."""
+    yield None, step_fn
+    if depth == 0:
         return
-    with torch.compiler.set_stance("force_eager"):
-        yield
+    for name, value in _parts(step_fn):
+        for inner, found in _held(value, depth - 1):
+            yield (name if inner is None else f"{name}'s {inner}"), found
 
 
-class CompiledCalls:
-    """Whether code run inside `watching()` called a torch.compile'd function or module (a Python
-    profile function, this thread's, set for a probed step and put back after it)."""
-
-    def __init__(self):
-        self.reached = False
-
-    def _profile(self, frame, event, arg):
-        if event == "call" and frame.f_code is _COMPILED_WRAPPER:
-            self.reached = True
-
-    @contextlib.contextmanager
-    def watching(self):
-        previous = sys.getprofile()
-        sys.setprofile(self._profile)
-        try:
-            yield
-        finally:
-            sys.setprofile(previous)
+def _parts(value) -> Iterator[Tuple[str, object]]:
+    if isinstance(value, functools.partial):
+        yield "its function", value.func
+        yield from ((f"argument {i}", arg) for i, arg in enumerate(value.args))
+        yield from value.keywords.items()
+        return
+    inner = getattr(value, "step_fn", None)  # a StepGraph's step
+    if inner is not None and inner is not value:
+        yield "its step", inner
+    function = value.__func__ if isinstance(value, types.MethodType) else value
+    if isinstance(function, types.FunctionType):
+        code = function.__code__
+        for name, cell in zip(code.co_freevars, function.__closure__ or ()):
+            try:
+                yield name, cell.cell_contents
+            except ValueError:  # a cell not bound yet
+                continue
+        yield from zip(code.co_varnames[:code.co_argcount][::-1], (function.__defaults__ or ())[::-1])
+        yield from (function.__kwdefaults__ or {}).items()
+        loaded = {op.argval for op in dis.get_instructions(code) if op.opname == "LOAD_GLOBAL"}
+        yield from ((name, function.__globals__[name]) for name in sorted(loaded) if name in function.__globals__)
+    elif not isinstance(value, (types.BuiltinFunctionType, type, torch.nn.Module)) and callable(value):
+        yield "its __call__", type(value).__call__
+        yield from vars(value).items() if hasattr(value, "__dict__") else ()

@@ -25,7 +25,6 @@ from ..ops import recomputes_unhooked, refuse_foreign_mode_in_backward, second_o
 from . import weight_casts
 from .buffers import storage_key
 from .check import RecomputeCheck
-from .compiled import uncompiled
 from .escapes import EscapedTensorError, InputTrap, Leftovers, StepFrame
 from .intermediates import keep_block_intermediates
 from .leaves import next_sequence_nr
@@ -385,7 +384,7 @@ class EpisodeFunction(torch.autograd.Function):
         reverser = StepReverser(plan.rerun, plan.policy, plan.layout.incoming(grad_psi_T, grads), sink,
                                 plan.layout.input_needs_grad, check, final)
         try:
-            with recomputes_unhooked(), sink, plan.rerun.rng.untouched(), backward_recomputes(), uncompiled():
+            with recomputes_unhooked(), sink, plan.rerun.rng.untouched(), backward_recomputes():
                 plan.schedule.reverse(kept, reverser)
         finally:
             plan.rerun.buffers.restore()

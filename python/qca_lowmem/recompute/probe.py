@@ -15,7 +15,6 @@ from typing import List, Optional
 import torch
 
 from .buffers import StepBuffers
-from .compiled import CompiledCalls
 from .escapes import Leftovers, StepFrame
 from .intermediates import keep_block_intermediates
 from .leaves import leaves_reached, next_sequence_nr
@@ -93,16 +92,9 @@ def _probe(unit, state0: State, steps: int, rng: RngStates, measure: bool, keep_
         saved = []
         frame = StepFrame(unit.refuse_in_place, t, saved if measure else None, keep=keep_graphs)
         inputs = frame.inputs(state)
-        finder, compiled = StepBuffers.finder(), CompiledCalls()
-        with keep_block_intermediates(measure), frame, finder, compiled.watching():
+        finder = StepBuffers.finder()
+        with keep_block_intermediates(measure), frame, finder:
             outputs = unit(inputs, t)
-        if compiled.reached:
-            raise RuntimeError(
-                f"rollout(checkpoint={unit.refuse_in_place.checkpoint!r}): step {t} called a torch.compile'd function or "
-                "module (step_fn, the noise, or code they call), which this episode runs uncompiled: its steps run "
-                "under hooks of its own that torch.compile does not trace, so they would round and draw random "
-                "numbers otherwise than plain autograd's compiled graph. Pass it uncompiled (qca_lowmem.StepGraph(step) "
-                "replays a step as CUDA graphs), or use checkpoint='none'")
         writes.append(finder.written())
         leftovers.add(finder.made.values(), outputs, finder.before, frame.kept)
         found = {id(p) for p in params}
