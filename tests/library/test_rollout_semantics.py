@@ -495,7 +495,8 @@ def test_a_buffer_written_through_data_is_replayed_as_plain_autograd_sees_it(pol
 def test_a_buffer_written_through_two_aliases_is_replayed_whole(policy, threshold):
     """The buffer, then a slice of its `.data`: each alias kept apart, the slice's value before the
     step was read after the whole had been written. Where the buffer gates the gradient alone (the
-    values the same) the gradient was 26.0 against plain autograd's 11.4, silently."""
+    values the same) the gradient was 26.0 against plain autograd's 11.4, silently. A slice a step
+    takes and writes is kept as the tensor it took it of."""
     results = []
     for options in (dict(checkpoint="none"), policy):
         buffer = torch.ones(4)
@@ -529,6 +530,47 @@ def test_a_step_reading_a_sparse_matrix_is_plain_autograds(policy):
                                                     **options)[0].square().sum(), weight)[0]
              for options in (dict(checkpoint="none"), policy)]
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_buffers_in_disjoint_parts_of_one_storage_are_kept_apart(policy):
+    """Two buffers made as slices of one tensor, one written from a later step on; the rest of the
+    storage, which no step writes, changed by the caller between the forward and the backward,
+    stays as the caller left it (the whole storage kept for them put it back)."""
+    results = []
+    for options in (dict(checkpoint="none"), policy):
+        flat = torch.zeros(24, dtype=torch.float64)
+        first, second, untouched = flat[:8], flat[8:16], flat[16:]
+        weight = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_()
+
+        def step(psi):
+            first.add_(1)
+            if first[0] > 2.5:
+                second.add_(psi.detach()[0])
+            return torch.tanh(psi @ weight) * (1 + 0.01 * second) + 0.01 * first
+        psi0 = torch.randn(2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        psi, _ = qca_lowmem.rollout(step, psi0, 5, **options)
+        untouched.fill_(5.0)
+        results.append((torch.autograd.grad(psi.square().sum(), weight)[0], flat.clone()))
+    (plain, plain_flat), (grad, flat_after) = results
+    assert torch.equal(grad, plain) and torch.equal(flat_after, plain_flat) and bool((flat_after[16:] == 5).all())
+
+
+@pytest.mark.parametrize("policy", POLICIES[:4], ids=IDS[:4])
+def test_one_memory_written_through_two_overlapping_tensors_is_refused(policy):
+    """A buffer and a tensor made on its storage with as_strided (neither a view the step took):
+    kept apart, the second's value before a step would be read after the first's write."""
+    buffer = torch.zeros(8, dtype=torch.float64)
+    overlapping = torch.empty(0, dtype=torch.float64).set_(buffer.untyped_storage(), 2, (4,), (1,))
+    weight = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+
+    def step(psi):
+        buffer.add_(1)
+        overlapping.mul_(0.5)
+        return torch.tanh(psi @ weight) + 0.01 * buffer
+    with pytest.raises(RuntimeError, match=r"^rollout: step_fn writes the same memory through two tensors, neither a "
+                                           r"view of the other"):
+        psi, _ = qca_lowmem.rollout(step, torch.randn(2, 8, dtype=torch.float64), 5, **policy)
 
 
 def test_a_sparse_tensor_saved_is_counted_by_its_indices_and_values():

@@ -25,16 +25,39 @@ from .. import _torch_private as torch_private
 
 
 def storage_key(tensor: torch.Tensor) -> tuple:
-    """One key for every alias of a tensor's memory (`buffer.data` is a new tensor at each access)."""
+    """One key for every alias of a tensor's storage (`buffer.data` is a new tensor at each access)."""
     return tensor.untyped_storage().data_ptr(), tensor.device
 
 
-def whole_storage(tensor: torch.Tensor) -> torch.Tensor:
-    """The bytes of the tensor's whole storage, one uint8 tensor: a step writing it through two
-    aliases (the buffer, then a slice of its `.data`) is kept, loaded and put back at once, each
-    alias's value before the step the one the step saw."""
-    storage = tensor.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),))
+def region(tensor: torch.Tensor) -> tuple:
+    """One key for every alias of the memory a tensor names."""
+    return (*storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+
+
+def refuse_two_views(regions) -> None:
+    """Memory the steps write through two tensors that overlap, neither a view of the other (a
+    slice a step takes and writes is kept as the tensor it took it of): kept apart, one's value
+    before a step would be taken after the other's write, and a gradient the buffer gates alone
+    would come out wrong, silently. Disjoint parts of one storage are kept apart rightly."""
+    spans = {}
+    for key in regions:
+        start, end = _byte_span(key)
+        for other in spans.setdefault(key[:2], []):
+            if other != key and start < _byte_span(other)[1] and _byte_span(other)[0] < end:
+                raise RuntimeError(
+                    "rollout: step_fn writes the same memory through two tensors, neither a view of the other (a "
+                    "buffer and another tensor made on its storage, set_() or as_strided), which the episode cannot "
+                    "keep apart to replay its steps: write it through one tensor and its views, or use "
+                    "checkpoint='none'")
+        spans[key[:2]].append(key)
+
+
+def _byte_span(key: tuple) -> tuple:
+    """[start, end) of the bytes a region's elements lie in."""
+    _, _, offset, shape, stride, dtype = key
+    size = dtype.itemsize
+    last = sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else -1
+    return offset * size, (offset + last + 1) * size
 
 
 def kept_by_value(tensor: torch.Tensor) -> bool:
@@ -49,14 +72,13 @@ class _WriteFinder(torch_private.TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.made: Dict[int, weakref.ref] = {}
-        self.before: Dict[tuple, tuple] = {}  # storage_key -> (whole_storage, its bytes before)
+        self.before: Dict[tuple, tuple] = {}  # region -> (tensor, its value before)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for tensor in torch_private.argument_tensors(args, kwargs):
-            if kept_by_value(tensor) and not self._made(tensor) and storage_key(tensor) not in self.before:
-                whole = whole_storage(tensor)
-                self.before[storage_key(tensor)] = (whole, whole.clone())
+            if kept_by_value(tensor) and not self._made(tensor) and region(tensor) not in self.before:
+                self.before[region(tensor)] = (tensor, tensor.clone())
         out = func(*args, **kwargs)
         for tensor in torch_private.result_tensors(out):
             self.made[id(tensor)] = weakref.ref(tensor)
@@ -93,12 +115,14 @@ class StepBuffers:
     def of_probes(cls, writes: List[list]) -> "StepBuffers":
         """From each probed step's written() (steps 0, 1, ...): the tensors any of them wrote, with
         their values before each probed step."""
-        tensors = list({storage_key(x): x for step in writes for x, _ in step}.values())
+        by_region = {region(x): x for step in writes for x, _ in step}
+        refuse_two_views(by_region)
+        tensors = list(by_region.values())
         buffers = cls(tensors)
         later = buffers._values()  # after the last probed step: now
         for t in reversed(range(len(writes))):
-            old = {storage_key(x): value for x, value in writes[t]}
-            later = [old.get(storage_key(x), value) for x, value in zip(tensors, later)]  # unwritten: as after it
+            old = {region(x): value for x, value in writes[t]}
+            later = [old.get(region(x), value) for x, value in zip(tensors, later)]  # unwritten: as after it
             buffers.record(t, later)
         return buffers
 

@@ -23,7 +23,7 @@ import torch
 from .. import _torch_private as torch_private
 from ..ops import recomputes_unhooked, refuse_foreign_mode_in_backward, second_order_requested
 from . import weight_casts
-from .buffers import storage_key
+from .buffers import region
 from .check import RecomputeCheck
 from .escapes import EscapedTensorError, InputTrap, Leftovers, StepFrame
 from .intermediates import keep_block_intermediates
@@ -249,7 +249,7 @@ class Episode:
         history_steps = set(self.layout.history_steps)
         probed, self.probed = self.probed, None
         known_leaves = {id(p): p for p in self.params}
-        known_writes = {storage_key(x) for x in buffers.tensors}
+        known_writes = {region(x) for x in buffers.tensors}
         with torch.no_grad():
             for t in range(schedule.steps):
                 if schedule.keeps_state(t):
