@@ -232,6 +232,8 @@ def test_compile_fullgraph_of_a_rate_changing_between_calls():
         assert torch.equal(compiled(psi, rate), noisy(psi, rate))
     with pytest.raises(RuntimeError, match=r"phase_flip: rate must be a probability in \[0, 1\], got 1\.5"):
         compiled(psi, 1.5)
+    rate = torch.tensor(0.2)  # read as a number, as eagerly (a graph break)
+    assert torch.equal(torch.compile(noisy, backend="eager")(psi, rate), noisy(psi, rate))
 
 
 def test_errors_name_the_argument():

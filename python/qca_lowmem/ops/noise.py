@@ -32,7 +32,7 @@ def _as_int64(value, name: str) -> int:
 
 
 def _as_rate(rate, name: str = "rate") -> float:
-    if torch.compiler.is_compiling():  # perhaps symbolic (a rate changing between calls): the op's fake checks it
+    if torch.compiler.is_compiling() and not isinstance(rate, torch.Tensor):  # perhaps symbolic: the fake checks it
         return rate
     rate = float(rate)
     if not (math.isfinite(rate) and 0.0 <= rate <= 1.0):
