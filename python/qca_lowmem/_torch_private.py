@@ -45,11 +45,6 @@ TO_COPY_NODE = "ToCopyBackward0"
 NN_KERNELS = torch._C._nn
 
 
-def view_base(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor a view was taken of (`buffer[:2]`, a slice of `buffer.data`), else the tensor."""
-    return tensor._base if tensor._base is not None else tensor
-
-
 def sparse_parts(tensor: torch.Tensor) -> tuple:
     """The strided tensors holding a sparse tensor's data (its indices and values), uncoalesced too."""
     if tensor.layout == torch.sparse_coo:

@@ -6,6 +6,7 @@ a weight."""
 import contextlib
 import functools
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -386,6 +387,31 @@ class CallsCompiled:
 COMPILED_LAYER = torch.compile(torch.nn.Linear(4, 4).double(), backend="eager")
 
 
+class Engine:
+    """An engine whose step method calls a compiled operator it holds."""
+
+    def __init__(self, operator):
+        self.operator = operator
+
+    def step(self, psi):
+        return torch.tanh(self.operator(psi))
+
+
+class Settings(dict):
+    """A config read by attribute, as many are: a missing key raises KeyError, not AttributeError."""
+
+    __getattr__ = dict.__getitem__
+
+
+SETTINGS = Settings(scale=0.5)
+LOGGER = mock.MagicMock()  # answers every attribute, torch.compile's marker too
+
+
+@torch.compiler.disable
+def uncompiled_helper(psi):
+    return psi * SETTINGS.scale
+
+
 def compiled_steps():
     """Steps reaching a compiled function or module as users write them: compiled themselves, a
     closure's, a partial's, a default argument's, an object's attribute, a StepGraph's step."""
@@ -399,10 +425,11 @@ def compiled_steps():
     return model, compiled, {
         "step": compiled, "closure": calls_compiled, "partial": functools.partial(lambda psi, f: f(psi), f=compiled),
         "default": lambda psi, f=compiled: f(psi), "attribute": HoldsCompiled(compiled_model),
-        "method": CallsCompiled(), "step_graph": qca_lowmem.StepGraph(compiled)}
+        "method": CallsCompiled(), "bound": Engine(compiled_model).step, "step_graph": qca_lowmem.StepGraph(compiled)}
 
 
-@pytest.mark.parametrize("called", ["step", "closure", "partial", "default", "attribute", "method", "step_graph"])
+@pytest.mark.parametrize("called", ["step", "closure", "partial", "default", "attribute", "method", "bound",
+                                    "step_graph"])
 @pytest.mark.parametrize("policy", POLICIES, ids=IDS)
 def test_a_compiled_step_is_refused_where_the_episode_would_run_it_uncompiled(policy, called):
     """Under the episode's hooks torch.compile's code does not run: the step ran as eager torch,
@@ -414,7 +441,8 @@ def test_a_compiled_step_is_refused_where_the_episode_would_run_it_uncompiled(po
             "torch.compile'd Sequential", "partial": "f (held by step_fn) is a torch.compile'd function",
             "default": "f (held by step_fn) is a torch.compile'd function", "attribute": "compiled (held by step_fn) is "
             "a torch.compile'd Sequential", "step_graph": "its step (held by step_fn) is a torch.compile'd function",
-            "method": "its __call__'s COMPILED_LAYER (held by step_fn) is a torch.compile'd Linear"}
+            "method": "its __call__'s COMPILED_LAYER (held by step_fn) is a torch.compile'd Linear",
+            "bound": "its object's operator (held by step_fn) is a torch.compile'd Sequential"}
     with pytest.raises(RuntimeError, match=rf"^rollout\(checkpoint='{policy['checkpoint']}'\): "
                                            rf"{re.escape(said[called])}, which this episode would run uncompiled"):
         qca_lowmem.rollout(steps[called], psi0, 3, **policy)
@@ -424,6 +452,25 @@ def test_a_compiled_step_is_refused_where_the_episode_would_run_it_uncompiled(po
         torch.manual_seed(1)
         assert torch.equal(qca_lowmem.rollout(steps[called], psi0, 3, **policy)[0], plain)
     assert compiled(psi0).requires_grad and plain.requires_grad
+
+
+@pytest.mark.parametrize("policy", POLICIES[:3], ids=IDS[:3])
+def test_a_compiled_noise_is_refused_and_what_only_looks_compiled_runs(policy):
+    """A compiled noise runs uncompiled as a compiled step does. A MagicMock (answering every
+    attribute), a torch.compiler.disable'd helper (marked as compiled wrappers are) and a config
+    whose __getattr__ raises KeyError were refused or raised inside the check."""
+    psi0 = torch.randn(3, 4, dtype=torch.float64)
+    weight = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    noise = torch.compile(lambda psi, t: psi * 0.99, backend="eager")
+    with pytest.raises(RuntimeError, match=r"\): noise is a torch\.compile'd function, which this episode would run"):
+        qca_lowmem.rollout(lambda psi: torch.tanh(psi @ weight), psi0, 3, noise=noise, **policy)
+
+    def step(psi):
+        LOGGER.debug("step")
+        return torch.tanh(uncompiled_helper(psi) @ weight)
+    grads = [torch.autograd.grad(qca_lowmem.rollout(step, psi0, 3, **options)[0].sum(), weight)[0]
+             for options in (dict(checkpoint="none"), policy)]
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
 
 
 def test_a_refused_compiled_step_stays_compiled():
@@ -495,8 +542,8 @@ def test_a_buffer_written_through_data_is_replayed_as_plain_autograd_sees_it(pol
 def test_a_buffer_written_through_two_aliases_is_replayed_whole(policy, threshold):
     """The buffer, then a slice of its `.data`: each alias kept apart, the slice's value before the
     step was read after the whole had been written. Where the buffer gates the gradient alone (the
-    values the same) the gradient was 26.0 against plain autograd's 11.4, silently. A slice a step
-    takes and writes is kept as the tensor it took it of."""
+    values the same) the gradient was 26.0 against plain autograd's 11.4, silently. What a step
+    writes is kept by its whole storage."""
     results = []
     for options in (dict(checkpoint="none"), policy):
         buffer = torch.ones(4)
@@ -536,7 +583,8 @@ def test_a_step_reading_a_sparse_matrix_is_plain_autograds(policy):
 def test_buffers_in_disjoint_parts_of_one_storage_are_kept_apart(policy):
     """Two buffers made as slices of one tensor, one written from a later step on; the rest of the
     storage, which no step writes, changed by the caller between the forward and the backward,
-    stays as the caller left it (the whole storage kept for them put it back)."""
+    stays as the caller left it: the backward puts back what it found, as plain autograd's writes
+    nothing (the values the forward left put the caller's change back)."""
     results = []
     for options in (dict(checkpoint="none"), policy):
         flat = torch.zeros(24, dtype=torch.float64)
@@ -556,21 +604,29 @@ def test_buffers_in_disjoint_parts_of_one_storage_are_kept_apart(policy):
     assert torch.equal(grad, plain) and torch.equal(flat_after, plain_flat) and bool((flat_after[16:] == 5).all())
 
 
-@pytest.mark.parametrize("policy", POLICIES[:4], ids=IDS[:4])
-def test_one_memory_written_through_two_overlapping_tensors_is_refused(policy):
-    """A buffer and a tensor made on its storage with as_strided (neither a view the step took):
-    kept apart, the second's value before a step would be read after the first's write."""
-    buffer = torch.zeros(8, dtype=torch.float64)
-    overlapping = torch.empty(0, dtype=torch.float64).set_(buffer.untyped_storage(), 2, (4,), (1,))
-    weight = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_one_memory_written_through_overlapping_tensors_and_views_is_plain_autograds(policy):
+    """A registered buffer that is a view of a larger tensor, written whole and through a slice the
+    step takes; another tensor made on its storage (as_strided), neither a view of the other; a
+    strided view interleaved with another."""
+    results = []
+    for options in (dict(checkpoint="none"), policy):
+        big = torch.zeros(16, dtype=torch.float64)
+        buffer, odd = big[2:10], big[11::2]
+        overlapping = torch.empty(0, dtype=torch.float64).set_(big.untyped_storage(), 4, (4,), (1,))
+        weight = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_()
 
-    def step(psi):
-        buffer.add_(1)
-        overlapping.mul_(0.5)
-        return torch.tanh(psi @ weight) + 0.01 * buffer
-    with pytest.raises(RuntimeError, match=r"^rollout: step_fn writes the same memory through two tensors, neither a "
-                                           r"view of the other"):
-        psi, _ = qca_lowmem.rollout(step, torch.randn(2, 8, dtype=torch.float64), 5, **policy)
+        def step(psi):
+            buffer.mul_(0.5)
+            buffer[0] += 1
+            overlapping.add_(psi.detach()[0, :4])
+            odd.mul_(1.5).add_(1)
+            return torch.tanh(psi @ weight) * (1 + 0.01 * buffer) + 0.01 * big[8:].sum()
+        psi0 = torch.randn(2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        psi, _ = qca_lowmem.rollout(step, psi0, 5, **options)
+        results.append((torch.autograd.grad(psi.square().sum(), weight)[0], big.clone()))
+    (plain, plain_big), (grad, big_after) = results
+    assert torch.equal(grad, plain) and torch.equal(big_after, plain_big)
 
 
 def test_a_sparse_tensor_saved_is_counted_by_its_indices_and_values():

@@ -364,7 +364,7 @@ def test_a_capture_writing_a_tensor_the_first_steps_did_not_is_refused_and_undon
         if name == "plain":
             psi_T, _ = qca_lowmem.rollout(step, psi, 4, checkpoint="none")
         else:
-            with pytest.warns(qca_lowmem.CaptureFallbackWarning, match=r"writes a tensor \(shape \(\)\)"):
+            with pytest.warns(qca_lowmem.CaptureFallbackWarning, match=r"writes a tensor \(a storage of 8 bytes\)"):
                 psi_T, _ = qca_lowmem.rollout(qca_lowmem.StepGraph(step), psi, 4, checkpoint="step")
         psi_T.abs().sum().backward()
         counts[name] = counter.item()

@@ -116,7 +116,9 @@ def rollout(
     else:
         policy = Policy.of(checkpoint, slots, budget)
     policy.check_device(psi0.device)
-    compiled = compiled_in_step(step_fn) if policy.checkpoint != NONE and torch.is_grad_enabled() else None
+    compiled = None
+    if policy.checkpoint != NONE and torch.is_grad_enabled():
+        compiled = compiled_in_step(step_fn) or (compiled_in_step(noise, "noise") if noise is not None else None)
     if compiled is not None:
         raise RuntimeError(
             f"rollout(checkpoint={policy.checkpoint!r}): {compiled}, which this episode would run uncompiled: it runs "

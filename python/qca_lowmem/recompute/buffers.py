@@ -25,39 +25,16 @@ from .. import _torch_private as torch_private
 
 
 def storage_key(tensor: torch.Tensor) -> tuple:
-    """One key for every alias of a tensor's storage (`buffer.data` is a new tensor at each access)."""
+    """One key for every alias of a tensor's memory (`buffer.data` is a new tensor at each access)."""
     return tensor.untyped_storage().data_ptr(), tensor.device
 
 
-def region(tensor: torch.Tensor) -> tuple:
-    """One key for every alias of the memory a tensor names."""
-    return (*storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
-
-
-def refuse_two_views(regions) -> None:
-    """Memory the steps write through two tensors that overlap, neither a view of the other (a
-    slice a step takes and writes is kept as the tensor it took it of): kept apart, one's value
-    before a step would be taken after the other's write, and a gradient the buffer gates alone
-    would come out wrong, silently. Disjoint parts of one storage are kept apart rightly."""
-    spans = {}
-    for key in regions:
-        start, end = _byte_span(key)
-        for other in spans.setdefault(key[:2], []):
-            if other != key and start < _byte_span(other)[1] and _byte_span(other)[0] < end:
-                raise RuntimeError(
-                    "rollout: step_fn writes the same memory through two tensors, neither a view of the other (a "
-                    "buffer and another tensor made on its storage, set_() or as_strided), which the episode cannot "
-                    "keep apart to replay its steps: write it through one tensor and its views, or use "
-                    "checkpoint='none'")
-        spans[key[:2]].append(key)
-
-
-def _byte_span(key: tuple) -> tuple:
-    """[start, end) of the bytes a region's elements lie in."""
-    _, _, offset, shape, stride, dtype = key
-    size = dtype.itemsize
-    last = sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else -1
-    return offset * size, (offset + last + 1) * size
+def whole_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of the tensor's whole storage, one uint8 tensor: a step writing it through two
+    aliases (the buffer, then a slice of its `.data`) is kept, loaded and put back at once, each
+    alias's value before the step the one the step saw."""
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),))
 
 
 def kept_by_value(tensor: torch.Tensor) -> bool:
@@ -72,13 +49,14 @@ class _WriteFinder(torch_private.TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.made: Dict[int, weakref.ref] = {}
-        self.before: Dict[tuple, tuple] = {}  # region -> (tensor, its value before)
+        self.before: Dict[tuple, tuple] = {}  # storage_key -> (whole_storage, its bytes before)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for tensor in torch_private.argument_tensors(args, kwargs):
-            if kept_by_value(tensor) and not self._made(tensor) and region(tensor) not in self.before:
-                self.before[region(tensor)] = (tensor, tensor.clone())
+            if kept_by_value(tensor) and not self._made(tensor) and storage_key(tensor) not in self.before:
+                whole = whole_storage(tensor)
+                self.before[storage_key(tensor)] = (whole, whole.clone())
         out = func(*args, **kwargs)
         for tensor in torch_private.result_tensors(out):
             self.made[id(tensor)] = weakref.ref(tensor)
@@ -104,7 +82,7 @@ class StepBuffers:
     def __init__(self, tensors: List[torch.Tensor]):
         self.tensors = tensors
         self.before: Dict[int, List[torch.Tensor]] = {}  # step -> values before it
-        self.after: Optional[List[torch.Tensor]] = None  # the values the forward left
+        self.after: Optional[List[torch.Tensor]] = None  # the values the backward found
 
     @staticmethod
     def finder() -> _WriteFinder:
@@ -115,14 +93,12 @@ class StepBuffers:
     def of_probes(cls, writes: List[list]) -> "StepBuffers":
         """From each probed step's written() (steps 0, 1, ...): the tensors any of them wrote, with
         their values before each probed step."""
-        by_region = {region(x): x for step in writes for x, _ in step}
-        refuse_two_views(by_region)
-        tensors = list(by_region.values())
+        tensors = list({storage_key(x): x for step in writes for x, _ in step}.values())
         buffers = cls(tensors)
         later = buffers._values()  # after the last probed step: now
         for t in reversed(range(len(writes))):
-            old = {region(x): value for x, value in writes[t]}
-            later = [old.get(region(x), value) for x, value in zip(tensors, later)]  # unwritten: as after it
+            old = {storage_key(x): value for x, value in writes[t]}
+            later = [old.get(storage_key(x), value) for x, value in zip(tensors, later)]  # unwritten: as after it
             buffers.record(t, later)
         return buffers
 
@@ -145,7 +121,9 @@ class StepBuffers:
         """The values before step t (copies of the tensors now, unless given)."""
         self.before[t] = values if values is not None else self._values()
 
-    def forward_done(self) -> None:
+    def backward_starts(self) -> None:
+        """Their values now, which the backward's recomputes change and `restore` puts back: plain
+        autograd's backward writes none, so a change made since the forward stays too."""
         self.after = self._values()
 
     def load(self, t: int) -> None:
@@ -153,7 +131,7 @@ class StepBuffers:
         self._set(self.before[t])
 
     def restore(self) -> None:
-        """The values the forward left, after the recomputes."""
+        """The values the backward found, after its recomputes."""
         self._set(self.after)
 
     @contextlib.contextmanager

@@ -6,31 +6,42 @@ marks that code to run eagerly from then on, so the episode would give eager tor
 random draws where plain autograd runs the compiled graph, and leave the user's compiled function
 uncompiled for good. So `rollout` refuses, naming it, a step that is or holds such code where it
 can be read without running the step: the step itself, a StepGraph's step, a partial's function
-and arguments, a function's closure, defaults and the globals its code loads, a callable object's
-`__call__` and attributes, and the layers of any module among those (two levels down: code reached
-only through further calls is not read).
+and arguments, a function's closure, defaults and the globals its code loads, a bound method's
+object, a callable object's `__call__` and attributes, and the layers of any module among those (two
+levels down: code reached only through further calls is not read); the noise likewise. A module
+holding a compiled layer is refused whether or not the step calls that layer.
 """
 
 import dis
 import functools
+import inspect
 import types
 from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
 
-def compiled_in_step(step_fn: Callable) -> Optional[str]:
-    """What of step_fn is torch.compile'd, said; else None."""
-    for name, value in _held(step_fn):
-        what = "step_fn" if name is None else f"{name} (held by step_fn)"
+def compiled_in_step(step_fn: Callable, name: str = "step_fn") -> Optional[str]:
+    """What of step_fn (or the noise, `name`) is torch.compile'd, said; else None."""
+    for held, value in _held(step_fn):
+        what = name if held is None else f"{held} (held by {name})"
         if isinstance(value, torch.nn.Module):
             for layer, module in value.named_modules():
                 if hasattr(module, "_orig_mod"):  # an OptimizedModule
                     compiled = f"a torch.compile'd {type(module._orig_mod).__name__}"
                     return f"{what} holds {compiled} ({layer})" if layer else f"{what} is {compiled}"
-        elif hasattr(value, "_torchdynamo_orig_callable"):  # what torch.compile returns for a function
-            return f"{what} is a torch.compile'd function"
+        elif _static(value, "_torchdynamo_orig_callable") is not None and not _static(value, "_torchdynamo_disable"):
+            return f"{what} is a torch.compile'd function"  # (torch.compiler.disable marks its wrapper so too)
     return None
+
+
+def _static(value, name: str):
+    """An attribute read without running code of the value's (a Mock, a config whose __getattr__
+    raises KeyError, a property), or None."""
+    try:
+        return inspect.getattr_static(value, name)
+    except AttributeError:
+        return None
 
 
 def _held(step_fn: Callable, depth: int = 2) -> Iterator[Tuple[Optional[str], object]]:
@@ -49,9 +60,12 @@ def _parts(value) -> Iterator[Tuple[str, object]]:
         yield from ((f"argument {i}", arg) for i, arg in enumerate(value.args))
         yield from value.keywords.items()
         return
-    inner = getattr(value, "step_fn", None)  # a StepGraph's step
+    inner = _static(value, "step_fn")  # a StepGraph's step
     if inner is not None and inner is not value:
         yield "its step", inner
+    if isinstance(value, types.MethodType):  # the object and what it holds (self.operator)
+        yield "its object", value.__self__
+        yield from ((f"its object's {name}", held) for name, held in _attributes(value.__self__))
     function = value.__func__ if isinstance(value, types.MethodType) else value
     if isinstance(function, types.FunctionType):
         code = function.__code__
@@ -66,4 +80,11 @@ def _parts(value) -> Iterator[Tuple[str, object]]:
         yield from ((name, function.__globals__[name]) for name in sorted(loaded) if name in function.__globals__)
     elif not isinstance(value, (types.BuiltinFunctionType, type, torch.nn.Module)) and callable(value):
         yield "its __call__", type(value).__call__
-        yield from vars(value).items() if hasattr(value, "__dict__") else ()
+        yield from _attributes(value)
+
+
+def _attributes(value) -> Iterator[Tuple[str, object]]:
+    try:
+        return iter(dict(vars(value)).items())
+    except TypeError:  # no __dict__ (slots, a C object)
+        return iter(())

@@ -23,7 +23,7 @@ import torch
 from .. import _torch_private as torch_private
 from ..ops import recomputes_unhooked, refuse_foreign_mode_in_backward, second_order_requested
 from . import weight_casts
-from .buffers import region
+from .buffers import storage_key
 from .check import RecomputeCheck
 from .escapes import EscapedTensorError, InputTrap, Leftovers, StepFrame
 from .intermediates import keep_block_intermediates
@@ -249,7 +249,7 @@ class Episode:
         history_steps = set(self.layout.history_steps)
         probed, self.probed = self.probed, None
         known_leaves = {id(p): p for p in self.params}
-        known_writes = {region(x) for x in buffers.tensors}
+        known_writes = {storage_key(x) for x in buffers.tensors}
         with torch.no_grad():
             for t in range(schedule.steps):
                 if schedule.keeps_state(t):
@@ -286,7 +286,6 @@ class Episode:
                 if t in history_steps:
                     history.append(state.psi)
         unit.refuse_in_place = None  # every step ran once: its recomputes change nothing in place
-        buffers.forward_done()
         self.param_versions = [p._version for p in self.params]
         self.kept_steps = [t for t, _ in stored]
         self.stored = stored
@@ -383,6 +382,7 @@ class EpisodeFunction(torch.autograd.Function):
         check = RecomputeCheck(plan.policy, plan.check_dtype) if plan.check_recompute else None
         reverser = StepReverser(plan.rerun, plan.policy, plan.layout.incoming(grad_psi_T, grads), sink,
                                 plan.layout.input_needs_grad, check, final)
+        plan.rerun.buffers.backward_starts()
         try:
             with recomputes_unhooked(), sink, plan.rerun.rng.untouched(), backward_recomputes():
                 plan.schedule.reverse(kept, reverser)

@@ -5,7 +5,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .buffers import StepBuffers, region
+from .buffers import StepBuffers, storage_key
 from .cuda_graphs import CaptureFailed, capture_errors_explained, random_draws_refused
 from .leaves import leaves_reached, next_sequence_nr
 from .param_grads import Accumulators, deposited_into
@@ -70,15 +70,15 @@ class Lane:
             raise CaptureFailed("StepGraph: a call of step_fn changed a value its objects hold (a counter kept on a "
                                 "module), which a replay, running no Python, would not; rolling this configuration "
                                 "out eagerly.")
-        known = {region(x) for x in known_writes}
-        unseen_writes = [(x, before) for x, before in finder.written() if region(x) not in known]
+        known = {storage_key(x) for x in known_writes}
+        unseen_writes = [(x, before) for x, before in finder.written() if storage_key(x) not in known]
         with torch.no_grad():
             for tensor, before in unseen_writes:
                 tensor.copy_(before)
         leaves = leaves_reached([x for x in (out, *carry_out) if _requires_grad(x)],
                                 {id(x) for x in self.inputs() + list(params)}, marker)
         if unseen_writes or leaves:
-            what = (f"writes a tensor (shape {tuple(unseen_writes[0][0].shape)})" if unseen_writes else
+            what = (f"writes a tensor (a storage of {unseen_writes[0][0].numel()} bytes)" if unseen_writes else
                     f"reaches a tensor requiring grad (shape {tuple(leaves[0].shape)})")
             raise CaptureFailed(f"StepGraph: from the state it is captured at, step_fn {what} that the episode's "
                                 "first steps did not, which a replay would not account for; rolling this "

@@ -61,6 +61,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from .. import _torch_private as torch_private
+from .buffers import storage_key
 from .cuda_graphs import (
     CaptureFailed,
     CaptureFallbackWarning,
@@ -183,7 +184,7 @@ def _capture_key(state: State, params, autocast_state, writes):
     written in place, is captured anew)."""
     return (state.signature(), tuple(autocast_state.states),
             tuple((id(p), p.data_ptr(), tuple(p.shape), p.dtype) for p in params),
-            tuple((id(w), w.data_ptr(), tuple(w.shape), w.dtype) for w in writes))
+            tuple((*storage_key(w), w.nbytes) for w in writes))  # a new view of one storage each episode: its memory
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ import torch
 
 from .. import _torch_private as torch_private
 from ..ops.watchers import WatchingDispatchMode
-from .buffers import kept_by_value, refuse_two_views, region, storage_key
+from .buffers import kept_by_value, storage_key, whole_storage
 
 _aten = torch.ops.aten
 # Ops that update running statistics (arguments 3 and 4) when `training` (argument 5), undeclared.
@@ -34,31 +34,27 @@ _BATCH_NORMS = (_aten.native_batch_norm.default, _aten.cudnn_batch_norm.default,
 _schemas: Dict[object, tuple] = {}  # op -> _schema_info(op)
 
 
-def _schema_info(func) -> Tuple[Tuple[int, ...], Tuple[str, ...], bool, bool]:
+def _schema_info(func) -> Tuple[Tuple[int, ...], Tuple[str, ...], bool]:
     """(positions of the written arguments, names of written keyword-only ones, whether every
-    output is freshly made: no return aliases an input, whether it returns a view: an alias it does
-    not write, as a slice, where an in-place op returns the tensor it wrote)."""
+    output is freshly made: no return aliases an input)."""
     positions, names = [], []
     for i, arg in enumerate(torch_private.op_schema(func).arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
             (names if arg.kwarg_only else positions).append(arg.name if arg.kwarg_only else i)
-    returns = torch_private.op_schema(func).returns
-    fresh = all(ret.alias_info is None for ret in returns)
-    view = any(ret.alias_info is not None and not ret.alias_info.is_write for ret in returns)
-    return tuple(positions), tuple(names), fresh, view
+    fresh = all(ret.alias_info is None for ret in torch_private.op_schema(func).returns)
+    return tuple(positions), tuple(names), fresh
 
 
 class StepWatch(WatchingDispatchMode):
     def __init__(self, known_leaves: dict, known_writes: set, inputs: set):
         super().__init__()
         self.known_leaves = known_leaves  # id -> leaf, of the leaves the episode already has
-        self.known_writes = known_writes  # the regions (buffers.region) whose values it already keeps
+        self.known_writes = known_writes  # the storages (buffers.storage_key) whose values it already keeps
         self.inputs = inputs  # ids of the step's state tensors
         self.fresh = set()  # data pointers of the storages the step's ops made
         self.made: List[weakref.ref] = []  # the tensors they made (escapes.Leftovers)
-        self.views = set()  # ids of the views they returned (`buffer[:2]`), alive while the step runs
         self.leaves: List[torch.Tensor] = []
-        self.writes: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its value before the step)
+        self.writes: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (its whole storage, its bytes before the step)
 
     def read(self, tensor) -> None:
         key = id(tensor)
@@ -87,14 +83,12 @@ class StepWatch(WatchingDispatchMode):
                 "another value than its forward did, and plain autograd refuses it too once an op saved it (or, "
                 "through .data, computes with the changed value unseen). Change it outside the episode (as an "
                 "optimizer step does), or compute a new tensor from it inside the step")
-        if id(tensor) in self.views:  # a slice the step took and writes: the tensor it took it of kept whole
-            tensor = torch_private.view_base(tensor)
         if not kept_by_value(tensor) or tensor.numel() == 0 or tensor.untyped_storage().data_ptr() in self.fresh \
-                or region(tensor) in self.known_writes:
+                or storage_key(tensor) in self.known_writes:
             return
-        refuse_two_views([*self.known_writes, region(tensor)])
-        self.known_writes.add(region(tensor))
-        self.writes.append((tensor, tensor.detach().clone()))
+        self.known_writes.add(storage_key(tensor))
+        whole = whole_storage(tensor)
+        self.writes.append((whole, whole.clone()))
 
     def _a_leafs_memory(self, tensor) -> bool:
         """Whether a written tensor is a leaf requiring grad the step did not make, or an alias of a
@@ -110,7 +104,7 @@ class StepWatch(WatchingDispatchMode):
         info = _schemas.get(func)
         if info is None:
             info = _schemas[func] = _schema_info(func)
-        positions, names, fresh, view = info
+        positions, names, fresh = info
         for value in torch_private.argument_tensors(args, kwargs):
             if value.requires_grad:
                 self.read(value)
@@ -123,10 +117,9 @@ class StepWatch(WatchingDispatchMode):
             self._written(args[3])
             self._written(args[4])
         out = func(*args, **kwargs)
-        for value in torch_private.result_tensors(out):
-            if fresh and value.device.type != "meta":
-                self.fresh.add(value.untyped_storage().data_ptr())
-                self.made.append(weakref.ref(value))
-            elif view:
-                self.views.add(id(value))
+        if fresh:
+            for value in torch_private.result_tensors(out):
+                if value.device.type != "meta":
+                    self.fresh.add(value.untyped_storage().data_ptr())
+                    self.made.append(weakref.ref(value))
         return out
